@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Set up the workbench in ./.venv and run the main job: every notebook, on the CPU, with the
+# bundled model, ending with the path of the HTML report.
+#
+#   bash scripts/quickstart.sh               # set up + run the notebook batch
+#   bash scripts/quickstart.sh --setup-only  # set up only
+#
+# TORCH_SPEC picks the torch build (default torch==2.13.0; on a machine without a local CPU
+# wheel, PyPI serves a CUDA build of several GB: set PIP_EXTRA_INDEX_URL to
+# https://download.pytorch.org/whl/cpu for a small CPU-only one).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+start=$(date +%s)
+
+if [ ! -x .venv/bin/python ]; then
+  echo "== creating .venv with $($PYTHON --version)"
+  "$PYTHON" -m venv .venv
+fi
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  echo "== installing $TORCH_SPEC"
+  .venv/bin/pip install -q "$TORCH_SPEC"
+fi
+echo "== installing the workbench and its dependencies"
+.venv/bin/pip install -q -e ".[dev]"
+.venv/bin/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (workbench)" >/dev/null
+echo "== set up in $(( $(date +%s) - start )) s"
+
+if [ "${1:-}" = "--setup-only" ]; then
+  exit 0
+fi
+echo "== running the notebooks on the CPU with the bundled model"
+.venv/bin/workbench run-notebooks -p device='"cpu"'
+echo "== done in $(( $(date +%s) - start )) s"

@@ -1,0 +1,45 @@
+"""Shared fixtures.
+
+``random_llm``: a small model with *random* weights but the bundled tokenizer's vocabulary, so
+engine mechanics (streaming, stop strings, detokenization, metrics) are tested independently
+of what the trained model happens to say.  ``bundled_llm``: the real bundled model.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+import workbench  # noqa: E402
+from workbench.config import ModelConfig  # noqa: E402
+from workbench.model import CausalLM, init_weights  # noqa: E402
+
+BUNDLED_READY = (workbench.BUNDLED_MODEL / "model.safetensors").is_file()
+
+
+@pytest.fixture(scope="session")
+def bundled_tokenizer():
+    return workbench.Tokenizer(workbench.BUNDLED_MODEL)
+
+
+@pytest.fixture(scope="session")
+def random_llm(bundled_tokenizer):
+    cfg = ModelConfig(vocab_size=bundled_tokenizer.vocab_size, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, tie_word_embeddings=True, eos_token_id=0)
+    model = init_weights(CausalLM(cfg), seed=3).eval()
+    return workbench.LLM(model, tokenizer=bundled_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def bundled_llm():
+    if not BUNDLED_READY:
+        pytest.skip("bundled model weights not present (data/reference-model/model.safetensors)")
+    return workbench.LLM(device="cpu")

@@ -1,0 +1,205 @@
+"""The reference engine: one request at a time, contiguous KV cache, plain PyTorch.
+
+This is the baseline every later layer (paged KV, fused kernels, continuous batching) is
+measured against, so it is deliberately simple and exact::
+
+    llm = LLM()                                     # the bundled model
+    out = llm.generate(["The list type"], SamplingParams(temperature=0, max_tokens=32))
+    for ev in llm.stream("The list type", SamplingParams(max_tokens=8)):
+        print(ev.text, ev.time)
+
+A generation step is ``model(new_tokens, start_pos, cache, logits_to_keep=1)`` followed by
+:func:`workbench.sampling.sample`; prefill is the same call over the whole prompt.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from .errors import ConfigError, WorkbenchError
+from .loader import BUNDLED_MODEL, load_model
+from .metrics import RequestMetrics, requests_frame, summarize
+from .model import CausalLM
+from .sampling import SamplingParams, sample
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class StreamEvent:
+    """One generated token as it leaves the engine."""
+    request_id: str
+    index: int              # 0 for the first generated token
+    token_id: int
+    text: str               # new text released by this token ("" while a character or stop string is pending)
+    time: float             # perf_counter() when the token id reached the host
+    since_arrival: float    # seconds since the request arrived
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str | None = ""
+    finish_reason: str | None = None   # "stop" (EOS or stop string) or "length"
+    stop_reason: str | int | None = None  # the stop string or EOS id that ended it
+    metrics: RequestMetrics | None = None
+
+
+class LLM:
+    """Offline engine over a :class:`CausalLM` and its tokenizer.
+
+    ``model``: a path, ``"preset:<name>"``, None for the bundled model, or a loaded CausalLM.
+    ``tokenizer``: a folder / tokenizer.json path, a :class:`Tokenizer`, or None to use the
+    model folder's (presets have none: pass prompts as token-id lists).
+    """
+
+    def __init__(self, model: str | CausalLM | None = None, tokenizer=None, device=None, dtype=None,
+                 max_model_len: int | None = None) -> None:
+        if isinstance(model, CausalLM):
+            self.model, source = model, None
+        else:
+            self.model = load_model(model, device=device, dtype=dtype)
+            source = BUNDLED_MODEL if model in (None, "bundled") else model
+        if isinstance(tokenizer, Tokenizer):
+            self.tokenizer = tokenizer
+        elif tokenizer is not None:
+            self.tokenizer = Tokenizer(tokenizer)
+        elif source is not None and not str(source).startswith("preset:"):
+            self.tokenizer = Tokenizer(source)
+        else:
+            self.tokenizer = None
+        limit = self.model.config.max_position_embeddings
+        self.max_model_len = min(max_model_len or limit, limit)
+        eos = self.model.config.eos_token_id
+        cfg_eos = set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+        self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else cfg_eos
+        self._ids = itertools.count()
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    # ---- prompts -----------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise WorkbenchError("this model has no tokenizer (a shape preset?): pass prompts as lists of "
+                                     "token ids, or give LLM(..., tokenizer=<folder>)")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            prompt = None
+        vocab = self.model.config.vocab_size
+        if not ids:
+            raise ConfigError("prompt is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ConfigError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ConfigError(f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
+                              "(leave room for at least one generated token)")
+        return prompt, ids
+
+    # ---- generation --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, arrival_time: float | None = None,
+               output: RequestOutput | None = None) -> Iterator[StreamEvent]:
+        """Generate one request, yielding each token as soon as its id is on the host."""
+        params = params or SamplingParams()
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        text_prompt, ids = self.encode(prompt)
+        out = output or RequestOutput(request_id="", prompt=None, prompt_token_ids=[])
+        out.request_id = out.request_id or f"req-{next(self._ids)}"
+        out.prompt, out.prompt_token_ids = text_prompt, ids
+        m = out.metrics = RequestMetrics(arrival_time=arrival, prompt_tokens=len(ids))
+        m.first_scheduled_time = time.perf_counter()
+
+        max_new = min(params.max_tokens, self.max_model_len - len(ids))
+        cache = self.model.new_cache(1, len(ids) + max_new)
+        gen = params.generator(self.device)
+        detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None
+        stops, hold = params.stop, max((len(s) for s in params.stop), default=1) - 1
+        emitted = 0  # characters of detok.text already released to the caller
+
+        x = torch.tensor([ids], device=self.device)
+        pos = 0
+        for i in range(max_new):
+            logits = self.model(x, pos, cache, logits_to_keep=1)[0, -1]
+            token = int(sample(logits, params, gen))   # .item(): waits for the device
+            now = time.perf_counter()
+            if i == 0:
+                m.first_token_time = now
+            m.token_times.append(now)
+            pos += x.shape[1]
+            out.token_ids.append(token)
+
+            finish = None
+            if not params.ignore_eos and token in self.eos_token_ids:
+                finish, out.stop_reason = "stop", token
+            if detok is not None:
+                detok.push(token)
+                if stops and finish is None:
+                    cut = _find_stop(detok.text, stops, emitted, params.include_stop_str_in_output)
+                    if cut is not None:
+                        finish, out.stop_reason = "stop", cut[1]
+                        detok.text = detok.text[:cut[0]]
+            if finish is None and i == max_new - 1:
+                finish = "length"
+            text = ""
+            if detok is not None:
+                release = len(detok.text) if finish else max(emitted, len(detok.text) - hold)
+                text, emitted = detok.text[emitted:release], release
+            if finish:
+                out.finish_reason, out.text = finish, (detok.text if detok else None)
+                m.finished_time = time.perf_counter()
+            yield StreamEvent(out.request_id, i, token, text, now, now - arrival, finish is not None, finish)
+            if finish:
+                return
+            x = torch.tensor([[token]], device=self.device)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run each prompt to completion, one after another.  All requests arrive at the call,
+        so a later request's TTFT includes the time it waited for the earlier ones."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        plist = params if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ConfigError(f"got {len(prompts)} prompts but {len(plist)} SamplingParams")
+        arrival = time.perf_counter()
+        outputs = []
+        it = zip(prompts, plist)
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            it = tqdm(it, total=len(prompts), desc="generate", unit="req")
+        for prompt, p in it:
+            out = RequestOutput(request_id=f"req-{next(self._ids)}", prompt=None, prompt_token_ids=[])
+            for _ in self.stream(prompt, p, arrival_time=arrival, output=out):
+                pass
+            outputs.append(out)
+        return outputs
+
+    # ---- summaries ---------------------------------------------------------------------------
+    summarize = staticmethod(summarize)
+    requests_frame = staticmethod(requests_frame)
+
+
+def _find_stop(text: str, stops: list[str], emitted: int, include: bool) -> tuple[int, str] | None:
+    """Earliest stop string in the not-yet-released text: (cut position, stop string)."""
+    best = None
+    for s in stops:
+        j = text.find(s, max(0, emitted - len(s) + 1))
+        if j >= 0 and (best is None or j < best[0]):
+            best = (j + len(s) if include else j, s)
+    return best

@@ -1,0 +1,74 @@
+"""Sampling parameters and the reference sampler.
+
+``SamplingParams`` follows vLLM's names so learners can move between the two.  The sampler is
+plain torch on one row of logits: temperature -> top-k -> top-p -> a draw from a per-request
+``torch.Generator`` (so a seeded request is reproducible whatever else runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import ConfigError
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0    # 0 = greedy
+    top_p: float = 1.0          # nucleus: keep the smallest set of tokens with mass >= top_p
+    top_k: int = 0              # keep the k most likely tokens (0 or -1 = all)
+    max_tokens: int = 16
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        checks = [
+            (self.temperature >= 0, "temperature", "must be >= 0 (0 means greedy)"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be an integer >= -1 (0 or -1: off)"),
+            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
+        ]
+        for ok, name, why in checks:
+            if not ok:
+                raise ConfigError(f"SamplingParams.{name}={getattr(self, name)!r} {why}")
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        if self.greedy:
+            return None
+        gen = torch.Generator(device=device)
+        if self.seed is not None:
+            gen.manual_seed(self.seed)
+        else:
+            gen.seed()
+        return gen
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """logits [V] -> a 0-d token id tensor."""
+    if params.greedy:
+        return logits.argmax(-1)
+    logits = logits.float() / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, idx = probs.sort(descending=True)
+        # drop a token when the mass *before* it already reaches top_p (the first one always stays)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+    return torch.multinomial(probs, 1, generator=generator)[0]
