@@ -15,7 +15,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Under pytest-xdist each worker is a process: one torch thread each, or they fight over the
+# cores (two workers x two spinning OpenMP threads on a 2-core machine is many times slower).
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 
 import workbench  # noqa: E402
 from workbench.config import ModelConfig  # noqa: E402

@@ -62,6 +62,7 @@ def hf_model_like(llm: LLM, source: str | None):
     """A transformers model with the same weights as ``llm.model``."""
     import transformers
 
+    transformers.utils.logging.disable_progress_bar()  # bench shows its own progress
     model = llm.model
     folder = BUNDLED_MODEL if source in (None, "bundled") else source
     dtype = model.lm_head.weight.dtype

@@ -1,0 +1,426 @@
+"""Bad input to ``workbench.load_model``: every problem a user can cause is a ``WorkbenchError``
+whose message names the file / tensor / field and what was expected.
+
+The good checkpoints here are written with the workbench's own ``save_model`` and with
+``safetensors`` directly (no transformers import: these tests stay fast); the transformers
+oracle lives in test_model_oracle.py.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("safetensors")
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+import workbench  # noqa: E402
+from workbench import ModelConfig, WorkbenchError  # noqa: E402
+from workbench.errors import CheckpointError, ConfigError  # noqa: E402
+from workbench.model import CausalLM, init_weights  # noqa: E402
+
+# Small enough to be instant; GQA 2:1, untied so that lm_head.weight is a real tensor.
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            rms_norm_eps=1e-5, tie_word_embeddings=False)
+WEIGHTS = "model.safetensors"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def make_model(**overrides) -> CausalLM:
+    return init_weights(CausalLM(ModelConfig(**{**TINY, **overrides})), seed=0).eval()
+
+
+@pytest.fixture
+def good(tmp_path) -> Path:
+    """A valid workbench checkpoint folder: config.json + model.safetensors."""
+    folder = tmp_path / "good"
+    workbench.save_model(make_model(), folder)
+    return folder
+
+
+def load(folder) -> CausalLM:
+    return workbench.load_model(folder, device="cpu", dtype="float32")
+
+
+def raises(folder_or_spec, *substrings, exc=WorkbenchError) -> str:
+    """load_model must raise ``exc`` (a WorkbenchError) whose message holds every substring."""
+    with pytest.raises(exc) as info:
+        load(folder_or_spec)
+    assert isinstance(info.value, WorkbenchError)
+    msg = str(info.value)
+    for s in substrings:
+        assert str(s) in msg, f"{s!r} not in error message: {msg}"
+    return msg
+
+
+def edit_config(folder: Path, **changes) -> None:
+    path = folder / "config.json"
+    d = json.loads(path.read_text())
+    for k, v in changes.items():
+        if v is _DELETE:
+            d.pop(k, None)
+        else:
+            d[k] = v
+    path.write_text(json.dumps(d))
+
+
+_DELETE = object()
+
+
+def rewrite_tensors(folder: Path, edit) -> None:
+    """Load model.safetensors, let ``edit(state)`` change the dict, write it back."""
+    state = load_file(str(folder / WEIGHTS))
+    edit(state)
+    save_file(state, str(folder / WEIGHTS), metadata={"format": "pt"})
+
+
+# ---- the good path ---------------------------------------------------------------------------
+
+
+def test_good_checkpoint_round_trips(good):
+    ref = make_model()
+    ids = torch.randint(0, TINY["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(load(good)(ids), ref(ids))
+
+
+@pytest.mark.parametrize("arch,window", [("Qwen2ForCausalLM", 8), ("Qwen2ForCausalLM", None),
+                                         ("MistralForCausalLM", 8)])
+def test_save_model_round_trips_the_sliding_window(tmp_path, arch, window):
+    model = make_model(architecture=arch, sliding_window=window, qkv_bias=arch.startswith("Qwen2"))
+    workbench.save_model(model, tmp_path)
+    assert load(tmp_path).config.sliding_window == window
+
+
+def test_preset_tiny_loads_and_gives_logits():
+    model = workbench.load_model("preset:tiny", device="cpu")
+    ids = torch.randint(0, 512, (3, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(ids)
+    assert tuple(out.shape) == (3, 5, 512)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied preset stays tied
+
+
+def test_loading_never_unpickles(good, monkeypatch):
+    """A good load must not touch torch.load / pickle, even with a pickled file next to it."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the loader tried to unpickle")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    (good / "pytorch_model.bin").write_bytes(b"\x80\x04 not really a pickle")
+    model = load(good)
+    assert isinstance(model, workbench.CausalLM)
+
+
+# ---- folder and config.json ------------------------------------------------------------------
+
+
+def test_folder_does_not_exist(tmp_path):
+    missing = tmp_path / "no-such-model"
+    raises(missing, "no-such-model", "not found", "preset:tiny", exc=CheckpointError)
+
+
+def test_path_is_a_file(tmp_path):
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(b"x")
+    raises(f, "model.safetensors", "folder", exc=CheckpointError)
+
+
+def test_folder_without_config(tmp_path, good):
+    (good / "config.json").unlink()
+    raises(good, "config.json", "not found", str(good), exc=CheckpointError)
+
+
+def test_config_is_invalid_json(good):
+    (good / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], ')
+    raises(good, "config.json", "not valid JSON", exc=CheckpointError)
+
+
+@pytest.mark.parametrize("content", ["[1, 2, 3]", '"LlamaForCausalLM"', "null"])
+def test_config_is_not_an_object(good, content):
+    (good / "config.json").write_text(content)
+    raises(good, "config.json", "object")
+
+
+def test_no_safetensors(good):
+    (good / WEIGHTS).unlink()
+    msg = raises(good, str(good), "no *.safetensors", exc=CheckpointError)
+    assert "pickled" not in msg
+
+
+def test_only_pickled_checkpoint_is_refused(good):
+    (good / WEIGHTS).unlink()
+    (good / "pytorch_model.bin").write_bytes(b"\x80\x04 not really a pickle")
+    raises(good, "pytorch_model.bin", "pickled checkpoints are never loaded", exc=CheckpointError)
+
+
+def test_unsupported_architecture(good):
+    edit_config(good, architectures=["GPT2LMHeadModel"])
+    raises(good, "config.json", "'architectures'", "GPT2LMHeadModel",
+           "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", exc=ConfigError)
+
+
+@pytest.mark.parametrize("value", [_DELETE, [], None])
+def test_missing_architectures(good, value):
+    edit_config(good, architectures=value)
+    raises(good, "config.json", "'architectures'", "missing", "LlamaForCausalLM", exc=ConfigError)
+
+
+def test_missing_required_field(good):
+    edit_config(good, hidden_size=_DELETE)
+    raises(good, "config.json", "hidden_size", "missing", exc=ConfigError)
+
+
+@pytest.mark.parametrize("field,value", [("hidden_size", "32"), ("num_hidden_layers", 0),
+                                         ("vocab_size", -1), ("num_key_value_heads", 2.0)])
+def test_bad_integer_field(good, field, value):
+    edit_config(good, **{field: value})
+    raises(good, "config.json", f"'{field}'", "positive integer", repr(value), exc=ConfigError)
+
+
+def test_heads_not_multiple_of_kv_heads(good):
+    edit_config(good, num_attention_heads=4, num_key_value_heads=3)
+    raises(good, "config.json", "'num_attention_heads'", "'num_key_value_heads'", "multiple", exc=ConfigError)
+
+
+def test_unsupported_rope_type_old_style(good):
+    edit_config(good, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                    "original_max_position_embeddings": 32})
+    raises(good, "config.json", "rope_type", "'yarn'", "llama3", "linear", exc=ConfigError)
+
+
+def test_unsupported_rope_type_new_style(good):
+    edit_config(good, rope_scaling=_DELETE, rope_theta=_DELETE,
+                rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
+    raises(good, "config.json", "rope_type", "'yarn'", exc=ConfigError)
+
+
+def test_rope_scaling_without_factor(good):
+    edit_config(good, rope_scaling={"rope_type": "linear"})
+    raises(good, "config.json", "factor", exc=ConfigError)
+
+
+@pytest.mark.parametrize("field,value", [("rope_scaling", "linear"), ("rope_scaling", [4.0]),
+                                         ("rope_theta", "big"), ("rms_norm_eps", -1e-6),
+                                         ("sliding_window", "8")])
+def test_bad_rope_and_float_fields(good, field, value):
+    if field == "sliding_window":
+        edit_config(good, architectures=["MistralForCausalLM"], model_type="mistral")
+    edit_config(good, **{field: value})
+    raises(good, "config.json", f"'{field}'", exc=ConfigError)
+
+
+@pytest.mark.parametrize("scaling,field", [
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0}, "high_freq_factor"),
+    ({"rope_type": "linear", "factor": "4"}, "factor"),
+    ({"type": "llama3", "factor": 0}, "factor"),
+])
+def test_bad_rope_scaling_numbers(good, scaling, field):
+    edit_config(good, rope_scaling=scaling)
+    raises(good, "config.json", f"rope_scaling.{field}", exc=ConfigError)
+
+
+def test_qwen2_window_on_some_layers_is_refused(good):
+    edit_config(good, architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=True,
+                sliding_window=8, max_window_layers=1)
+    raises(good, "config.json", "max_window_layers", "sliding window", exc=ConfigError)
+
+
+def test_unknown_preset():
+    raises("preset:nope", "nope", "available", "tiny", "llama-3.2-1b", "qwen2.5-0.5b", exc=ConfigError)
+
+
+def test_bad_dtype_and_device(good):
+    with pytest.raises(ConfigError, match="int8"):
+        workbench.load_model(good, device="cpu", dtype="int8")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CUDA is not available"):
+            workbench.load_model(good, device="cuda", dtype="float32")
+
+
+# ---- safetensors files -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cut", ["half", "4 bytes", "0 bytes", "inside header", "last byte"])
+def test_truncated_safetensors(good, cut):
+    path = good / WEIGHTS
+    data = path.read_bytes()
+    keep = {"half": len(data) // 2, "4 bytes": 4, "0 bytes": 0, "inside header": 20,
+            "last byte": len(data) - 1}[cut]
+    path.write_bytes(data[:keep])
+    raises(good, WEIGHTS, "truncated", exc=CheckpointError)
+
+
+def test_truncated_names_the_cut_tensor(good):
+    path = good / WEIGHTS
+    data = path.read_bytes()
+    (n,) = __import__("struct").unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    header.pop("__metadata__", None)
+    last = max(header, key=lambda k: header[k]["data_offsets"][1])
+    path.write_bytes(data[:-1])
+    raises(good, WEIGHTS, f"'{last}'", "truncated", exc=CheckpointError)
+
+
+_NORM = "model.norm.weight"  # F32 [32]: 128 data bytes
+
+
+@pytest.mark.parametrize("header,expect", [
+    (b"not json at all", "not valid JSON"),
+    (b"\xff\xfe{}", "not valid JSON"),
+    (b"[1, 2]", "not a JSON object"),
+    (json.dumps({_NORM: 5}).encode(), f"'{_NORM}'"),
+    (json.dumps({_NORM: {"dtype": "F32", "shape": [32]}}).encode(), "data_offsets"),
+    (json.dumps({_NORM: {"dtype": "F32", "shape": [32], "data_offsets": [64, 0]}}).encode(), "data_offsets"),
+    (json.dumps({_NORM: {"dtype": "F32", "shape": [32], "data_offsets": [0, 64]}}).encode(), "needs 128 bytes"),
+], ids=["not-json", "not-utf8", "not-object", "entry-not-object", "no-offsets", "reversed-offsets",
+        "offsets-vs-shape"])
+def test_corrupt_safetensors_header(good, header, expect):
+    path = good / WEIGHTS
+    path.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 128)
+    raises(good, WEIGHTS, expect, exc=CheckpointError)
+
+
+@pytest.mark.parametrize("data_bytes,extra", [(256, {}), (128, {"model.rotary_emb.inv_freq": [0, 128]})],
+                         ids=["trailing-bytes", "overlapping-tensors"])
+def test_safetensors_rejected_by_the_reader(good, data_bytes, extra):
+    """Headers that pass the size checks but that the safetensors reader refuses (bytes not
+    covered by any tensor; two tensors on the same bytes — the second an ignored exported
+    buffer): still a CheckpointError naming the file, not a bare SafetensorError."""
+    header = {_NORM: {"dtype": "F32", "shape": [32], "data_offsets": [0, 128]}}
+    header.update({k: {"dtype": "F32", "shape": [32], "data_offsets": v} for k, v in extra.items()})
+    raw = json.dumps(header).encode()
+    (good / WEIGHTS).write_bytes(len(raw).to_bytes(8, "little") + raw + b"\0" * data_bytes)
+    raises(good, WEIGHTS, "cannot read safetensors", exc=CheckpointError)
+
+
+def test_wrong_tensor_shape(good):
+    name = "model.layers.1.self_attn.k_proj.weight"  # [kv_size 16, hidden 32]
+    rewrite_tensors(good, lambda s: s.__setitem__(name, torch.zeros(24, 32)))
+    raises(good, WEIGHTS, f"'{name}'", "(24, 32)", "(16, 32)", exc=CheckpointError)
+
+
+def test_missing_tensor(good):
+    name = "model.layers.1.mlp.up_proj.weight"
+    rewrite_tensors(good, lambda s: s.pop(name))
+    raises(good, name, "missing", exc=CheckpointError)
+
+
+def test_missing_lm_head_when_untied(good):
+    rewrite_tensors(good, lambda s: s.pop("lm_head.weight"))
+    raises(good, "lm_head.weight", "missing", exc=CheckpointError)
+
+
+def test_tied_checkpoint_may_omit_or_carry_lm_head(tmp_path):
+    folder = tmp_path / "tied"
+    workbench.save_model(make_model(tie_word_embeddings=True), folder)
+    assert "lm_head.weight" not in load_file(str(folder / WEIGHTS))
+    model = load(folder)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    # some exporters write the tied head too: accepted (and still tied)
+    rewrite_tensors(folder, lambda s: s.__setitem__("lm_head.weight", s["model.embed_tokens.weight"].clone()))
+    model = load(folder)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("name", ["model.layers.2.mlp.up_proj.weight", "model.layers.0.self_attn.o_proj.bias",
+                                  "something.else"])
+def test_unexpected_tensor(good, name):
+    rewrite_tensors(good, lambda s: s.__setitem__(name, torch.zeros(4)))
+    raises(good, WEIGHTS, f"'{name}'", "unexpected", exc=CheckpointError)
+
+
+def test_exported_rotary_buffer_is_ignored(good):
+    rewrite_tensors(good, lambda s: s.__setitem__("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(4)))
+    load(good)
+
+
+def test_non_float_tensor(good):
+    name = "model.norm.weight"
+    rewrite_tensors(good, lambda s: s.__setitem__(name, torch.ones(32, dtype=torch.int64)))
+    raises(good, WEIGHTS, f"'{name}'", "I64", "float", exc=CheckpointError)
+
+
+# ---- sharded checkpoints ---------------------------------------------------------------------
+
+
+def shard(folder: Path, n: int = 3) -> list[str]:
+    """Split model.safetensors into n shards plus model.safetensors.index.json."""
+    state = load_file(str(folder / WEIGHTS))
+    (folder / WEIGHTS).unlink()
+    names = sorted(state)
+    files = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    weight_map = {}
+    for i, f in enumerate(files):
+        part = {k: state[k] for k in names[i::n]}
+        save_file(part, str(folder / f), metadata={"format": "pt"})
+        weight_map.update({k: f for k in part})
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}))
+    return files
+
+
+def test_sharded_checkpoint_loads(good):
+    ref = load(good)
+    shard(good)
+    ids = torch.arange(10).view(2, 5)
+    with torch.no_grad():
+        assert torch.equal(load(good)(ids), ref(ids))
+
+
+def test_sharded_index_lists_missing_shard(good):
+    files = shard(good)
+    (good / files[1]).unlink()
+    raises(good, "model.safetensors.index.json", files[1], "missing", exc=CheckpointError)
+
+
+def test_sharded_index_is_invalid(good):
+    shard(good)
+    (good / "model.safetensors.index.json").write_text('{"weights": {}}')
+    raises(good, "model.safetensors.index.json", "weight_map", exc=CheckpointError)
+
+
+def test_truncated_shard(good):
+    files = shard(good)
+    path = good / files[2]
+    path.write_bytes(path.read_bytes()[:-10])
+    raises(good, files[2], "truncated", exc=CheckpointError)
+
+
+def test_missing_tensor_across_shards(good):
+    shard(good)
+    # a tensor the index maps but whose shard does not hold it: reported as missing
+    files = sorted(good.glob("model-*.safetensors"))
+    state = load_file(str(files[0]))
+    victim = sorted(state)[0]
+    state.pop(victim)
+    save_file(state, str(files[0]), metadata={"format": "pt"})
+    raises(good, victim, "missing", exc=CheckpointError)
+
+
+def test_errors_are_user_facing_subclasses():
+    assert issubclass(CheckpointError, WorkbenchError) and issubclass(ConfigError, WorkbenchError)
+    assert not issubclass(WorkbenchError, (TypeError, KeyError, AttributeError))
+
+
+def test_copying_a_checkpoint_keeps_it_loadable(good, tmp_path):
+    # sanity: nothing above depends on absolute paths stored inside the folder
+    dst = tmp_path / "copy"
+    shutil.copytree(good, dst)
+    load(dst)

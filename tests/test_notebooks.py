@@ -1,0 +1,83 @@
+"""Every notebook runs top to bottom on a CPU with its default parameters (papermill), and
+every committed notebook is stripped of outputs and has a cell tagged ``parameters``.
+
+The notebooks turn their checks into asserts, so running them is a test.  Each writes a
+results sidecar (workbench.results) to the injected ``results_path``; the keys checked below
+are the ones the batch report relies on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+BUNDLED_WEIGHTS = ROOT / "data" / "reference-model" / "model.safetensors"
+SMOKE_MODEL = Path("/tmp/ref")
+
+# Metrics a notebook's sidecar must hold (notebooks not listed must write at least one metric).
+EXPECTED_KEYS = {
+    "00_tour": {"ttft_ms_p50", "tpot_ms_p50", "itl_ms_p99", "decode_tokens_per_s_p50", "step_ms_plain",
+                "hook_overhead_pct", "greedy_token_agreement", "bench_decode_speedup"},
+}
+
+
+def _default_parameters() -> dict:
+    """Defaults (the bundled model, CPU) - with one temporary exception below."""
+    params = {"device": "cpu"}
+    # TEMPORARY until the bundled model lands: the model is still being trained into
+    # data/reference-model/; meanwhile use the smoke-trained model of the same format.
+    if not BUNDLED_WEIGHTS.is_file():
+        if not (SMOKE_MODEL / "model.safetensors").is_file():
+            pytest.skip(f"{BUNDLED_WEIGHTS} does not exist yet (the bundled model is still training) and "
+                        f"no smoke model at {SMOKE_MODEL}: nothing to run the notebooks with")
+        params["model"] = str(SMOKE_MODEL)
+    return params
+
+
+@pytest.mark.notebook
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs(path, tmp_path):
+    pytest.importorskip("papermill")
+    from workbench.results import load_results
+    from workbench.runner import execute_one, resolve_kernel
+
+    params = _default_parameters()
+    sidecar = tmp_path / f"{path.stem}.results.json"
+    # the runner's own call: papermill, cwd = notebooks/, no widget state, one retry on a kernel-port race
+    rec = execute_one(path, tmp_path / path.name, {**params, "results_path": str(sidecar)}, 600, resolve_kernel())
+    assert rec["status"] == "ok", f"{path.name} failed after {rec['seconds']:.0f} s: {rec['error']} " \
+                                  f"(executed copy: {rec['output']})"
+    assert sidecar.is_file(), f"{path.name} did not write its results to results_path"
+    metrics = load_results(sidecar)["metrics"]
+    assert metrics, f"{path.name} wrote no metrics"
+    missing = EXPECTED_KEYS.get(path.stem, set()) - set(metrics)
+    assert not missing, f"{path.name}: results lack {sorted(missing)}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_is_committed_clean(path):
+    nb = nbformat.read(str(path), as_version=4)
+    dirty = [i for i, c in enumerate(nb.cells)
+             if c.cell_type == "code" and (c.get("outputs") or c.get("execution_count") is not None)]
+    assert not dirty, f"{path.name}: cells {dirty} carry outputs or execution counts; strip them before committing"
+    assert "widgets" not in nb.metadata, f"{path.name}: saved widget state in metadata; strip it"
+    tagged = [c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+    assert len(tagged) == 1 and tagged[0].cell_type == "code", \
+        f"{path.name}: needs exactly one code cell tagged 'parameters' (papermill injects after it)"
+    src = tagged[0].source
+    for name in ("device", "model", "results_path"):   # the runner and the test inject these
+        assert f"{name} =" in src, f"{path.name}: the parameters cell should define {name!r}"
+    assert "smoke" in src, f"{path.name}: the parameters cell should have a smoke/full switch"
+    first = nb.cells[0].source.lower() if nb.cells and nb.cells[0].cell_type == "markdown" else ""
+    assert any(w in first for w in ("tutorial", "how-to", "explanation", "purpose")), \
+        f"{path.name}: the first cell should be markdown stating the notebook's purpose (tutorial / how-to / explanation)"
+
+
+def test_there_are_notebooks():
+    assert NOTEBOOKS, "notebooks/ holds no *.ipynb"

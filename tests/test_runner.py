@@ -1,0 +1,137 @@
+"""The papermill batch runner and the results sidecar: a failing notebook is recorded and the
+run goes on; sidecars become results.csv and an offline report.html."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+pytest.importorskip("papermill")
+pd = pytest.importorskip("pandas")
+
+from workbench import runner  # noqa: E402
+from workbench.errors import ConfigError, WorkbenchError  # noqa: E402
+from workbench.results import load_results, save_results  # noqa: E402
+
+
+def write_notebook(path, *sources, parameters="results_path = None"):
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell(parameters)
+    cell.metadata["tags"] = ["parameters"]
+    nb.cells = [cell] + [nbformat.v4.new_code_cell(s) for s in sources]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(path))
+    return path
+
+
+GOOD = """
+import pandas as pd
+import plotly.graph_objects as go
+from workbench.results import save_results
+if results_path:
+    save_results(results_path, {"x": x, "double": 2 * x, "label": "hello"},
+                 tables={"squares": pd.DataFrame({"n": [1, 2, 3], "n2": [1, 4, 9]})},
+                 figures={"bars": go.Figure(go.Bar(y=[1, 2, 3])), "line": go.Figure(go.Scatter(y=[3, 1]))})
+"""
+
+
+@pytest.mark.slow
+def test_run_records_failure_and_goes_on(tmp_path):
+    nbs = tmp_path / "nbs"
+    nbs.mkdir()
+    boom = write_notebook(nbs / "a_boom.ipynb", "raise ValueError('boom at cell 2')")
+    good = write_notebook(nbs / "b_good.ipynb", GOOD, parameters="results_path = None\nx = 1")
+    out = tmp_path / "run"
+    res = runner.run_notebooks([boom, good], parameters={"x": 21}, out_dir=out, timeout=120, progress=False)
+
+    assert res["run_dir"] == str(out.resolve())
+    by_name = {r["name"]: r for r in res["notebooks"]}
+    assert [r["name"] for r in res["notebooks"]] == ["a_boom", "b_good"]
+    assert by_name["a_boom"]["status"] == "failed"
+    assert "ValueError" in by_name["a_boom"]["error"] and "boom at cell 2" in by_name["a_boom"]["error"]
+    assert by_name["a_boom"]["attempts"] == 1          # a cell error is not retried
+    assert by_name["b_good"]["status"] == "ok", by_name["b_good"]["error"]
+    for r in res["notebooks"]:
+        assert r["seconds"] > 0
+        executed = nbformat.read(r["output"], as_version=4)
+        assert "widgets" not in executed.metadata
+
+    metrics = pd.read_csv(res["results_csv"])
+    got = {(r.notebook, r.metric): r.value for r in metrics.itertuples()}
+    assert got[("b_good", "x")] == "21" or float(got[("b_good", "x")]) == 21      # the injected value
+    assert float(got[("b_good", "double")]) == 42
+    assert not any(nb == "a_boom" for nb, _ in got)
+
+    report = open(res["report"], encoding="utf-8").read()
+    from plotly.offline import get_plotlyjs
+    assert report.count(get_plotlyjs()[:300]) == 1        # plotly.js inlined once for two figures
+    assert report.count("Plotly.newPlot") == 2
+    for text in ("a_boom", "boom at cell 2", "b_good.ipynb", "squares", "torch", "python"):
+        assert text in report
+
+
+def test_retry_once_on_kernel_start_error(tmp_path, monkeypatch):
+    import papermill
+
+    calls = []
+
+    def flaky(inp, out, **kw):
+        calls.append(kw)
+        if len(calls) == 1:
+            raise RuntimeError("Kernel died before replying to kinfo")
+        nbformat.write(nbformat.read(inp, as_version=4), out)
+
+    monkeypatch.setattr(papermill, "execute_notebook", flaky)
+    nb = write_notebook(tmp_path / "n.ipynb", "1")
+    rec = runner.execute_one(nb, tmp_path / "out.ipynb", {"results_path": "r.json"}, 10, "python3")
+    assert rec["status"] == "ok" and rec["attempts"] == 2 and rec["error"] is None
+    assert calls[0]["store_widget_state"] is False and calls[0]["progress_bar"] is False
+    assert calls[0]["cwd"] == str(tmp_path)
+
+
+def test_other_errors_are_not_retried(tmp_path, monkeypatch):
+    import papermill
+
+    def broken(inp, out, **kw):
+        raise FileNotFoundError("no such thing")
+
+    monkeypatch.setattr(papermill, "execute_notebook", broken)
+    nb = write_notebook(tmp_path / "n.ipynb", "1")
+    rec = runner.execute_one(nb, tmp_path / "out.ipynb", {}, 10, "python3")
+    assert rec["status"] == "failed" and rec["attempts"] == 1 and "no such thing" in rec["error"]
+
+
+def test_resolve_notebooks_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        runner.resolve_notebooks(["does-not-exist"])
+    with pytest.raises(ConfigError, match="results_path"):
+        runner.run_notebooks([write_notebook(tmp_path / "n.ipynb")], parameters={"results_path": "x"},
+                             out_dir=tmp_path / "o", progress=False)
+
+
+def test_kernel_runs_this_interpreter():
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    name = runner.resolve_kernel()
+    argv0 = KernelSpecManager().get_kernel_spec(name).argv[0]
+    import sys
+    assert argv0 in ("python", "python3", "python%d.%d" % sys.version_info[:2], sys.executable)
+
+
+def test_results_roundtrip_and_validation(tmp_path):
+    np = pytest.importorskip("numpy")
+    df = pd.DataFrame({"ms": [1.5, 2.0]}, index=pd.Index(["a", "b"], name="component"))
+    p = save_results(tmp_path / "r.json", {"n": np.int64(3), "f": np.float32(0.5), "nan": float("nan"),
+                                           "ok": True, "s": "x"}, tables={"t": df})
+    res = load_results(p)
+    assert res["metrics"] == {"n": 3, "f": 0.5, "nan": None, "ok": True, "s": "x"}
+    pd.testing.assert_frame_equal(res["tables"]["t"], df)
+    with pytest.raises(WorkbenchError, match="'bad'.*scalars"):
+        save_results(tmp_path / "x.json", {"bad": [1, 2]})
+    with pytest.raises(WorkbenchError, match="results_path"):
+        save_results(None, {})
+    (tmp_path / "junk.json").write_text(json.dumps({"metrics": {}}))
+    with pytest.raises(WorkbenchError, match="not a workbench results file"):
+        load_results(tmp_path / "junk.json")
