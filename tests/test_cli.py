@@ -68,7 +68,7 @@ def test_bench_json_reports_both_sides_and_their_ratio(capsys):
     (["run-notebooks", "-p", "novalue"], "NAME=VALUE"),
 ])
 def test_errors_exit_2_with_one_line_and_no_traceback(args, needle):
-    r = subprocess.run(CLI + args, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(CLI + args, capture_output=True, text=True, timeout=600)
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr and "Traceback" not in r.stderr
     assert r.stderr.strip().count("\n") == 0, r.stderr

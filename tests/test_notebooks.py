@@ -17,7 +17,6 @@ nbformat = pytest.importorskip("nbformat")
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 BUNDLED_WEIGHTS = ROOT / "data" / "reference-model" / "model.safetensors"
-SMOKE_MODEL = Path("/tmp/ref")
 
 # Metrics a notebook's sidecar must hold (notebooks not listed must write at least one metric).
 EXPECTED_KEYS = {
@@ -27,16 +26,10 @@ EXPECTED_KEYS = {
 
 
 def _default_parameters() -> dict:
-    """Defaults (the bundled model, CPU) - with one temporary exception below."""
-    params = {"device": "cpu"}
-    # TEMPORARY until the bundled model lands: the model is still being trained into
-    # data/reference-model/; meanwhile use the smoke-trained model of the same format.
+    """Defaults: the bundled model, on the CPU."""
     if not BUNDLED_WEIGHTS.is_file():
-        if not (SMOKE_MODEL / "model.safetensors").is_file():
-            pytest.skip(f"{BUNDLED_WEIGHTS} does not exist yet (the bundled model is still training) and "
-                        f"no smoke model at {SMOKE_MODEL}: nothing to run the notebooks with")
-        params["model"] = str(SMOKE_MODEL)
-    return params
+        pytest.fail(f"{BUNDLED_WEIGHTS} is missing: the bundled model is part of the repository")
+    return {"device": "cpu"}
 
 
 @pytest.mark.notebook

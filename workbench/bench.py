@@ -10,6 +10,7 @@ is reported next to the speed: a faster engine that emits different tokens is no
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
@@ -23,6 +24,19 @@ from .loader import BUNDLED_MODEL
 from .sampling import SamplingParams
 
 DEFAULT_PROMPT_TOKENS = 64
+
+
+def cpu_name() -> str:
+    """The CPU's model name (from /proc/cpuinfo on Linux) and its core count."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} cores"
 
 
 @dataclass
@@ -159,7 +173,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     dev = llm.device
     return {
         "model": cfg.model or "bundled", "device": str(dev),
-        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine(),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name(),
         "dtype": str(llm.model.lm_head.weight.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "transformers": transformers.__version__, "config": asdict(cfg),
         "workbench": res["workbench"], "transformers_generate": res["transformers"],
