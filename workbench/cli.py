@@ -92,25 +92,23 @@ def cmd_run_notebooks(args) -> int:
 
 
 def cmd_info(args) -> int:
-    import torch
+    """Shapes and sizes from the config alone: no weights are read (fast for 8B presets too)."""
+    from .loader import model_config
 
-    from .loader import load_model
-
-    model = load_model(args.model, device=args.device, dtype=args.dtype)
-    cfg = model.config
+    cfg = model_config(args.model)
     info = {"architecture": cfg.architecture, "parameters": cfg.num_parameters(),
-            "layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "heads": cfg.num_attention_heads,
-            "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
-            "context": cfg.max_position_embeddings, "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
-            "tied_embeddings": cfg.tie_word_embeddings, "device": str(model.device),
-            "dtype": str(model.lm_head.weight.dtype).removeprefix("torch."),
-            "kv_bytes_per_token": cfg.kv_bytes_per_token(model.lm_head.weight.element_size()),
-            "cuda_available": torch.cuda.is_available()}
+            "layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+            "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+            "vocab_size": cfg.vocab_size, "context": cfg.max_position_embeddings, "rope_theta": cfg.rope_theta,
+            "rope_scaling": cfg.rope_scaling, "sliding_window": cfg.sliding_window,
+            "tied_embeddings": cfg.tie_word_embeddings, "checkpoint_dtype": cfg.torch_dtype,
+            "kv_bytes_per_token_bf16": cfg.kv_bytes_per_token(2),
+            "kv_bytes_per_token_fp32": cfg.kv_bytes_per_token(4)}
     if args.json:
         print(json.dumps(info, indent=2))
     else:
         for k, v in info.items():
-            print(f"{k:<20} {v}")
+            print(f"{k:<24} {v}")
     return 0
 
 
@@ -154,8 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.set_defaults(func=cmd_run_notebooks)
 
-    i = sub.add_parser("info", help="describe a model: shapes, parameters, KV bytes per token")
-    _add_model_args(i)
+    i = sub.add_parser("info", help="describe a model from its config: shapes, parameters, KV bytes per token")
+    i.add_argument("--model", default=None, help="Hugging Face–format folder, preset:<name>, or omit for the bundled model")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_info)
     return ap

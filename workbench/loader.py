@@ -171,6 +171,24 @@ def load_state_dict(folder: Path, model: CausalLM) -> dict[str, torch.Tensor]:
     return state
 
 
+def model_config(path_or_preset: str | Path | None = None) -> ModelConfig:
+    """The :class:`ModelConfig` of a folder, preset or the bundled model, without reading weights."""
+    spec = str(path_or_preset) if path_or_preset is not None else "bundled"
+    if spec.startswith("preset:"):
+        return preset_config(spec.removeprefix("preset:"))
+    return read_config(_model_folder(spec))
+
+
+def _model_folder(spec: str) -> Path:
+    folder = BUNDLED_MODEL if spec == "bundled" else Path(spec).expanduser()
+    if not folder.exists():
+        raise CheckpointError(f"{folder}: model folder not found (give a Hugging Face–format folder, "
+                              f"'bundled', or one of: {', '.join('preset:' + p for p in PRESETS)})")
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: expected a model folder, got a file")
+    return folder
+
+
 def load_model(path_or_preset: str | Path | None = None, device: str | torch.device | None = None,
                dtype: str | torch.dtype | None = None, seed: int = 0) -> CausalLM:
     """Load a model for inference (``eval()`` mode, no grad needed).
@@ -192,12 +210,7 @@ def load_model(path_or_preset: str | Path | None = None, device: str | torch.dev
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         return init_weights(model, seed=seed).eval()
-    folder = BUNDLED_MODEL if spec == "bundled" else Path(spec).expanduser()
-    if not folder.exists():
-        raise CheckpointError(f"{folder}: model folder not found (give a Hugging Face–format folder, "
-                              f"'bundled', or one of: {', '.join('preset:' + p for p in PRESETS)})")
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder}: expected a model folder, got a file")
+    folder = _model_folder(spec)
     cfg = read_config(folder)
     dt = want or default_dtype(dev, cfg.torch_dtype)
     with torch.device("meta"):

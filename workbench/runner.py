@@ -88,7 +88,8 @@ def resolve_kernel(kernel_name: str | None = None) -> str:
     bare = {"python", f"python{sys.version_info[0]}", "python%d.%d" % sys.version_info[:2]}
     try:
         exe = KernelSpecManager().get_kernel_spec(KERNEL_NAME).argv[0]
-        if exe in bare or os.path.abspath(exe) == os.path.abspath(sys.executable):
+        # Same bin/ folder = same environment (python and python3 are both links in a venv).
+        if exe in bare or _same_dir(exe, sys.executable):
             return KERNEL_NAME
     except NoSuchKernel:
         pass
@@ -102,6 +103,13 @@ def resolve_kernel(kernel_name: str | None = None) -> str:
     if str(base) not in paths.split(os.pathsep):
         os.environ["JUPYTER_PATH"] = os.pathsep.join(p for p in (str(base), paths) if p)
     return FALLBACK_KERNEL
+
+
+def _same_dir(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(os.path.dirname(a), os.path.dirname(b))
+    except OSError:
+        return False
 
 
 # ---- one notebook ------------------------------------------------------------------------------
