@@ -54,6 +54,8 @@ class RequestOutput:
     finish_reason: str | None = None   # "stop" (EOS or stop string) or "length"
     stop_reason: str | int | None = None  # the stop string or EOS id that ended it
     metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0            # prompt tokens served from the prefix cache (paged KV only)
+    prefix_miss_reason: str | None = None  # why the prefix cache did not serve more (paged KV only)
 
 
 class LLM:
@@ -62,10 +64,13 @@ class LLM:
     ``model``: a path, ``"preset:<name>"``, None for the bundled model, or a loaded CausalLM.
     ``tokenizer``: a folder / tokenizer.json path, a :class:`Tokenizer`, or None to use the
     model folder's (presets have none: pass prompts as token-id lists).
+    ``kv``: None for a contiguous cache per request (the reference), or a
+    :class:`~workbench.kv.paged.PagedKVConfig` for a paged pool shared by all requests, with
+    cross-request prefix caching when ``enable_prefix_caching`` is set.
     """
 
     def __init__(self, model: str | CausalLM | None = None, tokenizer=None, device=None, dtype=None,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, kv: "PagedKVConfig | None" = None) -> None:
         if isinstance(model, CausalLM):
             self.model, source = model, None
         else:
@@ -85,6 +90,13 @@ class LLM:
         cfg_eos = set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else cfg_eos
         self._ids = itertools.count()
+        self.kv_pool = None
+        if kv is not None:  # paged KV with an optional cross-request prefix cache
+            from .kv.paged import PagedKVPool
+
+            w = self.model.lm_head.weight
+            # default pool: room for four full-context sequences
+            self.kv_pool = PagedKVPool(self.model.config, kv, w.device, w.dtype, default_tokens=4 * self.max_model_len)
 
     @property
     def device(self) -> torch.device:
@@ -126,14 +138,28 @@ class LLM:
         m.first_scheduled_time = time.perf_counter()
 
         max_new = min(params.max_tokens, self.max_model_len - len(ids))
-        cache = self.model.new_cache(1, len(ids) + max_new)
+        rid = out.request_id
+        if self.kv_pool is None:
+            cache, pos = self.model.new_cache(1, len(ids) + max_new), 0
+        else:
+            cache, alloc = self.kv_pool.begin(rid, ids)
+            pos = out.num_cached_tokens = alloc.num_cached_tokens
+            out.prefix_miss_reason = _reason_name(alloc.miss_reason)
+        try:
+            yield from self._decode_loop(out, ids, pos, cache, max_new, params, arrival)
+        finally:  # also when the caller stops iterating: the blocks go back to the pool
+            if self.kv_pool is not None:
+                self.kv_pool.end(rid)
+
+    def _decode_loop(self, out: RequestOutput, ids: list[int], pos: int, cache, max_new: int,
+                     params: SamplingParams, arrival: float) -> Iterator[StreamEvent]:
+        m, rid, pool = out.metrics, out.request_id, self.kv_pool
         gen = params.generator(self.device)
         detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None
         stops, hold = params.stop, max((len(s) for s in params.stop), default=1) - 1
         emitted = 0  # characters of detok.text already released to the caller
 
-        x = torch.tensor([ids], device=self.device)
-        pos = 0
+        x = torch.tensor([ids[pos:]], device=self.device)   # after a prefix hit: only the rest
         for i in range(max_new):
             logits = self.model(x, pos, cache, logits_to_keep=1)[0, -1]
             token = int(sample(logits, params, gen))   # .item(): waits for the device
@@ -143,6 +169,8 @@ class LLM:
             m.token_times.append(now)
             pos += x.shape[1]
             out.token_ids.append(token)
+            if pool is not None:
+                pool.commit(rid, pos)
 
             finish = None
             if not params.ignore_eos and token in self.eos_token_ids:
@@ -163,9 +191,11 @@ class LLM:
             if finish:
                 out.finish_reason, out.text = finish, (detok.text if detok else None)
                 m.finished_time = time.perf_counter()
-            yield StreamEvent(out.request_id, i, token, text, now, now - arrival, finish is not None, finish)
+            yield StreamEvent(rid, i, token, text, now, now - arrival, finish is not None, finish)
             if finish:
                 return
+            if pool is not None:
+                pool.reserve(rid, token)
             x = torch.tensor([[token]], device=self.device)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -193,6 +223,10 @@ class LLM:
     # ---- summaries ---------------------------------------------------------------------------
     summarize = staticmethod(summarize)
     requests_frame = staticmethod(requests_frame)
+
+
+def _reason_name(reason) -> str | None:
+    return None if reason is None else getattr(reason, "value", str(reason))
 
 
 def _find_stop(text: str, stops: list[str], emitted: int, include: bool) -> tuple[int, str] | None:

@@ -1,0 +1,203 @@
+"""Paged KV storage: the tensors behind :class:`~workbench.kv.block_manager.BlockManager`.
+
+The block manager (pure Python) decides *which* physical block holds which tokens; this
+module holds the blocks themselves, one pair of tensors per layer::
+
+    k_cache[layer], v_cache[layer]: [num_blocks, block_size, num_kv_heads, head_dim]
+
+A token at position p of a sequence lives at slot ``block_table[p // B] * B + p % B``
+(B = block_size), so viewing a layer's cache as ``[num_blocks * B, nkv, hd]`` and indexing it
+with the *slot mapping* writes or reads any set of tokens.
+
+:class:`PagedSequenceCache` is a per-sequence view with the same ``update(layer, k, v, start)``
+interface as the contiguous :class:`~workbench.kv_cache.KVCache`, so the reference model runs on
+paged storage unchanged: ``update`` scatters the new keys/values into their slots and gathers
+the sequence's blocks back into a contiguous ``[1, nkv, S, hd]`` for attention.  That gather is
+the reference ("torch") paged attention: it copies the whole context every step; the paged
+decode-attention kernel reads the blocks in place instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import ConfigError, WorkbenchError
+from .block_manager import AllocStatus, BlockManager
+from .layout import KVLayout
+from .offload import DiskOffload, HostOffload
+
+
+@dataclass
+class PagedKVConfig:
+    block_size: int = 16
+    num_blocks: int | None = None          # default: enough for max_model_len tokens x max_seqs
+    kv_cache_bytes: int | None = None      # alternatively: a memory budget for the pool
+    enable_prefix_caching: bool = True
+    eviction: str = "lru"
+    offload: str | None = None             # None, "host" or "disk": where evicted cached blocks go
+    offload_blocks: int = 4096             # capacity of the offload tier, in blocks
+    offload_path: str | None = None        # file for "disk" (default: a temporary file)
+
+    def __post_init__(self) -> None:
+        if self.offload not in (None, "host", "disk"):
+            raise ConfigError(f"PagedKVConfig.offload must be None, 'host' or 'disk', got {self.offload!r}")
+        if self.offload is not None and not self.enable_prefix_caching:
+            raise ConfigError("PagedKVConfig.offload needs enable_prefix_caching=True (offloaded blocks come back "
+                              "through prefix hits)")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ConfigError(f"PagedKVConfig.block_size must be a positive integer, got {self.block_size!r}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"PagedKVConfig.num_blocks must be >= 1, got {self.num_blocks}")
+        if self.num_blocks is not None and self.kv_cache_bytes is not None:
+            raise ConfigError("PagedKVConfig: give num_blocks or kv_cache_bytes, not both")
+        if self.eviction not in ("lru", "fifo"):
+            raise ConfigError(f"PagedKVConfig.eviction must be 'lru' or 'fifo', got {self.eviction!r}")
+
+
+class PagedKVPool:
+    """Block tensors for every layer plus the block manager that hands them out."""
+
+    def __init__(self, cfg: ModelConfig, paged: PagedKVConfig, device: torch.device, dtype: torch.dtype,
+                 default_tokens: int) -> None:
+        self.layout = KVLayout.from_model_config(cfg, paged.block_size, dtype)
+        if paged.num_blocks is not None:
+            num_blocks = paged.num_blocks
+        elif paged.kv_cache_bytes is not None:
+            num_blocks = self.layout.num_blocks_for_bytes(paged.kv_cache_bytes)
+            if num_blocks < 1:
+                raise ConfigError(f"PagedKVConfig.kv_cache_bytes={paged.kv_cache_bytes} holds no block "
+                                  f"(one block takes {self.layout.bytes_per_block} bytes)")
+        else:
+            num_blocks = -(-default_tokens // paged.block_size)
+        self.block_size, self.config, self.device = paged.block_size, paged, device
+        shape = (num_blocks, paged.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.k_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.v_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.offload = None
+        if paged.offload == "host":
+            self.offload = HostOffload(paged.offload_blocks, pin=device.type == "cuda")
+        elif paged.offload == "disk":
+            block_shape = (cfg.num_hidden_layers, 2, *shape[1:])
+            self.offload = DiskOffload(paged.offload_blocks, block_shape, dtype, paged.offload_path)
+        self.manager = self._new_manager(num_blocks)
+
+    def _new_manager(self, num_blocks: int) -> BlockManager:
+        m = BlockManager(num_blocks, self.block_size, enable_prefix_caching=self.config.enable_prefix_caching,
+                         eviction=self.config.eviction)
+        if self.offload is not None:
+            m.on_evict = self._spill
+        return m
+
+    # ---- offload tier --------------------------------------------------------------------------
+    def read_block(self, block_id: int) -> torch.Tensor:
+        """One block's KV, every layer: [num_layers, 2, block_size, nkv, hd]."""
+        return torch.stack([torch.stack((k[block_id], v[block_id])) for k, v in zip(self.k_cache, self.v_cache)])
+
+    def write_block(self, block_id: int, kv: torch.Tensor) -> None:
+        for layer, (k, v) in enumerate(zip(self.k_cache, self.v_cache)):
+            k[block_id] = kv[layer, 0]
+            v[block_id] = kv[layer, 1]
+
+    def _spill(self, block_id: int, block_hash: int, tokens: tuple) -> None:
+        self.offload.put(block_hash, tokens, self.read_block(block_id))
+
+    def _restore(self, token_ids: list[int]) -> None:
+        for block_id, block_hash, tokens in self.manager.restore_prefix(token_ids, self.offload.holds):
+            self.write_block(block_id, self.offload.get(block_hash, tokens, self.device))
+
+    def reset(self) -> None:
+        """Forget every block (cached prefixes included); the tensors stay allocated."""
+        if self.manager.num_used_blocks:
+            raise WorkbenchError(f"KV pool reset with {self.manager.num_used_blocks} blocks still in use")
+        self.manager = self._new_manager(self.num_blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.manager.num_blocks
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate block ``src`` into ``dst`` in every layer."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for cache in self.k_cache + self.v_cache:
+            cache[dst] = cache[src]
+
+    # ---- one sequence's life: begin -> (reserve, forward, commit)* -> end ----------------------
+    def begin(self, seq_id: str, token_ids: list[int]) -> tuple["PagedSequenceCache", object]:
+        """Allocate the prompt's blocks (reusing cached prefix blocks); returns the sequence's
+        cache view, positioned after the reused tokens, and the block manager's allocation.
+        With an offload tier, evicted prefix blocks it still holds are copied back first."""
+        if self.offload is not None:
+            self._restore(token_ids)
+        alloc = self.manager.allocate(seq_id, token_ids)
+        if alloc is None:
+            need = -(-len(token_ids) // self.block_size)
+            why = ("more than the whole pool" if self.manager.can_allocate(len(token_ids)) == AllocStatus.NEVER
+                   else f"only {self.manager.num_available_blocks} available now")
+            raise WorkbenchError(
+                f"KV pool: {need} blocks needed for a {len(token_ids)}-token prompt, {why} (pool of "
+                f"{self.num_blocks} blocks of {self.block_size} tokens); give the pool more blocks "
+                "(PagedKVConfig.num_blocks / kv_cache_bytes)")
+        self.copy_blocks(self.manager.take_copies())
+        return PagedSequenceCache(self, seq_id, alloc.num_cached_tokens), alloc
+
+    def reserve(self, seq_id: str, token_id: int) -> None:
+        """Reserve the slot of the next token fed to the model (copy-on-write if shared)."""
+        if self.manager.append_slot(seq_id, token_id) is None:
+            raise WorkbenchError(f"KV pool: no free block for sequence {seq_id} at "
+                                 f"{len(self.manager.block_table(seq_id)) * self.block_size} tokens "
+                                 f"({self.num_blocks} blocks of {self.block_size}); give the pool more blocks")
+        self.copy_blocks(self.manager.take_copies())
+
+    def commit(self, seq_id: str, num_tokens: int) -> None:
+        """The KV of the sequence's first ``num_tokens`` tokens is written: full blocks become reusable."""
+        self.manager.commit(seq_id, num_tokens)
+
+    def end(self, seq_id: str) -> None:
+        self.manager.free(seq_id)
+
+
+class PagedSequenceCache:
+    """One sequence's view of the pool, with the contiguous cache's interface.
+
+    ``length`` is the number of tokens whose KV is in the pool (after a prefix-cache hit it
+    starts at the number of reused tokens).  Before a forward over positions
+    ``[length, length + T)`` the caller reserves their slots with the block manager.
+    """
+
+    def __init__(self, pool: PagedKVPool, seq_id: str, length: int = 0) -> None:
+        self.pool, self.seq_id, self.length = pool, seq_id, length
+        self._key: tuple[int, int] | None = None
+        self._slots = self._blocks = None
+
+    def _prepare(self, start: int, end: int) -> None:
+        """Slot mapping of the new tokens and block ids of the whole context, once per forward."""
+        if self._key == (start, end):
+            return
+        m, dev = self.pool.manager, self.pool.device
+        self._slots = torch.tensor(m.slot_mapping(self.seq_id, start, end), device=dev)
+        nb = -(-end // self.pool.block_size)
+        self._blocks = torch.tensor(m.block_table(self.seq_id)[:nb], device=dev)
+        self._key = (start, end)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int):
+        """Scatter k/v [1, nkv, T, hd] into their slots; gather the context [1, nkv, S, hd]."""
+        if k.shape[0] != 1:
+            raise ValueError(f"a paged sequence view holds one sequence, got batch {k.shape[0]}")
+        end = start + k.shape[2]
+        self._prepare(start, end)
+        kc, vc = self.pool.k_cache[layer], self.pool.v_cache[layer]
+        nkv, hd = kc.shape[2], kc.shape[3]
+        kc.view(-1, nkv, hd)[self._slots] = k[0].transpose(0, 1)
+        vc.view(-1, nkv, hd)[self._slots] = v[0].transpose(0, 1)
+        keys = kc[self._blocks].reshape(-1, nkv, hd)[:end]       # [S, nkv, hd]
+        vals = vc[self._blocks].reshape(-1, nkv, hd)[:end]
+        return keys.transpose(0, 1).unsqueeze(0), vals.transpose(0, 1).unsqueeze(0)
