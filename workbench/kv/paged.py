@@ -83,6 +83,13 @@ class PagedKVPool:
             block_shape = (cfg.num_hidden_layers, 2, *shape[1:])
             self.offload = DiskOffload(paged.offload_blocks, block_shape, dtype, paged.offload_path)
         self.manager = self._new_manager(num_blocks)
+        # Observers (kv-inspect, the live block map): called as fn(event, seq_id) with event
+        # "begin" (prompt allocated), "step" (KV committed) or "end" (just before the blocks are freed).
+        self.listeners: list = []
+
+    def _notify(self, event: str, seq_id: str) -> None:
+        for fn in self.listeners:
+            fn(event, seq_id)
 
     def _new_manager(self, num_blocks: int) -> BlockManager:
         m = BlockManager(num_blocks, self.block_size, enable_prefix_caching=self.config.enable_prefix_caching,
@@ -147,6 +154,7 @@ class PagedKVPool:
                 f"{self.num_blocks} blocks of {self.block_size} tokens); give the pool more blocks "
                 "(PagedKVConfig.num_blocks / kv_cache_bytes)")
         self.copy_blocks(self.manager.take_copies())
+        self._notify("begin", seq_id)
         return PagedSequenceCache(self, seq_id, alloc.num_cached_tokens), alloc
 
     def reserve(self, seq_id: str, token_id: int) -> None:
@@ -160,9 +168,14 @@ class PagedKVPool:
     def commit(self, seq_id: str, num_tokens: int) -> None:
         """The KV of the sequence's first ``num_tokens`` tokens is written: full blocks become reusable."""
         self.manager.commit(seq_id, num_tokens)
+        if self.listeners:
+            self._notify("step", seq_id)
 
     def end(self, seq_id: str) -> None:
-        self.manager.free(seq_id)
+        try:
+            self._notify("end", seq_id)
+        finally:
+            self.manager.free(seq_id)
 
 
 class PagedSequenceCache:
