@@ -276,3 +276,29 @@ def test_pareto_front_and_best():
                        "rel_ppl": [0.0, 0.01, 0.015, 0.02, 0.10], "error": [None, None, None, None, "x"]})
     assert pareto_front(df)["name"].tolist() == ["a", "b", "c"]
     assert best_under(df, 0.02)["name"].iloc[0] == "c"
+
+
+def test_engine_runs_tiered_requests_and_exposes_their_caches(random_llm):
+    """LLM(tiers=...) decodes with the tiered cache; a config that keeps everything hot gives
+    the reference tokens, and the finished request's cache is kept for inspection."""
+    import workbench
+    from workbench import SamplingParams
+    from workbench.kv import TierConfig, TieredKVCache
+
+    p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompt = list(range(5, 40))
+    ref = random_llm.generate([prompt], p)[0].token_ids
+    model = workbench.model.CausalLM(random_llm.model.config)
+    model.load_state_dict(random_llm.model.state_dict())
+    all_hot = workbench.LLM(model.eval(), tokenizer=random_llm.tokenizer,
+                            tiers=TierConfig(window=256, warm_tokens=0, chunk=1))
+    out = all_hot.generate([prompt], p)[0]
+    assert out.token_ids == ref
+    assert isinstance(all_hot.last_cache, TieredKVCache) and all_hot.last_cache.length == len(prompt) + 9
+    assert not all_hot.active_caches
+    z = all_hot.last_cache.zone_counts()
+    assert z.hot == len(prompt) + 9
+    with pytest.raises(workbench.WorkbenchError, match="not both"):
+        workbench.LLM(model, tiers=TierConfig(), kv=workbench.kv.PagedKVConfig())
+    with pytest.raises(workbench.WorkbenchError, match="basis"):
+        workbench.LLM(model, tiers=TierConfig(window=8))

@@ -67,10 +67,14 @@ class LLM:
     ``kv``: None for a contiguous cache per request (the reference), or a
     :class:`~workbench.kv.paged.PagedKVConfig` for a paged pool shared by all requests, with
     cross-request prefix caching when ``enable_prefix_caching`` is set.
+    ``tiers`` (+ ``tier_basis``, a fitted :class:`~workbench.kv.pca.PCABasis`): each request
+    gets a hot / warm / cold :class:`~workbench.kv.tiers.TieredKVCache` (approximate attention;
+    the model's attention modules are switched to the tiered path in place).
     """
 
     def __init__(self, model: str | CausalLM | None = None, tokenizer=None, device=None, dtype=None,
-                 max_model_len: int | None = None, kv: "PagedKVConfig | None" = None) -> None:
+                 max_model_len: int | None = None, kv: "PagedKVConfig | None" = None,
+                 tiers: "TierConfig | None" = None, tier_basis=None) -> None:
         if isinstance(model, CausalLM):
             self.model, source = model, None
         else:
@@ -91,6 +95,17 @@ class LLM:
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else cfg_eos
         self._ids = itertools.count()
         self.kv_pool = None
+        # request id -> its live cache (tiered mode), and the last finished one, for kv-inspect
+        self.active_caches: dict = {}
+        self.last_cache = None
+        self.tiers, self.tier_basis = tiers, tier_basis
+        if tiers is not None:   # hot / warm / cold KV per request
+            if kv is not None:
+                raise ConfigError("LLM: give kv= (paged pool) or tiers= (tiered cache), not both")
+            from .kv.tiers import TieredKVCache, apply_tiered_attention
+
+            TieredKVCache(self.model.config, tiers, tier_basis, max_len=1)   # validate now, not per request
+            apply_tiered_attention(self.model)   # other caches keep the reference path
         if kv is not None:  # paged KV with an optional cross-request prefix cache
             from .kv.paged import PagedKVPool
 
@@ -139,7 +154,14 @@ class LLM:
 
         max_new = min(params.max_tokens, self.max_model_len - len(ids))
         rid = out.request_id
-        if self.kv_pool is None:
+        if self.tiers is not None:
+            from .kv.tiers import TieredKVCache
+
+            w = self.model.lm_head.weight
+            cache, pos = TieredKVCache(self.model.config, self.tiers, self.tier_basis, max_len=len(ids) + max_new,
+                                       device=w.device, dtype=w.dtype), 0
+            self.active_caches[rid] = cache
+        elif self.kv_pool is None:
             cache, pos = self.model.new_cache(1, len(ids) + max_new), 0
         else:
             cache, alloc = self.kv_pool.begin(rid, ids)
@@ -150,6 +172,8 @@ class LLM:
         finally:  # also when the caller stops iterating: the blocks go back to the pool
             if self.kv_pool is not None:
                 self.kv_pool.end(rid)
+            if rid in self.active_caches:
+                self.last_cache = self.active_caches.pop(rid)
 
     def _decode_loop(self, out: RequestOutput, ids: list[int], pos: int, cache, max_new: int,
                      params: SamplingParams, arrival: float) -> Iterator[StreamEvent]:

@@ -19,6 +19,7 @@ decode-attention kernel reads the blocks in place instead.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +87,9 @@ class PagedKVPool:
         # Observers (kv-inspect, the live block map): called as fn(event, seq_id) with event
         # "begin" (prompt allocated), "step" (KV committed) or "end" (just before the blocks are freed).
         self.listeners: list = []
+        # Wall time spent in block-manager calls (allocate, append_slot, commit, free, restore):
+        # the bookkeeping cost of paging and prefix caching, measured directly.
+        self.manager_seconds = 0.0
 
     def _notify(self, event: str, seq_id: str) -> None:
         for fn in self.listeners:
@@ -142,9 +146,11 @@ class PagedKVPool:
         """Allocate the prompt's blocks (reusing cached prefix blocks); returns the sequence's
         cache view, positioned after the reused tokens, and the block manager's allocation.
         With an offload tier, evicted prefix blocks it still holds are copied back first."""
+        t0 = time.perf_counter()
         if self.offload is not None:
             self._restore(token_ids)
         alloc = self.manager.allocate(seq_id, token_ids)
+        self.manager_seconds += time.perf_counter() - t0
         if alloc is None:
             need = -(-len(token_ids) // self.block_size)
             why = ("more than the whole pool" if self.manager.can_allocate(len(token_ids)) == AllocStatus.NEVER
@@ -159,7 +165,10 @@ class PagedKVPool:
 
     def reserve(self, seq_id: str, token_id: int) -> None:
         """Reserve the slot of the next token fed to the model (copy-on-write if shared)."""
-        if self.manager.append_slot(seq_id, token_id) is None:
+        t0 = time.perf_counter()
+        slot = self.manager.append_slot(seq_id, token_id)
+        self.manager_seconds += time.perf_counter() - t0
+        if slot is None:
             raise WorkbenchError(f"KV pool: no free block for sequence {seq_id} at "
                                  f"{len(self.manager.block_table(seq_id)) * self.block_size} tokens "
                                  f"({self.num_blocks} blocks of {self.block_size}); give the pool more blocks")
@@ -167,7 +176,9 @@ class PagedKVPool:
 
     def commit(self, seq_id: str, num_tokens: int) -> None:
         """The KV of the sequence's first ``num_tokens`` tokens is written: full blocks become reusable."""
+        t0 = time.perf_counter()
         self.manager.commit(seq_id, num_tokens)
+        self.manager_seconds += time.perf_counter() - t0
         if self.listeners:
             self._notify("step", seq_id)
 
@@ -175,7 +186,9 @@ class PagedKVPool:
         try:
             self._notify("end", seq_id)
         finally:
+            t0 = time.perf_counter()
             self.manager.free(seq_id)
+            self.manager_seconds += time.perf_counter() - t0
 
 
 class PagedSequenceCache:
