@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
@@ -27,6 +27,10 @@ from .metrics import RequestMetrics, requests_frame, summarize
 from .model import CausalLM
 from .sampling import SamplingParams, sample
 from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from .kv.paged import PagedKVConfig
+    from .kv.tier_config import TierConfig
 
 Prompt = str | Sequence[int]
 
