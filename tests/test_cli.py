@@ -72,3 +72,64 @@ def test_errors_exit_2_with_one_line_and_no_traceback(args, needle):
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr and "Traceback" not in r.stderr
     assert r.stderr.strip().count("\n") == 0, r.stderr
+
+
+# ---- kv-inspect and prefix-bench ---------------------------------------------------------------
+def _needs_bundled():
+    from workbench import BUNDLED_MODEL
+
+    if not (BUNDLED_MODEL / "model.safetensors").is_file():
+        pytest.skip("bundled model weights not present")
+
+
+@pytest.mark.parametrize("sub", ["kv-inspect", "prefix-bench"])
+def test_help_kv_subcommands(sub, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([sub, "--help"])
+    assert e.value.code == 0
+    assert "usage: workbench" in capsys.readouterr().out
+
+
+def test_kv_inspect_json_paged(capsys):
+    _needs_bundled()
+    rc = main(["kv-inspect", "--device", "cpu", "--num-requests", "3", "--system-tokens", "40", "--max-tokens", "2",
+               "--block-size", "8", "--json"])
+    assert rc == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["mode"] == "paged" and sum(rep["blocks"].values()) == rep["num_blocks"] == len(rep["block_states"])
+    fin = rep["finished"]
+    assert len(fin) == 3 and fin[0]["cached_tokens"] == 0 and all(r["cached_tokens"] >= 32 for r in fin[1:])
+    assert sum(r["cached_tokens"] for r in fin) == rep["prefix_cache"]["hit_tokens"]
+    assert all(r["ttft_ms"] > 0 for r in fin)
+
+
+def test_kv_inspect_text_and_tiers_json(capsys):
+    _needs_bundled()
+    assert main(["kv-inspect", "--device", "cpu", "--num-requests", "2", "--system-tokens", "24", "--max-tokens", "2",
+                 "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "hit rate" in out and "block map now" in out and "req-1" in out
+    rc = main(["kv-inspect", "--tiers", "--device", "cpu", "--prompt-tokens", "120", "--max-tokens", "2",
+               "--window", "16", "--warm-tokens", "32", "--budget", "16", "--calibration-docs", "1", "--json"])
+    assert rc == 0
+    rep = json.loads(capsys.readouterr().out)
+    n = rep["length"]
+    assert n == 121 and all(r["hot"] + r["warm"] + r["cold"] == n for r in rep["layers"])
+    assert rep["calibration"]["tokens"] > 0 and len(rep["zone_map"][0]) == n
+
+
+def test_kv_inspect_bad_tier_config_is_one_line(capsys):
+    assert main(["kv-inspect", "--tiers", "--budget", "24"]) == 2
+    err = capsys.readouterr().err
+    assert "'budget'" in err and err.strip().count("\n") == 0
+
+
+def test_prefix_bench_json(capsys):
+    _needs_bundled()
+    rc = main(["prefix-bench", "--device", "cpu", "--num-requests", "3", "--rounds", "1", "--system-tokens", "48",
+               "--max-tokens", "2", "--unique-prompt-tokens", "16", "--json"])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    s = res["shared_prefix"]
+    assert s["identical_greedy_tokens"] and res["no_sharing"]["identical_greedy_tokens"]
+    assert 0 < s["hit_rate"] < 1 and s["on"]["ttft_ms_p50"] > 0

@@ -22,6 +22,8 @@ BUNDLED_WEIGHTS = ROOT / "data" / "reference-model" / "model.safetensors"
 EXPECTED_KEYS = {
     "00_tour": {"ttft_ms_p50", "tpot_ms_p50", "itl_ms_p99", "decode_tokens_per_s_p50", "step_ms_plain",
                 "hook_overhead_pct", "greedy_token_agreement", "bench_decode_speedup"},
+    "02_kv_tiers": {"ttft_p50_reduction", "hit_rate", "bookkeeping_cost", "identical_greedy_tokens",
+                    "best_tier_reduction", "best_tier_rel_ppl"},
 }
 
 

@@ -50,3 +50,10 @@ def test_environment_yml_mirrors_pyproject():
                    "plotly", "pandas", "papermill", "tqdm"):
         assert any(n == needed for n in names), needed
     assert "nbval" in project["optional-dependencies"]["dev"][2]
+
+
+def test_every_subpackage_is_packaged():
+    """A non-editable install ships only the packages pyproject lists."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "workbench").rglob("__init__.py")}
+    assert found <= listed, f"pyproject.toml [tool.setuptools] packages lacks {sorted(found - listed)}"

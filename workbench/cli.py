@@ -1,4 +1,4 @@
-"""``workbench`` command line: generate, bench, run-notebooks, info.
+"""``workbench`` command line: generate, bench, run-notebooks, info, kv-inspect, prefix-bench.
 
 argparse lives only here; each subcommand calls a plain function with the same parameters.
 A :class:`WorkbenchError` is printed as one line and the exit status is 2 (no traceback).
@@ -112,6 +112,60 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_kv_inspect(args) -> int:
+    """Paged: a shared-prefix workload through the prefix cache, then the pool's report.
+    --tiers: one long prompt through the hot / warm / cold cache, then its zone report."""
+    from .kv.inspect import inspect_paged_workload, inspect_tiered_workload
+    from .kv.view import format_report
+
+    progress = not args.json and not args.quiet
+    if args.tiers:
+        from .kv.tier_config import TierConfig
+
+        block = args.block or -(-16 // args.chunk) * args.chunk    # a multiple of chunk, >= 16
+        tier = TierConfig(window=args.window, sink=args.sink, rank=args.rank, warm_tokens=args.warm_tokens,
+                          chunk=args.chunk, block=block, budget=args.budget, value_format=args.value_format,
+                          key_space=args.key_space, cold_mode=args.cold_mode)
+        rep = inspect_tiered_workload(tier, model=args.model, prompt=args.prompt[0] if args.prompt else None,
+                                      prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
+                                      calibration_docs=args.calibration_docs, device=args.device, dtype=args.dtype,
+                                      progress=progress)
+    else:
+        rep = inspect_paged_workload(model=args.model, prompts=args.prompt, num_requests=args.num_requests,
+                                     system_tokens=args.system_tokens, max_tokens=args.max_tokens,
+                                     block_size=args.block_size, num_blocks=args.num_blocks, offload=args.offload,
+                                     enable_prefix_caching=not args.no_prefix_caching, device=args.device,
+                                     dtype=args.dtype, progress=progress)
+    if args.json:
+        print(json.dumps(rep, indent=1))
+        return 0
+    print(format_report(rep, width=args.width))
+    if args.tiers:
+        w, cal = rep["workload"], rep["calibration"]
+        print(f"workload: {w['prompt_tokens']} prompt tokens ({w['prompt_source']}) + {w['generated_tokens']} "
+              f"generated, TTFT {w['ttft_ms']:.1f} ms" + (
+                  f"; PCA basis from {len(cal['documents'])} calibration documents ({cal['tokens']} tokens), "
+                  f"{cal['explained_variance_at_rank']:.1%} of {cal['key_space']} key variance at rank "
+                  f"{rep['config']['rank']}" if cal else ""))
+    else:
+        ttft = [r["ttft_ms"] for r in rep["finished"] if r.get("ttft_ms") is not None]
+        if ttft:
+            print("TTFT per request (ms): " + " ".join(f"{t:.1f}" for t in ttft))
+    return 0
+
+
+def cmd_prefix_bench(args) -> int:
+    from .kv.prefix_bench import PrefixBenchConfig, format_prefix_bench, run_prefix_bench
+
+    cfg = PrefixBenchConfig(num_requests=args.num_requests, system_tokens=args.system_tokens,
+                            max_tokens=args.max_tokens, block_size=args.block_size,
+                            unique_prompt_tokens=args.unique_prompt_tokens, rounds=args.rounds, seed=args.seed)
+    res = run_prefix_bench(args.model, cfg, device=args.device, dtype=args.dtype,
+                           progress=not args.json and not args.quiet)
+    print(json.dumps(res, indent=2) if args.json else format_prefix_bench(res))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="workbench", description="The LLM-inference workbench.")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -156,6 +210,52 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--model", default=None, help="Hugging Face–format folder, preset:<name>, or omit for the bundled model")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_info)
+
+    k = sub.add_parser("kv-inspect", help="run a small workload on the paged (or --tiers: tiered) KV cache and "
+                                          "show what is inside: blocks, prefix hits and misses, zones")
+    _add_model_args(k)
+    k.add_argument("--prompt", action="append", help="prompt text (repeatable; default: the prefix bench's "
+                                                     "shared-prefix workload; with --tiers: the long prompt)")
+    k.add_argument("--num-requests", type=int, default=8, help="requests in the default shared-prefix workload")
+    k.add_argument("--system-tokens", type=int, default=256, help="length of its shared system prompt (tokens)")
+    k.add_argument("--max-tokens", type=int, default=8, help="new tokens per request (greedy, EOS ignored)")
+    k.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    k.add_argument("--num-blocks", type=int, default=None, help="blocks in the pool (default: room for the "
+                                                                "prompts; make it small to see evictions)")
+    k.add_argument("--offload", choices=["host", "disk"], default=None, help="tier for evicted cached blocks")
+    k.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    k.add_argument("--width", type=int, default=64, help="blocks per line of the text block map")
+    t = k.add_argument_group("tiered cache (--tiers)")
+    t.add_argument("--tiers", action="store_true", help="inspect the hot / warm / cold cache instead")
+    t.add_argument("--prompt-tokens", type=int, default=512, help="length of the default long prompt")
+    t.add_argument("--window", type=int, default=128, help="recent tokens kept hot")
+    t.add_argument("--sink", type=int, default=4, help="first tokens kept hot")
+    t.add_argument("--rank", type=int, default=8, help="PCA rank of warm keys")
+    t.add_argument("--warm-tokens", type=int, default=None, help="warm tokens before chunks turn cold (default: no cold zone)")
+    t.add_argument("--chunk", type=int, default=16, help="tokens per cold chunk")
+    t.add_argument("--block", type=int, default=None, help="routing block, a multiple of --chunk (default 16 rounded up)")
+    t.add_argument("--budget", type=int, default=None, help="tokens fetched exactly per step, layer and KV head")
+    t.add_argument("--value-format", choices=["full", "int8"], default="full")
+    t.add_argument("--key-space", choices=["post_rope", "pre_rope"], default="post_rope")
+    t.add_argument("--cold-mode", choices=["mean", "drop"], default="mean", help="drop: the sliding-window control")
+    t.add_argument("--calibration-docs", type=int, default=2, help="held-out calibration documents for the PCA basis")
+    k.add_argument("--json", action="store_true", help="print the report as JSON")
+    k.add_argument("--quiet", action="store_true", help="no progress bar")
+    k.set_defaults(func=cmd_kv_inspect)
+
+    pb = sub.add_parser("prefix-bench", help="prefix cache on vs off, same model, same run: TTFT, hit rate, "
+                                             "miss reasons, bookkeeping cost")
+    _add_model_args(pb)
+    pb.add_argument("--num-requests", type=int, default=50)
+    pb.add_argument("--system-tokens", type=int, default=900, help="length of the shared system prompt (tokens)")
+    pb.add_argument("--max-tokens", type=int, default=16, help="new tokens per request")
+    pb.add_argument("--block-size", type=int, default=16)
+    pb.add_argument("--unique-prompt-tokens", type=int, default=256, help="prompt length of the no-sharing workload")
+    pb.add_argument("--rounds", type=int, default=2, help="on/off alternations per workload")
+    pb.add_argument("--seed", type=int, default=0)
+    pb.add_argument("--json", action="store_true", help="print a JSON object instead of the table")
+    pb.add_argument("--quiet", action="store_true", help="no progress bar")
+    pb.set_defaults(func=cmd_prefix_bench)
     return ap
 
 

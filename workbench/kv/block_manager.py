@@ -87,6 +87,10 @@ class BlockManager:
         """Blocks a request can get now: free plus evictable cached."""
         return len(self._free) + len(self._evictable)
 
+    def seq_ids(self) -> list[str]:
+        """Ids of the sequences holding blocks now."""
+        return list(self._seqs)
+
     def __contains__(self, seq_id: str) -> bool:
         return seq_id in self._seqs
 

@@ -90,6 +90,7 @@ class PagedKVPool:
         # Wall time spent in block-manager calls (allocate, append_slot, commit, free, restore):
         # the bookkeeping cost of paging and prefix caching, measured directly.
         self.manager_seconds = 0.0
+        self.admissions: dict[str, dict] = {}   # live seq id -> allocation, restored blocks, evictions
 
     def _notify(self, event: str, seq_id: str) -> None:
         for fn in self.listeners:
@@ -115,9 +116,11 @@ class PagedKVPool:
     def _spill(self, block_id: int, block_hash: int, tokens: tuple) -> None:
         self.offload.put(block_hash, tokens, self.read_block(block_id))
 
-    def _restore(self, token_ids: list[int]) -> None:
-        for block_id, block_hash, tokens in self.manager.restore_prefix(token_ids, self.offload.holds):
+    def _restore(self, token_ids: list[int]) -> int:
+        restored = self.manager.restore_prefix(token_ids, self.offload.holds)
+        for block_id, block_hash, tokens in restored:
             self.write_block(block_id, self.offload.get(block_hash, tokens, self.device))
+        return len(restored)
 
     def reset(self) -> None:
         """Forget every block (cached prefixes included); the tensors stay allocated."""
@@ -146,9 +149,8 @@ class PagedKVPool:
         """Allocate the prompt's blocks (reusing cached prefix blocks); returns the sequence's
         cache view, positioned after the reused tokens, and the block manager's allocation.
         With an offload tier, evicted prefix blocks it still holds are copied back first."""
-        t0 = time.perf_counter()
-        if self.offload is not None:
-            self._restore(token_ids)
+        t0, evictions = time.perf_counter(), self.manager.stats.evictions
+        restored = self._restore(token_ids) if self.offload is not None else 0
         alloc = self.manager.allocate(seq_id, token_ids)
         self.manager_seconds += time.perf_counter() - t0
         if alloc is None:
@@ -160,6 +162,9 @@ class PagedKVPool:
                 f"{self.num_blocks} blocks of {self.block_size} tokens); give the pool more blocks "
                 "(PagedKVConfig.num_blocks / kv_cache_bytes)")
         self.copy_blocks(self.manager.take_copies())
+        # What admitting this request did, for inspectors (kept until the request ends).
+        self.admissions[seq_id] = {"allocation": alloc, "restored_blocks": restored,
+                                   "evictions": self.manager.stats.evictions - evictions}
         self._notify("begin", seq_id)
         return PagedSequenceCache(self, seq_id, alloc.num_cached_tokens), alloc
 
@@ -186,6 +191,7 @@ class PagedKVPool:
         try:
             self._notify("end", seq_id)
         finally:
+            self.admissions.pop(seq_id, None)
             t0 = time.perf_counter()
             self.manager.free(seq_id)
             self.manager_seconds += time.perf_counter() - t0

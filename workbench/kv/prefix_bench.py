@@ -83,11 +83,13 @@ def _run(llm: LLM, prompts, params) -> dict:
 
 def run_prefix_bench(model=None, cfg: PrefixBenchConfig | None = None, device=None, dtype=None,
                      progress: bool = True) -> dict:
-    """Both workloads, cache on vs off.  Returns a JSON-ready dict (see the module docstring)."""
+    """Both workloads, cache on vs off.  ``model``: a path / preset / None (bundled) or a loaded
+    :class:`~workbench.engine.LLM` (its model and tokenizer are reused).  Returns a JSON-ready
+    dict (see the module docstring)."""
     from tqdm.auto import tqdm
 
     cfg = cfg or PrefixBenchConfig()
-    base = LLM(model, device=device, dtype=dtype)
+    base = model if isinstance(model, LLM) else LLM(model, device=device, dtype=dtype)
     if base.tokenizer is None:
         raise ConfigError("prefix bench needs a model with a tokenizer (the prompts are text)")
     system, shared = shared_prefix_prompts(base.tokenizer, cfg)

@@ -1,0 +1,416 @@
+"""kv-inspect: what is inside the KV cache of a running or finished generation, as plain data.
+
+Every function returns JSON-ready dicts (ints, floats, strings, lists); :mod:`workbench.kv.view`
+turns them into text, figures and a live widget.  ::
+
+    llm = LLM(kv=PagedKVConfig(block_size=16))
+    insp = KVInspector(llm)                 # listens to the pool: keeps a record per finished request
+    llm.generate(prompts, params)
+    report(llm, insp)                       # pool, block map, prefix-cache stats, live + finished sequences
+    insp.frame()                            # finished requests as a DataFrame
+
+    llm = LLM(tiers=TierConfig(...), tier_basis=basis)
+    llm.generate([long_prompt], params)
+    tier_report(llm.last_cache)             # zones per layer, key norms per zone, bytes, zone map
+    tier_frame(llm.last_cache)
+
+**Paged mode** reads the block manager: ``block_states()`` per physical block (free / owned /
+shared / cached), its counters (:class:`~workbench.kv.block_manager.KVStats`), block tables of
+the live sequences, the offload tier's counters and the pool's bookkeeping time.  What a request
+reused and why it missed are known when its prompt is allocated: the pool keeps each live
+request's :class:`~workbench.kv.block_manager.Allocation` (and the blocks its admission
+restored from the offload tier or evicted) in ``pool.admissions``, which :class:`KVInspector`
+copies at the ``"begin"`` event.
+
+**Tiered mode** reads a :class:`~workbench.kv.tiers.TieredKVCache` at its current length ``n``,
+i.e. as its last query (position ``n - 1``) sees it.  Per layer and sequence (batch rows share
+the zone arithmetic of :mod:`~workbench.kv.tier_config`):
+
+* ``hot`` / ``warm`` / ``cold``: tokens per zone (``hot + warm + cold == n``);
+* ``dropped``: cold tokens with ``cold_mode="drop"`` (evicted: neither attended nor fetchable);
+* ``offloaded``: tokens whose full-precision K/V lives *only* in the offload tier, i.e. every
+  token that is not hot and not dropped (``warm + cold`` with ``cold_mode="mean"``);
+* ``fetched``: offloaded tokens that routing fetched back exactly for the last query, per KV
+  head (routing picks blocks per head; the table shows the mean and max over heads).
+
+Key L2 norms per zone, from the cache's own tensors: full-precision keys of hot tokens, PCA
+reconstructions of warm keys (with the full keys' norm and the relative reconstruction error
+next to them), and the chunk-mean keys of cold chunks - each over tokens (or chunks), KV heads
+and batch rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+
+import torch
+
+from ..errors import WorkbenchError
+from .tier_config import zone_masks
+
+PAGED_STATES = ("free", "owned", "shared", "cached")
+TIER_ZONES = ("hot", "warm", "cold", "fetched", "dropped")
+# One character per state: compact block maps in records and in text reports.
+CHARS = {"free": ".", "owned": "o", "shared": "S", "cached": "c",
+         "hot": "H", "warm": "w", "cold": "C", "fetched": "F", "dropped": "x"}
+
+
+# ---- paged pool ---------------------------------------------------------------------------------
+def live_sequences(manager) -> list[str]:
+    """Ids of the sequences holding blocks now."""
+    return manager.seq_ids()
+
+
+def sequence_record(manager, seq_id: str, alloc: dict | None = None) -> dict:
+    """One live sequence: tokens with KV slots, committed tokens, block table, and (when known
+    from ``alloc``) prompt tokens, reused tokens and the miss reason."""
+    table = manager.block_table(seq_id)
+    rec = {"seq_id": seq_id, "tokens": manager.num_tokens(seq_id), "committed": manager.num_committed(seq_id),
+           "num_blocks": len(table), "block_table": table,
+           "shared_blocks": sum(manager.blocks[b].ref_count > 1 for b in table)}
+    rec.update({k: None if alloc is None else alloc[k]    # unknown without an inspector's allocation record
+                for k in ("prompt_tokens", "cached_tokens", "reuse_ratio", "miss_reason", "restored_blocks",
+                          "evictions")})
+    return rec
+
+
+def pool_report(pool, allocations: dict | None = None, finished=None) -> dict:
+    """Everything about a :class:`~workbench.kv.paged.PagedKVPool` now (JSON-ready).
+
+    ``allocations``: seq id -> what its allocation did (kept by :class:`KVInspector`; without
+    it the live sequences' reuse is unknown and reported as None).  ``finished``: records of
+    finished requests to include as ``"finished"``.
+    """
+    m, lay = pool.manager, pool.layout
+    states = m.block_states()
+    counts = {s: states.count(s) for s in PAGED_STATES}
+    owners: dict[int, list[str]] = {}
+    seqs = []
+    for sid in live_sequences(m):
+        seqs.append(sequence_record(m, sid, (allocations or {}).get(sid)))
+        for b in seqs[-1]["block_table"]:
+            owners.setdefault(b, []).append(sid)
+    st = m.stats
+    off = pool.offload
+    return {
+        "mode": "paged",
+        "num_blocks": m.num_blocks, "block_size": m.block_size, "blocks": counts,
+        "bytes": {"pool_tensors": pool.nbytes(), "per_block": lay.bytes_per_block,
+                  "per_token": lay.bytes_per_token, "in_use": (counts["owned"] + counts["shared"]) * lay.bytes_per_block,
+                  "cached": counts["cached"] * lay.bytes_per_block, "dtype_bytes": lay.dtype_bytes},
+        "layout": dataclasses.asdict(lay),
+        "block_states": states,
+        "block_owners": {str(b): o for b, o in sorted(owners.items())},
+        "prefix_cache": {"enabled": m.enable_prefix_caching, "eviction": m.eviction,
+                         "hit_rate": st.hit_rate, "hit_tokens": st.hit_tokens, "prompt_tokens": st.prompt_tokens,
+                         "requests": st.requests, "full_hits": st.full_hits, "partial_hits": st.partial_hits,
+                         "miss_reasons": dict(st.misses), "evictions": st.evictions, "cow_copies": st.cow_copies,
+                         "restored_blocks": st.restored_blocks, "indexed_blocks": len(m.prefix_cache.index)},
+        "offload": None if off is None else {
+            "kind": off.kind, "capacity_blocks": off.capacity_blocks, "blocks_held": len(off),
+            "bytes_held": off.nbytes(), "stats": off.stats.as_dict()},
+        "manager_seconds": pool.manager_seconds,
+        "sequences": seqs,
+        "finished": list(finished) if finished is not None else [],
+    }
+
+
+class KVInspector:
+    """Subscribes to a paged pool's listeners; keeps what each request's allocation did while it
+    runs and a record of it when it ends (the last ``history`` requests).  ::
+
+        insp = KVInspector(llm)          # or KVInspector(llm.kv_pool)
+        ...generate...
+        insp.records[-1]                 # block table, tokens, reuse, miss reason of the last request
+        insp.report(); insp.frame(); insp.detach()
+
+    ``restored_blocks`` and ``evictions`` of a record count what admitting that request did.
+    With ``block_maps=True`` each record also keeps the pool's block states at the moment the
+    request ended (before its blocks were released), one character per block (:data:`CHARS`;
+    :func:`workbench.kv.view.text_block_map` lays it out).
+    """
+
+    def __init__(self, llm_or_pool, history: int = 256, block_maps: bool = True) -> None:
+        pool = getattr(llm_or_pool, "kv_pool", llm_or_pool)
+        if pool is None or not hasattr(pool, "listeners"):
+            raise WorkbenchError("KVInspector needs a paged engine: LLM(kv=PagedKVConfig(...)) "
+                                 "(this engine has no KV pool; use tier_report(llm.last_cache) for a tiered one)")
+        self.pool, self.block_maps = pool, block_maps
+        self.records: deque[dict] = deque(maxlen=history)
+        self.allocations: dict[str, dict] = {}      # live seq id -> what its allocation did
+        self._begin_time: dict[str, float] = {}
+        self._steps: dict[str, int] = {}
+        pool.listeners.append(self._on_event)
+
+    def detach(self) -> None:
+        if self._on_event in self.pool.listeners:
+            self.pool.listeners.remove(self._on_event)
+
+    def __enter__(self) -> "KVInspector":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    def _on_event(self, event: str, seq_id: str) -> None:
+        m = self.pool.manager
+        if event == "begin":
+            adm = self.pool.admissions[seq_id]
+            a = adm["allocation"]
+            self.allocations[seq_id] = {
+                "prompt_tokens": a.prompt_tokens, "cached_tokens": a.num_cached_tokens,
+                "reuse_ratio": a.num_cached_tokens / a.prompt_tokens,
+                "miss_reason": None if a.miss_reason is None else a.miss_reason.value,
+                "restored_blocks": adm["restored_blocks"], "evictions": adm["evictions"]}
+            self._begin_time[seq_id] = time.perf_counter()
+            self._steps[seq_id] = 0
+        elif event == "step":
+            self._steps[seq_id] = self._steps.get(seq_id, 0) + 1
+        elif event == "end":
+            rec = sequence_record(m, seq_id, self.allocations.pop(seq_id, None))
+            rec["steps"] = self._steps.pop(seq_id, 0)
+            t0 = self._begin_time.pop(seq_id, None)
+            rec["seconds"] = None if t0 is None else time.perf_counter() - t0
+            if self.block_maps:
+                rec["block_map"] = "".join(CHARS[x] for x in m.block_states())
+            self.records.append(rec)
+
+    def report(self) -> dict:
+        return pool_report(self.pool, self.allocations, self.records)
+
+    def frame(self):
+        """Finished requests, one row each (block tables as lists)."""
+        import pandas as pd
+
+        cols = ["seq_id", "prompt_tokens", "cached_tokens", "reuse_ratio", "miss_reason", "tokens", "committed",
+                "num_blocks", "shared_blocks", "restored_blocks", "evictions", "steps", "seconds", "block_table"]
+        return pd.DataFrame([{c: r.get(c) for c in cols} for r in self.records], columns=cols)
+
+
+# ---- tiered cache -------------------------------------------------------------------------------
+def _norm_stats(k: torch.Tensor) -> dict:
+    """Mean / max L2 norm over the last dim of k [..., hd] (None when empty)."""
+    if k.numel() == 0:
+        return {"mean": None, "max": None, "n": 0}
+    n = k.float().norm(dim=-1)
+    return {"mean": float(n.mean()), "max": float(n.max()), "n": int(n.numel())}
+
+
+def _fetched_tokens(cache, layer: int, n: int, routable: torch.Tensor) -> torch.Tensor | None:
+    """[B, nkv, n] bool: offloaded tokens routing fetched for the query at n-1, or None when no
+    routing ran.  Routing blocks of ``block`` tokens start at ``sink``; once a query has any
+    warm or cold token, every later call routes, so the last selection is the last query's."""
+    cfg = cache.cfg
+    sel = cache.last_selection.get(layer)
+    if sel is None or n <= cfg.sink:
+        return None
+    if sel.shape[-1] != -(-(n - cfg.sink) // cfg.block):
+        return None                                 # a selection for another length: not this query's
+    tok = sel[:, :, -1].repeat_interleave(cfg.block, dim=-1)[..., :n - cfg.sink]   # [B, nkv, n - sink]
+    tok = torch.nn.functional.pad(tok, (cfg.sink, 0), value=False)
+    return tok & routable.to(tok.device)
+
+
+@torch.no_grad()
+def tier_report(cache, zone_map: bool = True) -> dict:
+    """Zones, key norms, bytes and the per-position zone map of a TieredKVCache (JSON-ready;
+    definitions in the module docstring)."""
+    cfg, mc, n = cache.cfg, cache.model_cfg, cache.length
+    z = cache.zone_counts()
+    drop = cfg.cold_mode == "drop"
+    rep = {"mode": "tiered", "config": dataclasses.asdict(cfg), "config_name": cfg.name, "length": n,
+           "batch_size": cache.batch_size, "num_layers": mc.num_hidden_layers, "num_kv_heads": mc.num_key_value_heads,
+           "zones": {"hot": z.hot, "warm": z.warm, "cold": z.cold_tokens, "cold_chunks": z.cold_chunks,
+                     "dropped": z.cold_tokens if drop else 0,
+                     "offloaded": n - z.hot - (z.cold_tokens if drop else 0)},
+           "bytes": {"resident": cache.resident_bytes(), "full": cache.full_resident_bytes(),
+                     "basis": cache.basis_bytes() if z.warm else 0, "element_bytes": cfg.element_bytes,
+                     "fetched_last_step": float(cache.fetched_bytes_by_pos[n - 1]) if n else 0.0,
+                     "fetched_tokens_last_step": float(cache.fetched_tokens_by_pos[n - 1]) if n else 0.0}}
+    rep["bytes"]["reduction"] = rep["bytes"]["full"] / rep["bytes"]["resident"] if rep["bytes"]["resident"] else None
+    layers, zmap, fheads = [], [], []
+    if n:
+        m = zone_masks(n - 1, 1, cfg)
+        hot, warm, cold = m.hot[0], m.warm[0], m.cold[0]            # [n] bool, for the last query
+        routable = warm | (cold if not drop else torch.zeros_like(cold))
+        chunk_cold = m.chunk_cold[0]
+    for layer in range(mc.num_hidden_layers):
+        row = {"layer": layer, "hot": z.hot, "warm": z.warm, "cold": z.cold_tokens, "cold_chunks": z.cold_chunks,
+               "dropped": rep["zones"]["dropped"], "offloaded": rep["zones"]["offloaded"]}
+        if not n:
+            layers.append(row)
+            continue
+        K = cache.k[layer][:, :, :n]                                # [B, nkv, n, hd]
+        norms = {"hot": _norm_stats(K[:, :, hot])}
+        if z.warm:
+            norms["warm"] = _norm_stats(cache.k_hat[layer][:, :, :n][:, :, warm])
+            norms["warm_exact"] = _norm_stats(K[:, :, warm])
+            kw, kh = K[:, :, warm].float(), cache.k_hat[layer][:, :, :n][:, :, warm].float()
+            rel = (kw - kh).norm(dim=-1) / kw.norm(dim=-1).clamp_min(1e-12)
+            norms["warm_rel_error"] = float(rel.mean())
+        else:
+            norms["warm"] = norms["warm_exact"] = _norm_stats(K[:, :, :0])
+            norms["warm_rel_error"] = None
+        nC = int(chunk_cold.sum())
+        if nC and not drop:
+            lo = cfg.sink
+            chunks = K[:, :, lo:lo + nC * cfg.chunk].reshape(*K.shape[:2], nC, cfg.chunk, K.shape[-1]).mean(3)
+            norms["cold"] = _norm_stats(chunks)
+        else:
+            norms["cold"] = _norm_stats(K[:, :, :0])
+        f = _fetched_tokens(cache, layer, n, routable)
+        per_head = [0] * mc.num_key_value_heads if f is None else f.sum(-1).sum(0).tolist()   # summed over batch
+        row.update({"fetched": sum(per_head) / len(per_head) / cache.batch_size,
+                    "fetched_max_head": max(per_head) / cache.batch_size if per_head else 0,
+                    "fetched_by_head": per_head, "key_norms": norms})
+        layers.append(row)
+        if zone_map:
+            names = ["hot" if h else "dropped" if (c and drop) else "cold" if c else "warm"
+                     for h, c in zip(hot.tolist(), cold.tolist())]
+            heads = [0] * n if f is None else f[0].sum(0).tolist()  # batch row 0: KV heads fetching each token
+            zmap.append(["fetched" if k else s for s, k in zip(names, heads)])
+            fheads.append(heads)
+    rep["layers"] = layers
+    if zone_map:
+        rep["zone_map"] = zmap            # [layer][position] -> zone name (fetched by >= 1 KV head: "fetched")
+        rep["fetched_heads"] = fheads     # [layer][position] -> KV heads that fetched it (batch row 0)
+    return rep
+
+
+def tier_frame(cache_or_report):
+    """Per-layer table of a tier report: zone counts, fetched tokens, key norms per zone."""
+    import pandas as pd
+
+    rep = cache_or_report if isinstance(cache_or_report, dict) else tier_report(cache_or_report, zone_map=False)
+    rows = []
+    for r in rep["layers"]:
+        row = {k: r[k] for k in ("layer", "hot", "warm", "cold", "cold_chunks", "dropped", "offloaded")}
+        row["fetched"] = r.get("fetched", 0)
+        for zone in ("hot", "warm", "cold"):
+            s = r.get("key_norms", {}).get(zone, {})
+            row[f"|k| {zone} mean"], row[f"|k| {zone} max"] = s.get("mean"), s.get("max")
+        row["warm rel err"] = r.get("key_norms", {}).get("warm_rel_error")
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("layer")
+
+
+# ---- any engine ---------------------------------------------------------------------------------
+def report(llm, inspector: KVInspector | None = None) -> dict:
+    """The report for the engine's KV mode: paged (pool), tiered (live and last caches), or
+    contiguous (the reference: nothing paged or tiered to inspect, only sizes)."""
+    if llm.kv_pool is not None:
+        if inspector is not None and inspector.pool is llm.kv_pool:
+            return inspector.report()
+        return pool_report(llm.kv_pool)
+    if llm.tiers is not None:
+        return {"mode": "tiered", "config": dataclasses.asdict(llm.tiers), "config_name": llm.tiers.name,
+                "active": {rid: tier_report(c) for rid, c in llm.active_caches.items()},
+                "last": tier_report(llm.last_cache) if llm.last_cache is not None else None}
+    cfg = llm.model.config
+    elt = llm.model.lm_head.weight.element_size()
+    per_token = cfg.kv_bytes_per_token(elt)
+    return {"mode": "contiguous",
+            "message": "contiguous reference cache: one private [layers, 2, tokens, kv_heads, head_dim] tensor per "
+                       "request, freed when it ends; nothing paged or tiered to inspect (use LLM(kv=PagedKVConfig()) "
+                       "or LLM(tiers=TierConfig(...), tier_basis=...))",
+            "kv_bytes_per_token": per_token, "max_model_len": llm.max_model_len,
+            "bytes_full_context": per_token * llm.max_model_len, "element_bytes": elt}
+
+
+# ---- demonstration workloads (the CLI's kv-inspect) ---------------------------------------------
+def _bar(total: int, desc: str, progress: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not progress)
+
+
+def inspect_paged_workload(model=None, prompts=None, num_requests: int = 8, system_tokens: int = 256,
+                           max_tokens: int = 8, block_size: int = 16, num_blocks: int | None = None,
+                           offload: str | None = None, enable_prefix_caching: bool = True, device=None, dtype=None,
+                           progress: bool = False) -> dict:
+    """Run ``prompts`` (default: the prefix bench's shared-prefix workload, ``num_requests``
+    questions after a ``system_tokens``-token system prompt) one request at a time on a paged
+    engine, greedy; return the inspector's report plus each request's TTFT and output length."""
+    from ..engine import LLM
+    from ..errors import ConfigError
+    from ..sampling import SamplingParams
+    from .paged import PagedKVConfig
+
+    base = LLM(model, device=device, dtype=dtype)
+    default = prompts is None
+    if default:
+        if base.tokenizer is None:
+            raise ConfigError("kv-inspect: the default workload is text and this model has no tokenizer; "
+                              "pass a model folder with one")
+        from .prefix_bench import PrefixBenchConfig, shared_prefix_prompts
+
+        _, prompts = shared_prefix_prompts(base.tokenizer, PrefixBenchConfig(num_requests=num_requests,
+                                                                             system_tokens=system_tokens))
+    longest = max(len(base.encode(p)[1]) for p in prompts) + max_tokens
+    if num_blocks is None:
+        num_blocks = -(-longest // block_size) * 4 + 8      # as the prefix bench sizes its pool
+    kv = PagedKVConfig(block_size=block_size, num_blocks=num_blocks, offload=offload,
+                       enable_prefix_caching=enable_prefix_caching)
+    llm = LLM(base.model, tokenizer=base.tokenizer, kv=kv, max_model_len=base.max_model_len)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    with KVInspector(llm, history=max(256, len(prompts))) as insp:
+        outs = []
+        with _bar(len(prompts), "kv-inspect", progress) as bar:
+            for p in prompts:           # one at a time: each TTFT is its own prefill, no queueing
+                outs.append(llm.generate([p], params)[0])
+                bar.update()
+        rep = insp.report()
+    ttft = {o.request_id: o.metrics.ttft * 1e3 for o in outs}
+    for r in rep["finished"]:
+        r["ttft_ms"] = ttft.get(r["seq_id"])
+    llm.kv_pool.manager.check_invariants()
+    rep["workload"] = {"requests": len(prompts), "max_tokens": max_tokens,
+                       "prompts": "shared prefix (prefix bench)" if default else "given", "device": str(llm.device),
+                       "dtype": str(llm.model.lm_head.weight.dtype).removeprefix("torch.")}
+    return rep
+
+
+def inspect_tiered_workload(tier, model=None, prompt=None, prompt_tokens: int = 512, max_tokens: int = 8,
+                            calibration_docs: int = 2, device=None, dtype=None, progress: bool = False) -> dict:
+    """Fit a PCA basis on ``calibration_docs`` held-out calibration documents (never the
+    evaluation ones, see :func:`~workbench.kv.tier_eval.heldout_split`), run one long prompt
+    (default: the first ``prompt_tokens`` tokens of the first evaluation document) through a
+    tiered engine with :class:`~workbench.kv.tier_config.TierConfig` ``tier``, and return the
+    finished request's :func:`tier_report`."""
+    from ..engine import LLM
+    from ..errors import ConfigError
+    from ..sampling import SamplingParams
+    from .pca import fit_pca_from_model
+    from .tier_eval import heldout_split
+
+    base = LLM(model, device=device, dtype=dtype)
+    if base.tokenizer is None:
+        raise ConfigError("kv-inspect --tiers: calibration and the default prompt are text; this model has no tokenizer")
+    with _bar(3, "kv-inspect --tiers", progress) as bar:
+        split = heldout_split(base.tokenizer, context=min(1024, base.max_model_len))
+        if len(split["calibration"]) < calibration_docs or not split["evaluation"]:
+            raise ConfigError(f"kv-inspect --tiers: the held-out corpus has {len(split['calibration'])} calibration "
+                              f"documents of {min(1024, base.max_model_len)} tokens; asked for {calibration_docs}")
+        basis = None
+        if tier.has_warm:
+            basis = fit_pca_from_model(base.model, split["calibration"][:calibration_docs], key_space=tier.key_space,
+                                       source=f"heldout calibration: {', '.join(split['calibration_docs'][:calibration_docs])}")
+        bar.update()
+        if prompt is None:
+            ids = split["evaluation"][0][:prompt_tokens]
+        else:
+            ids = base.encode(prompt)[1]
+        llm = LLM(base.model, tokenizer=base.tokenizer, tiers=tier, tier_basis=basis, max_model_len=base.max_model_len)
+        bar.update()
+        out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0]
+        rep = tier_report(llm.last_cache)
+        bar.update()
+    rep["workload"] = {"prompt_tokens": len(ids), "generated_tokens": len(out.token_ids),
+                       "prompt_source": "text" if prompt is not None else split["evaluation_docs"][0],
+                       "ttft_ms": out.metrics.ttft * 1e3, "device": str(llm.device)}
+    rep["calibration"] = None if basis is None else {
+        "documents": split["calibration_docs"][:calibration_docs], "tokens": basis.num_tokens,
+        "key_space": basis.key_space, "explained_variance_at_rank": float(basis.explained(tier.rank).mean())}
+    return rep
