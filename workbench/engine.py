@@ -16,50 +16,24 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
+from .engine_types import RequestOutput, StreamEvent
 from .errors import ConfigError, WorkbenchError
 from .loader import BUNDLED_MODEL, load_model
 from .metrics import RequestMetrics, requests_frame, summarize
 from .model import CausalLM
+from .output import OutputProcessor
 from .sampling import SamplingParams, sample
-from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from .kv.paged import PagedKVConfig
     from .kv.tier_config import TierConfig
 
 Prompt = str | Sequence[int]
-
-
-@dataclass
-class StreamEvent:
-    """One generated token as it leaves the engine."""
-    request_id: str
-    index: int              # 0 for the first generated token
-    token_id: int
-    text: str               # new text released by this token ("" while a character or stop string is pending)
-    time: float             # perf_counter() when the token id reached the host
-    since_arrival: float    # seconds since the request arrived
-    finished: bool = False
-    finish_reason: str | None = None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str | None = ""
-    finish_reason: str | None = None   # "stop" (EOS or stop string) or "length"
-    stop_reason: str | int | None = None  # the stop string or EOS id that ended it
-    metrics: RequestMetrics | None = None
-    num_cached_tokens: int = 0            # prompt tokens served from the prefix cache (paged KV only)
-    prefix_miss_reason: str | None = None  # why the prefix cache did not serve more (paged KV only)
 
 
 class LLM:
@@ -181,46 +155,19 @@ class LLM:
 
     def _decode_loop(self, out: RequestOutput, ids: list[int], pos: int, cache, max_new: int,
                      params: SamplingParams, arrival: float) -> Iterator[StreamEvent]:
-        m, rid, pool = out.metrics, out.request_id, self.kv_pool
+        rid, pool = out.request_id, self.kv_pool
         gen = params.generator(self.device)
-        detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None
-        stops, hold = params.stop, max((len(s) for s in params.stop), default=1) - 1
-        emitted = 0  # characters of detok.text already released to the caller
-
+        proc = OutputProcessor(out, params, self.tokenizer, self.eos_token_ids, max_new)
         x = torch.tensor([ids[pos:]], device=self.device)   # after a prefix hit: only the rest
-        for i in range(max_new):
+        while True:
             logits = self.model(x, pos, cache, logits_to_keep=1)[0, -1]
             token = int(sample(logits, params, gen))   # .item(): waits for the device
-            now = time.perf_counter()
-            if i == 0:
-                m.first_token_time = now
-            m.token_times.append(now)
             pos += x.shape[1]
-            out.token_ids.append(token)
             if pool is not None:
                 pool.commit(rid, pos)
-
-            finish = None
-            if not params.ignore_eos and token in self.eos_token_ids:
-                finish, out.stop_reason = "stop", token
-            if detok is not None:
-                detok.push(token)
-                if stops and finish is None:
-                    cut = _find_stop(detok.text, stops, emitted, params.include_stop_str_in_output)
-                    if cut is not None:
-                        finish, out.stop_reason = "stop", cut[1]
-                        detok.text = detok.text[:cut[0]]
-            if finish is None and i == max_new - 1:
-                finish = "length"
-            text = ""
-            if detok is not None:
-                release = len(detok.text) if finish else max(emitted, len(detok.text) - hold)
-                text, emitted = detok.text[emitted:release], release
-            if finish:
-                out.finish_reason, out.text = finish, (detok.text if detok else None)
-                m.finished_time = time.perf_counter()
-            yield StreamEvent(rid, i, token, text, now, now - arrival, finish is not None, finish)
-            if finish:
+            event = proc.push(token, time.perf_counter())
+            yield event
+            if event.finished:
                 return
             if pool is not None:
                 pool.reserve(rid, token)
@@ -255,13 +202,3 @@ class LLM:
 
 def _reason_name(reason) -> str | None:
     return None if reason is None else getattr(reason, "value", str(reason))
-
-
-def _find_stop(text: str, stops: list[str], emitted: int, include: bool) -> tuple[int, str] | None:
-    """Earliest stop string in the not-yet-released text: (cut position, stop string)."""
-    best = None
-    for s in stops:
-        j = text.find(s, max(0, emitted - len(s) + 1))
-        if j >= 0 and (best is None or j < best[0]):
-            best = (j + len(s) if include else j, s)
-    return best

@@ -135,6 +135,11 @@ class BlockManager:
             reason = pc.miss_reason(hashes[i - 1] if i else None, hashes[i], token_ids[i * B:(i + 1) * B])
         return hits, hashes, reason
 
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """Prompt tokens :meth:`allocate` would reuse now (no state change): for prefix-aware
+        ordering of waiting requests."""
+        return len(self._match(list(token_ids))[0]) * self.block_size
+
     def can_allocate(self, num_tokens: int, token_ids: list[int] | None = None) -> AllocStatus:
         """Would a prompt of ``num_tokens`` tokens fit? Pass ``token_ids`` (the prompt) to count
         prefix-cache hits, which need no new block; :meth:`allocate` agrees exactly."""

@@ -1,0 +1,177 @@
+"""The model side of the batched engine: one forward over every scheduled token of a step.
+
+All tokens of a step (prefill chunks and decode tokens of many sequences) are packed into one
+``[N, hidden]`` matrix, so every position-wise module (norms, q/k/v/o projections, the MLP, the
+LM head) runs once per step for the whole batch.  Attention is the only part that needs to
+know which token belongs to which sequence: each token's K/V is written to its slot of the
+paged pool, then every sequence's queries attend over its own context, gathered through its
+block table into a padded ``[B, nkv, S_max, hd]`` batch with a mask.
+
+**Batch invariance.**  Continuous batching must not change what a request generates: the
+same greedy tokens alone, in a batch, with chunked prefill or after preemption.  Two things
+break that on a CPU in float32 (measured in the scheduler notebook):
+
+* a matrix multiply with few rows (M < 16) takes a different kernel than with many, so the
+  same row gets a different rounding — fixed here by padding the packed tokens to at least
+  ``MIN_ROWS`` rows, which keeps every row on the same kernel;
+* attention's reductions run over a length that depends on padding and chunking — fixed by
+  computing attention in float64 and rounding to the model's dtype: the reduction order then
+  changes only bits far below float32's precision.
+
+Both cost time, so ``batch_invariant=False`` switches them off (plain SDPA, no padding) for
+speed studies; on a GPU in bf16 it is off by default.  The module calls go through the
+model's own modules (``layer.mlp(...)``, ``attn.q_proj(...)``), so per-op backends and
+quantized layers applied to the model are used here too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..kv.paged import PagedKVPool
+from ..model import CausalLM, rotate_half
+from .scheduler import ScheduledSeq, SwapIn, SwapOut
+
+MIN_ROWS = 16
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, pool: PagedKVPool, batch_invariant: bool | None = None) -> None:
+        self.model, self.pool = model, pool
+        cfg = model.config
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.window = cfg.sliding_window
+        self.device = model.device
+        dtype = model.lm_head.weight.dtype
+        self.batch_invariant = (self.device.type == "cpu" and dtype == torch.float32) \
+            if batch_invariant is None else batch_invariant
+        self.swap_space: dict[str, torch.Tensor] = {}   # seq id -> KV [L, 2, n, nkv, hd] on the host
+
+    # ---- preemption by swapping ------------------------------------------------------------
+    def _gather(self, block_table: list[int], start: int, end: int, layer: int):
+        B = self.pool.block_size
+        slots = torch.tensor([block_table[p // B] * B + p % B for p in range(start, end)], device=self.device)
+        k = self.pool.k_cache[layer].view(-1, self.nkv, self.hd)
+        v = self.pool.v_cache[layer].view(-1, self.nkv, self.hd)
+        return slots, k, v
+
+    def swap_out(self, s: SwapOut) -> None:
+        layers = []
+        for layer in range(len(self.pool.k_cache)):
+            slots, k, v = self._gather(s.block_table, 0, s.num_tokens, layer)
+            layers.append(torch.stack((k[slots], v[slots])))
+        pin = self.device.type == "cuda"
+        host = torch.stack(layers).to("cpu")
+        self.swap_space[s.seq.request_id] = host.pin_memory() if pin else host
+
+    def swap_in(self, s: SwapIn) -> None:
+        saved = self.swap_space.pop(s.seq.request_id).to(self.device)
+        table = self.pool.manager.block_table(s.seq.request_id)
+        for layer in range(len(self.pool.k_cache)):
+            slots, k, v = self._gather(table, s.num_cached, s.num_tokens, layer)
+            k[slots] = saved[layer, 0, s.num_cached:s.num_tokens]
+            v[slots] = saved[layer, 1, s.num_cached:s.num_tokens]
+
+    def drop_swap(self, request_id: str) -> None:
+        self.swap_space.pop(request_id, None)
+
+    # ---- the forward ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """Run the step; returns logits [k, vocab] for the sequences that sample (in order)."""
+        model, m, dev = self.model, self.pool.manager, self.device
+        tokens, positions, slots, rows_of = [], [], [], []
+        for s in scheduled:
+            end = s.start + s.num_tokens
+            rows_of.append(range(len(tokens), len(tokens) + s.num_tokens))
+            tokens += s.seq.tokens[s.start:end]
+            positions += range(s.start, end)
+            slots += m.slot_mapping(s.seq.request_id, s.start, end)
+        N = len(tokens)
+        pad = max(0, MIN_ROWS - N) if self.batch_invariant else 0
+        tok = torch.tensor(tokens + [0] * pad, device=dev)
+        pos = torch.tensor(positions + [0] * pad, device=dev)
+        slot_t = torch.tensor(slots, device=dev)
+        x = model.model.embed_tokens(tok)                                    # [N+pad, H]
+        cos, sin = model.model.rotary_emb(0, max(positions) + 1, dev, x.dtype)
+        cos, sin = cos[pos][:, None], sin[pos][:, None]                      # [N+pad, 1, hd]
+        batch = _AttentionBatch(self, scheduled, rows_of, N + pad)
+        for li, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(-1, self.nh, self.hd)
+            k = attn.k_proj(h).view(-1, self.nkv, self.hd)
+            v = attn.v_proj(h).view(-1, self.nkv, self.hd)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            self.pool.k_cache[li].view(-1, self.nkv, self.hd)[slot_t] = k[:N]
+            self.pool.v_cache[li].view(-1, self.nkv, self.hd)[slot_t] = v[:N]
+            o = batch.attend(li, q)                                          # [N+pad, nh, hd]
+            x = x + attn.o_proj(o.reshape(-1, self.nh * self.hd))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        last = [r[-1] for s, r in zip(scheduled, rows_of) if s.samples]
+        sel = x[torch.tensor(last, device=dev)]
+        if self.batch_invariant and len(last) < MIN_ROWS:                    # the LM head is a matmul too
+            sel = torch.cat([sel, sel.new_zeros(MIN_ROWS - len(last), sel.shape[1])])
+        return model.lm_head(model.model.norm(sel))[:len(last)]
+
+
+class _AttentionBatch:
+    """Per-step attention layout: sequences padded to [B, T_max] queries and [B, S_max] keys."""
+
+    def __init__(self, runner: ModelRunner, scheduled: list[ScheduledSeq], rows_of, total_rows: int) -> None:
+        self.r = runner
+        dev, m, Bsz = runner.device, runner.pool.manager, runner.pool.block_size
+        self.B = len(scheduled)
+        self.T = max(s.num_tokens for s in scheduled)
+        self.S = max(s.start + s.num_tokens for s in scheduled)
+        nblk = -(-self.S // Bsz)
+        tables = [m.block_table(s.seq.request_id)[:nblk] for s in scheduled]
+        self.tables = torch.tensor([t + [t[-1]] * (nblk - len(t)) for t in tables], device=dev)   # [B, nblk]
+        # query rows of the packed matrix, padded per sequence (-1: none)
+        qrows = torch.full((self.B, self.T), -1, dtype=torch.long)
+        for b, rows in enumerate(rows_of):
+            qrows[b, :len(rows)] = torch.tensor(list(rows))
+        self.qrows = qrows.to(dev)
+        starts = torch.tensor([s.start for s in scheduled], device=dev)
+        q_pos = starts[:, None] + torch.arange(self.T, device=dev)[None]                 # [B, T]
+        k_pos = torch.arange(self.S, device=dev)                                          # [S]
+        ends = starts + torch.tensor([s.num_tokens for s in scheduled], device=dev)
+        valid_q = self.qrows >= 0
+        mask = (k_pos[None, None] <= q_pos[..., None]) & (k_pos[None, None] < ends[:, None, None])
+        if runner.window is not None:
+            mask &= k_pos[None, None] > q_pos[..., None] - runner.window
+        mask &= valid_q[..., None]
+        mask[..., 0] |= ~valid_q          # padded query rows see one key: finite, then discarded
+        self.mask = mask[:, None]                                                         # [B, 1, T, S]
+        self.total_rows = total_rows
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        r = self.r
+        nh, nkv, hd = r.nh, r.nkv, r.hd
+        kc = r.pool.k_cache[layer][self.tables].reshape(self.B, -1, nkv, hd)[:, :self.S]   # [B, S, nkv, hd]
+        vc = r.pool.v_cache[layer][self.tables].reshape(self.B, -1, nkv, hd)[:, :self.S]
+        qb = q[self.qrows.clamp_min(0)].transpose(1, 2)                                     # [B, nh, T, hd]
+        k, v = kc.transpose(1, 2), vc.transpose(1, 2)                                       # [B, nkv, S, hd]
+        if r.batch_invariant:
+            out = _attention_fp64(qb, k, v, self.mask).to(q.dtype)
+        else:
+            out = F.scaled_dot_product_attention(qb, k, v, attn_mask=self.mask, enable_gqa=nh != nkv)
+        rows = out.transpose(1, 2)                                                          # [B, T, nh, hd]
+        packed = q.new_zeros(self.total_rows, nh, hd)
+        valid = self.qrows >= 0
+        packed[self.qrows[valid]] = rows[valid]
+        return packed
+
+
+def _attention_fp64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v in float64 (GQA by grouping query heads): rounding to
+    float32 afterwards makes the result independent of padding and chunking in practice."""
+    B, nh, T, hd = q.shape
+    nkv = k.shape[1]
+    g = nh // nkv
+    qg = q.double().view(B, nkv, g, T, hd)
+    s = qg @ k.double()[:, :, None].transpose(-1, -2) / hd ** 0.5                 # [B, nkv, g, T, S]
+    s = s.masked_fill(~mask[:, :, None], float("-inf"))
+    return (torch.softmax(s, dim=-1) @ v.double()[:, :, None]).view(B, nh, T, hd)

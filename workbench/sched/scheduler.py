@@ -1,0 +1,258 @@
+"""The scheduler: which sequences compute how many tokens in the next step.  Pure Python.
+
+Every step has a token budget (``max_num_batched_tokens``) shared by prefill and decode
+tokens, so prompts and generations mix in one batch (continuous batching).  Per step::
+
+    1. running sequences, highest priority first: reserve the slot of the token each one
+       computes next (preempting the lowest-priority running sequence when the pool is full),
+       then take min(remaining, budget) tokens (a decode token, or a prefill chunk);
+    2. swapped-out sequences come back when blocks allow (before any new admission);
+    3. waiting requests are admitted, highest (aged) priority first, then longest cached
+       prefix first (prefix-aware), then arrival order; a request that cannot get blocks may
+       preempt running requests of strictly lower priority; one that could never fit in the
+       pool is rejected with a reason.  With a micro-batch window, admission opens only once
+       the oldest waiting request has waited that long, so arrivals close in time are
+       admitted (and prefilled) together.
+
+The block manager (pure Python) is the only state shared with the model side; tensor work
+the decisions imply (swap copies) is listed in the :class:`SchedulerOutput` for the runner.
+Deterministic: the same calls with the same clock values give the same schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..kv.block_manager import AllocStatus, BlockManager
+from .config import SchedulerConfig
+from .sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int          # first position computed this step (== seq.num_computed at scheduling)
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Does this chunk reach the last known token (so a new token is sampled)?"""
+        return self.start + self.num_tokens == len(self.seq.tokens)
+
+
+@dataclass
+class SwapOut:
+    seq: Sequence
+    block_table: list[int]   # blocks holding its KV when it was preempted
+    num_tokens: int          # positions [0, num_tokens) to save
+
+
+@dataclass
+class SwapIn:
+    seq: Sequence
+    num_cached: int          # positions already in the pool again (prefix-cache hits)
+    num_tokens: int          # positions [num_cached, num_tokens) to restore
+
+
+@dataclass
+class SchedulerOutput:
+    step: int
+    now: float
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)     # by recompute
+    swapped_out: list[SwapOut] = field(default_factory=list)
+    swapped_in: list[SwapIn] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
+    rejected: list[tuple[Sequence, str]] = field(default_factory=list)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled if s.start < s.seq.prompt_len)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled if s.start >= s.seq.prompt_len)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, manager: BlockManager) -> None:
+        self.config, self.manager = config, manager
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self.swap_sizes: dict[str, int] = {}   # swapped seq id -> tokens of KV saved
+        self.step_no = 0
+        self._seq_no = 0
+        self.num_preemptions = 0
+        self.num_rejected = 0
+
+    # ---- requests in and out ----------------------------------------------------------------
+    def add(self, seq: Sequence) -> str | None:
+        """Queue a new sequence; returns a rejection reason instead when the queue is full."""
+        if len(self.waiting) >= self.config.max_queue_len:
+            self.num_rejected += 1
+            seq.status = SeqStatus.FINISHED
+            return f"queue full ({len(self.waiting)} waiting, max_queue_len={self.config.max_queue_len})"
+        self._seq_no += 1
+        seq.seq_no, seq.status = self._seq_no, SeqStatus.WAITING
+        self.waiting.append(seq)
+        return None
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence from whichever queue holds it and give its blocks back."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self.manager.free(seq.request_id)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SeqStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.swap_sizes.pop(seq.request_id, None)
+        seq.status = SeqStatus.FINISHED
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    # ---- ordering --------------------------------------------------------------------------
+    def effective_priority(self, seq: Sequence, now: float) -> float:
+        """Priority plus one per ``aging_s`` waited since arrival: waiting lifts a request above
+        later arrivals of higher priority eventually, which bounds starvation."""
+        aging = self.config.aging_s
+        return seq.priority + (max(0.0, now - seq.arrival_time) / aging if aging else 0.0)
+
+    def _victim(self, now: float, below: float | None = None) -> Sequence | None:
+        """The running sequence to preempt: lowest priority, latest arrival; only those with
+        base priority < ``below`` when given."""
+        pool = [s for s in self.running if below is None or s.priority < below]
+        return min(pool, key=lambda s: (s.priority, -s.seq_no)) if pool else None
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        out.scheduled = [s for s in out.scheduled if s.seq is not seq]
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and seq.num_computed > 0:
+            out.swapped_out.append(SwapOut(seq, self.manager.block_table(seq.request_id), seq.num_computed))
+            self.swap_sizes[seq.request_id] = seq.num_computed
+            seq.status = SeqStatus.SWAPPED
+            self.swapped.append(seq)
+        else:   # recompute: drop the KV (its committed blocks stay cached for a prefix hit later)
+            seq.num_computed = 0
+            seq.status = SeqStatus.WAITING
+            self.waiting.append(seq)
+            out.preempted.append(seq)
+        self.manager.free(seq.request_id)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self, now: float) -> SchedulerOutput:
+        self.step_no += 1
+        cfg, m = self.config, self.manager
+        out = SchedulerOutput(self.step_no, now)
+        budget = cfg.max_num_batched_tokens
+        left = lambda: cfg.max_num_batched_tokens - sum(s.num_tokens for s in out.scheduled)  # noqa: E731
+        order = lambda s: (-self.effective_priority(s, now), s.seq_no)  # noqa: E731
+
+        # 1. running sequences: slots for their next tokens, then their share of the budget
+        for seq in sorted(self.running, key=order):
+            if seq.status is not SeqStatus.RUNNING:
+                continue                                   # preempted earlier in this loop
+            while m.num_tokens(seq.request_id) < len(seq.tokens):
+                if m.append_slot(seq.request_id, seq.tokens[m.num_tokens(seq.request_id)]) is not None:
+                    continue
+                victim = self._victim(now)
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING or budget <= 0:
+                continue
+            n = self._chunk(seq, budget, bool(out.scheduled))
+            if n:
+                out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
+                budget -= n
+
+        budget = left()   # preempted sequences gave their share back
+        # 2. swapped sequences come back first, if nothing had to be preempted this step
+        if not out.swapped_out and not out.preempted:
+            for seq in sorted(self.swapped, key=order):
+                if len(self.running) >= cfg.max_num_seqs or m.can_allocate(len(seq.tokens), seq.tokens) \
+                        is not AllocStatus.OK:
+                    break
+                alloc = m.allocate(seq.request_id, seq.tokens)
+                saved = self.swap_sizes.pop(seq.request_id)
+                self.swapped.remove(seq)
+                out.swapped_in.append(SwapIn(seq, min(alloc.num_cached_tokens, saved), saved))
+                seq.num_computed, seq.status = saved, SeqStatus.RUNNING
+                self.running.append(seq)
+                n = self._chunk(seq, budget, bool(out.scheduled)) if budget > 0 else 0
+                if n:
+                    out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
+                    budget -= n
+
+        # 3. admissions, once the micro-batch window of the oldest waiting request has passed
+        if self.waiting and not self.swapped and self._window_open(now):
+            if cfg.prefix_aware:
+                cached = {s.request_id: m.cached_prefix_tokens(s.tokens) for s in self.waiting}
+                key = lambda s: (order(s)[0], -cached[s.request_id], s.seq_no)  # noqa: E731
+            else:
+                key = order
+            for seq in sorted(self.waiting, key=key):
+                if budget <= 0:
+                    break
+                if len(self.running) >= cfg.max_num_seqs and not self._make_room_by_priority(seq, now, out):
+                    break
+                status = m.can_allocate(len(seq.tokens), seq.tokens)
+                if status is AllocStatus.NEVER:
+                    self.waiting.remove(seq)
+                    seq.status = SeqStatus.FINISHED
+                    self.num_rejected += 1
+                    out.rejected.append((seq, f"needs {-(-len(seq.tokens) // m.block_size)} KV blocks, the pool "
+                                              f"has {m.num_blocks} (block size {m.block_size})"))
+                    continue
+                while status is AllocStatus.LATER and self._make_room_by_priority(seq, now, out, force=True):
+                    status = m.can_allocate(len(seq.tokens), seq.tokens)
+                budget = left()
+                if status is not AllocStatus.OK:
+                    break                                  # first come, first served: no overtaking
+                alloc = m.allocate(seq.request_id, seq.tokens)
+                self.waiting.remove(seq)
+                seq.num_computed, seq.status = alloc.num_cached_tokens, SeqStatus.RUNNING
+                seq.state["allocation"] = alloc
+                self.running.append(seq)
+                out.admitted.append(seq)
+                n = self._chunk(seq, budget, bool(out.scheduled))
+                if n:
+                    out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
+                    budget -= n
+        return out
+
+    def _chunk(self, seq: Sequence, budget: int, others: bool) -> int:
+        """Tokens of ``seq`` to compute within ``budget``: all that remain, or a prefill chunk.
+        Without chunked prefill a prompt larger than the budget runs alone in its step."""
+        n = seq.remaining
+        if n <= budget:
+            return n
+        if self.config.chunked_prefill:
+            return budget
+        return 0 if others else n
+
+    def _window_open(self, now: float) -> bool:
+        w = self.config.micro_batch_window_s
+        if w <= 0:
+            return True
+        free_slots = self.config.max_num_seqs - len(self.running)
+        oldest = min(s.arrival_time for s in self.waiting)
+        return now - oldest >= w or len(self.waiting) >= free_slots
+
+    def _make_room_by_priority(self, seq: Sequence, now: float, out: SchedulerOutput, force: bool = False) -> bool:
+        """Preempt one running sequence of strictly lower priority for ``seq``; False if none.
+        (``force``: also when the pool, not the sequence count, is what is short.)"""
+        if not self.config.priority_preemption:
+            return False
+        if not force and len(self.running) < self.config.max_num_seqs:
+            return True
+        victim = self._victim(now, below=seq.priority)
+        if victim is None:
+            return False
+        self._preempt(victim, out)
+        return True

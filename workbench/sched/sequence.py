@@ -1,0 +1,56 @@
+"""A request as the batched engine tracks it.
+
+``tokens`` holds every known token (prompt, then generated); ``num_computed`` counts those
+whose KV is in the pool.  The next step computes ``tokens[num_computed:]`` (a whole prompt, a
+prefill chunk, or the one token sampled last), so chunked prefill, decode, and recompute after
+preemption are the same operation: catch up ``num_computed`` with ``len(tokens)``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from ..engine_types import RequestOutput
+from ..sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"      # not admitted yet, or preempted by recompute (its KV was dropped)
+    RUNNING = "running"      # holds blocks in the pool
+    SWAPPED = "swapped"      # preempted by swapping: its KV waits in host memory
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    tokens: list[int]                 # prompt + generated so far
+    prompt_len: int
+    params: SamplingParams
+    priority: int = 0                 # higher runs first and may preempt lower
+    arrival_time: float = 0.0
+    max_new: int = 16                 # generation limit (max_tokens, clipped to the context)
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0             # tokens whose KV is in the pool
+    num_preemptions: int = 0
+    seq_no: int = 0                   # arrival order, the FCFS tie-break
+    output: RequestOutput | None = field(default=None, repr=False)
+    state: dict = field(default_factory=dict, repr=False)   # engine-side objects (generator, output processor)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def remaining(self) -> int:
+        """Tokens to compute before the next token can be sampled."""
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
