@@ -111,7 +111,9 @@ class ModelRunner:
             x = x + attn.o_proj(o.reshape(-1, self.nh * self.hd))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         last = [r[-1] for s, r in zip(scheduled, rows_of) if s.samples]
-        sel = x[torch.tensor(last, device=dev)]
+        if not last:                                                         # only prefill chunks this step
+            return x.new_zeros(0, model.config.vocab_size)
+        sel = x[torch.tensor(last, dtype=torch.long, device=dev)]
         if self.batch_invariant and len(last) < MIN_ROWS:                    # the LM head is a matmul too
             sel = torch.cat([sel, sel.new_zeros(MIN_ROWS - len(last), sel.shape[1])])
         return model.lm_head(model.model.norm(sel))[:len(last)]

@@ -121,10 +121,16 @@ class Scheduler:
         aging = self.config.aging_s
         return seq.priority + (max(0.0, now - seq.arrival_time) / aging if aging else 0.0)
 
-    def _victim(self, now: float, below: float | None = None) -> Sequence | None:
-        """The running sequence to preempt: lowest priority, latest arrival; only those with
-        base priority < ``below`` when given."""
-        pool = [s for s in self.running if below is None or s.priority < below]
+    def _victim(self, now: float, for_seq: Sequence | None = None) -> Sequence | None:
+        """The running sequence to preempt: lowest priority, latest arrival.  For a waiting
+        ``for_seq``, only sequences below it in base *and* aged priority (so an aged request
+        that was just admitted ahead of a younger high-priority one is not thrown out again)."""
+        if for_seq is None:
+            pool = self.running
+        else:
+            eff = self.effective_priority(for_seq, now)
+            pool = [s for s in self.running
+                    if s.priority < for_seq.priority and self.effective_priority(s, now) < eff]
         return min(pool, key=lambda s: (s.priority, -s.seq_no)) if pool else None
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -132,7 +138,13 @@ class Scheduler:
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        if self.config.preemption_mode == "swap" and seq.num_computed > 0:
+        back = next((x for x in out.swapped_in if x.seq is seq), None)
+        if back is not None:   # swapped in earlier in this step: cancel that; its KV is still on the host
+            out.swapped_in.remove(back)
+            self.swap_sizes[seq.request_id] = back.num_tokens
+            seq.status = SeqStatus.SWAPPED
+            self.swapped.append(seq)
+        elif self.config.preemption_mode == "swap" and seq.num_computed > 0:
             out.swapped_out.append(SwapOut(seq, self.manager.block_table(seq.request_id), seq.num_computed))
             self.swap_sizes[seq.request_id] = seq.num_computed
             seq.status = SeqStatus.SWAPPED
@@ -251,7 +263,7 @@ class Scheduler:
             return False
         if not force and len(self.running) < self.config.max_num_seqs:
             return True
-        victim = self._victim(now, below=seq.priority)
+        victim = self._victim(now, for_seq=seq)
         if victim is None:
             return False
         self._preempt(victim, out)
