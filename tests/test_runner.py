@@ -72,6 +72,42 @@ def test_run_records_failure_and_goes_on(tmp_path):
         assert text in report
 
 
+@pytest.mark.slow
+def test_sweep_runs_every_point_and_records_a_failed_one(tmp_path):
+    """A (window, rate)-style grid: one record and one sweep.csv row per point; the point that
+    raises keeps its row with its error and the others still run."""
+    src = """
+from workbench.results import save_results
+if rate == 3:
+    raise RuntimeError(f"point rate={rate} failed")
+if results_path:
+    save_results(results_path, {"product": a * rate, "a_seen": a})
+"""
+    nb = write_notebook(tmp_path / "grid.ipynb", src, parameters="results_path = None\na = 0\nrate = 0")
+    res = runner.run_notebooks([nb], out_dir=tmp_path / "run", timeout=120, progress=False,
+                               sweep={"a": [1, 2], "rate": [3, 5]})
+    recs = res["notebooks"]
+    assert [r["point"] for r in recs] == [{"a": 1, "rate": 3}, {"a": 1, "rate": 5}, {"a": 2, "rate": 3},
+                                          {"a": 2, "rate": 5}]
+    assert [r["status"] for r in recs] == ["failed", "ok", "failed", "ok"]
+    assert len({r["name"] for r in recs}) == 4 and all(r["name"].startswith("grid__a-") for r in recs)
+    table = pd.read_csv(res["sweep_csv"])
+    assert list(table["rate"]) == [3, 5, 3, 5] and list(table["status"]) == ["failed", "ok", "failed", "ok"]
+    ok = table[table["status"] == "ok"]
+    assert list(ok["product"]) == [5, 10] and list(ok["a_seen"]) == [1, 2]
+    assert table.loc[0, "error"].count("rate=3 failed") == 1
+    html = (tmp_path / "run" / "report.html").read_text()
+    assert "<h2>Sweep</h2>" in html and "rate=3 failed" in html
+
+
+def test_sweep_grid_and_labels():
+    assert runner.sweep_points(None) == [{}]
+    assert runner.sweep_points({"w": [0, 5], "q": ["a"]}) == [{"w": 0, "q": "a"}, {"w": 5, "q": "a"}]
+    assert runner.point_label({"window_ms": 2.5, "name": "a/b c"}) == "window_ms-2.5_name-abc"
+    with pytest.raises(ConfigError, match="'w'"):
+        runner.sweep_points({"w": []})
+
+
 def test_retry_once_on_kernel_start_error(tmp_path, monkeypatch):
     import papermill
 

@@ -136,7 +136,24 @@ def collect_results(records: list[dict]) -> dict:
             continue
         loaded[rec["name"]] = res
         rows += [{"notebook": rec["name"], "metric": k, "value": v} for k, v in res["metrics"].items()]
-    return {"metrics": pd.DataFrame(rows, columns=["notebook", "metric", "value"]), "notebooks": loaded}
+    out = {"metrics": pd.DataFrame(rows, columns=["notebook", "metric", "value"]), "notebooks": loaded}
+    if any(rec.get("point") for rec in records):
+        out["sweep"] = sweep_frame(records, loaded)
+    return out
+
+
+def sweep_frame(records: list[dict], loaded: dict) -> "pandas.DataFrame":  # noqa: F821
+    """One row per sweep point: notebook, the point's parameters, status, seconds, error, and
+    every metric its sidecar holds (empty for a failed point, which keeps its row)."""
+    import pandas as pd
+
+    rows = []
+    for rec in records:
+        metrics = loaded.get(rec["name"], {}).get("metrics", {})
+        rows.append({"notebook": rec.get("notebook", rec["name"]), **(rec.get("point") or {}),
+                     "status": rec["status"], "seconds": rec["seconds"], "error": rec.get("error") or "",
+                     **{k: v for k, v in metrics.items() if isinstance(v, (int, float, bool, str)) or v is None}})
+    return pd.DataFrame(rows)
 
 
 def environment(parameters: dict | None = None) -> dict:
@@ -176,7 +193,7 @@ def _kv_table(d: dict) -> str:
 
 
 def write_report(path: str | Path, records: list[dict], results: dict, parameters: dict | None = None,
-                 started=None, kernel: str | None = None) -> Path:
+                 started=None, kernel: str | None = None, sweep: dict | None = None) -> Path:
     """One self-contained HTML page: environment, notebook summary (status, seconds, links),
     metrics table, and each notebook's tables and figures (plotly.js inlined once)."""
     path = Path(path)
@@ -197,6 +214,10 @@ def write_report(path: str | Path, records: list[dict], results: dict, parameter
                      f"<td style='text-align:left'><pre>{_esc(rec.get('error') or '')}</pre></td></tr>")
     parts.append("</table>")
 
+    if "sweep" in results:
+        parts.append(f"<h2>Sweep</h2><p>Grid <code>{_esc(json.dumps(sweep or {}))}</code>: one row per point "
+                     "(a failed point keeps its row and its error).</p>")
+        parts.append(results["sweep"].to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep=""))
     metrics = results["metrics"]
     parts.append("<h2>Metrics</h2>")
     parts.append(metrics.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep="")

@@ -17,6 +17,7 @@ works offline: plotly.js is inlined once for all figures.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -161,13 +162,32 @@ def execute_one(nb: Path, output: Path, parameters: dict, timeout: int | None, k
 
 
 # ---- the run -----------------------------------------------------------------------------------
+def sweep_points(sweep: dict | None) -> list[dict]:
+    """The grid of a sweep: ``{"window_ms": [0, 5], "rate": [4, 8]}`` -> 4 points, in order."""
+    if not sweep:
+        return [{}]
+    for k, values in sweep.items():
+        if not isinstance(values, (list, tuple)) or not values:
+            raise ConfigError(f"sweep parameter {k!r}: expected a non-empty list of values, got {values!r}")
+    keys = list(sweep)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(sweep[k] for k in keys))]
+
+
+def point_label(point: dict) -> str:
+    """A file-name-safe label of a sweep point: ``window_ms-5_rate-4``."""
+    return "_".join(f"{k}-{re.sub(r'[^A-Za-z0-9.+-]+', '', str(v)) or 'x'}" for k, v in point.items())
+
+
 def run_notebooks(notebooks=None, parameters: dict | None = None, out_dir=None, timeout: int | None = 900,
-                  progress: bool = True, kernel_name: str | None = None) -> dict:
+                  progress: bool = True, kernel_name: str | None = None, sweep: dict | None = None) -> dict:
     """Execute notebooks one after another; returns {"run_dir", "report", "results_csv",
-    "notebooks": [{"name", "status", "seconds", "output", "error", ...}]}.
+    "notebooks": [{"name", "status", "seconds", "output", "error", "point", ...}]}.
 
     ``parameters`` go to every notebook (plus its own ``results_path``); ``timeout`` is per
-    cell, in seconds (None: no limit).
+    cell, in seconds (None: no limit).  ``sweep`` (``{name: [values]}``) runs every notebook
+    once per point of the grid, the point's values overriding ``parameters``; each point is
+    its own record (a failed point is recorded and the sweep goes on), and ``sweep.csv`` holds
+    one row per point with its parameters, status and metrics.
     """
     from tqdm.auto import tqdm
 
@@ -179,19 +199,24 @@ def run_notebooks(notebooks=None, parameters: dict | None = None, out_dir=None, 
     kernel = resolve_kernel(kernel_name)
     started = datetime.now(timezone.utc)
 
+    points = sweep_points(sweep)
+    if sweep and "results_path" in sweep:
+        raise ConfigError("run_notebooks: results_path cannot be swept")
     records, seen = [], set()
-    bar = tqdm(total=len(paths), desc="notebooks", unit="nb", disable=not progress, file=sys.stderr)
+    bar = tqdm(total=len(paths) * len(points), desc="notebooks", unit="nb", disable=not progress, file=sys.stderr)
     for nb in paths:
-        stem = nb.stem if nb.stem not in seen else f"{nb.stem}-{len(seen)}"
-        seen.add(stem)
-        bar.set_postfix_str(stem)
-        sidecar = run_dir / f"{stem}.results.json"
-        rec = execute_one(nb, run_dir / f"{stem}.ipynb", {**parameters, "results_path": str(sidecar)},
-                          timeout, kernel)
-        rec["name"] = stem
-        rec["results"] = str(sidecar) if sidecar.is_file() else None
-        records.append(rec)
-        bar.update()
+        for point in points:
+            stem = nb.stem + (f"__{point_label(point)}" if point else "")
+            stem = stem if stem not in seen else f"{stem}-{len(seen)}"
+            seen.add(stem)
+            bar.set_postfix_str(stem)
+            sidecar = run_dir / f"{stem}.results.json"
+            rec = execute_one(nb, run_dir / f"{stem}.ipynb", {**parameters, **point, "results_path": str(sidecar)},
+                              timeout, kernel)
+            rec["name"], rec["notebook"], rec["point"] = stem, nb.stem, dict(point)
+            rec["results"] = str(sidecar) if sidecar.is_file() else None
+            records.append(rec)
+            bar.update()
     bar.close()
 
     from .results import collect_results, write_report
@@ -199,7 +224,11 @@ def run_notebooks(notebooks=None, parameters: dict | None = None, out_dir=None, 
     results = collect_results(records)
     csv = run_dir / "results.csv"
     results["metrics"].to_csv(csv, index=False)
-    (run_dir / "summary.json").write_text(json.dumps(records, indent=2))
-    report = write_report(run_dir / "report.html", records, results, parameters=parameters, started=started,
-                          kernel=kernel)
-    return {"run_dir": str(run_dir), "report": str(report), "results_csv": str(csv), "notebooks": records}
+    out = {"run_dir": str(run_dir), "results_csv": str(csv), "notebooks": records}
+    if sweep:
+        out["sweep_csv"] = str(run_dir / "sweep.csv")
+        results["sweep"].to_csv(out["sweep_csv"], index=False)
+    (run_dir / "summary.json").write_text(json.dumps(records, indent=2, default=str))
+    out["report"] = str(write_report(run_dir / "report.html", records, results, parameters=parameters,
+                                     started=started, kernel=kernel, sweep=sweep))
+    return out

@@ -165,6 +165,14 @@ class Scheduler:
         left = lambda: cfg.max_num_batched_tokens - sum(s.num_tokens for s in out.scheduled)  # noqa: E731
         order = lambda s: (-self.effective_priority(s, now), s.seq_no)  # noqa: E731
 
+        # 0. without chunked prefill, a prompt larger than the budget takes a step of its own
+        #    (prefill first: the running streams stall for that step - what chunking avoids)
+        if not cfg.chunked_prefill:
+            big = next((s for s in sorted(self.running, key=order) if s.remaining > budget), None)
+            if big is not None:
+                out.scheduled.append(ScheduledSeq(big, big.num_computed, big.remaining))
+                return out
+
         # 1. running sequences: slots for their next tokens, then their share of the budget
         for seq in sorted(self.running, key=order):
             if seq.status is not SeqStatus.RUNNING:
@@ -240,7 +248,8 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int, others: bool) -> int:
         """Tokens of ``seq`` to compute within ``budget``: all that remain, or a prefill chunk.
-        Without chunked prefill a prompt larger than the budget runs alone in its step."""
+        Without chunked prefill a prompt larger than the budget waits for a step of its own
+        (step 0 of :meth:`schedule`)."""
         n = seq.remaining
         if n <= budget:
             return n
