@@ -66,6 +66,8 @@ def test_bench_json_reports_both_sides_and_their_ratio(capsys):
     (["generate", "--model", "preset:nope"], "unknown preset"),
     (["generate", "--model", "preset:tiny", "--temperature", "-1", "--token-ids", "1"], "temperature"),
     (["run-notebooks", "-p", "novalue"], "NAME=VALUE"),
+    (["run-notebooks", "--sweep", "window_ms"], "NAME=V1,V2"),
+    (["sched-bench", "--streams", "0"], "streams"),
 ])
 def test_errors_exit_2_with_one_line_and_no_traceback(args, needle):
     r = subprocess.run(CLI + args, capture_output=True, text=True, timeout=600)
@@ -82,7 +84,7 @@ def _needs_bundled():
         pytest.skip("bundled model weights not present")
 
 
-@pytest.mark.parametrize("sub", ["kv-inspect", "prefix-bench"])
+@pytest.mark.parametrize("sub", ["kv-inspect", "prefix-bench", "sched-bench", "serve", "load"])
 def test_help_kv_subcommands(sub, capsys):
     with pytest.raises(SystemExit) as e:
         main([sub, "--help"])
@@ -133,3 +135,17 @@ def test_prefix_bench_json(capsys):
     s = res["shared_prefix"]
     assert s["identical_greedy_tokens"] and res["no_sharing"]["identical_greedy_tokens"]
     assert 0 < s["hit_rate"] < 1 and s["on"]["ttft_ms_p50"] > 0
+
+
+def test_sched_bench_json(capsys):
+    _needs_bundled()
+    rc = main(["sched-bench", "--device", "cpu", "--experiments", "throughput", "overhead", "--streams", "2",
+               "--prompt-tokens", "8", "--max-tokens", "3", "--rounds", "1", "--overhead-batch", "3",
+               "--overhead-tokens", "3", "--json"])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    assert set(res) >= {"throughput", "overhead", "device_name", "config"} and "chunked" not in res
+    t = res["throughput"]
+    assert t["identical_tokens"] is True
+    assert t["speedup"] == pytest.approx(t["concurrent_tokens_per_s"] / t["sequential_tokens_per_s"])
+    assert res["overhead"]["batch"] == 3

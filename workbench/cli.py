@@ -1,4 +1,5 @@
-"""``workbench`` command line: generate, bench, run-notebooks, info, kv-inspect, prefix-bench.
+"""``workbench`` command line: generate, bench, run-notebooks, info, kv-inspect, prefix-bench,
+sched-bench, serve, load, kernels-bench.
 
 argparse lives only here; each subcommand calls a plain function with the same parameters.
 A :class:`WorkbenchError` is printed as one line and the exit status is 2 (no traceback).
@@ -66,6 +67,13 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _json_or_str(v: str):
+    try:
+        return json.loads(v)
+    except json.JSONDecodeError:
+        return v
+
+
 def cmd_run_notebooks(args) -> int:
     from .runner import run_notebooks
 
@@ -75,12 +83,16 @@ def cmd_run_notebooks(args) -> int:
             from .errors import ConfigError
             raise ConfigError(f"--param {item!r}: expected NAME=VALUE (VALUE parsed as JSON when possible)")
         k, v = item.split("=", 1)
-        try:
-            params[k] = json.loads(v)
-        except json.JSONDecodeError:
-            params[k] = v
+        params[k] = _json_or_str(v)
+    sweep = {}
+    for item in args.sweep or []:
+        if "=" not in item:
+            from .errors import ConfigError
+            raise ConfigError(f"--sweep {item!r}: expected NAME=V1,V2,... (each value parsed as JSON when possible)")
+        k, v = item.split("=", 1)
+        sweep[k] = [_json_or_str(x) for x in v.split(",")]
     result = run_notebooks(args.notebooks or None, parameters=params, out_dir=args.out, timeout=args.timeout,
-                           progress=not args.quiet)
+                           progress=not args.quiet, sweep=sweep or None)
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     else:
@@ -166,6 +178,115 @@ def cmd_prefix_bench(args) -> int:
     return 0
 
 
+# ---- sched-bench: what the batched engine buys (workbench.sched.bench) ------------------------------
+def cmd_sched_bench(args) -> int:
+    from .sched.bench import SchedBenchConfig, format_sched_bench, run_sched_bench
+
+    cfg = SchedBenchConfig(streams=args.streams, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
+                           rounds=args.rounds, rate=args.rate, trace_requests=args.trace_requests,
+                           long_prompt_tokens=args.long_prompt_tokens, long_every=args.long_every,
+                           token_budget=args.token_budget, windows_ms=tuple(args.windows_ms),
+                           overhead_batch=args.overhead_batch, overhead_tokens=args.overhead_tokens, seed=args.seed,
+                           batch_invariant={"auto": None, "on": True, "off": False}[args.batch_invariant])
+    res = run_sched_bench(args.model, cfg, device=args.device, dtype=args.dtype, experiments=args.experiments,
+                          progress=not args.json and not args.quiet)
+    print(json.dumps(res, indent=2) if args.json else format_sched_bench(res))
+    return 0
+
+
+def _add_sched_bench_parser(sub) -> None:
+    from .sched.bench import SchedBenchConfig
+
+    d = SchedBenchConfig()
+    s = sub.add_parser("sched-bench", help="batched engine: concurrent vs sequential throughput, chunked prefill "
+                                           "and micro-batch window under Poisson load, scheduler overhead")
+    _add_model_args(s)
+    s.add_argument("--experiments", nargs="+", default=["throughput", "chunked", "window", "overhead"],
+                   choices=["throughput", "chunked", "window", "overhead"])
+    s.add_argument("--streams", type=int, default=d.streams, help="concurrent requests (throughput)")
+    s.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens)
+    s.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    s.add_argument("--rounds", type=int, default=d.rounds, help="sequential/concurrent alternations")
+    s.add_argument("--rate", type=float, default=d.rate, help="Poisson arrivals per second (trace experiments)")
+    s.add_argument("--trace-requests", type=int, default=d.trace_requests)
+    s.add_argument("--long-prompt-tokens", type=int, default=d.long_prompt_tokens)
+    s.add_argument("--long-every", type=int, default=d.long_every, help="every k-th request has the long prompt")
+    s.add_argument("--token-budget", type=int, default=d.token_budget, help="max batched tokens per step (traces)")
+    s.add_argument("--windows-ms", type=float, nargs="+", default=list(d.windows_ms))
+    s.add_argument("--overhead-batch", type=int, default=d.overhead_batch)
+    s.add_argument("--overhead-tokens", type=int, default=d.overhead_tokens)
+    s.add_argument("--batch-invariant", choices=["auto", "on", "off"], default="auto")
+    s.add_argument("--seed", type=int, default=d.seed)
+    s.add_argument("--json", action="store_true", help="print a JSON object instead of the tables")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(func=cmd_sched_bench)
+
+
+# ---- serve: the OpenAI-compatible HTTP server (workbench.serve) -----------------------------------
+def cmd_serve(args) -> int:
+    import os
+
+    from .kv.paged import PagedKVConfig
+    from .sched import SchedulerConfig
+    from .serve import ServerConfig, serve
+
+    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
+                            chunked_prefill=not args.no_chunked_prefill, micro_batch_window_s=args.window_ms / 1e3,
+                            preemption_mode=args.preemption, max_queue_len=args.max_queue_len)
+    kv = PagedKVConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                       enable_prefix_caching=not args.no_prefix_caching)
+    config = ServerConfig(host=args.host, port=args.port, model_name=args.served_model_name,
+                          api_key=args.api_key or os.environ.get("WORKBENCH_API_KEY") or None,
+                          max_tokens_cap=args.max_tokens_cap, max_body_bytes=args.max_body_bytes,
+                          log_level=args.log_level)
+    guard = None
+    if args.slo_guard:
+        from .load.slo import SLOConfig, SLOGuard
+        guard = SLOGuard(SLOConfig(factor=args.slo_factor, window=args.slo_window,
+                                   min_samples=min(20, args.slo_window), cooldown_s=args.slo_cooldown_s,
+                                   baseline_s=None if args.slo_baseline_ms is None else args.slo_baseline_ms / 1e3,
+                                   bypass_priorities=tuple(args.slo_bypass_priority)))
+    announce = lambda line: print(line, flush=True)  # noqa: E731 - scripts read the port from this line
+    return serve(args.model, config, announce=announce, device=args.device, dtype=args.dtype, scheduler=sched, kv=kv,
+                 guard=guard)
+
+
+def _add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, SSE, /metrics) "
+                                     "over the batched engine")
+    _add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface; set --api-key)")
+    s.add_argument("--port", type=int, default=8000, help="0 = pick a free port (printed)")
+    s.add_argument("--served-model-name", default=None, help="name in /v1/models and requests (default: "
+                                                             "'bundled' or the --model value)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
+                                                   "(default: env WORKBENCH_API_KEY)")
+    s.add_argument("--max-tokens-cap", type=int, default=None, help="largest max_tokens a request may ask "
+                                                                    "(default: the model's context)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g = s.add_argument_group("scheduler")
+    g.add_argument("--max-num-seqs", type=int, default=32, help="running sequences at most")
+    g.add_argument("--max-batched-tokens", type=int, default=512, help="token budget of one engine step")
+    g.add_argument("--window-ms", type=float, default=0.0, help="micro-batch window for new arrivals (ms)")
+    g.add_argument("--preemption", choices=["recompute", "swap"], default="recompute")
+    g.add_argument("--no-chunked-prefill", action="store_true", help="prefill each prompt in one step")
+    g.add_argument("--max-queue-len", type=int, default=1024, help="waiting requests beyond this get 429")
+    g = s.add_argument_group("KV cache")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--num-blocks", type=int, default=None, help="blocks in the pool (default: max-num-seqs "
+                                                                "sequences of up to 2048 tokens)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="turn the cross-request prefix cache off")
+    g = s.add_argument_group("SLO guard")
+    g.add_argument("--slo-guard", action="store_true", help="shed load (503 + Retry-After) when P95 TTFT degrades")
+    g.add_argument("--slo-factor", type=float, default=2.0, help="open when P95 TTFT > factor x baseline")
+    g.add_argument("--slo-baseline-ms", type=float, default=None, help="known baseline P95 TTFT (default: learn it)")
+    g.add_argument("--slo-window", type=int, default=50, help="TTFTs in the sliding window")
+    g.add_argument("--slo-cooldown-s", type=float, default=5.0, help="seconds open before probing")
+    g.add_argument("--slo-bypass-priority", type=int, action="append", default=[], help="priorities never shed")
+    s.set_defaults(func=cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="workbench", description="The LLM-inference workbench.")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -200,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run-notebooks", help="execute notebooks with papermill and write an HTML report")
     r.add_argument("notebooks", nargs="*", help="notebook names or paths (default: all in notebooks/)")
     r.add_argument("-p", "--param", action="append", help="NAME=VALUE injected into every notebook (repeatable)")
+    r.add_argument("--sweep", action="append", help="NAME=V1,V2,... run each notebook once per point of the grid "
+                                                    "of all --sweep values (repeatable); writes sweep.csv")
     r.add_argument("--out", default=None, help="output folder (default: runs/<timestamp>)")
     r.add_argument("--timeout", type=int, default=900, help="per-cell timeout in seconds")
     r.add_argument("--json", action="store_true", help="print the run summary as JSON")
@@ -256,6 +379,10 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--json", action="store_true", help="print a JSON object instead of the table")
     pb.add_argument("--quiet", action="store_true", help="no progress bar")
     pb.set_defaults(func=cmd_prefix_bench)
+    _add_sched_bench_parser(sub)
+    _add_serve_parser(sub)
+    from .load.cli import add_parser as _add_load_parser
+    _add_load_parser(sub)
     return ap
 
 

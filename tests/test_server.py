@@ -1,0 +1,566 @@
+"""The OpenAI-compatible server end to end: the bundled model on CPU behind uvicorn on a free
+port, driven by the official ``openai`` client and by ``httpx``.
+
+One module-scoped server (API key set, a scripted SLO guard that admits until told otherwise)
+serves most tests; small extra servers over the same loaded model cover the engine's queue
+limit (429) and a real :class:`~workbench.load.slo.SLOGuard`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from workbench import SamplingParams  # noqa: E402
+from workbench.kv.paged import PagedKVConfig  # noqa: E402
+from workbench.load.slo import SLOConfig, SLOGuard  # noqa: E402
+from workbench.sched import LLMEngine, SchedulerConfig  # noqa: E402
+from workbench.serve import ServerConfig, start_server  # noqa: E402
+from workbench.serve.protocol import render_chat  # noqa: E402
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CAP = 256                 # the server's max_tokens cap
+BODY_LIMIT = 32 * 1024    # the server's body limit (bytes)
+PROMPT = "The list type"
+
+
+class ScriptedGuard:
+    """A duck-typed SLO guard: admits until ``shed_reason`` is set; remembers what it was told."""
+
+    def __init__(self) -> None:
+        self.shed_reason: str | None = None
+        self.priorities: list[int] = []
+        self.ttfts: list[float] = []
+
+    def admit(self, now=None, priority=0):
+        self.priorities.append(priority)
+        if self.shed_reason:
+            return SimpleNamespace(admitted=False, reason=self.shed_reason, retry_after=7.2)
+        return SimpleNamespace(admitted=True, reason=None, retry_after=None)
+
+    def record(self, ttft_s):
+        self.ttfts.append(ttft_s)
+
+
+@pytest.fixture(scope="module")
+def guard():
+    return ScriptedGuard()
+
+
+@pytest.fixture(scope="module")
+def srv(bundled_llm, guard):
+    eng = LLMEngine(bundled_llm, kv=PagedKVConfig(block_size=16, num_blocks=256),
+                    scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
+    config = ServerConfig(port=0, api_key=KEY, max_tokens_cap=CAP, max_body_bytes=BODY_LIMIT)
+    with start_server(eng, config, guard=guard) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=srv.base_url, api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def http(srv):
+    with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as c:
+        yield c
+
+
+def greedy(llm, prompt: str, n: int) -> str:
+    return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n))[0].text
+
+
+def last_step(handle) -> int:
+    recs = handle.engine.engine.step_records
+    return recs[-1].step if recs else -1
+
+
+def steps_since(handle, mark: int) -> list:
+    return [r for r in handle.engine.engine.step_records if r.step > mark]
+
+
+def wait_idle(handle, timeout: float = 20.0) -> dict:
+    """Wait until the engine has nothing running or waiting; returns its stats."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = handle.engine.stats()
+        if s["running"] == 0 and s["waiting"] == 0 and s["swapped"] == 0 and not handle.engine.engine.seqs:
+            return s
+        time.sleep(0.02)
+    raise AssertionError(f"the engine did not drain within {timeout} s: {handle.engine.stats()}")
+
+
+# ---- Prometheus text -----------------------------------------------------------------------------
+def parse_prometheus(text: str) -> tuple[dict[str, str], dict[tuple[str, tuple], float]]:
+    """(metric name -> type, (sample name, sorted labels) -> value); strict about the line shapes."""
+    types, samples = {}, {}
+    for line in text.splitlines():
+        if not line:
+            continue
+        if line.startswith("# HELP "):
+            assert len(line.split(" ", 3)) == 4, line
+            continue
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            assert kind in ("counter", "gauge", "histogram", "summary", "untyped"), line
+            types[name] = kind
+            continue
+        assert not line.startswith("#"), line
+        head, value = line.rsplit(" ", 1)
+        labels: tuple = ()
+        if "{" in head:
+            name, rest = head.split("{", 1)
+            assert rest.endswith("}"), line
+            pairs = [p for p in rest[:-1].split(",") if p]
+            labels = tuple(sorted((k, v.strip('"')) for k, v in (p.split("=", 1) for p in pairs)))
+        else:
+            name = head
+        samples[(name, labels)] = float(value)
+    return types, samples
+
+
+def scrape(base_url: str):
+    r = httpx.get(base_url + "/metrics", timeout=30)
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    return parse_prometheus(r.text)
+
+
+def hist_count(samples, name: str) -> float:
+    return samples[(f"{name}_count", ())]
+
+
+# ---- the official client ---------------------------------------------------------------------------
+def test_openai_completion_matches_llm_greedy(client, bundled_llm, srv):
+    resp = client.completions.create(model="bundled", prompt=PROMPT, max_tokens=8, temperature=0)
+    assert resp.object == "text_completion"
+    assert resp.choices[0].text == greedy(bundled_llm, PROMPT, 8)
+    assert resp.choices[0].finish_reason in ("length", "stop")
+    assert resp.usage.prompt_tokens == len(bundled_llm.tokenizer.encode(PROMPT))
+    assert resp.usage.completion_tokens == 8 or resp.choices[0].finish_reason == "stop"
+
+
+def test_openai_completion_stream(client, bundled_llm):
+    stream = client.completions.create(model="bundled", prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == greedy(bundled_llm, PROMPT, 8)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+
+
+def test_openai_chat_matches_llm_greedy(client, bundled_llm):
+    messages = [{"role": "system", "content": "You explain Python."}, {"role": "user", "content": "What is a tuple?"}]
+    resp = client.chat.completions.create(model="bundled", messages=messages, max_tokens=8, temperature=0)
+    expected = greedy(bundled_llm, render_chat([("system", "You explain Python."), ("user", "What is a tuple?")]), 8)
+    assert resp.object == "chat.completion"
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == expected
+
+
+def test_openai_chat_stream_end_to_end(client, bundled_llm):
+    stream = client.chat.completions.create(model="bundled", messages=[{"role": "user", "content": "Hello"}],
+                                            max_tokens=8, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == greedy(bundled_llm, render_chat([("user", "Hello")]), 8)
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_openai_client_errors(client, srv):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=2)
+    bad = openai.OpenAI(base_url=srv.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError, match="API key"):
+        bad.completions.create(model="bundled", prompt=PROMPT, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model="bundled", prompt=PROMPT, max_tokens=2, temperature=5)
+    assert [m.id for m in client.models.list()] == ["bundled"]
+
+
+# ---- httpx: wire format ---------------------------------------------------------------------------
+def test_sse_format_line_by_line(http, bundled_llm):
+    body = {"model": "bundled", "messages": [{"role": "user", "content": "What is a list?"}], "max_tokens": 6,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        rid = r.headers["x-request-id"]
+        raw = r.read().decode()
+    assert raw.endswith("data: [DONE]\n\n")
+    events = raw.split("\n\n")
+    assert events[-1] == ""
+    events = events[:-1]
+    for e in events:                                  # one "data: " line per event, nothing else
+        assert e.startswith("data: ") and "\n" not in e, repr(e)
+    assert events[-1] == "data: [DONE]"
+    objs = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert all(o["id"] == rid and o["object"] == "chat.completion.chunk" and o["model"] == "bundled" for o in objs)
+    assert objs[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    tokens = objs[1:-2]
+    assert all(o["choices"][0]["finish_reason"] is None and o["usage"] is None for o in tokens)
+    finish, usage = objs[-2], objs[-1]
+    assert finish["choices"][0]["delta"] == {} and finish["choices"][0]["finish_reason"] in ("length", "stop")
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(tokens)
+    assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + len(tokens)
+    text = "".join(o["choices"][0]["delta"]["content"] for o in tokens)
+    assert text == greedy(bundled_llm, render_chat([("user", "What is a list?")]), 6)
+
+
+def test_headers_model_info_and_request_id(http, srv):
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+    assert r.status_code == 200
+    assert r.headers["x-request-id"] == r.json()["id"] and r.json()["id"].startswith("cmpl-")
+    info = json.loads(r.headers["x-model-info"])
+    pool = srv.engine.engine.pool
+    assert info["model"] == "bundled" and info["device"] == "cpu" and info["dtype"] == "float32"
+    assert (info["block_size"], info["num_blocks"]) == (pool.block_size, pool.num_blocks) == (16, 256)
+    assert info["scheduler"]["max_num_seqs"] == 8 and info["scheduler"]["max_num_batched_tokens"] == 256
+    assert "backends" in info or "backends_error" in info
+    assert info["slo_guard"]["type"] == "ScriptedGuard"
+    # on every response, errors included
+    assert "x-model-info" in httpx.get(srv.url + "/health").headers
+    assert "x-model-info" in http.post("/v1/completions", json={}).headers
+
+
+def test_models_and_health(http, srv):
+    r = http.get("/v1/models")
+    assert r.status_code == 200
+    data = r.json()
+    assert data["object"] == "list" and [m["id"] for m in data["data"]] == ["bundled"]
+    assert http.get("/v1/models/bundled").json()["id"] == "bundled"
+    assert http.get("/v1/models/other").status_code == 404
+    h = httpx.get(srv.url + "/health")              # no key needed outside /v1
+    assert h.status_code == 200
+    assert h.json()["status"] == "ok" and h.json()["engine_alive"] is True
+    assert h.json()["kv_total_blocks"] == 256
+
+
+def test_binds_localhost_by_default(srv):
+    assert ServerConfig().host == "127.0.0.1"
+    assert srv.host == "127.0.0.1" and srv.url.startswith("http://127.0.0.1:")
+
+
+ADVERTISED = {
+    "workbench_time_to_first_token_seconds": "histogram", "workbench_inter_token_latency_seconds": "histogram",
+    "workbench_e2e_request_latency_seconds": "histogram", "workbench_requests_finished_total": "counter",
+    "workbench_queue_length": "gauge", "workbench_running_requests": "gauge", "workbench_kv_usage_ratio": "gauge",
+    "workbench_kv_used_blocks": "gauge", "workbench_kv_total_blocks": "gauge",
+    "workbench_prefix_cache_hit_rate": "gauge", "workbench_preemptions_total": "counter",
+    "workbench_rejected_total": "counter", "workbench_generation_tokens_total": "counter",
+    "workbench_http_responses_total": "counter", "workbench_slo_guard_enabled": "gauge",
+    "workbench_slo_shed_total": "counter",
+}
+
+
+def test_metrics_parse_and_grow(http, srv):
+    types, before = scrape(srv.url)
+    for name, kind in ADVERTISED.items():
+        assert types.get(name) == kind, name
+    for name in ("workbench_time_to_first_token_seconds", "workbench_inter_token_latency_seconds"):
+        buckets = sorted(((float(dict(lbl)["le"]), v) for (n, lbl), v in before.items() if n == name + "_bucket"))
+        assert buckets[-1][0] == math.inf and buckets[-1][1] == hist_count(before, name)
+        assert all(a[1] <= b[1] for a, b in zip(buckets, buckets[1:])), "buckets must be cumulative"
+    assert before[("workbench_kv_total_blocks", ())] == 256
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "ignore_eos": True})
+    assert r.status_code == 200
+    _, after = scrape(srv.url)
+    ttft, itl = "workbench_time_to_first_token_seconds", "workbench_inter_token_latency_seconds"
+    assert hist_count(after, ttft) == hist_count(before, ttft) + 1
+    assert hist_count(after, itl) == hist_count(before, itl) + 4          # 5 tokens, 4 gaps
+    assert after[("workbench_generation_tokens_total", ())] == before[("workbench_generation_tokens_total", ())] + 5
+    fin = ("workbench_requests_finished_total", (("finish_reason", "length"),))
+    assert after[fin] == before[fin] + 1
+    ok = ("workbench_http_responses_total", (("code", "200"), ("path", "/v1/completions")))
+    assert after[ok] >= before.get(ok, 0) + 1
+    # the engine's gauges are live numbers, not placeholders
+    assert after[("workbench_engine_steps_total", ())] > before[("workbench_engine_steps_total", ())]
+
+
+def test_prefix_hit_rate_reported(http, srv):
+    prompt = "The dictionary type maps hashable keys to arbitrary values, " * 4      # several full blocks
+    for _ in range(2):
+        assert http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}).status_code == 200
+    _, s = scrape(srv.url)
+    assert s[("workbench_prefix_cache_hit_rate", ())] > 0
+    assert s[("workbench_prefix_cache_hit_rate", ())] == pytest.approx(srv.engine.stats()["prefix_hit_rate"])
+
+
+# ---- errors ----------------------------------------------------------------------------------------
+def err(r, status: int, *words: str) -> dict:
+    assert r.status_code == status, r.text
+    e = r.json()["error"]
+    for w in words:
+        assert w in e["message"], (w, e["message"])
+    return e
+
+
+@pytest.mark.parametrize("path,body,param,words", [
+    ("/v1/completions", {"max_tokens": 2}, "prompt", ["'prompt'", "required"]),
+    ("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature", ["'temperature'", "number"]),
+    ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, "top_p", ["'top_p'", "out of range"]),
+    ("/v1/completions", {"prompt": PROMPT, "bogus": 1}, "bogus", ["'bogus'", "unknown field"]),
+    ("/v1/completions", {"prompt": PROMPT, "n": 2}, "n", ["'n'", "one choice"]),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens", ["'max_tokens'"]),
+    ("/v1/completions", {"prompt": PROMPT, "stream": "yes"}, "stream", ["'stream'"]),
+    ("/v1/chat/completions", {"messages": []}, "messages", ["'messages'", "non-empty"]),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role",
+     ["'messages[0].role'", "robot"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     "tools", ["'tools'", "not supported"]),
+])
+def test_400_names_the_field(http, path, body, param, words):
+    e = err(http.post(path, json=body), 400, *words)
+    assert e["param"] == param and e["type"] == "invalid_request_error"
+
+
+def test_400_invalid_json_and_priority_header(http):
+    err(http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}), 400,
+        "not valid JSON")
+    err(http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}, headers={"x-priority": "high"}), 400,
+        "x-priority", "not an integer")
+
+
+def test_400_prompt_longer_than_context(http, bundled_llm):
+    ctx = bundled_llm.max_model_len
+    e = err(http.post("/v1/completions", json={"prompt": [5] * ctx, "max_tokens": 1}), 400, "'prompt'", str(ctx))
+    assert e["code"] == "context_length_exceeded"
+    e = err(http.post("/v1/completions", json={"prompt": [5] * (ctx - 4), "max_tokens": 10}), 400,
+            "'max_tokens'", "context")
+    assert e["code"] == "context_length_exceeded"
+
+
+def test_400_max_tokens_over_cap(http):
+    err(http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": CAP + 1}), 400, "'max_tokens'",
+        f"cap of {CAP}")
+    err(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                "max_completion_tokens": CAP + 1}), 400, "'max_completion_tokens'")
+
+
+def test_413_body_over_limit(http):
+    e = err(http.post("/v1/completions", json={"prompt": "x" * (BODY_LIMIT + 10), "max_tokens": 1}), 413,
+            str(BODY_LIMIT))
+    assert e["code"] == "request_too_large"
+
+
+def test_401_api_key(srv):
+    body = {"prompt": PROMPT, "max_tokens": 1}
+    e = err(httpx.post(srv.base_url + "/completions", json=body), 401, "API key")
+    assert e["type"] == "authentication_error"
+    r = httpx.post(srv.base_url + "/completions", json=body, headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(srv.base_url + "/models").status_code == 401
+    assert httpx.get(srv.url + "/metrics").status_code == 200          # scrapes need no key
+
+
+def test_404_unknown_model(http):
+    e = err(http.post("/v1/chat/completions", json={"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}),
+            404, "'gpt-4o'", "'bundled'")
+    assert e["param"] == "model" and e["code"] == "model_not_found"
+    assert http.get("/v1/nowhere").status_code == 404
+
+
+class ProbeGuard:
+    """Admits everything as a half-open probe; records (ttft, probe) pairs."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[float, bool]] = []
+
+    def admit(self, now=None, priority=0):
+        return SimpleNamespace(admit=True, reason="probe", retry_after=None, probe=True)
+
+    def record(self, ttft_s, now=None, probe=None):
+        self.records.append((ttft_s, probe))
+
+
+def test_429_when_the_engine_queue_is_full(bundled_llm):
+    """One running, one waiting (max_queue_len=1): the third request is rejected by the engine.
+    Probes that end before their first token (rejected, or the client gave up) reach the
+    guard as failed (TTFT = inf)."""
+    eng = LLMEngine(bundled_llm, kv=PagedKVConfig(num_blocks=64),
+                    scheduler=SchedulerConfig(max_num_seqs=1, max_queue_len=1))
+    long = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+    async def run(url: str):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            async with c.stream("POST", "/v1/completions", json=long) as first:
+                assert first.status_code == 200
+                second = asyncio.ensure_future(c.post("/v1/completions", json={**long, "stream": False}))
+                deadline = time.monotonic() + 20
+                while handle.engine.stats()["waiting"] < 1:
+                    assert time.monotonic() < deadline, handle.engine.stats()
+                    await asyncio.sleep(0.01)
+                third = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+                streamed = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "stream": True})
+                second.cancel()
+            return third, streamed
+
+    probes = ProbeGuard()
+    with start_server(eng, guard=probes) as handle:
+        third, streamed = asyncio.run(run(handle.url))
+        e = err(third, 429, "queue full", "max_queue_len=1")
+        assert e["type"] == "rate_limit_error" and third.headers["retry-after"] == "1"
+        err(streamed, 429, "queue full")                 # a stream rejected before its first token: plain 429
+        wait_idle(handle)
+        assert handle.engine.stats()["rejected"] == 2
+        assert eng.pool.manager.num_used_blocks == 0
+        deadline = time.monotonic() + 10
+        while len(probes.records) < 4 and time.monotonic() < deadline:   # the cancelled one reports last
+            time.sleep(0.02)
+    finite = [t for t, _ in probes.records if math.isfinite(t)]
+    assert len(probes.records) == 4 and all(p is True for _, p in probes.records)
+    assert len(finite) == 1 and finite[0] > 0            # only the running request produced a token
+
+
+# ---- disconnects ------------------------------------------------------------------------------------
+def test_disconnect_mid_stream_frees_blocks(srv):
+    m = srv.engine.engine.pool.manager
+    wait_idle(srv)
+    initial_available = m.num_available_blocks
+    assert m.num_used_blocks == 0
+    _, before = scrape(srv.url)
+    abort = ("workbench_requests_finished_total", (("finish_reason", "abort"),))
+    prompt = "Unique words for a disconnect: " + " ".join(f"w{i}" for i in range(60))   # several blocks
+    body = {"prompt": prompt, "max_tokens": CAP, "ignore_eos": True, "stream": True}
+    mark = last_step(srv)
+    with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            rid = r.headers["x-request-id"]
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(4)]      # two events (each "data: ..." + blank line)
+            assert got[0].startswith("data: ")
+            assert srv.engine.stats()["kv_used_blocks"] > 0
+        # leaving the block closes the connection mid-stream
+    s = wait_idle(srv)
+    # aborted, not run to its end: it took part in far fewer steps than its CAP tokens need
+    assert 0 < sum(rid in r.request_ids for r in steps_since(srv, mark)) < CAP // 2
+    assert s["kv_used_blocks"] == 0 and m.num_used_blocks == 0 and m.seq_ids() == []
+    assert m.num_available_blocks == initial_available      # free + reusable cached: the whole pool again
+    # blocks of the prompt stay in the prefix cache (evictable, counted as available), none is held
+    assert m.num_free_blocks + m.num_cached_blocks == m.num_blocks
+    _, after = scrape(srv.url)
+    assert after[abort] == before[abort] + 1
+    assert after[("workbench_generation_tokens_total", ())] - before[("workbench_generation_tokens_total", ())] < CAP
+
+
+def test_disconnect_while_waiting_for_whole_response(srv):
+    m = srv.engine.engine.pool.manager
+    wait_idle(srv)
+    initial = m.num_available_blocks
+    mark = last_step(srv)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.base_url + "/completions", headers=AUTH, timeout=httpx.Timeout(60, read=0.3),
+                   json={"prompt": PROMPT, "max_tokens": CAP, "ignore_eos": True})
+    wait_idle(srv)
+    assert 0 < len(steps_since(srv, mark)) < CAP // 2     # aborted after ~0.3 s, not run to CAP tokens
+    assert m.num_used_blocks == 0 and m.num_available_blocks == initial
+
+
+# ---- concurrency ------------------------------------------------------------------------------------
+def test_concurrent_streams_all_complete(srv):
+    prompts = [f"{w} is a built-in type" for w in ("int", "str", "dict", "set")]
+    mark = last_step(srv)
+
+    async def one(c, p):
+        body = {"prompt": p, "max_tokens": 8, "ignore_eos": True, "temperature": 0, "stream": True}
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = [line async for line in r.aiter_lines() if line]
+        return lines
+
+    async def run():
+        async with httpx.AsyncClient(base_url=srv.url, headers=AUTH, timeout=60) as c:
+            return await asyncio.gather(*(one(c, p) for p in prompts))
+
+    results = asyncio.run(run())
+    for lines in results:
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(x[len("data: "):]) for x in lines[:-1]]
+        assert len(chunks) == 9 and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert len({json.loads(r[0][6:])["id"] for r in results}) == 4
+    assert max(r.num_seqs for r in steps_since(srv, mark)) >= 2, "the streams were never batched together"
+    wait_idle(srv)
+
+
+# ---- the SLO guard hook -------------------------------------------------------------------------------
+def test_guard_sees_priority_and_ttft(http, srv, guard):
+    n = len(guard.ttfts)
+    _, before = scrape(srv.url)
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}, headers={"x-priority": "3"})
+    assert r.status_code == 200
+    assert guard.priorities[-1] == 3
+    assert len(guard.ttfts) == n + 1 and guard.ttfts[-1] > 0
+    _, after = scrape(srv.url)
+    name = "workbench_time_to_first_token_seconds_sum"
+    assert guard.ttfts[-1] == pytest.approx(after[(name, ())] - before[(name, ())], rel=1e-6, abs=1e-9)
+
+
+def test_guard_shed_is_503_with_retry_after(http, srv, guard):
+    _, before = scrape(srv.url)
+    steps = srv.engine.stats()["steps"]
+    guard.shed_reason = "TTFT P95 too high (scripted)"
+    try:
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+        e = err(r, 503, "shed by the SLO guard", "TTFT P95 too high (scripted)")
+        assert r.headers["retry-after"] == "8"           # 7.2 s, rounded up to whole seconds
+        assert e["code"] == "slo_guard_shed"
+        err(http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "stream": True}), 503,
+            "scripted")
+        err(http.post("/v1/completions", json={"prompt": PROMPT, "temperature": -1}), 400, "'temperature'")
+    finally:
+        guard.shed_reason = None
+    assert srv.engine.stats()["steps"] == steps          # shed requests never reached the engine
+    _, after = scrape(srv.url)
+    assert after[("workbench_slo_shed_total", ())] == before[("workbench_slo_shed_total", ())] + 2
+    assert after[("workbench_slo_guard_enabled", ())] == 1
+    assert http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}).status_code == 200
+
+
+def test_real_slo_guard_opens_and_sheds(srv, bundled_llm):
+    """A real SLOGuard with a baseline far below any CPU TTFT: two samples open it; then the
+    server sheds with its reason, lets a bypass priority through, and shows the state on /metrics."""
+    cfg = SLOConfig(window=2, min_samples=2, baseline_s=1e-6, factor=2.0, cooldown_s=30.0, bypass_priorities=(9,))
+    slo = SLOGuard(cfg)
+    with start_server(srv.engine, guard=slo) as h:      # the same running engine, a second front door
+        url = h.base_url + "/completions"
+        for _ in range(2):
+            assert httpx.post(url, json={"prompt": PROMPT, "max_tokens": 2}, timeout=60).status_code == 200
+        assert slo.state == "open" and slo.counts["samples"] == 2
+        r = httpx.post(url, json={"prompt": PROMPT, "max_tokens": 2}, timeout=60)
+        err(r, 503, "SLO guard open", "baseline")
+        assert 1 <= int(r.headers["retry-after"]) <= 30
+        assert httpx.post(url, json={"prompt": PROMPT, "max_tokens": 2}, headers={"x-priority": "9"},
+                          timeout=60).status_code == 200
+        types, s = scrape(h.url)
+        assert types["workbench_slo_guard_state"] == "gauge"
+        assert s[("workbench_slo_guard_state", (("state", "open"),))] == 1
+        assert s[("workbench_slo_guard_state", (("state", "closed"),))] == 0
+        assert s[("workbench_slo_trips_total", ())] == 1
+        assert s[("workbench_slo_decisions_total", (("decision", "rejected"),))] == 1
+        assert s[("workbench_slo_decisions_total", (("decision", "bypassed"),))] == 1
+        assert s[("workbench_slo_baseline_ttft_seconds", ())] == pytest.approx(1e-6)
+        assert s[("workbench_slo_shed_total", ())] == 1
+        assert httpx.get(h.url + "/health").json()["slo_guard"] == "open"
+    assert srv.running and httpx.get(srv.url + "/health").json()["engine_alive"]   # the shared engine runs on
+
+
+def test_guard_must_be_duck_typed():
+    from workbench.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="admit"):
+        ServerConfig(guard=object())

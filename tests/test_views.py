@@ -1,0 +1,121 @@
+"""Live and static views built from a real short run of the batched engine (bundled model, CPU),
+headless (no display, as under papermill): the scheduler timeline's traces carry the engine's
+per-step numbers, and the latency dashboard updates while the load runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("plotly")
+pytest.importorskip("ipywidgets")
+
+from workbench.errors import ConfigError  # noqa: E402
+from workbench.load import (EngineTarget, LatencyDashboard, LoadConfig, LoadRun, RequestRecord,  # noqa: E402
+                            scheduler_timeline)
+
+
+@pytest.fixture(scope="module")
+def live_run():
+    """One short constant-rate run with a dashboard attached; returns (target, result, dashboard,
+    what the dashboard held at each tick while the run was going)."""
+    from workbench.sched import SchedulerConfig
+
+    target = EngineTarget.from_model(None, device="cpu", scheduler=SchedulerConfig(max_num_seqs=4,
+                                                                                    max_num_batched_tokens=64),
+                                     temperature=0.0)
+    cfg = LoadConfig(mode="constant", stages=[(0.6, 10), (0.6, 10)], max_tokens=5, num_prompts=8,
+                     max_duration_s=30, tick_s=0.1)
+    run = LoadRun(target, cfg)
+    dash = LatencyDashboard(window_s=5.0, max_hz=10, metrics_hz=10).attach(run)
+    seen = []
+    run.add_observer(lambda r, rec: seen.append((r.done, dash.redraws, len(dash.data["t"]))))
+    res = run.run()
+    yield target, res, dash, seen
+    target.close()
+
+
+def test_scheduler_timeline_traces_carry_the_engine_steps(live_run):
+    target, res, _, _ = live_run
+    frame = target.engine.steps_frame()
+    frame = frame[frame["num_seqs"] > 0]
+    assert len(frame) >= 5 and frame["prefill_tokens"].sum() > 0 and frame["decode_tokens"].sum() > 0
+    fig = scheduler_timeline(frame)
+    tr = {t.name: t for t in fig.data}
+    assert list(tr) == ["prefill tokens", "decode tokens", "scheduler", "model", "after sampling", "in batch"]
+    assert sum(tr["prefill tokens"].y) == frame["prefill_tokens"].sum()
+    assert sum(tr["decode tokens"].y) == frame["decode_tokens"].sum()
+    assert list(tr["prefill tokens"].x) == frame["step"].tolist()
+    for name, col in (("scheduler", "schedule_s"), ("model", "model_s"), ("after sampling", "post_s")):
+        assert sum(tr[name].y) == pytest.approx(frame[col].sum() * 1e3)
+    # which requests: one marker per (step, request), every request of the run appears
+    assert len(tr["in batch"].x) == frame["num_seqs"].sum()
+    assert len(set(tr["in batch"].y)) == len(res.records)
+    assert fig.layout.barmode == "stack" and "steps" in fig.layout.title.text
+    json.loads(fig.to_json())                                  # builds and serialises without a display
+
+
+def test_scheduler_timeline_on_a_time_axis_and_truncated_requests(live_run):
+    target, _, _, _ = live_run
+    frame = target.engine.steps_frame()
+    fig = scheduler_timeline(frame, x="time", max_requests=2)
+    bars = fig.data[0]
+    dur = (frame["schedule_s"] + frame["model_s"] + frame["post_s"]).to_numpy()
+    assert list(bars.width) == pytest.approx(list(dur))
+    assert bars.x[0] == pytest.approx(dur[0] / 2) and all(b >= a for a, b in zip(bars.x, bars.x[1:]))
+    assert len(set(fig.data[-1].y)) == 2 and "more not shown" in fig.layout.annotations[2].text
+    with pytest.raises(ConfigError, match="prefill_tokens"):
+        scheduler_timeline(frame.drop(columns=["prefill_tokens"]))
+    with pytest.raises(ConfigError, match="no steps"):
+        scheduler_timeline(frame.iloc[:0])
+    import pandas as pd
+    with pytest.raises(ConfigError, match="no steps"):
+        scheduler_timeline(pd.DataFrame([]))                  # steps_frame() of an engine that never stepped
+    with pytest.raises(ConfigError, match="'step' or 'time'"):
+        scheduler_timeline(frame, x="seconds")
+
+
+def test_dashboard_updated_while_the_run_went_and_reads_engine_metrics(live_run):
+    target, res, dash, seen = live_run
+    during = [(redraws, n) for done, redraws, n in seen if not done]
+    assert len(during) >= 5
+    assert during[-1][0] > during[0][0] >= 0                  # redrawn while requests were still coming
+    assert during[-1][1] >= 3
+    d = dash.data
+    assert len(d["t"]) == dash.redraws and d["t"] == sorted(d["t"])
+    assert max(v for v in d["ttft_p95"] if v is not None) > 0
+    assert max(v for v in d["itl_p50"] if v is not None) > 0
+    # engine metrics polled from EngineTarget.metrics (attach found them on the target)
+    assert dash.metrics_fn == target.metrics and dash._poller is None
+    assert any(v is not None for v in d["queue_len"]) and max(v or 0 for v in d["batch_size"]) >= 1
+    assert max(v or 0 for v in d["kv_usage"]) > 0
+    assert f"ok {sum(r.status == 'ok' for r in res.records)}" in dash.label.value
+    names = [t.name for t in dash.fig.data]
+    assert type(dash.fig).__name__ == "FigureWidget"
+    assert list(dash.fig.data[names.index("TTFT P95")].y) == d["ttft_p95"]
+    static = dash.static_figure()
+    assert type(static).__name__ == "Figure" and list(static.data[names.index("ITL P99")].y) == d["itl_p99"]
+
+
+def _rec(i: int, sent: float, token_times: list[float]) -> RequestRecord:
+    r = RequestRecord(id=i, stage=0, stage_name="s", priority=0, scheduled=sent, sent=sent,
+                      token_times=token_times, end=token_times[-1], status="ok")
+    return r
+
+
+def test_dashboard_percentiles_over_its_window_on_known_records():
+    dash = LatencyDashboard(window_s=1.0, max_hz=10)
+    # TTFTs 10, 20, 30, 40 ms; gaps 1 ms (x3) and 9 ms (x1)
+    recs = [_rec(0, 0.0, [0.010, 0.011, 0.012]), _rec(1, 0.0, [0.020, 0.021]), _rec(2, 0.0, [0.030, 0.039]),
+            _rec(3, 0.0, [0.040])]
+    for r in recs:
+        dash.update(t=0.05, record=r)
+    dash.update(t=0.05, force=True)
+    d = dash.data
+    assert d["ttft_p50"][-1] == pytest.approx(25.0) and d["ttft_p99"][-1] == pytest.approx(39.7)
+    assert d["itl_p50"][-1] == pytest.approx(1.0) and d["itl_p99"][-1] == pytest.approx(9.0 - 0.08 * 3, abs=1e-6)
+    # two seconds later the window (1 s) holds one new request only
+    dash.update(t=2.0, record=_rec(4, 1.9, [1.95, 1.96]), force=True)
+    assert d["ttft_p50"][-1] == pytest.approx(50.0) and d["itl_p95"][-1] == pytest.approx(10.0)
+    assert d["in_flight"][-1] is None and d["slo_state"][-1] is None

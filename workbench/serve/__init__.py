@@ -1,0 +1,34 @@
+"""An OpenAI-compatible HTTP server over the batched engine (``workbench serve``).
+
+* ``protocol``: request validation (400s naming the field) and OpenAI's response / SSE chunk shapes;
+  the plain chat template;
+* ``metrics``: Prometheus text for ``GET /metrics`` (TTFT / ITL histograms, finish reasons,
+  queue, batch, KV, prefix hits, preemptions, rejections);
+* ``app``: the Starlette app (:func:`create_app`, :class:`ServerConfig`): completions and chat
+  completions (JSON or SSE), models, health, metrics, ``x-model-info`` / ``x-priority`` headers,
+  API key, body and token limits, abort on client disconnect;
+* ``guard``: the SLO-guard hook (:class:`workbench.load.slo.SLOGuard` or any object with
+  ``admit(now=None, priority=0)`` and ``record(ttft_s)``): sheds with 503 + ``Retry-After``,
+  learns from each request's TTFT, and shows its state on ``/metrics``;
+* ``server``: uvicorn on a background thread (:func:`start_server` -> :class:`ServerHandle`) or in
+  the foreground (:func:`serve`, what the CLI runs).
+
+::
+
+    from workbench import serve
+    with serve.start_server(device="cpu") as srv:            # bundled model, a free port on 127.0.0.1
+        client = openai.OpenAI(base_url=srv.base_url, api_key="unused")
+        client.completions.create(model="bundled", prompt="The list type", max_tokens=8)
+
+    from workbench.load.slo import SLOConfig, SLOGuard
+    start_server(device="cpu", guard=SLOGuard(SLOConfig(factor=3.0, cooldown_s=10)))
+
+Needs ``starlette`` and ``uvicorn`` (imported only when this package is).
+"""
+
+from .app import ServerConfig, create_app, model_info
+from .guard import GuardHook, check_guard
+from .server import ServerHandle, build_engine, serve, start_server
+
+__all__ = ["ServerConfig", "create_app", "model_info", "GuardHook", "check_guard", "ServerHandle", "build_engine",
+           "serve", "start_server"]

@@ -1,0 +1,505 @@
+"""The OpenAI-compatible HTTP app over an :class:`~workbench.sched.AsyncEngine` (Starlette).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or ``stream: true``
+Server-Sent Events), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+
+A request's path through the server: the body is read (at most ``max_body_bytes``, else 413),
+validated (:mod:`.protocol`: 400 naming the field), its model name checked (404), its prompt
+tokenized and measured against the context, the KV pool and the ``max_tokens`` cap (400);
+then :class:`_Completion` submits it to the engine and relays the engine's events.  A request
+the engine ends before any token ("rejected": queue full -> 429; "error" -> 500) is answered
+with that HTTP status even when streaming, because the stream's headers are sent with the first
+token; after that, such an ending is an SSE ``data: {"error": ...}`` event before
+``data: [DONE]``.  When the client disconnects, the request is aborted and its KV blocks go back
+to the pool.
+
+Every response carries ``x-model-info``: one line of JSON describing the engine that served it
+(model, device, dtype, KV pool, scheduler, per-op backends when known) and ``x-request-id`` for
+completions.  ``x-priority: <int>`` (higher first) sets the request's scheduling priority.
+
+An optional SLO guard (:mod:`.guard`; e.g. :class:`workbench.load.slo.SLOGuard`) is asked
+before each valid request reaches the engine: when it sheds, the answer is ``503`` with its
+reason and ``Retry-After``; every first token's TTFT is fed back to it, and its state is on
+``/metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse
+from starlette.routing import Route
+
+from ..errors import ConfigError, WorkbenchError
+from ..sampling import SamplingParams
+from . import protocol as P
+from .guard import GuardHook, check_guard
+from .metrics import ServerMetrics
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"            # 0.0.0.0 exposes the server to the network: set api_key then
+    port: int = 8000                   # 0: pick a free port
+    model_name: str | None = None      # the served name (GET /v1/models); None: from the model's source
+    api_key: str | None = None         # require "Authorization: Bearer <key>" on /v1/*
+    max_tokens_cap: int | None = None  # the largest max_tokens a request may ask for; None: the model's context
+    max_body_bytes: int = 1 << 20      # larger request bodies get 413
+    default_max_tokens: int = 16       # /v1/completions without max_tokens (OpenAI's default); chat: to the context
+    log_level: str = "warning"         # uvicorn's
+    guard: object | None = None        # an SLO guard (admit/record, see .guard): sheds with 503 + Retry-After
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, why: str) -> None:
+            if not ok:
+                raise ConfigError(f"ServerConfig.{name}={getattr(self, name)!r} {why}")
+        need(isinstance(self.host, str) and bool(self.host), "host", "must be a host name or IP address")
+        need(isinstance(self.port, int) and 0 <= self.port <= 65535, "port", "must be an integer in [0, 65535]")
+        need(self.model_name is None or (isinstance(self.model_name, str) and bool(self.model_name)), "model_name",
+             "must be a non-empty string or None")
+        need(self.api_key is None or (isinstance(self.api_key, str) and bool(self.api_key)), "api_key",
+             "must be a non-empty string or None")
+        for name in ("max_tokens_cap", "max_body_bytes", "default_max_tokens"):
+            v = getattr(self, name)
+            need((v is None and name == "max_tokens_cap") or (isinstance(v, int) and v >= 1), name,
+                 "must be an integer >= 1" + (" or None" if name == "max_tokens_cap" else ""))
+        need(self.log_level in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}")
+        if self.guard is not None:
+            check_guard(self.guard)
+
+
+def engine_alive(aengine) -> bool:
+    """Whether the engine thread runs (AsyncEngine has no public flag for this yet)."""
+    thread = getattr(aengine, "_thread", None)
+    return thread is not None and thread.is_alive()
+
+
+def model_info(aengine, name: str, source: str | None = None, guard: GuardHook | None = None) -> dict:
+    """The engine configuration that serves requests (the ``x-model-info`` header, as a dict)."""
+    eng = aengine.engine
+    llm, pool, cfg = eng.llm, eng.pool, eng.config
+    folder = Path(llm.tokenizer.path).parent if llm.tokenizer is not None else None
+    info = {"model": name, "path": source or (str(folder) if folder else None),
+            "architecture": getattr(eng.model.config, "architecture", None), "device": str(eng.device),
+            "dtype": str(eng.model.lm_head.weight.dtype).removeprefix("torch."), "max_model_len": llm.max_model_len,
+            "block_size": pool.block_size, "num_blocks": pool.num_blocks,
+            "prefix_caching": pool.config.enable_prefix_caching,
+            "scheduler": {k: getattr(cfg, k) for k in ("max_num_seqs", "max_num_batched_tokens", "chunked_prefill",
+                                                        "micro_batch_window_s", "preemption_mode",
+                                                        "priority_preemption", "max_queue_len")},
+            "chat_template": P.CHAT_TEMPLATE_NAME}
+    if folder is not None and _has_chat_template(folder):
+        info["tokenizer_chat_template"] = "present, not applied yet"
+    try:
+        from .. import backends                    # another layer; may be absent or still changing
+    except Exception as e:  # noqa: BLE001 - the header must not take the server down
+        info["backends_error"] = f"cannot import workbench.backends: {type(e).__name__}: {e}"
+    else:
+        describe = (getattr(backends, "describe_backends", None) if hasattr(backends, "describe_backends")
+                    else getattr(backends, "current_backends", None))
+        if describe is not None:
+            try:
+                info["backends"] = describe(eng.model)
+            except Exception as e:  # noqa: BLE001
+                info["backends_error"] = f"{type(e).__name__}: {e}"
+    if guard is not None:
+        info["slo_guard"] = guard.describe()
+    return info
+
+
+def _has_chat_template(folder: Path) -> bool:
+    cfg = folder / "tokenizer_config.json"
+    try:
+        return (folder / "chat_template.jinja").is_file() or (
+            cfg.is_file() and bool(json.loads(cfg.read_text()).get("chat_template")))
+    except (OSError, ValueError):
+        return False
+
+
+# ---- one completion ------------------------------------------------------------------------------
+_GONE, _DEAD = object(), object()   # queue sentinels: the client disconnected / the engine thread died
+
+
+async def _send_json(send, status: int, obj: dict, headers: list | None = None) -> None:
+    body = json.dumps(obj).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _ending_error(ev) -> P.APIError:
+    """An engine ending other than stop / length, as the HTTP error it becomes."""
+    if ev.finish_reason == "rejected":
+        return P.APIError(429, f"rejected by the engine: {ev.error}", None, "engine_rejected", {"Retry-After": "1"})
+    if ev.finish_reason == "abort":
+        return P.APIError(503, f"aborted by the engine: {ev.error}", None, "aborted")
+    return P.APIError(500, f"engine error: {ev.error}", None, "engine_error")
+
+
+class _Completion:
+    """An ASGI response that runs one request on the engine and relays its events as JSON or SSE.
+    Whatever happens, the engine request ends: if the client goes away (or anything here
+    fails) before the engine's final event, the request is aborted and its blocks are freed."""
+
+    def __init__(self, srv: "_State", req: P.CompletionRequest, ids: list[int], params: SamplingParams,
+                 priority: int, probe: bool = False) -> None:
+        self.srv, self.req, self.ids, self.params, self.priority = srv, req, ids, params, priority
+        self.rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = P.now_s()
+        self.ended = False
+        self.probe = probe            # admitted by the SLO guard as a half-open probe
+        self.first_token = False      # its first token arrived (its TTFT went to the guard)
+        self.headers = [(b"x-request-id", self.rid.encode())]
+
+    async def __call__(self, scope, receive, send) -> None:
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        watcher = loop.create_task(self._watch_disconnect(receive, q))
+        try:
+            try:
+                self.srv.aengine.submit(self.ids, self.params,
+                                        lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev), self.priority, self.rid)
+            except WorkbenchError as e:            # validated already; anything left is still the client's
+                self.ended = True
+                return await _send_json(send, 400, P.bad(self.req.prompt_param, str(e)).body(), self.headers)
+            await (self._stream(q, send) if self.req.stream else self._whole(q, send))
+        except OSError:
+            pass                                   # the client went away while we were sending
+        finally:
+            watcher.cancel()
+            if not self.ended:
+                self.srv.aengine.abort(self.rid)
+                self.srv.metrics.ended(self.rid, "abort", len(self.ids))
+            if self.probe and not self.first_token and self.srv.guard is not None:
+                self.srv.guard_call(self.srv.guard.failed_probe)
+
+    @staticmethod
+    async def _watch_disconnect(receive, q: asyncio.Queue) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        q.put_nowait(_GONE)
+
+    async def _next(self, q: asyncio.Queue):
+        """The next engine event, _GONE, or _DEAD (checked every second while waiting)."""
+        while True:
+            try:
+                item = await asyncio.wait_for(q.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                if not engine_alive(self.srv.aengine):
+                    return _DEAD
+                continue
+            if item is not _GONE and item is not _DEAD:
+                self.srv.metrics.observe(item, len(self.ids))
+                if item.token_id >= 0 and not self.first_token:
+                    self.first_token = True
+                    if self.srv.guard is not None:
+                        self.srv.guard_call(self.srv.guard.record, item.since_arrival, self.probe)
+                if item.finished:
+                    self.ended = True
+            return item
+
+    def _dead(self) -> P.APIError:
+        self.ended = True                          # nothing left to abort
+        self.srv.metrics.ended(self.rid, "error", len(self.ids))
+        last = self.srv.aengine.last_error
+        return P.APIError(500, "the engine thread is not running" + (f" (last error: {last})" if last else ""),
+                          None, "engine_dead")
+
+    async def _whole(self, q: asyncio.Queue, send) -> None:
+        parts, n = [], 0
+        while True:
+            ev = await self._next(q)
+            if ev is _GONE:
+                return
+            if ev is _DEAD:
+                err = self._dead()
+                return await _send_json(send, err.status, err.body(), self.headers)
+            if ev.token_id >= 0:
+                n += 1
+                parts.append(ev.text)
+            if ev.finished:
+                break
+        if ev.finish_reason not in ("stop", "length"):
+            err = _ending_error(ev)
+            return await _send_json(send, err.status, err.body(), self.headers + err.raw_headers())
+        body = P.response(self.req, self.rid, self.created, self.srv.name, "".join(parts), ev.finish_reason,
+                          len(self.ids), n)
+        await _send_json(send, 200, body, self.headers)
+
+    async def _stream(self, q: asyncio.Queue, send) -> None:
+        ev = await self._next(q)
+        if ev is _GONE:
+            return
+        if ev is _DEAD or (ev.finished and ev.token_id < 0):   # ended before any token: a plain HTTP error
+            err = self._dead() if ev is _DEAD else _ending_error(ev)
+            return await _send_json(send, err.status, err.body(), self.headers + err.raw_headers())
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"), *self.headers]})
+
+        async def emit(data: bytes) -> None:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        req, rid, created, name = self.req, self.rid, self.created, self.srv.name
+        if req.kind == "chat":
+            await emit(P.sse(P.chunk(req, rid, created, name, None, role=True)))
+        n = 0
+        while True:
+            if ev is _GONE:
+                return
+            if ev is _DEAD:
+                await emit(P.sse(self._dead().body()))
+                break
+            if ev.token_id >= 0:   # one chunk per token, "" while the text is held back (UTF-8, stop strings)
+                n += 1
+                await emit(P.sse(P.chunk(req, rid, created, name, ev.text)))
+            if ev.finished:
+                if ev.finish_reason in ("stop", "length"):
+                    await emit(P.sse(P.chunk(req, rid, created, name, None, ev.finish_reason)))
+                    if req.include_usage:
+                        await emit(P.sse(P.usage_chunk(req, rid, created, name, len(self.ids), n)))
+                else:
+                    await emit(P.sse(_ending_error(ev).body()))
+                break
+            ev = await self._next(q)
+        await send({"type": "http.response.body", "body": P.SSE_DONE, "more_body": False})
+
+
+# ---- the app ---------------------------------------------------------------------------------------
+class _State:
+    def __init__(self, aengine, config: ServerConfig, source: str | None) -> None:
+        self.aengine, self.config = aengine, config
+        llm = aengine.engine.llm
+        default = "bundled" if source in (None, "bundled") else source
+        self.name = config.model_name or default
+        self.llm = llm
+        self.metrics = ServerMetrics()
+        self.guard = GuardHook(config.guard) if config.guard is not None else None
+        self.info = model_info(aengine, self.name, None if source in (None, "bundled") else source, self.guard)
+        self.info_header = json.dumps(self.info, separators=(",", ":")).encode()   # ASCII: json escapes the rest
+
+    def refresh_model_info(self) -> dict:
+        """Recompute ``x-model-info`` (e.g. after switching op backends in a notebook)."""
+        self.info = model_info(self.aengine, self.name, self.info.get("path"), self.guard)
+        self.info_header = json.dumps(self.info, separators=(",", ":")).encode()
+        return self.info
+
+    def guard_call(self, fn, *args) -> None:
+        """Feed the guard; a failing guard is counted on /metrics, never fails the request."""
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001
+            self.metrics.guard_error(f"{type(e).__name__}: {e}")
+
+    def admit(self, priority: int) -> bool:
+        """Ask the SLO guard; raises the 503 when it sheds.  Returns whether this is a probe."""
+        if self.guard is None:
+            return False
+        try:
+            a = self.guard.admit(priority)
+        except Exception as e:  # noqa: BLE001 - a broken guard is a server error, said plainly
+            self.metrics.guard_error(f"{type(e).__name__}: {e}")
+            raise P.APIError(500, f"the SLO guard failed: {type(e).__name__}: {e}", None, "slo_guard_error") from None
+        if not a.admitted:
+            self.metrics.shed()
+            wait = self.guard.retry_after_s(a)
+            raise P.APIError(503, f"shed by the SLO guard: {a.reason or 'no reason given'} (retry after {wait} s)",
+                             None, "slo_guard_shed", {"Retry-After": str(wait)})
+        return a.probe
+
+    # -- validation that needs the engine: model name, tokens, context, pool, max_tokens
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.name:
+            raise P.APIError(404, f"model {model!r} does not exist; this server serves {self.name!r} "
+                                  "(see GET /v1/models)", "model", "model_not_found")
+
+    def tokenize(self, req: P.CompletionRequest) -> list[int]:
+        param, llm = req.prompt_param, self.llm
+        if isinstance(req.prompt, str):
+            if llm.tokenizer is None:
+                raise P.bad(param, "this model has no tokenizer (a shape preset?): send the prompt as token ids "
+                                   "to /v1/completions")
+            ids = llm.tokenizer.encode(req.prompt)
+        else:
+            ids = list(req.prompt)
+        ctx = llm.max_model_len
+        if len(ids) >= ctx:
+            raise P.APIError(400, f"'{param}': the prompt has {len(ids)} tokens; this model's context is {ctx} "
+                                  f"tokens (prompt + completion), so a prompt may have at most {ctx - 1}",
+                             param, "context_length_exceeded")
+        try:
+            llm.encode(ids)                        # the engine's own checks: empty, vocabulary range
+        except WorkbenchError as e:
+            raise P.bad(param, str(e)) from None
+        m = self.aengine.engine.pool.manager
+        need = -(-len(ids) // m.block_size)
+        if need > m.num_blocks:
+            raise P.bad(param, f"the prompt needs {need} KV blocks but the pool has {m.num_blocks} "
+                               f"(block size {m.block_size}); start the server with more --num-blocks",
+                        "context_length_exceeded")
+        return ids
+
+    def max_tokens(self, req: P.CompletionRequest, prompt_tokens: int) -> int:
+        ctx = self.llm.max_model_len
+        cap, room, param = self.config.max_tokens_cap or ctx, ctx - prompt_tokens, req.max_tokens_param
+        if req.max_tokens is None:
+            want = self.config.default_max_tokens if req.kind == "completion" else cap
+            return max(1, min(want, cap, room))
+        if req.max_tokens > cap:
+            raise P.bad(param, f"{req.max_tokens} is over this server's cap of {cap} (--max-tokens-cap)")
+        if req.max_tokens > room:
+            raise P.APIError(400, f"'{param}': this model's context is {ctx} tokens; you asked for "
+                                  f"{prompt_tokens + req.max_tokens} ({prompt_tokens} in the prompt, {req.max_tokens} "
+                                  f"to generate): lower {param} or shorten the prompt", param,
+                             "context_length_exceeded")
+        return req.max_tokens
+
+
+async def _read_json(request: Request, limit: int):
+    too_big = P.APIError(413, f"the request body is larger than this server's limit of {limit} bytes "
+                              "(--max-body-bytes)", None, "request_too_large")
+    size = request.headers.get("content-length")
+    buf, seen = bytearray(), 0
+    async for part in request.stream():    # read everything (so the client sees our answer), keep <= limit
+        seen += len(part)
+        if seen <= limit:
+            buf += part
+        elif seen > 64 * limit:
+            break
+    if seen > limit or (size is not None and size.isdigit() and int(size) > limit):
+        raise too_big
+    try:
+        return json.loads(buf)
+    except ValueError as e:
+        raise P.APIError(400, f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+
+
+def _priority(request: Request) -> int:
+    raw = request.headers.get("x-priority")
+    if raw is None or not raw.strip():
+        return 0
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise P.APIError(400, f"header 'x-priority': {raw!r} is not an integer (higher runs first)",
+                         "x-priority", "invalid_value") from None
+
+
+def create_app(aengine, config: ServerConfig | None = None, source: str | None = None, guard=None):
+    """The ASGI app over a started (or to-be-started) AsyncEngine.  ``source``: the model's
+    folder or preset, for the served name and ``x-model-info``; ``guard``: an SLO guard (overrides
+    ``config.guard``)."""
+    config = config or ServerConfig()
+    if guard is not None:
+        config = replace(config, guard=guard)
+    srv = _State(aengine, config, source)
+
+    async def complete(request: Request, parse) -> _Completion:
+        req = parse(await _read_json(request, srv.config.max_body_bytes))
+        srv.check_model(req.model)
+        priority = _priority(request)
+        ids = srv.tokenize(req)
+        try:
+            params = SamplingParams(max_tokens=srv.max_tokens(req, len(ids)), **req.sampling)
+        except ConfigError as e:                   # a value the wire checks let through
+            raise P.APIError(400, str(e), None, "invalid_value") from None
+        probe = srv.admit(priority)                # last: only valid requests reach the guard
+        return _Completion(srv, req, ids, params, priority, probe)
+
+    async def completions(request: Request):
+        return await complete(request, P.parse_completion)
+
+    async def chat_completions(request: Request):
+        return await complete(request, P.parse_chat)
+
+    def model_card() -> dict:
+        return {"id": srv.name, "object": "model", "created": started, "owned_by": "workbench",
+                "root": srv.info.get("path"), "max_model_len": srv.llm.max_model_len}
+
+    async def models(request: Request):
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def model_get(request: Request):
+        srv.check_model(request.path_params["model_id"])
+        return JSONResponse(model_card())
+
+    async def health(request: Request):
+        alive = engine_alive(aengine)
+        body = {"status": "ok" if alive else "engine thread is not running", "engine_alive": alive,
+                "model": srv.name, "last_error": aengine.last_error, **aengine.stats()}
+        if srv.guard is not None:
+            body["slo_guard"] = srv.guard.snapshot().get("state")
+        return JSONResponse(body, status_code=200 if alive else 503)
+
+    async def metrics(request: Request):
+        guard = None if srv.guard is None else srv.guard.snapshot()
+        return PlainTextResponse(srv.metrics.render(aengine.stats(), engine_alive(aengine), guard),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def api_error(request: Request, exc: P.APIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
+
+    async def http_error(request: Request, exc: HTTPException):
+        return JSONResponse(P.APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                       None, None).body(), status_code=exc.status_code, headers=exc.headers)
+
+    started = P.now_s()
+    routes = [Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+              Route("/v1/models", models, methods=["GET"]),
+              Route("/v1/models/{model_id:path}", model_get, methods=["GET"]),
+              Route("/health", health, methods=["GET"]),
+              Route("/metrics", metrics, methods=["GET"])]
+    app = Starlette(routes=routes, exception_handlers={P.APIError: api_error, HTTPException: http_error})
+    app.state.server = srv
+    known = {r.path for r in routes if "{" not in r.path}
+    return _Outer(app, srv, known)
+
+
+class _Outer:
+    """ASGI wrapper: API-key check on /v1/*, the x-model-info header on every response, and
+    per-path response counters."""
+
+    def __init__(self, app: Starlette, srv: _State, known_paths: set[str]) -> None:
+        self.app, self.srv, self.known = app, srv, known_paths
+        self.state = app.state
+        key = srv.config.api_key
+        self._expected = f"Bearer {key}".encode() if key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        srv, status = self.srv, [500]
+
+        async def send_with_info(msg) -> None:
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+                msg = {**msg, "headers": [*msg.get("headers", []), (b"x-model-info", srv.info_header)]}
+            await send(msg)
+
+        path = scope["path"]
+        try:
+            if self._expected is not None and path.startswith("/v1") and not self._authorized(scope):
+                err = P.APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", None,
+                                 "invalid_api_key")
+                await _send_json(send_with_info, 401, err.body(), [(b"www-authenticate", b"Bearer")])
+            else:
+                await self.app(scope, receive, send_with_info)
+        finally:
+            label = path if path in self.known else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
+            srv.metrics.http_response(label, status[0])
+
+    def _authorized(self, scope) -> bool:
+        got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        return hmac.compare_digest(got, self._expected)
