@@ -5,14 +5,93 @@ importable top-level ``kernels`` as the Hugging Face kernel-hub package and woul
 Installed, setuptools maps the folder to ``workbench_kernels``; in a plain checkout
 (``PYTHONPATH=.``) ``import workbench`` registers the same name.
 
-Each op lives in one file: the Triton kernel, a host wrapper that checks shapes, strides and
-dtypes, and a plain-torch reference that tests and benchmarks compare against.  Kernels run on
-a CPU under the Triton interpreter (``TRITON_INTERPRET=1``) at small sizes.
+Each op lives in one file with fixed names (the Liger / Triton-tutorial shape)::
+
+    _<op>_fwd_kernel   the Triton kernel (every pointer argument commented; math + reference in
+                       its docstring)
+    <op>(...)          host wrapper: checks shapes / strides / dtypes (ValueError / TypeError
+                       naming the argument), allocates, launches
+    <op>_ref(...)      plain-torch reference: tests, benchmarks and the ``eager`` backend of
+                       :mod:`workbench.backends` all import this one
+
+=====================  ======================================================================
+file                   ops
+=====================  ======================================================================
+``rmsnorm.py``         ``rmsnorm``, ``add_rmsnorm`` (residual add fused with the norm)
+``rope.py``            ``rope`` (q and k), ``rope_kv_write`` (+ k/v written to a paged KV cache)
+``swiglu.py``          ``swiglu`` (silu(gate) * up; two tensors or one ``[.., 2I]`` tensor)
+``flash_prefill.py``   ``flash_prefill`` (ragged causal prefill, GQA), ``flash_prefill_paged``
+                       (keys read in place from the paged cache), ``attention_prefill``
+``paged_decode.py``    ``paged_decode`` (split-K decode over the paged cache, GQA),
+                       ``attention_decode`` (no host sync: the CUDA-graph-safe entry point)
+``_testing.py``        ``assert_close`` (reports how many elements mismatch and where), error
+                       helpers shared by the tests, the benchmark and the notebook
+=====================  ======================================================================
+
+The ``attention_*`` wrappers are what :mod:`workbench.backends` calls for its ops of the same
+name; the attention files name their kernels ``_flash_prefill_kernel`` / ``_paged_decode_*``.
+
+Kernels run on a CPU under the Triton interpreter (``TRITON_INTERPRET=1``) at small sizes.
+``@triton.jit`` decides between the compiler and the interpreter when a kernel module is
+*imported*, so the variable must be set before the first ``import workbench_kernels.<op>``.
+Importing this package itself does not import triton.
 """
 
+from __future__ import annotations
+
+import importlib.util
 import os
+
+# kernel file -> (host wrappers, their references).  The one list of what this library holds;
+# the benchmark and the notebook read it (workbench.backends names its entry points itself).
+KERNELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "rmsnorm": (("rmsnorm", "add_rmsnorm"), ("rmsnorm_ref", "add_rmsnorm_ref")),
+    "rope": (("rope", "rope_kv_write"), ("rope_ref", "rope_kv_write_ref")),
+    "swiglu": (("swiglu",), ("swiglu_ref",)),
+    "flash_prefill": (("flash_prefill", "flash_prefill_paged", "attention_prefill"),
+                      ("flash_prefill_ref", "flash_prefill_paged_ref")),
+    "paged_decode": (("paged_decode", "attention_decode"), ("paged_decode_ref",)),
+}
+
+# Kernel launches made through the host wrappers, by wrapper name (read by
+# workbench.cuda_graphs.count_launches; a dict increment per launch costs nothing measurable).
+LAUNCHES: dict[str, int] = {}
 
 
 def interpreter_active() -> bool:
     """True when Triton kernels run on the CPU through the interpreter."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def has_kernel_file(name: str) -> bool:
+    """Whether ``workbench_kernels.<name>`` exists in this checkout (imports nothing heavy)."""
+    return importlib.util.find_spec(f"{__name__}.{name}") is not None
+
+
+def count_launch(name: str) -> None:
+    LAUNCHES[name] = LAUNCHES.get(name, 0) + 1
+
+
+def check_device(kernel, *tensors, op: str) -> None:
+    """One clear error instead of a deep Triton traceback when a CPU tensor meets a compiled
+    (not interpreted) kernel, or tensors sit on different devices."""
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"{op}: all tensors must be on one device, got {sorted(map(str, devices))}")
+    if next(iter(devices)).type == "cpu" and type(kernel).__name__ != "InterpretedFunction":
+        raise RuntimeError(f"{op}: Triton kernels run on a CPU only under the interpreter: set TRITON_INTERPRET=1 "
+                           f"before workbench_kernels.{op.split('(')[0]} is first imported")
+
+
+def rows_per_program(num_rows: int, row_elems: int, interpreted: bool) -> int:
+    """How many rows one program handles (a power of two).
+
+    On a GPU a program should hold a few thousand elements: one row of a wide tensor (hidden
+    2048+), several rows of a narrow one.  Under the interpreter every program is a Python
+    loop iteration costing milliseconds, so pack as many rows as fit a ~64K-element block.
+    """
+    import triton
+
+    budget = 1 << 16 if interpreted else 4096
+    rows = max(1, budget // max(row_elems, 1))
+    return min(triton.next_power_of_2(max(num_rows, 1)), 1 << (rows.bit_length() - 1))

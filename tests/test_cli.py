@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -68,6 +69,7 @@ def test_bench_json_reports_both_sides_and_their_ratio(capsys):
     (["run-notebooks", "-p", "novalue"], "NAME=VALUE"),
     (["run-notebooks", "--sweep", "window_ms"], "NAME=V1,V2"),
     (["sched-bench", "--streams", "0"], "streams"),
+    (["generate", "--backend", "rmsnorm=cuda"], "rmsnorm=cuda"),
 ])
 def test_errors_exit_2_with_one_line_and_no_traceback(args, needle):
     r = subprocess.run(CLI + args, capture_output=True, text=True, timeout=600)
@@ -84,7 +86,7 @@ def _needs_bundled():
         pytest.skip("bundled model weights not present")
 
 
-@pytest.mark.parametrize("sub", ["kv-inspect", "prefix-bench", "sched-bench", "serve", "load"])
+@pytest.mark.parametrize("sub", ["kv-inspect", "prefix-bench", "sched-bench", "serve", "load", "kernels-bench"])
 def test_help_kv_subcommands(sub, capsys):
     with pytest.raises(SystemExit) as e:
         main([sub, "--help"])
@@ -149,3 +151,17 @@ def test_sched_bench_json(capsys):
     assert t["identical_tokens"] is True
     assert t["speedup"] == pytest.approx(t["concurrent_tokens_per_s"] / t["sequential_tokens_per_s"])
     assert res["overhead"]["batch"] == 3
+
+
+def test_generate_with_triton_backends_gives_the_eager_tokens():
+    """--backend on a CPU runs the kernels under the Triton interpreter (set by the CLI before
+    triton is imported) and must not change greedy tokens."""
+    _needs_bundled()
+    base = CLI + ["generate", "--device", "cpu", "--max-tokens", "4", "--json", "--quiet", "The list type"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    eager = subprocess.run(base, capture_output=True, text=True, timeout=600, env=env)
+    fused = subprocess.run(base + ["--backend", "rmsnorm=triton,swiglu=triton,rope=triton"], capture_output=True,
+                           text=True, timeout=600, env=env)
+    assert eager.returncode == 0 and fused.returncode == 0, fused.stderr
+    assert "Triton interpreter" in fused.stderr
+    assert json.loads(fused.stdout)[0]["token_ids"] == json.loads(eager.stdout)[0]["token_ids"]

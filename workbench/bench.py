@@ -50,6 +50,7 @@ class BenchConfig:
     repeats: int = 3
     warmup: int = 1
     seed: int = 0
+    backend: str | None = None    # per-op backends of the workbench side (workbench.backends spec)
 
     def __post_init__(self) -> None:
         for name in ("prompt_tokens", "max_tokens", "num_prompts", "repeats"):
@@ -140,6 +141,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
 
     torch.manual_seed(cfg.seed)
     llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    if cfg.backend:
+        from .backends import apply_backends, parse_backend_spec
+        apply_backends(llm.model, parse_backend_spec(cfg.backend))
     hf = hf_model_like(llm, cfg.model)
     prompts = bench_prompts(llm, cfg.num_prompts, cfg.prompt_tokens, cfg.seed)
     sides = {"workbench": lambda p: _run_ours(llm, p, cfg.max_tokens),
@@ -180,8 +184,16 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         "decode_speedup": res["workbench"]["decode_tokens_per_s_p50"] / res["transformers"]["decode_tokens_per_s_p50"],
         "ttft_ratio": res["workbench"]["ttft_ms_p50"] / res["transformers"]["ttft_ms_p50"],
         "greedy_token_agreement": same / total if total else None,
+        "backends": _backends_row(llm.model),
         "raw": raw,
     }
+
+
+def _backends_row(model) -> dict:
+    """The per-op backends of the measured model, as every benchmark row records them."""
+    from .backends import describe_backends
+
+    return describe_backends(model)
 
 
 def format_bench(res: dict) -> str:
@@ -189,7 +201,8 @@ def format_bench(res: dict) -> str:
     lines = [f"model {res['model']} on {res['device']} ({res['device_name']}), {res['dtype']}, "
              f"{res['threads']} threads; prompt {res['config']['prompt_tokens']} tokens, "
              f"{res['config']['max_tokens']} new tokens, {res['config']['num_prompts']} prompts x "
-             f"{res['config']['repeats']} repeats",
+             f"{res['config']['repeats']} repeats; workbench backends: {res['backends']['backends']}"
+             + (" (Triton interpreter)" if res["backends"].get("triton_interpreter") else ""),
              f"{'engine':<24}{'TTFT p50 ms':>14}{'TTFT jitter':>13}{'decode tok/s p50':>18}{'min..max':>18}"]
     for name, r in (("workbench", w), ("transformers.generate", h)):
         lines.append(f"{name:<24}{r['ttft_ms_p50']:>14.2f}{r['ttft_ms_jitter']:>13.2f}"

@@ -20,11 +20,47 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                                                  "the checkpoint's dtype on GPU)")
 
 
+def _add_backend_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default=None,
+                   help="per-op backends: eager | triton | compile (every op), or OP=BACKEND,... with OP in rmsnorm, "
+                        "rope, swiglu, attention_prefill, attention_decode (default: eager)")
+
+
+def _prepare_triton(args) -> None:
+    """``--backend`` with Triton on a CPU: run the kernels under the Triton interpreter.
+
+    ``TRITON_INTERPRET`` is read when triton itself is first imported (its standard library is
+    decorated then), so it is set here, before any command loads a model."""
+    import os
+
+    spec = getattr(args, "backend", None)
+    if not spec or "triton" not in spec or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    device = getattr(args, "device", None)
+    if device is None:
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if str(device).startswith("cpu"):
+        os.environ["TRITON_INTERPRET"] = "1"
+        print("note: Triton kernels on a CPU run under the Triton interpreter (correct, slow: not speed figures)",
+              file=sys.stderr)
+
+
+def _apply_backend(llm, spec: str | None, device_type: str) -> None:
+    """Apply ``--backend`` (already checked by :func:`_prepare_triton`) to a loaded LLM."""
+    if not spec:
+        return
+    from .backends import apply_backends, parse_backend_spec
+
+    apply_backends(llm.model, parse_backend_spec(spec))
+
+
 def cmd_generate(args) -> int:
     from .engine import LLM, RequestOutput
     from .sampling import SamplingParams
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    _apply_backend(llm, args.backend, llm.device.type)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or [])
     prompts = args.prompt or ["The Python tutorial"]
@@ -56,7 +92,7 @@ def cmd_bench(args) -> int:
 
     cfg = BenchConfig(model=args.model, device=args.device, dtype=args.dtype, prompt_tokens=args.prompt_tokens,
                       max_tokens=args.max_tokens, num_prompts=args.num_prompts, repeats=args.repeats,
-                      warmup=args.warmup, seed=args.seed)
+                      warmup=args.warmup, seed=args.seed, backend=args.backend)
     res = run_bench(cfg, progress=not args.json and not args.quiet)
     if args.json:
         if not args.raw:
@@ -188,8 +224,11 @@ def cmd_sched_bench(args) -> int:
                            token_budget=args.token_budget, windows_ms=tuple(args.windows_ms),
                            overhead_batch=args.overhead_batch, overhead_tokens=args.overhead_tokens, seed=args.seed,
                            batch_invariant={"auto": None, "on": True, "off": False}[args.batch_invariant])
-    res = run_sched_bench(args.model, cfg, device=args.device, dtype=args.dtype, experiments=args.experiments,
-                          progress=not args.json and not args.quiet)
+    from .engine import LLM
+
+    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    _apply_backend(llm, args.backend, llm.device.type)
+    res = run_sched_bench(llm, cfg, experiments=args.experiments, progress=not args.json and not args.quiet)
     print(json.dumps(res, indent=2) if args.json else format_sched_bench(res))
     return 0
 
@@ -201,6 +240,7 @@ def _add_sched_bench_parser(sub) -> None:
     s = sub.add_parser("sched-bench", help="batched engine: concurrent vs sequential throughput, chunked prefill "
                                            "and micro-batch window under Poisson load, scheduler overhead")
     _add_model_args(s)
+    _add_backend_arg(s)
     s.add_argument("--experiments", nargs="+", default=["throughput", "chunked", "window", "overhead"],
                    choices=["throughput", "chunked", "window", "overhead"])
     s.add_argument("--streams", type=int, default=d.streams, help="concurrent requests (throughput)")
@@ -220,6 +260,13 @@ def _add_sched_bench_parser(sub) -> None:
     s.add_argument("--json", action="store_true", help="print a JSON object instead of the tables")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=cmd_sched_bench)
+
+
+# ---- kernels-bench (workbench.kernel_bench) -------------------------------------------------------
+def cmd_kernels_bench(args) -> int:
+    from .kernel_bench import run_from_args
+
+    return run_from_args(args)
 
 
 # ---- serve: the OpenAI-compatible HTTP server (workbench.serve) -----------------------------------
@@ -246,15 +293,19 @@ def cmd_serve(args) -> int:
                                    min_samples=min(20, args.slo_window), cooldown_s=args.slo_cooldown_s,
                                    baseline_s=None if args.slo_baseline_ms is None else args.slo_baseline_ms / 1e3,
                                    bypass_priorities=tuple(args.slo_bypass_priority)))
+    from .engine import LLM
+
+    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    _apply_backend(llm, args.backend, llm.device.type)
     announce = lambda line: print(line, flush=True)  # noqa: E731 - scripts read the port from this line
-    return serve(args.model, config, announce=announce, device=args.device, dtype=args.dtype, scheduler=sched, kv=kv,
-                 guard=guard)
+    return serve(llm, config, announce=announce, scheduler=sched, kv=kv, guard=guard)
 
 
 def _add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, SSE, /metrics) "
                                      "over the batched engine")
     _add_model_args(s)
+    _add_backend_arg(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface; set --api-key)")
     s.add_argument("--port", type=int, default=8000, help="0 = pick a free port (printed)")
     s.add_argument("--served-model-name", default=None, help="name in /v1/models and requests (default: "
@@ -293,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text with the reference engine (streams tokens)")
     _add_model_args(g)
+    _add_backend_arg(g)
     g.add_argument("prompt", nargs="*", help="prompt text (several prompts run one after another)")
     g.add_argument("--token-ids", action="store_true", help="prompts are space/comma-separated token ids")
     g.add_argument("--max-tokens", type=int, default=48)
@@ -307,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="workbench engine vs transformers.generate, same model and prompts")
     _add_model_args(b)
+    _add_backend_arg(b)
     b.add_argument("--prompt-tokens", type=int, default=64)
     b.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (EOS ignored)")
     b.add_argument("--num-prompts", type=int, default=3)
@@ -381,6 +434,11 @@ def build_parser() -> argparse.ArgumentParser:
     pb.set_defaults(func=cmd_prefix_bench)
     _add_sched_bench_parser(sub)
     _add_serve_parser(sub)
+    kb = sub.add_parser("kernels-bench", help="device ceilings, each Triton kernel vs torch eager / compile, and "
+                                              "the decode step eager / fused / CUDA graphs (table last, CSV)")
+    from .kernel_bench import add_arguments as _add_kernel_bench_args
+    _add_kernel_bench_args(kb)
+    kb.set_defaults(func=cmd_kernels_bench)
     from .load.cli import add_parser as _add_load_parser
     _add_load_parser(sub)
     return ap
@@ -391,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
+        _prepare_triton(args)
         return args.func(args)
     except WorkbenchError as e:
         print(f"workbench {args.command}: error: {e}", file=sys.stderr)

@@ -1,0 +1,119 @@
+"""Static-buffer decode (``workbench.cuda_graphs``): on a CPU, ``capture()`` says in one line that
+graphs need CUDA and the same static path runs eagerly; it must give the reference engine's
+greedy tokens, with eager and with Triton ops, and batch sequences into buckets exactly.
+Launch counting (``launches_per_decode_step``) is checked against the model's structure.
+
+The CUDA capture / replay lines are not run here (no GPU): they are marked ``# CUDA only``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"        # before the kernel modules create their jit functions
+pytest.importorskip("triton", reason="triton is not installed (the kernels need it, also on CPU)")
+
+import workbench  # noqa: E402
+from workbench.backends import OPS, apply_backends, current_backends, parse_backend_spec  # noqa: E402
+from workbench.config import ModelConfig  # noqa: E402
+from workbench.cuda_graphs import NO_CUDA, GraphedDecoder, launches_per_decode_step  # noqa: E402
+from workbench.errors import ConfigError, WorkbenchError  # noqa: E402
+from workbench.model import CausalLM, init_weights  # noqa: E402
+from workbench_kernels._testing import assert_close  # noqa: E402
+
+from conftest import BUNDLED_READY  # noqa: E402
+
+torch.set_num_threads(1)
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback")
+PROMPTS = ["Python is", "The list", "def f(x):"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = ModelConfig(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    return init_weights(CausalLM(cfg), seed=7).eval()
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    if not BUNDLED_READY:
+        pytest.skip("bundled model weights not present (data/reference-model/model.safetensors)")
+    llm = workbench.LLM(device="cpu")
+    params = workbench.SamplingParams(temperature=0, max_tokens=12)
+    ref = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    return llm, ref
+
+
+@CPU_ONLY
+def test_capture_on_cpu_says_so_in_one_line_and_runs_eager(tiny, capsys):
+    dec = GraphedDecoder(tiny, max_len=16)
+    assert dec.capture() is False and not dec.graphed
+    assert capsys.readouterr().out == NO_CUDA + "\n"
+    assert "CUDA" in NO_CUDA and "eager" in NO_CUDA
+    with pytest.raises(WorkbenchError, match="CUDA graphs need a CUDA device"):
+        dec.capture(strict=True)
+
+
+def test_static_decode_gives_the_reference_greedy_tokens(bundled):
+    llm, ref = bundled
+    dec = GraphedDecoder(llm.model, max_len=32)
+    dec.capture()
+    for prompt, want in zip(PROMPTS, ref):
+        assert dec.generate(llm.tokenizer.encode(prompt), 12) == want
+
+
+def test_static_decode_with_all_triton_ops_gives_the_reference_greedy_tokens(bundled):
+    """RoPE + KV write by slot index and decode attention over the whole static cache, with the
+    positions as tensors: the graph-safe path, run eagerly under the interpreter."""
+    llm, ref = bundled
+    before = current_backends(llm.model)
+    apply_backends(llm.model, parse_backend_spec("triton"))
+    try:
+        dec = GraphedDecoder(llm.model, max_len=16)
+        assert dec.backends == {op: "triton" for op in OPS}
+        assert dec.generate(llm.tokenizer.encode(PROMPTS[0]), 6) == ref[0][:6]
+    finally:
+        apply_backends(llm.model, before)
+
+
+def test_a_batch_in_a_bucket_equals_each_sequence_alone(tiny):
+    """Three sequences at different positions in the bucket of 4 (one padding row writing to the
+    scratch row): each row's logits are the reference model's for that sequence alone."""
+    prompts = [[3, 9, 27, 5], [11, 2], [40, 41, 42, 43, 44, 45, 46]]
+    nxt = [7, 8, 9]
+    dec = GraphedDecoder(tiny, max_len=12, buckets=(1, 4))
+    for row, ids in enumerate(prompts):
+        dec.prefill(row, ids)
+    logits = dec.decode(nxt, [len(p) for p in prompts])
+    assert logits.shape == (3, tiny.config.vocab_size) and dec.bucket_for(3) == 4
+    for row, ids in enumerate(prompts):
+        with torch.inference_mode():
+            want = tiny(torch.tensor([ids + [nxt[row]]]))[0, -1]
+        # fp32: the same ops with another batch size (matmul kernels differ by a few ulp)
+        assert_close(logits[row], want, atol=1e-5, rtol=1e-5, name=f"row {row}")
+    with pytest.raises(WorkbenchError, match="exceeds the largest bucket"):
+        dec.bucket_for(5)
+    with pytest.raises(ConfigError, match="buckets must be positive"):
+        GraphedDecoder(tiny, max_len=12, buckets=(0,))
+
+
+def test_launches_per_decode_step(tiny):
+    """Triton: one launch per fused op, per layer: rmsnorm, rope_kv_write, paged_decode,
+    add_rmsnorm, swiglu (5 L) and the final norm; the reference launches none and more aten ops."""
+    L = tiny.config.num_hidden_layers
+    mlp_class = type(tiny.model.layers[0].mlp)        # MLP, or BackendMLP after a GraphedDecoder
+    eager = launches_per_decode_step(tiny, {op: "eager" for op in OPS})
+    fused = launches_per_decode_step(tiny, parse_backend_spec("triton"))
+    assert eager["triton"] == 0 and eager["aten"] > 0 and eager["total"] == eager["aten"]
+    assert fused["triton"] == 5 * L + 1
+    assert fused["aten"] < eager["aten"], (fused, eager)
+    assert fused["backends"].startswith("rmsnorm=triton") and fused["graphed"] is False
+    static = launches_per_decode_step(tiny, parse_backend_spec("triton"), graphed=True)
+    assert static["triton"] == 5 * L + 1 and static["graphed"] is torch.cuda.is_available()
+    assert current_backends(tiny) == {op: "eager" for op in OPS}, "the model is left as it was"
+    assert type(tiny.model.layers[0].mlp) is mlp_class
