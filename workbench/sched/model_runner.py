@@ -120,11 +120,32 @@ class ModelRunner:
 
 
 class _AttentionBatch:
-    """Per-step attention layout: sequences padded to [B, T_max] queries and [B, S_max] keys."""
+    """Per-step attention layout.  Decode tokens (one query per sequence) and prefill chunks
+    are attended in separate groups, each padded to its own ``[B, T_max]`` queries and
+    ``[B, S_max]`` keys: a 64-token chunk in the step does not pad every decode row to 64
+    queries."""
 
     def __init__(self, runner: ModelRunner, scheduled: list[ScheduledSeq], rows_of, total_rows: int) -> None:
+        items = list(zip(scheduled, rows_of))
+        decode = [it for it in items if it[0].num_tokens == 1]
+        prefill = [it for it in items if it[0].num_tokens > 1]
+        self.groups = [_AttentionGroup(runner, g) for g in (decode, prefill) if g]
+        self.r, self.total_rows = runner, total_rows
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        packed = q.new_zeros(self.total_rows, self.r.nh, self.r.hd)
+        for g in self.groups:
+            g.attend(layer, q, packed)
+        return packed
+
+
+class _AttentionGroup:
+    """Sequences of one group padded to [B, T_max] queries and [B, S_max] keys, with a mask."""
+
+    def __init__(self, runner: ModelRunner, items: list) -> None:
         self.r = runner
         dev, m, Bsz = runner.device, runner.pool.manager, runner.pool.block_size
+        scheduled = [s for s, _ in items]
         self.B = len(scheduled)
         self.T = max(s.num_tokens for s in scheduled)
         self.S = max(s.start + s.num_tokens for s in scheduled)
@@ -133,7 +154,7 @@ class _AttentionBatch:
         self.tables = torch.tensor([t + [t[-1]] * (nblk - len(t)) for t in tables], device=dev)   # [B, nblk]
         # query rows of the packed matrix, padded per sequence (-1: none)
         qrows = torch.full((self.B, self.T), -1, dtype=torch.long)
-        for b, rows in enumerate(rows_of):
+        for b, (_, rows) in enumerate(items):
             qrows[b, :len(rows)] = torch.tensor(list(rows))
         self.qrows = qrows.to(dev)
         starts = torch.tensor([s.start for s in scheduled], device=dev)
@@ -147,9 +168,8 @@ class _AttentionBatch:
         mask &= valid_q[..., None]
         mask[..., 0] |= ~valid_q          # padded query rows see one key: finite, then discarded
         self.mask = mask[:, None]                                                         # [B, 1, T, S]
-        self.total_rows = total_rows
 
-    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, packed: torch.Tensor) -> None:
         r = self.r
         nh, nkv, hd = r.nh, r.nkv, r.hd
         kc = r.pool.k_cache[layer][self.tables].reshape(self.B, -1, nkv, hd)[:, :self.S]   # [B, S, nkv, hd]
@@ -161,10 +181,8 @@ class _AttentionBatch:
         else:
             out = F.scaled_dot_product_attention(qb, k, v, attn_mask=self.mask, enable_gqa=nh != nkv)
         rows = out.transpose(1, 2)                                                          # [B, T, nh, hd]
-        packed = q.new_zeros(self.total_rows, nh, hd)
         valid = self.qrows >= 0
         packed[self.qrows[valid]] = rows[valid]
-        return packed
 
 
 def _attention_fp64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
