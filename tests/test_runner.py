@@ -97,7 +97,20 @@ if results_path:
     assert list(ok["product"]) == [5, 10] and list(ok["a_seen"]) == [1, 2]
     assert table.loc[0, "error"].count("rate=3 failed") == 1
     html = (tmp_path / "run" / "report.html").read_text()
-    assert "<h2>Sweep</h2>" in html and "rate=3 failed" in html
+    assert "<h2>Sweep</h2>" in html and "rate=3 failed" in html and "fig-sweep" in html
+
+
+def test_sweep_figure_draws_metric_vs_last_parameter_per_group():
+    from workbench.results import sweep_figure
+
+    table = pd.DataFrame({"notebook": "n", "window_ms": [0, 0, 5, 5, 5], "rate": [4, 8, 4, 8, 16],
+                          "status": ["ok", "ok", "ok", "ok", "failed"], "seconds": 1.0, "error": "",
+                          "ttft_p95_ms": [10.0, 30.0, 12.0, 25.0, None], "tokens_per_s": [1.0, 2, 3, 4, None]})
+    fig = sweep_figure(table, ["window_ms", "rate"])
+    assert [t.name for t in fig.data] == ["window_ms=0", "window_ms=5"]         # only the p95 metric: one panel
+    assert list(fig.data[1].x) == [4, 8] and list(fig.data[1].y) == [12.0, 25.0]   # the failed point is left out
+    assert sweep_figure(table, ["window_ms", "rate"], metrics=["tokens_per_s"]).data[0].y.tolist() == [1.0, 2.0]
+    assert sweep_figure(table.assign(status="failed"), ["window_ms", "rate"]) is None
 
 
 def test_sweep_grid_and_labels():

@@ -192,6 +192,37 @@ def _kv_table(d: dict) -> str:
     return "<table>" + "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in d.items()) + "</table>"
 
 
+def sweep_figure(table, params: list[str], metrics: list[str] | None = None):
+    """Latency vs load for a sweep: x = the last swept parameter (e.g. the request rate), one
+    line per combination of the others (e.g. the window), one panel per metric (default: every
+    metric whose name has ``p95``).  Failed points are left out of the lines (they keep their
+    table row).  None when nothing numeric can be drawn."""
+    import pandas as pd
+    from plotly.subplots import make_subplots
+
+    if not params:
+        return None
+    x, groups = params[-1], params[:-1]
+    ok = table[table["status"] == "ok"] if "status" in table else table
+    known = set(params) | {"notebook", "status", "seconds", "error"}
+    numeric = [c for c in ok.columns if c not in known and pd.api.types.is_numeric_dtype(ok[c])]
+    metrics = [m for m in (metrics or [c for c in numeric if "p95" in c.lower()] or numeric[:1]) if m in numeric]
+    if ok.empty or not metrics or not pd.api.types.is_numeric_dtype(ok[x]):
+        return None
+    fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=metrics)
+    keyed = ok.groupby(groups) if groups else [((), ok)]
+    for key, part in keyed:
+        key = key if isinstance(key, tuple) else (key,)
+        name = ", ".join(f"{g}={v}" for g, v in zip(groups, key)) or "all"
+        part = part.sort_values(x)
+        for i, m in enumerate(metrics):
+            fig.add_scatter(x=part[x], y=part[m], mode="lines+markers", name=name, legendgroup=name,
+                            showlegend=i == 0, row=1, col=i + 1)
+    fig.update_xaxes(title_text=x)
+    fig.update_layout(title=f"sweep: {', '.join(metrics)} vs {x}", height=380)
+    return fig
+
+
 def write_report(path: str | Path, records: list[dict], results: dict, parameters: dict | None = None,
                  started=None, kernel: str | None = None, sweep: dict | None = None) -> Path:
     """One self-contained HTML page: environment, notebook summary (status, seconds, links),
@@ -214,16 +245,23 @@ def write_report(path: str | Path, records: list[dict], results: dict, parameter
                      f"<td style='text-align:left'><pre>{_esc(rec.get('error') or '')}</pre></td></tr>")
     parts.append("</table>")
 
+    n_figures = 0
     if "sweep" in results:
         parts.append(f"<h2>Sweep</h2><p>Grid <code>{_esc(json.dumps(sweep or {}))}</code>: one row per point "
                      "(a failed point keeps its row and its error).</p>")
         parts.append(results["sweep"].to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep=""))
+        try:
+            fig = sweep_figure(results["sweep"], list(sweep or {}))
+        except ImportError:
+            fig = None
+        if fig is not None:
+            parts.append(fig.to_html(full_html=False, include_plotlyjs=False, div_id="fig-sweep"))
+            n_figures += 1
     metrics = results["metrics"]
     parts.append("<h2>Metrics</h2>")
     parts.append(metrics.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep="")
                  if len(metrics) else "<p>No notebook wrote metrics.</p>")
 
-    n_figures = 0
     for name, res in results["notebooks"].items():
         parts.append(f"<h2 id='nb-{_esc(name)}'>{_esc(name)}</h2>")
         for tname, df in res["tables"].items():
