@@ -22,9 +22,34 @@ Both cost time, so ``batch_invariant=False`` switches them off (plain SDPA, no p
 speed studies; on a GPU in bf16 it is off by default.  The module calls go through the
 model's own modules (``layer.mlp(...)``, ``attn.q_proj(...)``), so per-op backends and
 quantized layers applied to the model are used here too.
+
+**Per-op backends of the attention side** (``workbench.backends``).  RoPE, the K/V write and
+attention are done here over the packed batch, not by the attention module, so the runner
+reads the backend entry points the model's attention modules hold (``attn._wb_ops``, what
+:func:`~workbench.backends.apply_backends` set) at every step, layer by layer: a backend applied
+or removed between steps takes effect at the next step.  With the reference modules (or an op
+on ``eager``) the step is exactly the path described above.  Otherwise:
+
+* ``rope``: ``triton`` -> ``rope_kv_write`` (rotation and the paged K/V write in one launch;
+  padding rows get slot -1, skipped); ``compile`` -> ``rope`` then the same K/V write;
+* ``attention_decode`` (any non-eager backend) -> the decode group (one query per sequence)
+  calls it on the pool's layer tensors ``[num_blocks, block_size, nkv, hd]`` with int32 block
+  tables and lengths; with a sliding window only while every context fits in the window;
+* ``attention_prefill``: ``triton`` -> the prefill-chunk group calls ``flash_prefill_paged``
+  of the same kernel module: ragged queries, keys read in place from the pool (a chunk attends
+  to its cached prefix), causal mask aligned bottom-right, sliding window supported.  Other
+  backends of this op keep the group on the path above (their entry point takes queries =
+  keys from position 0, which a chunk is not).
+
+The kernels compute attention in float32 (not the float64 of batch-invariant mode), so with
+them on, greedy tokens match the eager engine as far as float32 rounding allows, and on a GPU
+the decode kernel's split count depends on the batch: bitwise batch invariance is a property
+of the eager path only.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 import torch.nn.functional as F
@@ -93,21 +118,33 @@ class ModelRunner:
         tok = torch.tensor(tokens + [0] * pad, device=dev)
         pos = torch.tensor(positions + [0] * pad, device=dev)
         slot_t = torch.tensor(slots, device=dev)
+        slot_pad = None                                                      # slots + -1 per padding row
         x = model.model.embed_tokens(tok)                                    # [N+pad, H]
-        cos, sin = model.model.rotary_emb(0, max(positions) + 1, dev, x.dtype)
-        cos, sin = cos[pos][:, None], sin[pos][:, None]                      # [N+pad, 1, hd]
+        cos_t, sin_t = model.model.rotary_emb(0, max(positions) + 1, dev, x.dtype)   # tables [P, hd]
+        cos, sin = cos_t[pos][:, None], sin_t[pos][:, None]                  # [N+pad, 1, hd]
         batch = _AttentionBatch(self, scheduled, rows_of, N + pad)
         for li, layer in enumerate(model.model.layers):
             attn = layer.self_attn
+            ops = attention_ops(attn)                                        # None: all eager
+            rope = ops.backends["rope"] if ops is not None else "eager"
             h = layer.input_layernorm(x)
             q = attn.q_proj(h).view(-1, self.nh, self.hd)
             k = attn.k_proj(h).view(-1, self.nkv, self.hd)
             v = attn.v_proj(h).view(-1, self.nkv, self.hd)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
-            self.pool.k_cache[li].view(-1, self.nkv, self.hd)[slot_t] = k[:N]
-            self.pool.v_cache[li].view(-1, self.nkv, self.hd)[slot_t] = v[:N]
-            o = batch.attend(li, q)                                          # [N+pad, nh, hd]
+            if rope == "triton":                                             # rotation + K/V write, fused
+                if slot_pad is None:
+                    slot_pad = torch.tensor(slots + [-1] * pad, dtype=torch.long, device=dev)
+                q, k = ops.rope_kv_write(q, k, v, cos_t, sin_t, pos, self.pool.k_cache[li],
+                                         self.pool.v_cache[li], slot_pad)
+            else:
+                if rope == "eager":
+                    q = q * cos + rotate_half(q) * sin
+                    k = k * cos + rotate_half(k) * sin
+                else:
+                    q, k = ops.rope(q, k, cos_t, sin_t, pos)
+                self.pool.k_cache[li].view(-1, self.nkv, self.hd)[slot_t] = k[:N]
+                self.pool.v_cache[li].view(-1, self.nkv, self.hd)[slot_t] = v[:N]
+            o = batch.attend(li, q, ops)                                     # [N+pad, nh, hd]
             x = x + attn.o_proj(o.reshape(-1, self.nh * self.hd))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         last = [r[-1] for s, r in zip(scheduled, rows_of) if s.samples]
@@ -129,21 +166,22 @@ class _AttentionBatch:
         items = list(zip(scheduled, rows_of))
         decode = [it for it in items if it[0].num_tokens == 1]
         prefill = [it for it in items if it[0].num_tokens > 1]
-        self.groups = [_AttentionGroup(runner, g) for g in (decode, prefill) if g]
+        self.groups = [_AttentionGroup(runner, g, one) for g, one in ((decode, True), (prefill, False)) if g]
         self.r, self.total_rows = runner, total_rows
 
-    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, ops=None) -> torch.Tensor:
         packed = q.new_zeros(self.total_rows, self.r.nh, self.r.hd)
         for g in self.groups:
-            g.attend(layer, q, packed)
+            g.attend(layer, q, packed, ops)
         return packed
 
 
 class _AttentionGroup:
     """Sequences of one group padded to [B, T_max] queries and [B, S_max] keys, with a mask."""
 
-    def __init__(self, runner: ModelRunner, items: list) -> None:
-        self.r = runner
+    def __init__(self, runner: ModelRunner, items: list, decode: bool = False) -> None:
+        self.r, self.decode = runner, decode            # decode: one query per sequence
+        self._kernel_args = None
         dev, m, Bsz = runner.device, runner.pool.manager, runner.pool.block_size
         scheduled = [s for s, _ in items]
         self.B = len(scheduled)
@@ -168,9 +206,42 @@ class _AttentionGroup:
         mask &= valid_q[..., None]
         mask[..., 0] |= ~valid_q          # padded query rows see one key: finite, then discarded
         self.mask = mask[:, None]                                                         # [B, 1, T, S]
+        self.ends, self.q_lens = ends, [s.num_tokens for s in scheduled]
 
-    def attend(self, layer: int, q: torch.Tensor, packed: torch.Tensor) -> None:
+    def kernel_args(self):
+        """(query rows [n] long, block_tables [B, nblk] int32, seq_lens [B] int32, cu_seqlens_q
+        [B+1] int32) for the attention kernels, made on first use and shared by every layer."""
+        if self._kernel_args is None:
+            dev = self.r.device
+            rows = self.qrows[self.qrows >= 0]            # sequence by sequence, in order
+            cu = torch.tensor([0] + self.q_lens, device=dev).cumsum(0).to(torch.int32)
+            self._kernel_args = (rows, self.tables.to(torch.int32), self.ends.to(torch.int32), cu)
+        return self._kernel_args
+
+    def kernel(self, ops):
+        """The backend entry point that attends this group, or None for the path below."""
+        if ops is None:
+            return None
+        if self.decode:
+            ok = ops.backends["attention_decode"] != "eager" and (self.r.window is None or self.S <= self.r.window)
+            return ops.attention_decode if ok else None
+        if ops.backends["attention_prefill"] == "triton":
+            return _paged_prefill(ops.attention_prefill)
+        return None
+
+    def attend(self, layer: int, q: torch.Tensor, packed: torch.Tensor, ops=None) -> None:
         r = self.r
+        fn = self.kernel(ops)
+        if fn is not None:
+            rows, tables, seq_lens, cu = self.kernel_args()
+            kc, vc = r.pool.k_cache[layer], r.pool.v_cache[layer]      # [num_blocks, block_size, nkv, hd]
+            if self.decode:
+                out = fn(q[rows], kc, vc, tables, seq_lens)                                  # [B, nh, hd]
+            else:
+                out = fn(q[rows], kc, vc, tables, cu, seq_lens, self.T, causal=True,
+                         sliding_window=r.window, check=False)                               # [n, nh, hd]
+            packed[rows] = out.to(q.dtype)
+            return
         nh, nkv, hd = r.nh, r.nkv, r.hd
         kc = r.pool.k_cache[layer][self.tables].reshape(self.B, -1, nkv, hd)[:, :self.S]   # [B, S, nkv, hd]
         vc = r.pool.v_cache[layer][self.tables].reshape(self.B, -1, nkv, hd)[:, :self.S]
@@ -183,6 +254,31 @@ class _AttentionGroup:
         rows = out.transpose(1, 2)                                                          # [B, T, nh, hd]
         valid = self.qrows >= 0
         packed[self.qrows[valid]] = rows[valid]
+
+
+def attention_ops(attn):
+    """The backend entry points an attention module holds (``workbench.backends``), or None
+    when it is the reference module or every attention-side op is ``eager``."""
+    ops = getattr(attn, "_wb_ops", None)
+    if ops is None or all(ops.backends.get(op, "eager") == "eager"
+                          for op in ("rope", "attention_decode", "attention_prefill")):
+        return None
+    return ops
+
+
+_PAGED_PREFILL: dict = {}
+
+
+def _paged_prefill(entry):
+    """``flash_prefill_paged`` of the kernel module that holds a Triton ``attention_prefill``
+    entry point (the chunk-aware form of the same kernel), or None if that module has none."""
+    mod = getattr(entry, "__module__", None)
+    if mod not in _PAGED_PREFILL:
+        try:
+            _PAGED_PREFILL[mod] = getattr(importlib.import_module(mod), "flash_prefill_paged", None)
+        except (ImportError, TypeError, ValueError):
+            _PAGED_PREFILL[mod] = None
+    return _PAGED_PREFILL[mod]
 
 
 def _attention_fp64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
