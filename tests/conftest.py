@@ -12,6 +12,11 @@ import os
 import pytest
 import torch
 
+# Without a GPU the Triton kernels run under the interpreter.  Triton reads the variable when
+# it is first imported (its standard library is decorated then), so it is set here, before any
+# test module can import triton: whatever order xdist gives the files, every worker agrees.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
