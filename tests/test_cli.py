@@ -86,7 +86,7 @@ def _needs_bundled():
         pytest.skip("bundled model weights not present")
 
 
-@pytest.mark.parametrize("sub", ["kv-inspect", "prefix-bench", "sched-bench", "serve", "load", "kernels-bench"])
+@pytest.mark.parametrize("sub", ["kv-inspect", "prefix-bench", "sched-bench", "serve", "load", "kernels-bench", "kernels-aot"])
 def test_help_kv_subcommands(sub, capsys):
     with pytest.raises(SystemExit) as e:
         main([sub, "--help"])

@@ -1,5 +1,5 @@
 """``workbench`` command line: generate, bench, run-notebooks, info, kv-inspect, prefix-bench,
-sched-bench, serve, load, kernels-bench.
+sched-bench, serve, load, kernels-bench, kernels-aot.
 
 argparse lives only here; each subcommand calls a plain function with the same parameters.
 A :class:`WorkbenchError` is printed as one line and the exit status is 2 (no traceback).
@@ -269,6 +269,13 @@ def cmd_kernels_bench(args) -> int:
     return run_from_args(args)
 
 
+# ---- kernels-aot (workbench.kernel_aot) -------------------------------------------------------
+def cmd_kernels_aot(args) -> int:
+    from .kernel_aot import run_from_args
+
+    return run_from_args(args)
+
+
 # ---- serve: the OpenAI-compatible HTTP server (workbench.serve) -----------------------------------
 def cmd_serve(args) -> int:
     import os
@@ -439,6 +446,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .kernel_bench import add_arguments as _add_kernel_bench_args
     _add_kernel_bench_args(kb)
     kb.set_defaults(func=cmd_kernels_bench)
+    ka = sub.add_parser("kernels-aot", help="compile every Triton kernel for sm_90 / sm_80 without a GPU: "
+                                            "ok/error, shared memory, registers, spills, vector loads, tensor-core MMA")
+    from .kernel_aot import add_arguments as _add_kernel_aot_args
+    _add_kernel_aot_args(ka)
+    ka.set_defaults(func=cmd_kernels_aot)
     from .load.cli import add_parser as _add_load_parser
     _add_load_parser(sub)
     return ap
