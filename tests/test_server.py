@@ -36,17 +36,20 @@ PROMPT = "The list type"
 
 
 class ScriptedGuard:
-    """A duck-typed SLO guard: admits until ``shed_reason`` is set; remembers what it was told."""
+    """A duck-typed SLO guard: admits until ``shed_reason`` is set; remembers what it was told.
+    ``config.policy = "queue"`` makes the server hold refused requests (as SLOConfig does)."""
 
     def __init__(self) -> None:
         self.shed_reason: str | None = None
+        self.retry_after = 7.2
+        self.config = SimpleNamespace(policy="reject", queue_timeout_s=10.0)
         self.priorities: list[int] = []
         self.ttfts: list[float] = []
 
     def admit(self, now=None, priority=0):
         self.priorities.append(priority)
         if self.shed_reason:
-            return SimpleNamespace(admitted=False, reason=self.shed_reason, retry_after=7.2)
+            return SimpleNamespace(admitted=False, reason=self.shed_reason, retry_after=self.retry_after)
         return SimpleNamespace(admitted=True, reason=None, retry_after=None)
 
     def record(self, ttft_s):
@@ -557,6 +560,146 @@ def test_real_slo_guard_opens_and_sheds(srv, bundled_llm):
         assert s[("workbench_slo_shed_total", ())] == 1
         assert httpx.get(h.url + "/health").json()["slo_guard"] == "open"
     assert srv.running and httpx.get(srv.url + "/health").json()["engine_alive"]   # the shared engine runs on
+
+
+HELD = "workbench_slo_held_total"
+HOLD = "workbench_slo_hold_seconds"
+
+
+def held(samples, outcome: str) -> float:
+    return samples[(HELD, (("outcome", outcome),))]
+
+
+@pytest.fixture
+def queued(guard, srv):
+    """The module's scripted guard with the queue policy, asking again every 50 ms; restored after."""
+    wait_idle(srv)
+    guard.config.policy, guard.retry_after = "queue", 0.05
+    yield guard
+    guard.config.policy, guard.config.queue_timeout_s, guard.retry_after = "reject", 10.0, 7.2
+    guard.shed_reason = None
+
+
+def test_guard_queue_holds_then_serves(srv, queued, bundled_llm):
+    """policy="queue": a deferred request waits in the server (nothing reaches the engine), asking
+    the guard again, and is served as soon as the guard admits it."""
+    types, before = scrape(srv.url)
+    assert types[HELD] == "counter" and types[HOLD] == "histogram"
+    assert types["workbench_slo_held_requests"] == "gauge"
+    queued.config.queue_timeout_s = 30.0
+    queued.shed_reason = "overloaded (scripted)"
+    asks = len(queued.priorities)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=srv.url, headers=AUTH, timeout=60) as c:
+            task = asyncio.ensure_future(c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4,
+                                                                         "temperature": 0}))
+            deadline = time.monotonic() + 20
+            while srv.metrics.slo_holding < 1:
+                assert time.monotonic() < deadline and not task.done(), "the request was never held"
+                await asyncio.sleep(0.01)
+            steps = srv.engine.stats()["steps"]
+            _, during = scrape(srv.url)
+            await asyncio.sleep(0.4)
+            assert not task.done() and srv.engine.stats()["steps"] == steps     # held: not at the engine
+            queued.shed_reason = None
+            return await task, during
+
+    t0 = time.monotonic()
+    r, during = asyncio.run(run())
+    assert r.status_code == 200, r.text
+    assert time.monotonic() - t0 >= 0.4
+    assert r.json()["choices"][0]["text"] == greedy(bundled_llm, PROMPT, 4)
+    assert len(queued.priorities) - asks >= 3                 # asked again while held
+    assert during[("workbench_slo_held_requests", ())] == 1
+    _, after = scrape(srv.url)
+    assert held(after, "admitted") == held(before, "admitted") + 1
+    assert sum(held(after, o) for o in ("timed_out", "refused", "disconnected", "error")) == \
+        sum(held(before, o) for o in ("timed_out", "refused", "disconnected", "error"))
+    assert hist_count(after, HOLD) == hist_count(before, HOLD) + 1
+    assert after[(HOLD + "_sum", ())] - before[(HOLD + "_sum", ())] >= 0.4
+    assert after[("workbench_slo_held_requests", ())] == 0
+    assert after[("workbench_slo_shed_total", ())] == before[("workbench_slo_shed_total", ())]
+
+
+def test_guard_queue_timeout_is_503_with_reason(http, srv, queued):
+    _, before = scrape(srv.url)
+    steps = srv.engine.stats()["steps"]
+    queued.config.queue_timeout_s = 0.4
+    queued.shed_reason = "TTFT P95 too high (scripted)"
+    t0 = time.monotonic()
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+    assert time.monotonic() - t0 >= 0.4
+    e = err(r, 503, "shed by the SLO guard", "TTFT P95 too high (scripted)", "held", "timeout is 0.4 s")
+    assert e["code"] == "slo_guard_queue_timeout" and r.headers["retry-after"] == "1"
+    err(http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "stream": True}), 503, "scripted")
+    # a refusal without "ask again" ends the hold at once
+    queued.config.queue_timeout_s = 30.0
+    queued.retry_after = None
+    err(http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}), 503, "scripted")
+    assert srv.engine.stats()["steps"] == steps            # none of them reached the engine
+    _, after = scrape(srv.url)
+    assert held(after, "timed_out") == held(before, "timed_out") + 2
+    assert held(after, "admitted") == held(before, "admitted")
+    assert hist_count(after, HOLD) == hist_count(before, HOLD) + 2     # the unheld refusal is not a hold
+    assert after[(HOLD + "_sum", ())] - before[(HOLD + "_sum", ())] >= 0.8
+    assert after[("workbench_slo_shed_total", ())] == before[("workbench_slo_shed_total", ())] + 3
+
+
+def test_guard_queue_client_gone_while_held_is_dropped(srv, queued):
+    _, before = scrape(srv.url)
+    steps = srv.engine.stats()["steps"]
+    queued.config.queue_timeout_s = 30.0
+    queued.shed_reason = "overloaded (scripted)"
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.base_url + "/completions", headers=AUTH, timeout=httpx.Timeout(60, read=0.3),
+                   json={"prompt": PROMPT, "max_tokens": 2})
+    deadline = time.monotonic() + 10
+    while srv.metrics.slo_holding and time.monotonic() < deadline:
+        time.sleep(0.02)
+    _, after = scrape(srv.url)
+    assert held(after, "disconnected") == held(before, "disconnected") + 1
+    assert after[("workbench_slo_held_requests", ())] == 0
+    assert srv.engine.stats()["steps"] == steps and srv.engine.stats()["waiting"] == 0   # nothing reached it
+    assert after[("workbench_slo_shed_total", ())] == before[("workbench_slo_shed_total", ())]
+    gone = ("workbench_http_responses_total", (("code", "499"), ("path", "/v1/completions")))
+    assert after[gone] == before.get(gone, 0) + 1             # no answer was sent: 499, not 500
+
+
+def test_real_slo_guard_queue_policy(srv):
+    """A real SLOGuard(policy="queue"): opened by two slow TTFTs, it defers a request until its
+    cool-down ends; the request is then admitted as the half-open probe, served, and its healthy
+    TTFT closes the guard.  Opened again with a queue timeout shorter than the cool-down, the
+    held request gets the 503 with the guard's reason."""
+    cfg = SLOConfig(window=2, min_samples=2, baseline_s=2.0, factor=2.0, cooldown_s=0.5, probes=1,
+                    policy="queue", queue_timeout_s=20.0)
+    slo = SLOGuard(cfg)
+    with start_server(srv.engine, guard=slo) as h:
+        url = h.base_url + "/completions"
+        t0 = time.monotonic()
+        slo.record(10.0)
+        slo.record(10.0)                                  # P95 10 s > 2 x 2 s: open
+        assert slo.state == "open"
+        r = httpx.post(url, json={"prompt": PROMPT, "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert time.monotonic() - t0 >= 0.45              # not served before the cool-down ended
+        assert slo.counts["deferred"] >= 1 and slo.counts["probes"] == 1
+        assert slo.state == "closed" and slo.transitions[-1][1:3] == ("half_open", "closed")
+        _, s = scrape(h.url)
+        assert held(s, "admitted") == 1 and hist_count(s, HOLD) == 1 and s[(HOLD + "_sum", ())] > 0
+        assert s[("workbench_slo_decisions_total", (("decision", "deferred"),))] == slo.counts["deferred"]
+
+        cfg.queue_timeout_s, cfg.cooldown_s = 0.3, 30.0    # read at each request
+        slo.record(10.0)
+        slo.record(10.0)
+        assert slo.state == "open"
+        r = httpx.post(url, json={"prompt": PROMPT, "max_tokens": 2}, timeout=60)
+        e = err(r, 503, "SLO guard open", "baseline", "held", "timeout is 0.3 s")
+        assert e["code"] == "slo_guard_queue_timeout" and 1 <= int(r.headers["retry-after"]) <= 30
+        _, s = scrape(h.url)
+        assert held(s, "timed_out") == 1 and s[("workbench_slo_shed_total", ())] == 1
+        assert hist_count(s, HOLD) == 2 and s[("workbench_slo_held_requests", ())] == 0
+    assert srv.running
 
 
 def test_guard_must_be_duck_typed():

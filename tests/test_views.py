@@ -43,17 +43,62 @@ def test_scheduler_timeline_traces_carry_the_engine_steps(live_run):
     assert len(frame) >= 5 and frame["prefill_tokens"].sum() > 0 and frame["decode_tokens"].sum() > 0
     fig = scheduler_timeline(frame)
     tr = {t.name: t for t in fig.data}
-    assert list(tr) == ["prefill tokens", "decode tokens", "scheduler", "model", "after sampling", "in batch"]
+    assert list(tr) == ["prefill tokens", "decode tokens", "scheduler", "model", "after sampling", "prefilling",
+                        "decoding"]
     assert sum(tr["prefill tokens"].y) == frame["prefill_tokens"].sum()
     assert sum(tr["decode tokens"].y) == frame["decode_tokens"].sum()
     assert list(tr["prefill tokens"].x) == frame["step"].tolist()
     for name, col in (("scheduler", "schedule_s"), ("model", "model_s"), ("after sampling", "post_s")):
         assert sum(tr[name].y) == pytest.approx(frame[col].sum() * 1e3)
     # which requests: one marker per (step, request), every request of the run appears
-    assert len(tr["in batch"].x) == frame["num_seqs"].sum()
-    assert len(set(tr["in batch"].y)) == len(res.records)
+    cells = [t for t in fig.data if t.name in ("prefilling", "decoding")]
+    assert sum(len(t.x) for t in cells) == frame["num_seqs"].sum()
+    assert len({y for t in cells for y in t.y}) == len(res.records)
     assert fig.layout.barmode == "stack" and "steps" in fig.layout.title.text
     json.loads(fig.to_json())                                  # builds and serialises without a display
+
+
+def test_steps_frame_splits_each_step_per_request(live_run):
+    """request_tokens: the tokens each request of the step computed; they add up to the step's
+    prefill + decode tokens, and the timeline's per-request markers carry exactly them."""
+    target, _, _, _ = live_run
+    frame = target.engine.steps_frame()
+    assert {"request_ids", "request_tokens", "request_prefill"} <= set(frame.columns)
+    for r in frame.itertuples():
+        assert len(r.request_tokens) == len(r.request_ids) == len(r.request_prefill) == r.num_seqs
+        assert sum(r.request_tokens) == r.prefill_tokens + r.decode_tokens
+        assert sum(n for n, p in zip(r.request_tokens, r.request_prefill) if p) == r.prefill_tokens
+        assert all(n >= 1 for n in r.request_tokens)
+        if r.preempted == 0:
+            assert all(n == 1 for n, p in zip(r.request_tokens, r.request_prefill) if not p)
+    assert frame["prefill_tokens"].sum() > 0 and frame["decode_tokens"].sum() > 0
+    expected = sorted((r.step, str(rid), n, p) for r in frame.itertuples()
+                      for rid, n, p in zip(r.request_ids, r.request_tokens, r.request_prefill))
+    fig = scheduler_timeline(frame)
+    tr = {t.name: t for t in fig.data}
+    got = sorted((int(x), y, int(n), name == "prefilling") for name in ("prefilling", "decoding")
+                 for x, y, n in zip(tr[name].x, tr[name].y, tr[name].customdata))
+    assert got == expected
+    assert tr["prefilling"].marker.color == fig.data[0].marker.color       # coloured as the token bars
+    assert tr["decoding"].marker.color == fig.data[1].marker.color
+    assert "tokens" in tr["prefilling"].hovertemplate and "(P " in fig.data[0].hovertext[0]
+    # without request_prefill, a request computing more than one token counts as prefilling
+    only_tokens = scheduler_timeline(frame.drop(columns=["request_prefill"]))
+    t2 = {t.name: t for t in only_tokens.data}
+    assert all(n > 1 for n in t2["prefilling"].customdata) and all(n == 1 for n in t2["decoding"].customdata)
+    assert len(t2["prefilling"].x) + len(t2["decoding"].x) == frame["num_seqs"].sum()
+    # a frame from before the split: one "in batch" trace, as before
+    old = scheduler_timeline(frame.drop(columns=["request_tokens", "request_prefill"]))
+    names = [t.name for t in old.data]
+    assert names[5:] == ["in batch"] and len(old.data[5].x) == frame["num_seqs"].sum()
+    # rows without the split (concatenated with an older frame) fall back to "in batch" row by row
+    mixed = frame.copy()
+    row = mixed.index[mixed["num_seqs"] > 0][0]
+    mixed.loc[row, "request_tokens"] = None
+    t3 = {t.name: t for t in scheduler_timeline(mixed).data}
+    assert len(t3["in batch"].x) == frame.loc[row, "num_seqs"]
+    assert sum(len(t3[k].x) for k in ("prefilling", "decoding", "in batch")) == frame["num_seqs"].sum()
+    json.loads(fig.to_json())
 
 
 def test_scheduler_timeline_on_a_time_axis_and_truncated_requests(live_run):
@@ -64,7 +109,8 @@ def test_scheduler_timeline_on_a_time_axis_and_truncated_requests(live_run):
     dur = (frame["schedule_s"] + frame["model_s"] + frame["post_s"]).to_numpy()
     assert list(bars.width) == pytest.approx(list(dur))
     assert bars.x[0] == pytest.approx(dur[0] / 2) and all(b >= a for a, b in zip(bars.x, bars.x[1:]))
-    assert len(set(fig.data[-1].y)) == 2 and "more not shown" in fig.layout.annotations[2].text
+    shown = {y for t in fig.data[5:] for y in t.y}
+    assert len(shown) == 2 and "more not shown" in fig.layout.annotations[2].text
     with pytest.raises(ConfigError, match="prefill_tokens"):
         scheduler_timeline(frame.drop(columns=["prefill_tokens"]))
     with pytest.raises(ConfigError, match="no steps"):

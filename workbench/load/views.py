@@ -9,7 +9,7 @@
   (a saved FigureWidget's state is stale).
 * :func:`scheduler_timeline` - per engine step (``LLMEngine.steps_frame()``): prefill vs decode
   tokens as stacked bars, the step's time split (scheduler / model / after sampling), and which
-  requests were in the batch.
+  requests were in the batch, each marked prefilling or decoding (with its token count).
 * :func:`latency_vs_load_figure` - P50/P95 TTFT against offered load, one line per setting
   (for example per micro-batch window) from a sweep table.
 * :func:`parse_prometheus_text`, :func:`http_metrics_fn` - read a server's ``/metrics``.
@@ -283,7 +283,11 @@ def scheduler_timeline(frame, x: str = "step", max_requests: int = 64, title: st
        (swaps + forward + sampling) and ``post_s`` (detokenization, stop checks);
     3. batch composition: one marker per (step, request) for the requests computed in the step
        (the first ``max_requests`` requests to appear, by first step; the rest are counted in
-       the title).
+       the title).  With the frame's ``request_tokens`` column (tokens each request computed in
+       the step) the markers are split into a "prefilling" and a "decoding" trace, coloured as
+       the token bars, with the token count in ``customdata`` and on hover; ``request_prefill``
+       (per request: a prefill chunk?) says which, else a request computing more than one token
+       counts as prefilling.  Rows without them (an older frame) keep one "in batch" trace.
 
     ``x="step"``: one bar per step; ``x="time"``: bars placed at the step's start (seconds from
     the first step) with the step's duration as their width, so idle gaps show.  Needs no
@@ -319,8 +323,12 @@ def scheduler_timeline(frame, x: str = "step", max_requests: int = 64, title: st
             order.setdefault(rid, len(order))
     shown = {rid for rid, k in order.items() if k < max_requests}
     hidden = len(order) - len(shown)
-    hover = [f"step {s}<br>{n} seqs: " + ", ".join(map(str, b[:8])) + (" ..." if len(b) > 8 else "")
-             for s, n, b in zip(steps, f["num_seqs"], ids)]
+    split = _request_split(f, ids)           # per step: ((tokens, prefill?), ...) per request, or None
+    hover = []
+    for s, n, b, sp in zip(steps, f["num_seqs"], ids, split):
+        names = [str(r) if sp is None else f"{r} ({'P' if sp[i][1] else 'D'} {sp[i][0]})"
+                 for i, r in enumerate(b[:8])]
+        hover.append(f"step {s}<br>{n} seqs: " + ", ".join(names) + (" ..." if len(b) > 8 else ""))
 
     fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06, row_heights=[0.35, 0.3, 0.35],
                         subplot_titles=("tokens per step", "time per step (ms)",
@@ -334,14 +342,27 @@ def scheduler_timeline(frame, x: str = "step", max_requests: int = 64, title: st
     for col, name, color in (("schedule_s", "scheduler", "#d62728"), ("model_s", "model", "#2ca02c"),
                              ("post_s", "after sampling", "#9467bd")):
         fig.add_trace(bar(name, (f[col].to_numpy(dtype=float) * 1e3).tolist(), color), row=2, col=1)
-    px, py = [], []
-    for xv, batch in zip(xs, ids):
-        for rid in batch:
+    cells: dict[str, tuple[list, list, list]] = {"prefilling": ([], [], []), "decoding": ([], [], []),
+                                                 "in batch": ([], [], [])}
+    for xv, batch, sp in zip(xs, ids, split):
+        for i, rid in enumerate(batch):
             if rid in shown:
+                kind = "in batch" if sp is None else ("prefilling" if sp[i][1] else "decoding")
+                px, py, pt = cells[kind]
                 px.append(xv)
                 py.append(str(rid))
-    fig.add_trace(go.Scatter(x=px, y=py, mode="markers", name="in batch", marker=dict(size=5, symbol="square"),
-                             hovertemplate="%{y} at %{x}<extra></extra>"), row=3, col=1)
+                pt.append(None if sp is None else sp[i][0])
+    kinds = (["prefilling", "decoding"] if "request_tokens" in f.columns else []) + (
+        ["in batch"] if "request_tokens" not in f.columns or cells["in batch"][0] else [])
+    for kind in kinds:
+        px, py, pt = cells[kind]
+        color, what = {"prefilling": ("#1f77b4", "prefill chunk of %{customdata} tokens"),
+                       "decoding": ("#ff7f0e", "decoding (%{customdata} tokens)"),
+                       "in batch": (None, "in the batch")}[kind]
+        marker = dict(size=5 if kind == "in batch" else 6, symbol="square", **({"color": color} if color else {}))
+        fig.add_trace(go.Scatter(x=px, y=py, mode="markers", name=kind, marker=marker,
+                                 customdata=pt if kind != "in batch" else None,
+                                 hovertemplate="%{y} at %{x}: " + what + "<extra></extra>"), row=3, col=1)
     fig.update_yaxes(categoryorder="array", categoryarray=sorted(shown, key=order.get), autorange="reversed",
                      row=3, col=1)
     fig.update_layout(barmode="stack", bargap=0.1 if x == "step" else 0, title=title, height=720,
@@ -353,6 +374,26 @@ def scheduler_timeline(frame, x: str = "step", max_requests: int = 64, title: st
         fig.update_layout(title=f"{title}: {len(f)} steps, {int(f['prefill_tokens'].sum())} prefill + "
                                 f"{int(f['decode_tokens'].sum())} decode tokens, scheduler {share:.1%} of step time")
     return fig
+
+
+def _request_split(f, ids: list[tuple]) -> list:
+    """Per step: ``((tokens, is_prefill), ...)`` for its requests, from the frame's
+    ``request_tokens`` (and ``request_prefill``) columns; None for a step without them (a frame
+    from an older engine, or rows of one concatenated with such a frame)."""
+    def seq(v):
+        return tuple(v) if isinstance(v, (tuple, list, np.ndarray)) else None
+
+    toks = list(f["request_tokens"]) if "request_tokens" in f.columns else [None] * len(ids)
+    pre = list(f["request_prefill"]) if "request_prefill" in f.columns else [None] * len(ids)
+    out = []
+    for b, t, p in zip(ids, toks, pre):
+        t, p = seq(t), seq(p)
+        if t is None or len(t) != len(b):
+            out.append(None)
+            continue
+        flags = p if p is not None and len(p) == len(b) else tuple(int(n) > 1 for n in t)
+        out.append(tuple((int(n), bool(q)) for n, q in zip(t, flags)))
+    return out
 
 
 def latency_vs_load_figure(df, x: str = "offered_qps", ys=("ttft_p50_ms", "ttft_p95_ms"),

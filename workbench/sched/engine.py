@@ -58,7 +58,11 @@ class StepRecord:
     swapped_in: int = 0
     rejected: int = 0
     finished: int = 0
-    request_ids: tuple = ()
+    request_ids: tuple = ()      # the requests computed this step, in batch order
+    request_tokens: tuple = ()   # tokens each of them computed (same order): a prefill chunk's length, 1 when
+                                 # decoding (more only when a preempted request recomputes past its prompt)
+    request_prefill: tuple = ()  # per request: True for a prefill chunk (it starts inside the prompt, as
+                                 # prefill_tokens counts it), False for decode; the two sum to those columns
 
 
 class LLMEngine:
@@ -209,7 +213,8 @@ class LLMEngine:
             out.num_decode_tokens, len(sch.running), len(sch.waiting), len(sch.swapped),
             self.pool.manager.num_used_blocks, len(out.admitted), len(out.preempted), len(out.swapped_out),
             len(out.swapped_in), len(out.rejected), finished,
-            tuple(s.seq.request_id for s in out.scheduled)))
+            tuple(s.seq.request_id for s in out.scheduled), tuple(s.num_tokens for s in out.scheduled),
+            tuple(s.start < s.seq.prompt_len for s in out.scheduled)))
         return events
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:

@@ -20,7 +20,12 @@ completions.  ``x-priority: <int>`` (higher first) sets the request's scheduling
 An optional SLO guard (:mod:`.guard`; e.g. :class:`workbench.load.slo.SLOGuard`) is asked
 before each valid request reaches the engine: when it sheds, the answer is ``503`` with its
 reason and ``Retry-After``; every first token's TTFT is fed back to it, and its state is on
-``/metrics``.
+``/metrics``.  With the guard's queue policy (``SLOConfig(policy="queue")``) a deferred request
+is held instead - the server sleeps the guard's ``retry_after`` and asks again - and is served
+once admitted, or answered ``503`` when the guard's ``queue_timeout_s`` has passed; a client
+that disconnects while held is dropped (nothing reaches the engine).  Time held is not part of
+the request's TTFT (that counts from arrival at the engine); ``/metrics`` counts held requests
+and their time held.
 """
 
 from __future__ import annotations
@@ -57,7 +62,8 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20      # larger request bodies get 413
     default_max_tokens: int = 16       # /v1/completions without max_tokens (OpenAI's default); chat: to the context
     log_level: str = "warning"         # uvicorn's
-    guard: object | None = None        # an SLO guard (admit/record, see .guard): sheds with 503 + Retry-After
+    guard: object | None = None        # an SLO guard (admit/record, see .guard): sheds with 503 + Retry-After,
+                                       # or holds requests first when its config.policy is "queue"
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, why: str) -> None:
@@ -128,6 +134,19 @@ def _has_chat_template(folder: Path) -> bool:
 
 # ---- one completion ------------------------------------------------------------------------------
 _GONE, _DEAD = object(), object()   # queue sentinels: the client disconnected / the engine thread died
+
+
+async def _wait_disconnect(receive) -> None:
+    """Return when the client disconnects (the request body has been read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Dropped:
+    """The answer to a client that went away before it was answered: nothing is sent."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        return None
 
 
 async def _send_json(send, status: int, obj: dict, headers: list | None = None) -> None:
@@ -302,21 +321,75 @@ class _State:
         except Exception as e:  # noqa: BLE001
             self.metrics.guard_error(f"{type(e).__name__}: {e}")
 
-    def admit(self, priority: int) -> bool:
-        """Ask the SLO guard; raises the 503 when it sheds.  Returns whether this is a probe."""
-        if self.guard is None:
-            return False
+    def _ask(self, priority: int):
         try:
-            a = self.guard.admit(priority)
+            return self.guard.admit(priority)
         except Exception as e:  # noqa: BLE001 - a broken guard is a server error, said plainly
             self.metrics.guard_error(f"{type(e).__name__}: {e}")
             raise P.APIError(500, f"the SLO guard failed: {type(e).__name__}: {e}", None, "slo_guard_error") from None
-        if not a.admitted:
-            self.metrics.shed()
-            wait = self.guard.retry_after_s(a)
-            raise P.APIError(503, f"shed by the SLO guard: {a.reason or 'no reason given'} (retry after {wait} s)",
-                             None, "slo_guard_shed", {"Retry-After": str(wait)})
-        return a.probe
+
+    async def admit(self, priority: int, receive=None) -> bool | None:
+        """Ask the SLO guard.  Returns whether this is a half-open probe, or None when the
+        client disconnected while the guard's queue held the request (``receive``: the ASGI
+        receive, watched while holding); raises the 503 when the guard sheds it - at once, or,
+        with the queue policy, when its ``queue_timeout_s`` has passed."""
+        if self.guard is None:
+            return False
+        a = self._ask(priority)
+        held = timeout = outcome = None
+        if not a.admitted and a.retry_after is not None:
+            timeout = self.guard.queue_timeout_s()
+            if timeout is not None:
+                a, held, outcome = await self._hold(a, priority, timeout, receive)
+                if outcome == "disconnected":
+                    return None
+        if a.admitted:
+            return a.probe
+        self.metrics.shed()
+        wait = self.guard.retry_after_s(a)
+        reason, code = a.reason or "no reason given", "slo_guard_shed"
+        if held is not None:
+            reason += f"; held {held:.2f} s by its queue"
+            if outcome == "timed_out":
+                reason += f", whose timeout is {timeout:g} s"
+                code = "slo_guard_queue_timeout"
+        raise P.APIError(503, f"shed by the SLO guard: {reason} (retry after {wait} s)", None, code,
+                         {"Retry-After": str(wait)})
+
+    async def _hold(self, a, priority: int, timeout: float, receive):
+        """Hold a request the guard deferred: sleep its ``retry_after``, ask again, until admitted,
+        refused outright, ``timeout`` seconds have passed or the client disconnects.  Returns
+        (the last admission, seconds held, outcome: one of metrics.HOLD_OUTCOMES)."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        deadline = t0 + timeout
+        gone = loop.create_task(_wait_disconnect(receive)) if receive is not None else None
+        self.metrics.hold_started()
+        outcome = "error"                          # unless one of the returns below says otherwise
+        try:
+            while True:
+                left = deadline - loop.time()
+                if left <= 0:
+                    outcome = "timed_out"
+                    return a, loop.time() - t0, outcome
+                nap = min(a.retry_after if a.retry_after >= 1e-3 else 1e-3, left)   # (NaN: 1 ms)
+                if gone is None:
+                    await asyncio.sleep(nap)
+                else:
+                    await asyncio.wait({gone}, timeout=nap)
+                    if gone.done():
+                        if not gone.cancelled():
+                            gone.exception()       # retrieved: a failing receive also means the client is gone
+                        outcome = "disconnected"
+                        return a, loop.time() - t0, outcome
+                a = self._ask(priority)
+                if a.admitted or a.retry_after is None:
+                    outcome = "admitted" if a.admitted else "refused"
+                    return a, loop.time() - t0, outcome
+        finally:
+            if gone is not None and not gone.done():
+                gone.cancel()
+            self.metrics.hold_ended(outcome, loop.time() - t0)
 
     # -- validation that needs the engine: model name, tokens, context, pool, max_tokens
     def check_model(self, model: str | None) -> None:
@@ -414,7 +487,9 @@ def create_app(aengine, config: ServerConfig | None = None, source: str | None =
             params = SamplingParams(max_tokens=srv.max_tokens(req, len(ids)), **req.sampling)
         except ConfigError as e:                   # a value the wire checks let through
             raise P.APIError(400, str(e), None, "invalid_value") from None
-        probe = srv.admit(priority)                # last: only valid requests reach the guard
+        probe = await srv.admit(priority, request.receive)   # last: only valid requests reach the guard
+        if probe is None:                          # the client left while the guard's queue held it
+            return _Dropped()
         return _Completion(srv, req, ids, params, priority, probe)
 
     async def completions(request: Request):
@@ -480,7 +555,7 @@ class _Outer:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        srv, status = self.srv, [500]
+        srv, status = self.srv, [499]             # 499 (as nginx logs it): the client left before any answer
 
         async def send_with_info(msg) -> None:
             if msg["type"] == "http.response.start":

@@ -9,10 +9,16 @@ The guard is duck-typed, so a scripted one works as well as the real one::
                                                      # .probe: bool (optional: admitted as a half-open probe)
     guard.record(ttft_s)                              # seconds; also given probe=... when it takes that keyword
     guard.snapshot() -> dict                          # optional: state and numbers, exported on /metrics
+    guard.config.policy, guard.config.queue_timeout_s # optional: "queue" holds deferred requests (SLOConfig)
 
 The server calls ``admit(priority=<x-priority>)`` after a request has been validated (a bad
 request is a 400, never a shed) and answers a refusal with ``503`` naming the guard's reason
-and a ``Retry-After`` header.  It calls ``record(ttft)`` once per admitted request, when its
+and a ``Retry-After`` header.  With the queue policy (``guard.config.policy == "queue"``) a
+refusal that carries ``retry_after`` ("ask again then") is not answered at once: the server
+holds the request, sleeping ``retry_after`` and asking ``admit`` again, until it is admitted
+(then it is served as usual) or ``guard.config.queue_timeout_s`` has passed since the first refusal
+(then the 503, saying so); a client that disconnects while held is dropped before anything
+reaches the engine.  It calls ``record(ttft)`` once per admitted request, when its
 first token arrives, with the TTFT measured from arrival at the engine (queueing included: that
 is where a full KV pool shows).  A request admitted as a probe that ends before its first
 token is recorded as ``math.inf`` (a failed probe), as :class:`~workbench.load.slo.GuardedTarget`
@@ -77,6 +83,20 @@ class GuardHook:
 
     def failed_probe(self) -> None:
         self.record(math.inf, True)
+
+    def queue_timeout_s(self) -> float | None:
+        """How long to hold a request the guard defers (seconds): its ``config.queue_timeout_s``
+        when ``config.policy == "queue"`` (read at every request, so a changed config applies to
+        the next one); None: no queue, refusals are answered at once."""
+        cfg = getattr(self.guard, "config", None)
+        if getattr(cfg, "policy", None) != "queue":
+            return None
+        t = getattr(cfg, "queue_timeout_s", None)
+        try:
+            t = float(t)
+        except (TypeError, ValueError):
+            return None
+        return t if t > 0 else None             # inf: hold until admitted or the client leaves
 
     def retry_after_s(self, a: Admission) -> int:
         """Whole seconds for the Retry-After header (at least 1): the guard's own figure, else the

@@ -14,7 +14,11 @@ expects; TTFT counts from arrival at the engine, so queueing is included.
 
 With an SLO guard, its state is exported too: ``workbench_slo_guard_state{state=...}`` (1 for
 the current state), its baseline / threshold / windowed P95 TTFT, its decision counts, and the
-server's own count of requests it answered 503 for the guard.
+server's own count of requests it answered 503 for the guard.  With the guard's queue policy the
+server holds deferred requests: ``workbench_slo_held_total{outcome=...}`` counts them by how the
+hold ended, ``workbench_slo_hold_seconds`` is a histogram of their time held and
+``workbench_slo_held_requests`` the number held now (the server calls ``m.hold_started()`` and
+``m.hold_ended(outcome, seconds)`` around each hold).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 
                 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
                0.3, 0.5, 1.0, 2.5)
+HOLD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
 
@@ -74,6 +79,10 @@ SLO_STATES = ("closed", "open", "half_open")
 
 # finish reasons as the engine names them; all are exported (0 until seen) so rates work from the start
 FINISH_REASONS = ("stop", "length", "abort", "rejected", "error")
+# how a request held by the SLO guard's queue ended: admitted (then served), timed_out (503 after the
+# guard's queue timeout), refused (the guard said no without "ask again"), disconnected (the client
+# left), error (the guard raised, or the server stopped)
+HOLD_OUTCOMES = ("admitted", "timed_out", "refused", "disconnected", "error")
 
 
 class ServerMetrics:
@@ -90,6 +99,9 @@ class ServerMetrics:
         self.slo_shed = 0                      # requests answered 503 because the SLO guard shed them
         self.slo_guard_errors = 0              # calls into the guard that raised
         self.slo_guard_last_error: str | None = None
+        self.slo_held: Counter = Counter({o: 0 for o in HOLD_OUTCOMES})   # held requests by how the hold ended
+        self.slo_hold = Histogram(HOLD_BUCKETS)                           # seconds each was held
+        self.slo_holding = 0                                               # held right now
 
     def observe(self, ev, prompt_tokens: int = 0) -> None:
         """Record one :class:`~workbench.engine_types.StreamEvent` of a request."""
@@ -121,6 +133,17 @@ class ServerMetrics:
     def shed(self) -> None:
         with self._lock:
             self.slo_shed += 1
+
+    def hold_started(self) -> None:
+        with self._lock:
+            self.slo_holding += 1
+
+    def hold_ended(self, outcome: str, seconds: float) -> None:
+        """A request the guard's queue held: how it ended (one of HOLD_OUTCOMES) and for how long."""
+        with self._lock:
+            self.slo_holding -= 1
+            self.slo_held[outcome] += 1
+            self.slo_hold.observe(max(0.0, seconds))
 
     def guard_error(self, message: str) -> None:
         with self._lock:
@@ -191,10 +214,19 @@ class ServerMetrics:
                [f"workbench_slo_guard_enabled {int(guard is not None)}"])
         with self._lock:
             shed, errors = self.slo_shed, self.slo_guard_errors
+            held, holding = sorted(self.slo_held.items()), self.slo_holding
+            hold_lines = self.slo_hold.lines("workbench_slo_hold_seconds")
         metric("workbench_slo_shed_total", "counter", "Requests answered 503 because the SLO guard shed them.",
                [f"workbench_slo_shed_total {shed}"])
         metric("workbench_slo_guard_errors_total", "counter", "Calls into the SLO guard that raised.",
                [f"workbench_slo_guard_errors_total {errors}"])
+        metric("workbench_slo_held_total", "counter",
+               "Requests held by the SLO guard's queue (policy=queue), by how the hold ended.",
+               [f'workbench_slo_held_total{{outcome="{o}"}} {n}' for o, n in held])
+        metric("workbench_slo_hold_seconds", "histogram",
+               "Time requests spent held by the SLO guard's queue (not part of their TTFT).", hold_lines)
+        metric("workbench_slo_held_requests", "gauge", "Requests held by the SLO guard's queue now.",
+               [f"workbench_slo_held_requests {holding}"])
         if guard is None:
             return
         state = guard.get("state")
