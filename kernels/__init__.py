@@ -24,6 +24,8 @@ file                   ops
                        (keys read in place from the paged cache), ``attention_prefill``
 ``paged_decode.py``    ``paged_decode`` (split-K decode over the paged cache, GQA),
                        ``attention_decode`` (no host sync: the CUDA-graph-safe entry point)
+``sampling.py``        ``greedy_tokens`` (argmax), ``sample_tokens`` (temperature, top-k, top-p
+                       by Gumbel-max; per-row parameters; thresholds from torch on the host)
 ``_testing.py``        ``assert_close`` (reports how many elements mismatch and where), error
                        helpers shared by the tests, the benchmark and the notebook
 =====================  ======================================================================
@@ -51,6 +53,7 @@ KERNELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "flash_prefill": (("flash_prefill", "flash_prefill_paged", "attention_prefill"),
                       ("flash_prefill_ref", "flash_prefill_paged_ref")),
     "paged_decode": (("paged_decode", "attention_decode"), ("paged_decode_ref",)),
+    "sampling": (("greedy_tokens", "sample_tokens"), ("greedy_tokens_ref", "sample_tokens_ref")),
 }
 
 # Kernel launches made through the host wrappers, by wrapper name (read by

@@ -35,6 +35,7 @@ KERNELS = {
     "swiglu": {"_swiglu_fwd_kernel"},
     "flash_prefill": {"_flash_prefill_kernel"},
     "paged_decode": {"_paged_decode_split_kernel", "_paged_decode_merge_kernel"},
+    "sampling": {"_sampling_fwd_kernel"},
 }
 ATTENTION_MMA = {"_flash_prefill_kernel", "_paged_decode_split_kernel"}   # the kernels that call tl.dot
 

@@ -69,18 +69,19 @@ TARGETS: dict[int, tuple[str, int, int, int]] = {
     80: ("Ampere (A100)", 108, 166912, 65536),
 }
 
-# Llama-3.2-1B: hidden 2048, intermediate 8192, 32 query heads / 8 KV heads, head_dim 64;
-# the paged KV cache's block size is 16.  HD128: the attention shapes of Llama-3-8B
-# (32 / 8 heads, head_dim 128).
+# Llama-3.2-1B: hidden 2048, intermediate 8192, 32 query heads / 8 KV heads, head_dim 64,
+# vocabulary 128,256; the paged KV cache's block size is 16.  HD128: the attention shapes of
+# Llama-3-8B (32 / 8 heads, head_dim 128).
 HIDDEN, INTERMEDIATE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 2048, 8192, 32, 8, 64, 16
 HEAD_DIM_LARGE = 128
+VOCAB = 128256
 PREFILL_TOKENS = 512          # one 512-token prompt
 DECODE_BATCH = 64             # decode attention: 64 sequences, one new token each (pointwise ops: 1)
 LONG_CONTEXT = 4096           # decode of one sequence with a long context (split-K)
 NUM_BLOCKS = 4096             # pool size of a layer's paged cache (blocks of BLOCK_SIZE tokens)
 
 CONFIG_CHOICES = ("all", "first", "last", "ends")
-KERNEL_FILES = ("rmsnorm", "rope", "swiglu", "flash_prefill", "paged_decode")
+KERNEL_FILES = ("rmsnorm", "rope", "swiglu", "flash_prefill", "paged_decode", "sampling")
 DTYPES = ("bfloat16", "float16", "float32")
 _SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
@@ -172,6 +173,11 @@ def _cases(file: str, dtype, capability: int) -> list[tuple[str, Callable[[Any],
 
         return [(f"paged_decode B={B} ctx 1024", lambda m: decode(m, B, 1024)),
                 (f"paged_decode B=1 ctx {S} (split-K)", lambda m: decode(m, 1, S))]
+    if file == "sampling":       # the lm_head's logits of a decode batch, one token per sequence
+        return [(f"greedy_tokens B={B} V={VOCAB}",
+                 lambda m: m.greedy_tokens(empty(B, VOCAB, **meta))),
+                (f"sample_tokens B={B} V={VOCAB} top-k 50 top-p 0.9",
+                 lambda m: m.sample_tokens(empty(B, VOCAB, **meta), temperature=0.8, top_k=50, top_p=0.9))]
     raise ValueError(f"unknown kernel file {file!r}; expected one of {', '.join(KERNEL_FILES)}")
 
 
