@@ -50,7 +50,7 @@ KERNELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "rmsnorm": (("rmsnorm", "add_rmsnorm"), ("rmsnorm_ref", "add_rmsnorm_ref")),
     "rope": (("rope", "rope_kv_write"), ("rope_ref", "rope_kv_write_ref")),
     "swiglu": (("swiglu",), ("swiglu_ref",)),
-    "flash_prefill": (("flash_prefill", "flash_prefill_paged", "attention_prefill"),
+    "flash_prefill": (("flash_prefill", "flash_prefill_paged", "attention_prefill", "attention_prefill_paged"),
                       ("flash_prefill_ref", "flash_prefill_paged_ref")),
     "paged_decode": (("paged_decode", "attention_decode"), ("paged_decode_ref",)),
     "sampling": (("greedy_tokens", "sample_tokens"), ("greedy_tokens_ref", "sample_tokens_ref")),

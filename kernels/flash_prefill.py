@@ -23,6 +23,9 @@ bottom-right.  Two entry points share one kernel:
   the new tokens' K/V were written to their slots.  This is what chunked prefill in a paged
   engine needs: the earlier chunks' K/V are already in the pool and are not copied out.
 
+``attention_prefill`` and ``attention_prefill_paged`` are the entry points of
+``workbench.backends`` (op ``attention_prefill``): model-shaped / no host sync.
+
 Choice: one kernel with a ``PAGED`` compile-time switch rather than two kernels, because the
 only difference is how a key's row address is computed; the tiling, masks and online softmax
 are the same code.  Bytes/FLOPs for benchmarks: see :func:`prefill_cost`.
@@ -322,6 +325,20 @@ def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
     o = flash_prefill(qp, kp, vp, cu, T, causal=causal, check=False)
     return o.view(B, T, nh, hd).transpose(1, 2)
+
+
+def attention_prefill_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                            max_seqlen_q: int, sliding_window: int | None = None) -> torch.Tensor:
+    """The chunk-aware entry point of ``workbench.backends`` (op ``attention_prefill``): causal
+    :func:`flash_prefill_paged` without any device->host copy (the offsets, lengths and block
+    ids are not validated: the caller made them).  q [total_q, nh, hd] packed sequence after
+    sequence (``cu_seqlens_q`` [B+1] int32), k_cache/v_cache [num_blocks, block_size, nkv, hd],
+    block_tables [B, max_blocks] int32, seq_lens [B] int32 keys per sequence including this
+    chunk (already written); sequence b's queries are its last ``q_len_b`` positions.
+    """
+    return flash_prefill_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
+                               causal=True, sliding_window=sliding_window, check=False)
 
 
 def _check_lens(q_lens: torch.Tensor, k_lens: torch.Tensor, max_seqlen: int) -> None:

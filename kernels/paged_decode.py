@@ -271,13 +271,16 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor) -> torch.Tensor:
+                     seq_lens: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
     """The entry point of ``workbench.backends`` (op ``attention_decode``): :func:`paged_decode`
     without any device->host copy, so it can run inside a CUDA graph.  The split count is chosen
-    from the block tables' capacity (``max_blocks * block_size``, known on the host) instead of
-    the largest length, and the lengths / block ids are not validated (the caller made them)."""
+    from the block tables' capacity (``max_blocks * block_size``, known on the host; at most the
+    window) instead of the largest length, and the lengths / block ids are not validated (the
+    caller made them).  ``sliding_window``: the new token sees the last ``sliding_window``
+    positions of its context only."""
     cap = block_tables.shape[1] * k_cache.shape[1] if block_tables.dim() == 2 and k_cache.dim() == 4 else None
-    return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, max_context_len=cap, check=False)
+    return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, sliding_window=sliding_window,
+                        max_context_len=cap, check=False)
 
 
 def decode_cost(context_lens, nh: int, nkv: int, hd: int, elem_bytes: int, num_splits: int = 1) -> tuple[int, int]:

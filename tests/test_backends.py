@@ -24,12 +24,14 @@ pytest.importorskip("triton", reason="triton is not installed (the kernels need 
 import workbench  # noqa: E402
 import workbench_kernels  # noqa: E402
 from workbench.backends import (  # noqa: E402
-    BACKENDS, OPS, BackendMLP, apply_backends, current_backends, describe_backends, parse_backend_spec,
-    remove_backends, resolve_ops, using_backends)
+    BACKENDS, OPS, BackendMLP, apply_backends, available_backends, current_backends, describe_backends,
+    parse_backend_spec, remove_backends, resolve_ops, using_backends)
 from workbench.config import ModelConfig  # noqa: E402
 from workbench.errors import ConfigError  # noqa: E402
 from workbench.kv.paged import PagedKVConfig  # noqa: E402
 from workbench.model import MLP, CausalLM, init_weights  # noqa: E402
+from workbench_kernels.flash_prefill import flash_prefill_paged_ref  # noqa: E402
+from workbench_kernels.paged_decode import paged_decode_ref as paged_decode_kernel_ref  # noqa: E402
 
 from conftest import BUNDLED_READY  # noqa: E402
 
@@ -164,6 +166,88 @@ def test_choices_listed_are_the_ones_that_exist():
         module = __import__(f"workbench_kernels.{kernel_file}", fromlist=["_"])
         for name in wrappers + refs:
             assert callable(getattr(module, name)), f"KERNELS lists {kernel_file}.{name}, which does not exist"
+
+
+# ---- the attention entry points on a paged layout ----------------------------------------------
+def paged_layout(seed=0, nh=4, nkv=2, hd=16, page=5, num_blocks=12):
+    """Three sequences in a pool of blocks of 5 with scattered block ids: a 3-token chunk after a
+    cached prefix of 4 (7 keys), a 6-token chunk after 7 (13 keys, over three blocks) and a whole
+    4-token prompt; every last block is partly filled, table rows padded with a repeated id."""
+    g = torch.Generator().manual_seed(seed)
+    kc, vc = (torch.randn(num_blocks, page, nkv, hd, generator=g).to(DEVICE) for _ in range(2))
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    seq_lens, q_lens = torch.tensor([7, 13, 4], **i32), [3, 6, 4]
+    tables = torch.tensor([[3, 1, 1], [2, 5, 7], [9, 9, 9]], **i32)
+    cu = torch.tensor([0, 3, 9, 13], **i32)
+    q = torch.randn(13, nh, hd, generator=g).to(DEVICE)
+    qd = torch.randn(3, nh, hd, generator=g).to(DEVICE)          # one decode query per sequence
+    return q, qd, kc, vc, tables, cu, seq_lens, max(q_lens)
+
+
+def _compile_ok():
+    return DEVICE != "cpu" or shutil.which(os.environ.get("CXX", "c++")) is not None
+
+
+def test_every_backend_of_the_attention_ops_has_every_entry_point():
+    assert OPS["attention_prefill"] == ("attention_prefill", "attention_prefill_paged")
+    for op in ("attention_prefill", "attention_decode"):
+        for b in available_backends(op):
+            ops = resolve_ops({op: b}, DEVICE)
+            assert all(callable(getattr(ops, e)) for e in OPS[op]), (op, b)
+
+
+@pytest.mark.parametrize("backend,window", [("eager", None), ("eager", 4), ("triton", None), ("triton", 4),
+                                            ("compile", 4)])
+def test_attention_prefill_paged_matches_the_reference_on_ragged_chunks(backend, window):
+    """Ragged chunks whose queries are the last q_len of their keys (causal mask bottom-right),
+    keys read through block tables from partly filled blocks; a window shorter than a chunk's
+    context.  Reference: the kernel module's per-sequence float32 gather-and-attend."""
+    if backend == "compile" and not _compile_ok():
+        pytest.skip("torch.compile on a CPU needs a C++ compiler (none on PATH)")
+    q, _, kc, vc, tables, cu, seq_lens, max_q = paged_layout()
+    ops = resolve_ops({"attention_prefill": backend}, DEVICE)
+    out = []
+    used = launches_during(lambda: out.append(ops.attention_prefill_paged(q, kc, vc, tables, cu, seq_lens, max_q,
+                                                                          sliding_window=window)))
+    assert used == ({"flash_prefill"} if backend == "triton" else set())
+    ref = flash_prefill_paged_ref(q, kc, vc, tables, cu, seq_lens, sliding_window=window)
+    assert out[0].shape == q.shape
+    torch.testing.assert_close(out[0], ref, atol=1e-5, rtol=1e-5)
+    if window is not None:      # the window really cuts keys here
+        assert not torch.allclose(ref, flash_prefill_paged_ref(q, kc, vc, tables, cu, seq_lens), atol=1e-3)
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_attention_decode_with_a_window_shorter_than_the_context(backend):
+    _, qd, kc, vc, tables, _, seq_lens, _ = paged_layout(seed=1)
+    ops = resolve_ops({"attention_decode": backend}, DEVICE)
+    for window in (None, 3, 6):
+        out = []
+        used = launches_during(lambda: out.append(ops.attention_decode(qd, kc, vc, tables, seq_lens,
+                                                                       sliding_window=window)))
+        assert ("paged_decode" in used) if backend == "triton" else not used
+        ref = paged_decode_kernel_ref(qd, kc, vc, tables, seq_lens, sliding_window=window)
+        torch.testing.assert_close(out[0], ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"window {window}: {m}")
+    # positional: the contract's argument order
+    torch.testing.assert_close(ops.attention_decode(qd, kc, vc, tables, seq_lens, 3),
+                               paged_decode_kernel_ref(qd, kc, vc, tables, seq_lens, sliding_window=3),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_windowed_model_decodes_on_the_kernel_past_the_window(tiny):
+    """A Mistral-style sliding window (4) shorter than the context (7 prompt tokens + 2 decode
+    steps): BackendAttention stays on the paged decode kernel and gives the reference logits."""
+    cfg = copy.deepcopy(tiny.config)
+    cfg.sliding_window = 4
+    windowed = init_weights(CausalLM(cfg), seed=7).eval().to(DEVICE)
+    ref = run_steps(windowed)
+    model = apply_backends(copy.deepcopy(windowed), attention_decode="triton")
+    before = dict(workbench_kernels.LAUNCHES)
+    out = run_steps(model)
+    assert workbench_kernels.LAUNCHES.get("paged_decode", 0) - before.get("paged_decode", 0) \
+        == 2 * cfg.num_hidden_layers, "every decode step of every layer on the kernel"
+    for i, (a, b) in enumerate(zip(out, ref)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"call {i}: {m}")
 
 
 # ---- the engines --------------------------------------------------------------------------------

@@ -25,7 +25,9 @@ pytest.importorskip("triton", reason="triton is not installed (the kernels need 
 import workbench  # noqa: E402
 import workbench_kernels  # noqa: E402
 from workbench.backends import current_backends, using_backends  # noqa: E402
+from workbench.config import ModelConfig  # noqa: E402
 from workbench.kv.paged import PagedKVConfig  # noqa: E402
+from workbench.model import CausalLM, init_weights  # noqa: E402
 from workbench.sched import LLMEngine, SchedulerConfig  # noqa: E402
 
 from conftest import BUNDLED_READY  # noqa: E402
@@ -128,3 +130,52 @@ def test_applied_backends_stay_after_the_engine_is_built(bundled):
         used = launches_during(lambda: got.extend(o.token_ids for o in eng.generate(PROMPTS[:2], GREEDY)))
     assert set(WRAPPERS.values()) <= set(used)
     assert got == reference[:2]
+
+
+# ---- a sliding window shorter than the contexts ----------------------------------------------
+WINDOW = 8
+
+
+@pytest.fixture(scope="module")
+def windowed(bundled_tokenizer):
+    """A random Mistral-style model (sliding window 8, GQA) with the bundled vocabulary."""
+    cfg = ModelConfig(vocab_size=bundled_tokenizer.vocab_size, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, tie_word_embeddings=True, eos_token_id=0,
+                      sliding_window=WINDOW, architecture="MistralForCausalLM")
+    model = init_weights(CausalLM(cfg), seed=11).eval().to(DEVICE)
+    return workbench.LLM(model, tokenizer=bundled_tokenizer)
+
+
+def test_sliding_window_stays_on_the_kernels_past_the_window(windowed, monkeypatch):
+    """Prompts of 5, 11 and 7 tokens, 8 new tokens each: contexts grow to 19 > the window of 8,
+    prefill chunks of 6 start after a cached prefix longer than the window.  Every attention
+    group of every step and layer runs on a kernel (no fallback once a context passes the
+    window) and the greedy tokens are the eager batched engine's and the single-sequence engine's."""
+    from workbench.sched import model_runner
+
+    prompts = [[5, 17, 300, 41, 9], [7, 120, 33, 2048, 61, 11, 95, 400, 23, 8, 71], [3, 250, 19, 88, 1000, 42, 6]]
+    params = workbench.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    single = [windowed.generate([p], params)[0].token_ids for p in prompts]
+    eager = [o.token_ids for o in engine(windowed).generate(prompts, params)]
+    assert eager == single
+
+    groups = []                                   # (decode group?, longest context, entry point or None)
+    choose = model_runner._AttentionGroup.kernel
+
+    def kernel(self, ops):
+        fn = choose(self, ops)
+        groups.append((self.decode, self.S, fn))
+        return fn
+
+    monkeypatch.setattr(model_runner._AttentionGroup, "kernel", kernel)
+    with using_backends(windowed.model, TRITON):
+        eng = engine(windowed)
+        got = []
+        used = launches_during(lambda: got.extend(o.token_ids for o in eng.generate(prompts, params)))
+    assert got == eager
+    assert all(fn is not None for _, _, fn in groups), "a group fell back to the runner's own attention"
+    assert used["paged_decode"] == sum(1 for d, _, _ in groups if d)
+    assert used["flash_prefill"] == sum(1 for d, _, _ in groups if not d)
+    assert max(S for d, S, _ in groups if d) > 2 * WINDOW, "decode contexts pass the window"
+    assert max(S for d, S, _ in groups if not d) > WINDOW, "prefill chunks after a prefix longer than the window"

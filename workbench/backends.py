@@ -21,14 +21,34 @@ What the transformation swaps (module classes only: parameters, names, state dic
                                            (ops.rope_kv_write); ops.attention_prefill / attention_decode
     MLP           -> BackendMLP            ops.swiglu
 
+The batched engine (``workbench.sched.model_runner``) reads the same ``_wb_ops`` of the attention
+modules and calls ``attention_prefill_paged`` / ``attention_decode`` on the paged pool itself.
+
 Adding a backend is one :func:`register` line naming ``"module:function"`` per entry point; the
 module is imported only when the backend is chosen.  Contracts of the attention entry points
-(what :class:`BackendAttention` passes; scale 1/sqrt(hd), GQA when nh > nkv)::
+(what :class:`BackendAttention` and the batched runner pass; scale 1/sqrt(hd), GQA when
+nh > nkv; none of them may copy from the device to the host)::
 
     attention_prefill(q [B, nh, T, hd], k, v [B, nkv, T, hd], causal: bool) -> [B, nh, T, hd]
+        queries = keys, from position 0
+    attention_prefill_paged(q [n, nh, hd] (packed sequence after sequence), k_cache, v_cache
+                     [num_blocks, block_size, nkv, hd], block_tables [B, max_blocks] int32,
+                     cu_seqlens_q [B+1] int32 (sequence b's queries are rows cu[b] .. cu[b+1]-1),
+                     seq_lens [B] int32 (keys per sequence, this chunk's K/V already written),
+                     max_seqlen_q: int (the longest query run), sliding_window: int | None = None)
+                     -> [n, nh, hd]
+        causal, aligned bottom-right: sequence b's queries are the last q_len_b of its seq_lens[b]
+        positions (a prefill chunk attends to its cached prefix); with a window, query position p
+        sees keys j with p - window < j <= p
     attention_decode(q [B, nh, hd], k_cache, v_cache [num_blocks, block_size, nkv, hd] (any strides,
                      last dim contiguous; the contiguous cache arrives as one block of max_len per
-                     sequence), block_tables [B, max_blocks] int32, seq_lens [B] int32) -> [B, nh, hd]
+                     sequence), block_tables [B, max_blocks] int32, seq_lens [B] int32,
+                     sliding_window: int | None = None) -> [B, nh, hd]
+        one new token per sequence at position seq_lens[b] - 1; with a window it sees the last
+        ``sliding_window`` positions only
+
+``compile`` registers nothing: it is ``torch.compile`` of each ``eager`` entry point, so every
+entry point an op's ``eager`` backend has, its ``compile`` backend has too.
 """
 
 from __future__ import annotations
@@ -50,7 +70,7 @@ OPS: dict[str, tuple[str, ...]] = {
     "rmsnorm": ("rmsnorm", "add_rmsnorm"),
     "rope": ("rope", "rope_kv_write"),
     "swiglu": ("swiglu",),
-    "attention_prefill": ("attention_prefill",),
+    "attention_prefill": ("attention_prefill", "attention_prefill_paged"),
     "attention_decode": ("attention_decode",),
 }
 BACKENDS = ("eager", "triton", "compile")
@@ -73,14 +93,46 @@ def sdpa_prefill(q, k, v, causal: bool = True):
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def paged_decode_ref(q, k_cache, v_cache, block_tables, seq_lens):
-    """Eager attention_decode: gather each sequence's blocks, mask slots past its length, SDPA.
-    q [B, nh, hd] -> [B, nh, hd].  Vectorised (no host sync), so it compiles and captures."""
+def paged_prefill_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q: int,
+                      sliding_window: int | None = None):
+    """Eager attention_prefill_paged: each sequence's queries padded to [B, max_seqlen_q], its
+    blocks gathered, the causal (bottom-right) and window mask, SDPA; then back to the packed
+    rows.  q [n, nh, hd] -> [n, nh, hd].  Vectorised (no host sync), so it compiles."""
+    n, nh, hd = q.shape
+    B, nkv, dev = block_tables.shape[0], k_cache.shape[2], q.device
+    if n == 0 or B == 0:
+        return torch.empty_like(q)
+    cu, lens = cu_seqlens_q.long(), seq_lens.long()
+    q_lens = cu[1:] - cu[:-1]                                                      # [B]
+    t = torch.arange(max_seqlen_q, device=dev)
+    valid = t[None, :] < q_lens[:, None]                                           # [B, T]
+    qb = q[(cu[:-1, None] + t[None, :]).clamp(max=n - 1)].transpose(1, 2)          # [B, nh, T, hd]
+    k = k_cache[block_tables.long()].reshape(B, -1, nkv, hd).transpose(1, 2)       # [B, nkv, S_max, hd]
+    v = v_cache[block_tables.long()].reshape(B, -1, nkv, hd).transpose(1, 2)
+    q_pos = (lens - q_lens)[:, None, None] + t[None, :, None]                     # [B, T, 1]
+    k_pos = torch.arange(k.shape[2], device=dev)[None, None, :]                    # [1, 1, S_max]
+    mask = (k_pos <= q_pos) & (k_pos < lens[:, None, None])
+    if sliding_window is not None:
+        mask = mask & (k_pos > q_pos - sliding_window)
+    mask = mask | (~valid[:, :, None] & (k_pos == 0))    # padded query rows see one key: finite, then dropped
+    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask[:, None], enable_gqa=nh != nkv)
+    row = torch.arange(n, device=dev)
+    seq = torch.searchsorted(cu[1:], row, right=True)                              # each row's sequence
+    return out[seq, :, row - cu[seq]]                                              # [n, nh, hd]
+
+
+def paged_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, sliding_window: int | None = None):
+    """Eager attention_decode: gather each sequence's blocks, mask slots past its length (and
+    before its window), SDPA.  q [B, nh, hd] -> [B, nh, hd].  Vectorised (no host sync), so it
+    compiles and captures."""
     B, nh, hd = q.shape
     nkv = k_cache.shape[2]
     k = k_cache[block_tables.long()].reshape(B, -1, nkv, hd).transpose(1, 2)     # [B, nkv, S_max, hd]
     v = v_cache[block_tables.long()].reshape(B, -1, nkv, hd).transpose(1, 2)
-    mask = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[:, None]  # [B, S_max]
+    k_pos = torch.arange(k.shape[2], device=q.device)[None, :]
+    mask = k_pos < seq_lens[:, None]                                               # [B, S_max]
+    if sliding_window is not None:
+        mask = mask & (k_pos >= seq_lens[:, None] - sliding_window)
     out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None, :],
                                          enable_gqa=nh != nkv)
     return out[:, :, 0]
@@ -93,10 +145,11 @@ register("rope", "eager", rope=_K + "rope:rope_ref", rope_kv_write=_K + "rope:ro
 register("rope", "triton", rope=_K + "rope:rope", rope_kv_write=_K + "rope:rope_kv_write")
 register("swiglu", "eager", swiglu=_K + "swiglu:swiglu_ref")
 register("swiglu", "triton", swiglu=_K + "swiglu:swiglu")
-register("attention_prefill", "eager", attention_prefill=sdpa_prefill)
+register("attention_prefill", "eager", attention_prefill=sdpa_prefill, attention_prefill_paged=paged_prefill_ref)
 register("attention_decode", "eager", attention_decode=paged_decode_ref)
 # The attention kernels' model-shaped wrappers (packing to the varlen layout; no host sync in decode).
-register("attention_prefill", "triton", attention_prefill=_K + "flash_prefill:attention_prefill")
+register("attention_prefill", "triton", attention_prefill=_K + "flash_prefill:attention_prefill",
+         attention_prefill_paged=_K + "flash_prefill:attention_prefill_paged")
 register("attention_decode", "triton", attention_decode=_K + "paged_decode:attention_decode")
 # "compile" needs no registration: torch.compile of each eager entry point, made on first use.
 _COMPILED: dict[tuple[str, str], Callable] = {}
@@ -384,10 +437,10 @@ class BackendAttention(Attention):
             if cache is not None:
                 K, V = cache.update(self.layer_idx, K, V, start)    # [B, nkv, S, hd]
         q = q.view(B, T, nh, hd).transpose(1, 2)                    # [B, nh, T, hd]
-        if (T == 1 and meta is not None and ops.backends["attention_decode"] != "eager"
-                and (self.window is None or meta.end <= self.window)):
+        if T == 1 and meta is not None and ops.backends["attention_decode"] != "eager":
             kc, vc = _layer_storage(cache, self.layer_idx)
-            out = ops.attention_decode(q[:, :, 0], kc, vc, *meta.decode_args())[:, :, None]
+            out = ops.attention_decode(q[:, :, 0], kc, vc, *meta.decode_args(),
+                                       sliding_window=self.window)[:, :, None]
         else:
             if K is None:
                 K, V = _context(cache, self.layer_idx, meta.end)
@@ -422,8 +475,9 @@ class BackendAttention(Attention):
             ml = cache.max_len
             kc[cache.slots // ml, cache.slots % ml] = k
             vc[cache.slots // ml, cache.slots % ml] = v
-        if ops.backends["attention_decode"] != "eager" and self.window is None:
-            out = ops.attention_decode(q, kc, vc, cache.block_tables, cache.seq_lens)          # [B, nh, hd]
+        if ops.backends["attention_decode"] != "eager":
+            out = ops.attention_decode(q, kc, vc, cache.block_tables, cache.seq_lens,
+                                       sliding_window=self.window)                            # [B, nh, hd]
         else:
             out = F.scaled_dot_product_attention(q[:, :, None], cache.k[layer][:B], cache.v[layer][:B],
                                                  attn_mask=cache.mask, enable_gqa=self.nh != self.nkv)[:, :, 0]

@@ -33,13 +33,14 @@ on ``eager``) the step is exactly the path described above.  Otherwise:
 * ``rope``: ``triton`` -> ``rope_kv_write`` (rotation and the paged K/V write in one launch;
   padding rows get slot -1, skipped); ``compile`` -> ``rope`` then the same K/V write;
 * ``attention_decode`` (any non-eager backend) -> the decode group (one query per sequence)
-  calls it on the pool's layer tensors ``[num_blocks, block_size, nkv, hd]`` with int32 block
-  tables and lengths; with a sliding window only while every context fits in the window;
-* ``attention_prefill``: ``triton`` -> the prefill-chunk group calls ``flash_prefill_paged``
-  of the same kernel module: ragged queries, keys read in place from the pool (a chunk attends
-  to its cached prefix), causal mask aligned bottom-right, sliding window supported.  Other
-  backends of this op keep the group on the path above (their entry point takes queries =
-  keys from position 0, which a chunk is not).
+  calls ``ops.attention_decode`` on the pool's layer tensors ``[num_blocks, block_size, nkv,
+  hd]`` with int32 block tables and lengths, and the model's sliding window;
+* ``attention_prefill`` (any non-eager backend) -> the prefill-chunk group calls
+  ``ops.attention_prefill_paged``: ragged queries packed sequence after sequence, keys read
+  from the pool through the block tables (a chunk attends to its cached prefix), causal mask
+  aligned bottom-right, the model's sliding window.  (The op's other entry point,
+  ``attention_prefill``, takes queries = keys from position 0, which a chunk is not.)
+  ``compile`` has both entry points too: ``torch.compile`` of the eager references.
 
 The kernels compute attention in float32 (not the float64 of batch-invariant mode), so with
 them on, greedy tokens match the eager engine as far as float32 rounding allows, and on a GPU
@@ -48,8 +49,6 @@ of the eager path only.
 """
 
 from __future__ import annotations
-
-import importlib
 
 import torch
 import torch.nn.functional as F
@@ -220,14 +219,10 @@ class _AttentionGroup:
 
     def kernel(self, ops):
         """The backend entry point that attends this group, or None for the path below."""
-        if ops is None:
+        op = "attention_decode" if self.decode else "attention_prefill"
+        if ops is None or ops.backends[op] == "eager":
             return None
-        if self.decode:
-            ok = ops.backends["attention_decode"] != "eager" and (self.r.window is None or self.S <= self.r.window)
-            return ops.attention_decode if ok else None
-        if ops.backends["attention_prefill"] == "triton":
-            return _paged_prefill(ops.attention_prefill)
-        return None
+        return ops.attention_decode if self.decode else ops.attention_prefill_paged
 
     def attend(self, layer: int, q: torch.Tensor, packed: torch.Tensor, ops=None) -> None:
         r = self.r
@@ -236,10 +231,9 @@ class _AttentionGroup:
             rows, tables, seq_lens, cu = self.kernel_args()
             kc, vc = r.pool.k_cache[layer], r.pool.v_cache[layer]      # [num_blocks, block_size, nkv, hd]
             if self.decode:
-                out = fn(q[rows], kc, vc, tables, seq_lens)                                  # [B, nh, hd]
+                out = fn(q[rows], kc, vc, tables, seq_lens, sliding_window=r.window)        # [B, nh, hd]
             else:
-                out = fn(q[rows], kc, vc, tables, cu, seq_lens, self.T, causal=True,
-                         sliding_window=r.window, check=False)                               # [n, nh, hd]
+                out = fn(q[rows], kc, vc, tables, cu, seq_lens, self.T, sliding_window=r.window)  # [n, nh, hd]
             packed[rows] = out.to(q.dtype)
             return
         nh, nkv, hd = r.nh, r.nkv, r.hd
@@ -264,21 +258,6 @@ def attention_ops(attn):
                           for op in ("rope", "attention_decode", "attention_prefill")):
         return None
     return ops
-
-
-_PAGED_PREFILL: dict = {}
-
-
-def _paged_prefill(entry):
-    """``flash_prefill_paged`` of the kernel module that holds a Triton ``attention_prefill``
-    entry point (the chunk-aware form of the same kernel), or None if that module has none."""
-    mod = getattr(entry, "__module__", None)
-    if mod not in _PAGED_PREFILL:
-        try:
-            _PAGED_PREFILL[mod] = getattr(importlib.import_module(mod), "flash_prefill_paged", None)
-        except (ImportError, TypeError, ValueError):
-            _PAGED_PREFILL[mod] = None
-    return _PAGED_PREFILL[mod]
 
 
 def _attention_fp64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
