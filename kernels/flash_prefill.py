@@ -227,6 +227,11 @@ def _launch(q, k, v, cu_q, k_lens, block_table, max_seqlen_q, scale, causal, sli
     if sliding_window is not None and (not causal or sliding_window < 1):
         raise ValueError(f"sliding_window={sliding_window} needs causal=True and a window >= 1")
     B, nh, hd = cu_q.shape[0] - 1, q.shape[1], q.shape[2]
+    # the kernel reads the offsets / lengths densely and block_table by row stride only: make them
+    # so (a no-op returning the same tensor when already contiguous, as under CUDA-graph capture)
+    cu_q, k_lens = cu_q.contiguous(), k_lens.contiguous()
+    if block_table is not None:
+        block_table = block_table.contiguous()
     o = torch.empty_like(q)
     if B == 0 or q.shape[0] == 0:
         return o
@@ -298,6 +303,8 @@ def flash_prefill_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != B:
         raise ValueError(f"block_tables must be int32 [B={B}, max_blocks], got {block_tables.dtype} "
                          f"{tuple(block_tables.shape)}")
+    if block_tables.device != q.device:
+        raise ValueError(f"block_tables is on {block_tables.device}, q on {q.device}")
     if check:
         q_lens = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0])
         _check_lens(q_lens, seq_lens.cpu(), max_seqlen_q)

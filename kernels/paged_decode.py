@@ -236,6 +236,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         ids = table[torch.arange(table.shape[1])[None, :] < (-(-lens // page))[:, None]]
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
             raise ValueError(f"block_tables holds block ids outside the pool [0, {num_blocks})")
+    # the kernel reads block_tables by row stride only and context_lens densely: make them so
+    # (a no-op returning the same tensor when already contiguous, as under CUDA-graph capture)
+    block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
     o = torch.empty_like(q)
     if B == 0:
         return o

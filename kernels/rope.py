@@ -148,6 +148,11 @@ def _launch(q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping):
     if N == 0:
         return qo, ko
     write = k_cache is not None
+    # the kernel reads positions / slot_mapping densely (PTR + i): make them so (a no-op returning
+    # the same tensor when already contiguous, as under CUDA-graph capture)
+    positions = positions.contiguous()
+    if write:
+        slot_mapping = slot_mapping.contiguous()
     interp = interpreter_active()
     BLOCK_H = triton.next_power_of_2(max(NH, NKV))
     BLOCK_D = triton.next_power_of_2(D // 2)

@@ -185,6 +185,38 @@ def test_flash_prefill_rejects_bad_input_clearly():
         flash_prefill(q, k, k, c, 5, causal=False, sliding_window=4)
 
 
+def strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values in a non-contiguous layout: a 1-D view with stride 2, a 2-D table column-major."""
+    if t.dim() == 1:
+        return torch.stack([t, torch.full_like(t, -7)], 1)[:, 0]
+    return t.t().contiguous().t()
+
+
+def test_flash_prefill_strided_index_tensors_match_contiguous():
+    """Offsets, lengths and block tables in non-contiguous layouts give the same result."""
+    q_lens, k_lens = [2, 5], [6, 5]
+    gen = torch.Generator().manual_seed(11)
+    kc, vc, table, seq_lens = shuffled_pool(k_lens, 3, 2, 16, torch.float32, gen)
+    q, cq = packed(q_lens, 4, 16, torch.float32, gen), cu(q_lens)
+    want = flash_prefill_paged(q, kc, vc, table, cq, seq_lens, max(q_lens))
+    st, sq, sl = strided(table), strided(cq), strided(seq_lens)
+    assert not (st.is_contiguous() or sq.is_contiguous() or sl.is_contiguous()) and torch.equal(st, table)
+    assert_close(flash_prefill_paged(q, kc, vc, st, sq, sl, max(q_lens)), want)
+    k, v = packed(k_lens, 2, 16, torch.float32, gen), packed(k_lens, 2, 16, torch.float32, gen)
+    ck = cu(k_lens)
+    want = flash_prefill(q, k, v, cq, max(q_lens), cu_seqlens_k=ck)
+    assert_close(flash_prefill(q, k, v, strided(cq), max(q_lens), cu_seqlens_k=strided(ck)), want)
+
+
+def test_flash_prefill_paged_block_tables_on_another_device_is_refused():
+    q_lens, k_lens = [2, 5], [6, 5]
+    gen = torch.Generator().manual_seed(12)
+    kc, vc, table, seq_lens = shuffled_pool(k_lens, 3, 2, 16, torch.float32, gen)
+    q, cq = packed(q_lens, 4, 16, torch.float32, gen), cu(q_lens)
+    with pytest.raises(ValueError, match="block_tables is on meta"):
+        flash_prefill_paged(q, kc, vc, table.to("meta"), cq, seq_lens, max(q_lens))
+
+
 # ---- paged decode ----------------------------------------------------------------------------------
 
 def decode_inputs(lens, nh, nkv, hd, page, dtype, seed):
@@ -250,6 +282,17 @@ def test_choose_num_splits_fills_the_chip_but_not_with_tiny_splits():
     for b in (1, 3, 16):
         s = choose_num_splits(b, 2, 5000, num_sms=132)
         assert s & (s - 1) == 0 and 1 <= s <= 32
+
+
+def test_paged_decode_strided_block_tables_and_context_lens_match_contiguous():
+    q, kc, vc, table, ctx = decode_inputs([7, 6], 4, 2, 16, 4, torch.float32, seed=5)
+    want = paged_decode(q, kc, vc, table, ctx, num_splits=1)
+    st, sc = strided(table), strided(ctx)
+    assert not (st.is_contiguous() or sc.is_contiguous()) and torch.equal(st, table)
+    for splits in (1, 2):
+        assert_close(paged_decode(q, kc, vc, st, sc, num_splits=splits), want)
+    with pytest.raises(ValueError, match="block_tables and context_lens must be on one device"):
+        paged_decode(q, kc, vc, table.to("meta"), ctx)
 
 
 def test_paged_decode_rejects_bad_input_clearly():

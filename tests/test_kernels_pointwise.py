@@ -245,6 +245,28 @@ def test_rope_kv_write_into_the_contiguous_cache_layout():
     assert int((k_store != 0).any(-1).sum()) == B * nkv, "only the two tokens' slots are written"
 
 
+def test_rope_strided_positions_and_slot_mapping_match_contiguous():
+    """Index tensors as non-contiguous views (every other element of a wider tensor) give the
+    same result as contiguous ones."""
+    def strided(t):
+        return torch.stack([t, torch.full_like(t, 1)], 1)[:, 0]
+
+    cos, sin = rope_tables(8, P=16)
+    q, k, v = qkv(4, 2, 1, 8, seed=51)
+    pos = torch.tensor([3, 1, 4, 1], device=DEVICE)
+    pos_s = strided(pos)
+    assert not pos_s.is_contiguous() and torch.equal(pos_s, pos)
+    for a, b in zip(rope(q, k, cos, sin, pos_s), rope(q, k, cos, sin, pos)):
+        assert torch.equal(a, b)
+    slots = torch.tensor([5, 0, -1, 9], device=DEVICE)
+    kc, vc = (torch.zeros(4, 3, 1, 8, device=DEVICE) for _ in "kv")
+    kc2, vc2 = kc.clone(), vc.clone()
+    out = rope_kv_write(q, k, v, cos, sin, pos_s, kc, vc, strided(slots))
+    want = rope_kv_write(q, k, v, cos, sin, pos, kc2, vc2, slots)
+    assert all(torch.equal(a, b) for a, b in zip(out, want))
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
 def test_rope_errors_name_the_argument():
     cos, sin = rope_tables(6)
     q, k, v = qkv(3, 2, 1, 6)

@@ -263,10 +263,46 @@ def test_summary_percentiles_on_known_data():
     assert allrow["offered_qps"] == pytest.approx(51) and allrow["goodput_qps"] == pytest.approx(50)
     assert allrow["tokens_per_s"] == pytest.approx(150)
     assert s.loc["s0", "ttft_p50_ms"] == pytest.approx(25.5) and s.loc["s1", "requests"] == 52
-    assert s.loc["s0", "tokens_per_s"] == pytest.approx(150)  # every token of s0's requests lands in [0, 1)
+    # tokens streamed in the stage's window, by any request: s1's last requests stream until ~1.12 s
+    assert s.loc["s0", "tokens_per_s"] == pytest.approx(270) and s.loc["s1", "tokens_per_s"] == pytest.approx(30)
     reasons = res.reasons()
     assert set(zip(reasons["status"], reasons["reason"])) == {("rejected", "rejected because"),
                                                               ("error", "error because")}
+
+
+def test_stage_tokens_per_s_counts_tokens_streamed_in_the_stage_whenever_sent():
+    # sent at 0.5 s in stage 0 = [0, 1), its 10 tokens stream during stage 1 = [1, 2)
+    late = RequestRecord(id=0, stage=0, stage_name="s0", priority=0, scheduled=0.5, sent=0.5,
+                         token_times=[1.05 + 0.1 * i for i in range(10)], end=2.0, status="ok",
+                         finish_reason="length")
+    res = LoadResult(records=[late], duration_s=2.0, stages=[(0, "s0", 0.0, 1.0, 1.0), (1, "s1", 1.0, 2.0, 0.0)])
+    s = res.summary()
+    assert s.loc["s0", "tokens_per_s"] == 0 and s.loc["s1", "tokens_per_s"] == pytest.approx(10)
+    # requests, latencies and output_tokens stay with the stage that sent them
+    assert (s.loc["s0", "requests"], s.loc["s1", "requests"]) == (1, 0)
+    assert s.loc["s0", "output_tokens"] == 10 and s.loc["s1", "output_tokens"] == 0
+    assert s.loc["s0", "ttft_p50_ms"] == pytest.approx(550)
+    assert s.loc["all", "tokens_per_s"] == pytest.approx(5)
+
+
+def test_stage_token_counts_add_up_to_the_all_row_under_sustained_load():
+    # requests sent every 50 ms over 3 stages, each streaming 8 tokens over 0.4 s: many cross a boundary
+    recs = []
+    for i in range(50):
+        sent = i * 0.05
+        times = [sent + 0.02 + 0.05 * k for k in range(8)]
+        recs.append(RequestRecord(id=i, stage=min(int(sent), 2), stage_name=f"s{min(int(sent), 2)}", priority=0,
+                                  scheduled=sent, sent=sent, token_times=times, end=times[-1] + 0.001,
+                                  status="ok", finish_reason="length"))
+    dur = max(r.end for r in recs)
+    res = LoadResult(records=recs, duration_s=dur,
+                     stages=[(0, "s0", 0.0, 1.0, 20.0), (1, "s1", 1.0, 2.0, 20.0), (2, "s2", 2.0, 9.0, 20.0)])
+    s = res.summary()
+    per_stage = (s["tokens_per_s"] * s["duration_s"]).drop("all")
+    assert per_stage.sum() == pytest.approx(s.loc["all", "tokens_per_s"] * s.loc["all", "duration_s"]) == 400
+    for name, (t0, t1) in {"s0": (0.0, 1.0), "s1": (1.0, 2.0), "s2": (2.0, dur)}.items():
+        assert per_stage[name] == pytest.approx(sum(t0 <= t < t1 for r in recs for t in r.token_times))
+    assert s.loc[["s0", "s1", "s2"], "requests"].tolist() == [20, 20, 10]
 
 
 def test_frame_and_json_round_trip(tmp_path):

@@ -97,6 +97,41 @@ def test_stale_results_and_probe_timeouts_in_half_open():
     assert [g.admit().probe for _ in range(3)] == [True, True, True]
 
 
+def test_a_late_probe_of_an_earlier_half_open_cycle_does_not_decide_the_current_one():
+    g = SLOGuard(SLOConfig(baseline_s=0.1, factor=2.0, learn_factor=1.25, window=1, min_samples=1,
+                           cooldown_s=1.0, probes=1))
+    assert g.record(1.0, now=0.0) == "open"
+    p1 = g.admit(now=1.1)                                 # cycle 1: probe P1 ...
+    assert p1.admit and p1.probe
+    p2 = g.admit(now=2.2)                                 # ... times out: probe P2
+    assert p2.admit and p2.probe
+    assert g.record(math.inf, now=2.3, probe=True, admitted_at=2.2) == "open"   # P2 failed: reopens at 2.3
+    assert g.state_at(3.4) == "half_open"                 # cycle 2, no probe admitted in it yet
+    n_transitions = len(g.transitions)
+    # P1 reports late: admitted before the last opening, it is stale and decides nothing
+    assert g.record(2.3, now=3.4, probe=True, admitted_at=1.1) == "half_open"
+    assert g.counts["stale"] == 1 and len(g.transitions) == n_transitions
+    assert g.snapshot(now=3.4)["probe_results"] == 0
+    # ... and freed nothing of cycle 2: its one probe slot is taken by P3, then full
+    p3 = g.admit(now=3.5)
+    assert p3.admit and p3.probe
+    assert g.record(0.9, now=3.55, probe=True, admitted_at=1.1) == "half_open"   # another stale one
+    assert g.snapshot(now=3.55)["probes_pending"] == 1
+    assert not g.admit(now=3.6).admit
+    assert g.record(0.05, now=3.7, probe=True, admitted_at=3.5) == "closed"      # P3 decides cycle 2
+
+
+def test_a_probe_admitted_at_the_instant_the_guard_reopened_is_stale():
+    g = SLOGuard(SLOConfig(baseline_s=0.1, window=1, min_samples=1, cooldown_s=1.0, probes=2))
+    g.record(1.0, now=0.0)
+    assert g.admit(now=1.5).probe and g.admit(now=1.5).probe
+    g.record(1.0, now=1.5, probe=True, admitted_at=1.5)
+    assert g.record(1.0, now=1.5, probe=True, admitted_at=1.5) == "open"          # reopened at 1.5
+    assert g.state_at(2.6) == "half_open"
+    assert g.record(1.0, now=2.6, probe=True, admitted_at=1.5) == "half_open"     # of the decided cycle
+    assert g.counts["stale"] == 1
+
+
 def test_baseline_learns_only_from_healthy_periods():
     g, clock = make(learn_factor=1.25)
     feed(g, clock, 0.1, 20)

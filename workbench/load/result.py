@@ -88,15 +88,20 @@ def _pct(values, prefix: str) -> dict:
             f"{prefix}_jitter_ms": a.std(ddof=1) if a.size > 1 else 0.0}
 
 
-def summarize_records(records, t0: float, t1: float, target=math.nan) -> dict:
-    """Counts, rates and latency percentiles of ``records`` (all sent in [t0, t1))."""
+def summarize_records(records, t0: float, t1: float, target=math.nan, token_records=None) -> dict:
+    """Counts, rates and latency percentiles of ``records`` (all sent in [t0, t1)).
+
+    ``tokens_per_s`` counts the tokens streamed in [t0, t1) by ``token_records`` (default
+    ``records``): pass every record of the run so that a request sent earlier but still
+    streaming in the window counts there."""
     counts = {s: 0 for s in STATUSES}
     for r in records:
         counts[r.status] = counts.get(r.status, 0) + 1
     ok = [r for r in records if r.status == "ok"]
     span = t1 - t0
     rate = (lambda n: n / span) if span > 0 else (lambda n: math.nan)
-    tokens = sum(1 for r in records for t in r.token_times if t0 <= t < t1)
+    tokens = sum(1 for r in (records if token_records is None else token_records)
+                 for t in r.token_times if t0 <= t < t1)
     row = {"requests": len(records), "ok": counts["ok"], "errors": counts["error"],
            "rejected": counts["rejected"], "cancelled": counts["cancelled"], "target": target,
            "duration_s": span, "offered_qps": rate(len(records)), "goodput_qps": rate(len(ok))}
@@ -133,14 +138,16 @@ class LoadResult:
         """One row per stage and an ``all`` row: requests, ok, errors, rejected, cancelled,
         target (rate or users), offered_qps (sent/s), goodput_qps (ok/s), TTFT / ITL / TPOT /
         E2E P50/P95/P99 and jitter (std) in ms over ok requests, tokens_per_s (tokens streamed
-        in the window / its length).  A stage is credited with the requests *sent* in it."""
+        in the window / its length, whenever the request was sent).  A stage is credited with the
+        requests *sent* in it (counts, rates, percentiles, output_tokens); its tokens_per_s counts
+        every token streamed in its window, so under sustained load the stages add up to ``all``."""
         import pandas as pd
 
         rows, index = [], []
         for k, name, t0, t1, target in self.stages:
             t1c = min(t1, self.duration_s)
             rows.append({"stage": k, **summarize_records([r for r in self.records if r.stage == k],
-                                                           t0, max(t0, t1c), target)})
+                                                           t0, max(t0, t1c), target, token_records=self.records)})
             index.append(name)
         rows.append({"stage": -1, **summarize_records(self.records, 0.0, self.duration_s)})
         index.append("all")

@@ -19,7 +19,8 @@ error-counting breaker never trips then.  This one watches TTFT instead::
   decides: healthy -> CLOSED (window restarts from the probes), else OPEN again.
 * Stale evidence is ignored: results that arrive while OPEN, non-probe results in HALF_OPEN,
   and (given ``admitted_at``) results of requests admitted before the guard last opened -
-  they queued through the overload the probes have since ruled on.
+  they queued through the overload the probes have since ruled on - probes of an earlier
+  half-open cycle included.
 
 Pure Python and deterministic: every method takes ``now`` (seconds; default the injected
 ``clock``), so a scripted trace replays exactly.  Every public method holds a lock, which makes
@@ -211,8 +212,10 @@ class SLOGuard:
         """Feed one request's TTFT (seconds; ``math.inf`` for a probe that failed).  ``probe``:
         whether the request was admitted as a probe (from its Decision); None = unknown, taken
         as a probe in HALF_OPEN.  ``admitted_at``: when it was admitted (same clock); a
-        non-probe admitted before the guard last opened is stale evidence - it waited through
-        the overload the probes have since ruled over - and is ignored (counted as ``stale``).
+        request admitted before the guard last opened is stale evidence - a non-probe waited
+        through the overload the probes have since ruled over, a probe belongs to an earlier
+        half-open cycle that has been decided - and is ignored (counted as ``stale``; a stale
+        probe frees no probe slot of the current cycle).
         Returns the state after it."""
         with self._lock:
             return self._record(ttft_s, self._now(now), probe, admitted_at)
@@ -221,8 +224,12 @@ class SLOGuard:
         self._advance(now)
         c = self.config
         self.counts["samples"] += 1
-        if (not probe and admitted_at is not None and self.last_opened_at is not None
-                and admitted_at < self.last_opened_at):
+        if admitted_at is not None and self.last_opened_at is not None and (
+                admitted_at < self.last_opened_at
+                or (probe is not False and admitted_at <= self.last_opened_at)):
+            # admitted before the guard last opened: a non-probe that queued through the overload,
+            # or a late probe of an earlier half-open cycle (this cycle's probes are admitted a
+            # cool-down after the opening).  Not evidence now, and it frees no slot of this cycle.
             self.counts["stale"] += 1
             return self._state
         if self._state == HALF_OPEN:
@@ -309,7 +316,7 @@ class GuardedTarget:
                 seen_first = True
                 g.record(ev.time - t0, probe=d.probe, admitted_at=admitted_at)
             elif not seen_first and (ev.error is not None or ev.finished) and d.probe:
-                g.record(math.inf, probe=True)
+                g.record(math.inf, probe=True, admitted_at=admitted_at)
                 seen_first = True
             yield ev
 
