@@ -92,3 +92,22 @@ def test_async_engine_streams_and_aborts(bundled_llm, reference):
     got = asyncio.run(main())
     assert got == reference
     assert eng.pool.manager.num_used_blocks == 0 and not eng.seqs
+
+
+def test_swap_in_with_nothing_left_to_restore(bundled_llm):
+    """When the prefix cache already covers every saved token, a swap-in restores an empty range:
+    its slot index must still be an integer tensor (an empty float tensor cannot index)."""
+    import torch
+
+    from workbench.sched.scheduler import SwapIn
+
+    eng = engine(bundled_llm, max_num_seqs=2)
+    rid = eng.add_request([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=2))
+    eng.step()
+    seq = eng.seqs[rid]
+    layers = len(eng.pool.k_cache)
+    eng.runner.swap_space[rid] = torch.zeros(layers, 2, 3, eng.runner.nkv, eng.runner.hd)
+    before = [k.clone() for k in eng.pool.k_cache]
+    eng.runner.swap_in(SwapIn(seq, 3, 3))                       # nothing to copy back
+    assert all(torch.equal(a, b) for a, b in zip(before, eng.pool.k_cache))
+    assert rid not in eng.runner.swap_space

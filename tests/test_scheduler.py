@@ -177,11 +177,14 @@ def test_random_traces_keep_every_invariant(random_llm, t):
 
 
 def test_aging_bounds_starvation(random_llm):
-    """The stated bound: with aging, a request waiting since t is admitted before any request
-    of base priority p' > p that arrives after t + (p' - p) x aging_s (its aged priority is
-    higher from then on).  Under a stream of high-priority arrivals, one per step, the
-    low-priority request is therefore admitted after the backlog of earlier high arrivals,
-    never later: no starvation."""
+    """The stated bound: with aging (+1 per whole aging_s waited), a request waiting since t
+    is admitted before any request of base priority p' > p that arrives after
+    t + (p' - p) x aging_s: from then on the newcomer's aged priority is at most the old
+    request's, and a tie goes to the earlier arrival (with prefix-aware ordering a tie goes to
+    the longer cached prefix first, which loosens the bound by one aging_s).  Requests that
+    arrived before t + (p' - p - 1) x aging_s stay strictly above it and go first.  Under a
+    stream of high-priority arrivals, one per step, the low-priority request is therefore
+    admitted after (part of) the backlog of earlier high arrivals, never later: no starvation."""
     aging, gap = 10.0, 2
     sched = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, aging_s=aging)
     eng, clock = make_engine(random_llm, sched, 4, 64, False)
@@ -201,7 +204,7 @@ def test_aging_bounds_starvation(random_llm):
     before_low = admitted[:admitted.index(low)]
     assert all(arrivals[r] <= gap * aging for r in before_low), \
         [arrivals[r] for r in before_low if arrivals[r] > gap * aging]
-    assert len(before_low) >= gap * aging      # the high-priority backlog did go first
+    assert len(before_low) >= (gap - 1) * aging      # the high-priority backlog did go first
     assert eng.seqs[low].output.finish_reason == "length"
 
 
@@ -247,3 +250,171 @@ def test_micro_batch_window_holds_admission(random_llm, window):
     clock.t += window
     eng.step()
     assert eng.scheduler.running or first_step
+
+
+# ---- regressions: pure scheduler over a BlockManager (the test plays the model) ----------------
+
+from workbench.kv.block_manager import BlockManager  # noqa: E402
+from workbench.sched.scheduler import Scheduler, SchedulerOutput  # noqa: E402
+from workbench.sched.sequence import Sequence  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0)
+
+
+def seq(rid, tokens, priority=0, arrival=0.0, max_new=1):
+    return Sequence(rid, list(tokens), len(tokens), GREEDY, priority=priority, arrival_time=arrival, max_new=max_new)
+
+
+def computed(m, out):
+    """Pretend the forward ran: the scheduled chunks' KV is written."""
+    for s in out.scheduled:
+        s.seq.num_computed = s.start + s.num_tokens
+        m.commit(s.seq.request_id, s.seq.num_computed)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_request_that_can_never_fit_the_pool_ends_with_a_reason(random_llm, mode):
+    """5 prompt + 10 new tokens need 4 blocks of 4; the pool has 2: rejected at admission
+    (swap mode used to swap it out for good and block every later request)."""
+    eng = LLMEngine(random_llm, kv=PagedKVConfig(block_size=4, num_blocks=2),
+                    scheduler=SchedulerConfig(preemption_mode=mode))
+    p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    big = eng.add_request([5, 6, 7, 8, 9], p)
+    small = eng.add_request([5, 6], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    for _ in range(20):
+        eng.step()
+        if not eng.has_unfinished():
+            break
+    assert not eng.has_unfinished()
+    out = eng.get_output(big)
+    assert out.finish_reason == "rejected" and "KV pool" in out.error and "4 KV blocks" in out.error
+    assert eng.get_output(small).finish_reason == "length"
+    assert eng.pool.manager.num_used_blocks == 0 and not eng.runner.swap_space
+
+
+def test_swapped_sequence_that_outgrew_the_pool_is_ended_not_kept():
+    m = BlockManager(2, 4)
+    sch = Scheduler(SchedulerConfig(preemption_mode="swap", aging_s=None), m)
+    a = seq("a", [5, 6, 7, 8, 9])
+    sch.add(a)
+    computed(m, sch.schedule(0.0))
+    a.tokens += [1, 2, 3, 4]                  # grew past the 8 slots (more than its max_new said)
+    out = sch.schedule(1.0)
+    assert [s.seq for s in out.swapped_out] == [a] and a in sch.swapped
+    b = seq("b", [1, 2])
+    sch.add(b)
+    out = sch.schedule(2.0)
+    assert [(s.request_id, "KV pool" in r) for s, r in out.rejected] == [("a", True)]
+    assert out.admitted == [b] and not sch.swapped and not sch.swap_sizes and a.finished
+
+
+def test_prefix_aware_order_survives_aging():
+    for aging in (5.0, None):
+        m = BlockManager(64, 4)
+        shared = list(range(100, 116))
+        m.allocate("warm", shared + [1])
+        m.commit("warm", 17)
+        m.free("warm")
+        sch = Scheduler(SchedulerConfig(max_num_seqs=1, aging_s=aging, prefix_aware=True), m)
+        a = seq("no-cache", range(200, 217), arrival=0.000)
+        b = seq("cached", shared + [7], arrival=0.001)
+        sch.add(a)
+        sch.add(b)
+        assert sch.schedule(0.002).admitted == [b], aging
+
+
+@pytest.mark.parametrize("high_at", [1.0, 6.0, 60.0])
+def test_running_time_does_not_age(high_at):
+    """A low-priority request admitted at once never waited: a higher-priority arrival preempts
+    it however long it has been running."""
+    m = BlockManager(64, 4)
+    sch = Scheduler(SchedulerConfig(max_num_seqs=1, aging_s=5.0), m)
+    low = seq("low", [1, 2, 3], priority=0, arrival=0.0)
+    sch.add(low)
+    computed(m, sch.schedule(0.0))
+    assert sch.effective_priority(low, high_at) == 0
+    high = seq("high", [4, 5, 6], priority=1, arrival=high_at)
+    sch.add(high)
+    out = sch.schedule(high_at)
+    assert out.preempted == [low] and out.admitted == [high]
+    assert sch.effective_priority(low, high_at + 5.0) == 1     # waiting again: aging again
+
+
+def test_aged_admission_is_not_undone_by_the_requests_it_overtook():
+    """Waiting credit stays with a running request: one admitted on its aged priority is not
+    preempted by a younger request of higher base priority (no admit/preempt churn)."""
+    m = BlockManager(64, 4)
+    sch = Scheduler(SchedulerConfig(max_num_seqs=1, aging_s=5.0), m)
+    blocker = seq("blocker", [9, 9], priority=5)
+    sch.add(blocker)
+    computed(m, sch.schedule(0.0))
+    low = seq("low", [1, 2, 3], priority=0, arrival=0.0)
+    sch.add(low)
+    sch.schedule(1.0)
+    sch.finish(blocker)
+    out = sch.schedule(11.0)                                   # waited 11 s: aged priority 2
+    assert out.admitted == [low] and sch.effective_priority(low, 30.0) == 2
+    computed(m, out)
+    for t in (11.0, 12.0, 14.0):                              # the newcomers waited < 5 s
+        sch.add(seq(f"high-{t}", [4, 5, 6], priority=2, arrival=t))
+        out = sch.schedule(t)
+        assert not out.preempted and low in sch.running
+
+
+def test_never_fitting_priority_request_preempts_nothing():
+    m = BlockManager(4, 4)                                     # 16 slots
+    sch = Scheduler(SchedulerConfig(max_num_seqs=1), m)
+    low = seq("low", [1, 2, 3])
+    sch.add(low)
+    computed(m, sch.schedule(0.0))
+    huge = seq("huge", range(40), priority=5, arrival=0.1)     # 10 blocks
+    sch.add(huge)
+    out = sch.schedule(0.1)
+    assert [s.request_id for s, _ in out.rejected] == ["huge"] and not out.preempted
+    assert sch.running == [low] and low.num_computed == 3 and low.num_preemptions == 0
+    # prompt alone fits, prompt + max_new does not: rejected before preempting too
+    longer = seq("longer", range(12), priority=5, arrival=0.2, max_new=8)
+    sch.add(longer)
+    out = sch.schedule(0.2)
+    assert [s.request_id for s, _ in out.rejected] == ["longer"] and not out.preempted
+
+
+def test_priority_admission_preempts_only_when_that_makes_room():
+    m = BlockManager(4, 4)
+    sch = Scheduler(SchedulerConfig(max_num_seqs=8, aging_s=None), m)
+    vip = seq("vip", range(100, 108), priority=9)                # 2 blocks, not preemptible by 5
+    low = seq("low", [1, 2, 3], priority=0)                      # 1 block
+    sch.add(vip)
+    sch.add(low)
+    computed(m, sch.schedule(0.0))
+    high = seq("high", range(200, 216), priority=5, arrival=0.1)  # needs all 4 blocks
+    sch.add(high)
+    for t in (0.1, 0.2, 0.3):
+        out = sch.schedule(t)
+        assert not out.preempted and not out.admitted and low in sch.running
+    # room that preempting low does make: mid takes 2 blocks
+    sch.finish(high)
+    mid = seq("mid", range(300, 306), priority=5, arrival=0.4)
+    sch.add(mid)
+    out = sch.schedule(0.4)
+    assert out.preempted == [low] and out.admitted == [mid]
+
+
+def test_swap_in_does_not_recompute_into_shared_prefix_blocks():
+    m = BlockManager(16, 4)
+    sch = Scheduler(SchedulerConfig(preemption_mode="swap", max_num_batched_tokens=16, aging_s=None), m)
+    prompt = list(range(100, 112))
+    b = seq("B", prompt + [7], arrival=0.0)
+    a = seq("A", prompt, arrival=0.1)
+    sch.add(b)
+    sch.add(a)
+    computed(m, sch.schedule(0.0))                             # B whole, A its first 3 tokens
+    assert a.num_computed == 3
+    sch._preempt(a, SchedulerOutput(0, 0.0))                   # swapped out mid-prefill
+    out = sch.schedule(1.0)
+    (si,) = out.swapped_in
+    assert (si.num_cached, si.num_tokens) == (3, 3)            # nothing to restore
+    (chunk,) = [s for s in out.scheduled if s.seq is a]
+    assert chunk.start == 8                                    # the 8 cached prefix tokens are not recomputed
+    written = {x // 4 for x in m.slot_mapping("A", chunk.start, chunk.start + chunk.num_tokens)}
+    assert all(m.blocks[blk].ref_count == 1 for blk in written)

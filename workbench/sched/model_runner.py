@@ -75,7 +75,8 @@ class ModelRunner:
     # ---- preemption by swapping ------------------------------------------------------------
     def _gather(self, block_table: list[int], start: int, end: int, layer: int):
         B = self.pool.block_size
-        slots = torch.tensor([block_table[p // B] * B + p % B for p in range(start, end)], device=self.device)
+        slots = torch.tensor([block_table[p // B] * B + p % B for p in range(start, end)], dtype=torch.long,
+                             device=self.device)                 # long even when empty: an index, not floats
         k = self.pool.k_cache[layer].view(-1, self.nkv, self.hd)
         v = self.pool.v_cache[layer].view(-1, self.nkv, self.hd)
         return slots, k, v

@@ -6,13 +6,22 @@ tokens, so prompts and generations mix in one batch (continuous batching).  Per 
     1. running sequences, highest priority first: reserve the slot of the token each one
        computes next (preempting the lowest-priority running sequence when the pool is full),
        then take min(remaining, budget) tokens (a decode token, or a prefill chunk);
-    2. swapped-out sequences come back when blocks allow (before any new admission);
+    2. swapped-out sequences come back when blocks allow (before any new admission); one
+       that could never fit in the pool again is ended with a reason (``rejected``);
     3. waiting requests are admitted, highest (aged) priority first, then longest cached
        prefix first (prefix-aware), then arrival order; a request that cannot get blocks may
-       preempt running requests of strictly lower priority; one that could never fit in the
-       pool is rejected with a reason.  With a micro-batch window, admission opens only once
-       the oldest waiting request has waited that long, so arrivals close in time are
-       admitted (and prefilled) together.
+       preempt running requests of strictly lower priority, but only when preempting them
+       would make it fit; one that could never fit in the pool (prompt plus ``max_new``
+       tokens) is rejected with a reason, before anything is preempted for it.  With a
+       micro-batch window, admission opens only once the oldest waiting request has waited
+       that long, so arrivals close in time are admitted (and prefilled) together.
+
+Aging: a sequence gains +1 effective priority per ``aging_s`` spent *waiting* (in the waiting
+or swapped queue, summed over all its waits); time spent running does not age it, but it keeps
+the credit it earned while waiting, so a request admitted on its aged priority is not thrown
+out again by the younger requests it overtook.  The aged priority is a whole number, so
+requests of one priority that waited about as long tie, and the tie goes to the longest
+cached prefix (prefix-aware), then to arrival order.
 
 The block manager (pure Python) is the only state shared with the model side; tensor work
 the decisions imply (swap copies) is listed in the :class:`SchedulerOutput` for the runner.
@@ -21,6 +30,8 @@ Deterministic: the same calls with the same clock values give the same schedule.
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 from ..kv.block_manager import AllocStatus, BlockManager
@@ -95,6 +106,7 @@ class Scheduler:
             return f"queue full ({len(self.waiting)} waiting, max_queue_len={self.config.max_queue_len})"
         self._seq_no += 1
         seq.seq_no, seq.status = self._seq_no, SeqStatus.WAITING
+        seq.wait_since = seq.arrival_time
         self.waiting.append(seq)
         return None
 
@@ -115,26 +127,65 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
     # ---- ordering --------------------------------------------------------------------------
-    def effective_priority(self, seq: Sequence, now: float) -> float:
-        """Priority plus one per ``aging_s`` waited since arrival: waiting lifts a request above
-        later arrivals of higher priority eventually, which bounds starvation."""
-        aging = self.config.aging_s
-        return seq.priority + (max(0.0, now - seq.arrival_time) / aging if aging else 0.0)
+    def waited(self, seq: Sequence, now: float) -> float:
+        """Seconds ``seq`` has spent waiting (queued or swapped out), over all its waits."""
+        since = seq.wait_since
+        return seq.waited_s + (max(0.0, now - since) if since is not None else 0.0)
 
-    def _victim(self, now: float, for_seq: Sequence | None = None) -> Sequence | None:
-        """The running sequence to preempt: lowest priority, latest arrival.  For a waiting
-        ``for_seq``, only sequences below it in base *and* aged priority (so an aged request
-        that was just admitted ahead of a younger high-priority one is not thrown out again)."""
-        if for_seq is None:
-            pool = self.running
-        else:
-            eff = self.effective_priority(for_seq, now)
-            pool = [s for s in self.running
-                    if s.priority < for_seq.priority and self.effective_priority(s, now) < eff]
-        return min(pool, key=lambda s: (s.priority, -s.seq_no)) if pool else None
+    def effective_priority(self, seq: Sequence, now: float) -> int:
+        """Priority plus one per whole ``aging_s`` spent waiting: waiting lifts a request above
+        later arrivals of higher priority eventually, which bounds starvation.  Running does
+        not age a sequence (it keeps what it earned while waiting)."""
+        aging = self.config.aging_s
+        return seq.priority + (math.floor(self.waited(seq, now) / aging) if aging else 0)
+
+    def _start_running(self, seq: Sequence, now: float) -> None:
+        seq.waited_s = self.waited(seq, now)
+        seq.wait_since = None
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    def _victim(self, now: float) -> Sequence:
+        """The running sequence to preempt when the pool is full: the last in scheduling order
+        (lowest aged priority, latest arrival)."""
+        return min(self.running, key=lambda s: (self.effective_priority(s, now), -s.seq_no))
+
+    def _victims_for(self, seq: Sequence, now: float) -> list[Sequence]:
+        """Running sequences a waiting ``seq`` may preempt, first to go first: those below it in
+        base *and* aged priority (so an aged request that was just admitted ahead of a younger
+        high-priority one is not thrown out again)."""
+        eff = self.effective_priority(seq, now)
+        pool = [s for s in self.running if s.priority < seq.priority and self.effective_priority(s, now) < eff]
+        return sorted(pool, key=lambda s: (self.effective_priority(s, now), s.priority, -s.seq_no))
+
+    def _kv_tokens(self, seq: Sequence) -> int:
+        """Slots ``seq`` holds at most: its prompt plus every token it may generate but the
+        last (the last sampled token ends it before its KV is computed)."""
+        return max(len(seq.tokens), seq.prompt_len + max(seq.max_new, 1) - 1)
+
+    def _never_fits(self, seq: Sequence) -> str | None:
+        """Why ``seq`` can never run to its end in this pool (None when it can)."""
+        m = self.manager
+        need = -(-self._kv_tokens(seq) // m.block_size)
+        if need <= m.num_blocks:
+            return None
+        what = (f"{seq.prompt_len} prompt + up to {seq.max_new} new tokens" if len(seq.tokens) <= seq.prompt_len
+                else f"{len(seq.tokens)} tokens so far, up to {seq.prompt_len + seq.max_new}")
+        return f"needs {need} KV blocks ({what}), the KV pool has {m.num_blocks} (block size {m.block_size})"
+
+    def _reject(self, seq: Sequence, reason: str, out: SchedulerOutput) -> None:
+        if seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SeqStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.swap_sizes.pop(seq.request_id, None)
+        seq.status = SeqStatus.FINISHED
+        self.num_rejected += 1
+        out.rejected.append((seq, reason))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
+        seq.wait_since = out.now
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -192,7 +243,14 @@ class Scheduler:
                 budget -= n
 
         budget = left()   # preempted sequences gave their share back
-        # 2. swapped sequences come back first, if nothing had to be preempted this step
+        # 2. swapped sequences that can never fit again end (not those swapped out just now: their
+        #    copy to the host is still to be done); the others come back first, if nothing had to
+        #    be preempted this step
+        leaving = {id(s.seq) for s in out.swapped_out}
+        for seq in list(self.swapped):
+            reason = None if id(seq) in leaving else self._never_fits(seq)
+            if reason is not None:
+                self._reject(seq, reason, out)
         if not out.swapped_out and not out.preempted:
             for seq in sorted(self.swapped, key=order):
                 if len(self.running) >= cfg.max_num_seqs or m.can_allocate(len(seq.tokens), seq.tokens) \
@@ -201,9 +259,11 @@ class Scheduler:
                 alloc = m.allocate(seq.request_id, seq.tokens)
                 saved = self.swap_sizes.pop(seq.request_id)
                 self.swapped.remove(seq)
+                # restore only what the prefix cache does not hold again: positions below
+                # num_cached_tokens lie in shared cached blocks, never written over
                 out.swapped_in.append(SwapIn(seq, min(alloc.num_cached_tokens, saved), saved))
-                seq.num_computed, seq.status = saved, SeqStatus.RUNNING
-                self.running.append(seq)
+                seq.num_computed = max(saved, alloc.num_cached_tokens)
+                self._start_running(seq, now)
                 n = self._chunk(seq, budget, bool(out.scheduled)) if budget > 0 else 0
                 if n:
                     out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
@@ -219,26 +279,23 @@ class Scheduler:
             for seq in sorted(self.waiting, key=key):
                 if budget <= 0:
                     break
-                if len(self.running) >= cfg.max_num_seqs and not self._make_room_by_priority(seq, now, out):
-                    break
-                status = m.can_allocate(len(seq.tokens), seq.tokens)
-                if status is AllocStatus.NEVER:
-                    self.waiting.remove(seq)
-                    seq.status = SeqStatus.FINISHED
-                    self.num_rejected += 1
-                    out.rejected.append((seq, f"needs {-(-len(seq.tokens) // m.block_size)} KV blocks, the pool "
-                                              f"has {m.num_blocks} (block size {m.block_size})"))
+                reason = self._never_fits(seq)
+                if reason is not None:                     # before anything is preempted for it
+                    self._reject(seq, reason, out)
                     continue
-                while status is AllocStatus.LATER and self._make_room_by_priority(seq, now, out, force=True):
+                status = m.can_allocate(len(seq.tokens), seq.tokens)
+                if len(self.running) >= cfg.max_num_seqs or status is not AllocStatus.OK:
+                    if not self._make_room_by_priority(seq, now, out):
+                        break                              # first come, first served: no overtaking
                     status = m.can_allocate(len(seq.tokens), seq.tokens)
                 budget = left()
-                if status is not AllocStatus.OK:
-                    break                                  # first come, first served: no overtaking
+                if status is not AllocStatus.OK or len(self.running) >= cfg.max_num_seqs:
+                    break
                 alloc = m.allocate(seq.request_id, seq.tokens)
                 self.waiting.remove(seq)
-                seq.num_computed, seq.status = alloc.num_cached_tokens, SeqStatus.RUNNING
+                seq.num_computed = alloc.num_cached_tokens
                 seq.state["allocation"] = alloc
-                self.running.append(seq)
+                self._start_running(seq, now)
                 out.admitted.append(seq)
                 n = self._chunk(seq, budget, bool(out.scheduled))
                 if n:
@@ -265,15 +322,28 @@ class Scheduler:
         oldest = min(s.arrival_time for s in self.waiting)
         return now - oldest >= w or len(self.waiting) >= free_slots
 
-    def _make_room_by_priority(self, seq: Sequence, now: float, out: SchedulerOutput, force: bool = False) -> bool:
-        """Preempt one running sequence of strictly lower priority for ``seq``; False if none.
-        (``force``: also when the pool, not the sequence count, is what is short.)"""
-        if not self.config.priority_preemption:
+    def _make_room_by_priority(self, seq: Sequence, now: float, out: SchedulerOutput) -> bool:
+        """Preempt running sequences of strictly lower priority, lowest first, until ``seq`` has
+        a sequence slot and its blocks; False (and nothing preempted) when even preempting every
+        one of them would not be enough."""
+        cfg, m = self.config, self.manager
+        if not cfg.priority_preemption:
             return False
-        if not force and len(self.running) < self.config.max_num_seqs:
-            return True
-        victim = self._victim(now, for_seq=seq)
-        if victim is None:
-            return False
-        self._preempt(victim, out)
-        return True
+        victims = self._victims_for(seq, now)
+        slots_short = len(self.running) - cfg.max_num_seqs + 1
+        hits = m._match(list(seq.tokens))[0]
+        hit_set = set(hits)
+        need = -(-len(seq.tokens) // m.block_size) - len(hits)
+        # as BlockManager.can_allocate counts: cached hits are not available for the new blocks
+        available = m.num_available_blocks - sum(1 for b in hits if m.blocks[b].ref_count == 0)
+        refs: Counter = Counter()
+        for k in range(len(victims) + 1):
+            if k:
+                refs.update(m.block_table(victims[k - 1].request_id))
+            # blocks the first k victims release (no other holder); a released hit stays a hit
+            freed = sum(1 for b, c in refs.items() if c == m.blocks[b].ref_count and b not in hit_set)
+            if k >= slots_short and need <= available + freed:
+                for victim in victims[:k]:
+                    self._preempt(victim, out)
+                return True
+        return False

@@ -35,6 +35,8 @@ class Sequence:
     num_computed: int = 0             # tokens whose KV is in the pool
     num_preemptions: int = 0
     seq_no: int = 0                   # arrival order, the FCFS tie-break
+    wait_since: float | None = None   # when it last entered the waiting/swapped queue (None while running)
+    waited_s: float = 0.0             # time spent waiting before that (aging counts only waiting time)
     output: RequestOutput | None = field(default=None, repr=False)
     state: dict = field(default_factory=dict, repr=False)   # engine-side objects (generator, output processor)
 
