@@ -707,3 +707,100 @@ def test_guard_must_be_duck_typed():
 
     with pytest.raises(ConfigError, match="admit"):
         ServerConfig(guard=object())
+
+
+# ---- the KV pool, client disconnects mid-body, label escaping, 4xx error types --------------------------
+def test_400_when_prompt_plus_max_tokens_never_fits_the_pool(bundled_llm):
+    """A 4-block pool (64 tokens): asking for more than it can ever hold is a 400 at once (not a
+    429 after generating); without max_tokens the default is clamped to what the pool holds."""
+    eng = LLMEngine(bundled_llm, kv=PagedKVConfig(num_blocks=4, block_size=16))
+    with start_server(eng) as handle, httpx.Client(base_url=handle.url, timeout=30) as c:
+        mark = last_step(handle)
+        r = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 100, "ignore_eos": True})
+        e = err(r, 400, "KV blocks", "pool has 4", "block size 16")
+        assert e["code"] == "context_length_exceeded" and e["param"] == "max_tokens"
+        assert e["type"] == "invalid_request_error" and "retry-after" not in r.headers
+        r = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 100, "stream": True})
+        assert err(r, 400, "KV blocks")["code"] == "context_length_exceeded"
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                 "max_tokens": 80})
+        assert err(r, 400, "KV blocks")["param"] == "max_tokens"
+        assert steps_since(handle, mark) == []                   # nothing reached the engine
+        ids = [5] * 60                                            # 60 tokens: 4 fit after them
+        r = c.post("/v1/completions", json={"prompt": ids, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+        r = c.post("/v1/completions", json={"prompt": ids, "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        err(c.post("/v1/completions", json={"prompt": ids, "max_tokens": 5}), 400, "needs 5 KV blocks")
+        wait_idle(handle)
+        assert handle.engine.stats()["rejected"] == 0
+
+
+def test_engine_rejection_other_than_queue_full_is_not_retryable():
+    from workbench.engine_types import StreamEvent
+    from workbench.serve.app import _ending_error
+
+    def ending(error):
+        return _ending_error(StreamEvent("r", 0, -1, "", 0.0, 0.0, True, "rejected", error))
+
+    full = ending("queue full (1 waiting, max_queue_len=1)")
+    assert full.status == 429 and full.headers == {"Retry-After": "1"}
+    big = ending("needs 70 KV blocks, the pool has 64 (block size 16)")
+    assert big.status == 400 and not big.headers and big.code == "context_length_exceeded"
+    assert big.body()["error"]["type"] == "invalid_request_error" and "70 KV blocks" in big.message
+
+
+def test_client_gone_mid_body_is_499_not_500(srv):
+    import socket
+
+    def responses():
+        _, s = scrape(srv.url)
+        return {dict(k[1])["code"]: v for k, v in s.items()
+                if k[0] == "workbench_http_responses_total" and dict(k[1])["path"] == "/v1/completions"}
+
+    before = responses()
+    sock = socket.create_connection(("127.0.0.1", srv.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                 b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\":")
+    time.sleep(0.2)
+    sock.close()
+    deadline = time.monotonic() + 10
+    while responses().get("499", 0) == before.get("499", 0):
+        assert time.monotonic() < deadline, responses()
+        time.sleep(0.02)
+    after = responses()
+    assert after["499"] == before.get("499", 0) + 1
+    assert after.get("500", 0) == before.get("500", 0)
+
+
+def test_prometheus_label_values_are_escaped():
+    from workbench.serve.metrics import ServerMetrics, _label
+
+    assert _label('a\\b"c\nd') == 'a\\\\b\\"c\\nd'
+    m = ServerMetrics()
+    m.http_response('/odd"path\\x\ny', 404)
+    text = m.render({}, True, {"state": 'we"ird\\\nstate'})
+    assert 'workbench_slo_guard_state{state="we\\"ird\\\\\\nstate"} 1' in text
+    assert 'path="/odd\\"path\\\\x\\ny"' in text
+    parser = pytest.importorskip("prometheus_client.parser")
+    fams = {f.name: f for f in parser.text_string_to_metric_families(text)}
+    states = {s.labels["state"]: s.value for s in fams["workbench_slo_guard_state"].samples}
+    assert states['we"ird\\\nstate'] == 1
+    paths = {s.labels["path"] for s in fams["workbench_http_responses"].samples}
+    assert paths == {'/odd"path\\x\ny'}
+
+
+def test_every_4xx_is_an_invalid_request_error(http):
+    from workbench.serve.protocol import APIError
+
+    r = http.get("/v1/completions")
+    assert r.status_code == 405
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    for status in (400, 405, 409, 413, 415, 422):
+        assert APIError(status, "x").body()["error"]["type"] == "invalid_request_error"
+    assert APIError(401, "x").body()["error"]["type"] == "authentication_error"
+    assert APIError(404, "x").body()["error"]["type"] == "not_found_error"
+    assert APIError(429, "x").body()["error"]["type"] == "rate_limit_error"
+    assert APIError(500, "x").body()["error"]["type"] == "server_error"
+    assert APIError(502, "x").body()["error"]["type"] == "server_error"

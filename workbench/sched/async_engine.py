@@ -26,18 +26,21 @@ from collections import deque
 from typing import AsyncIterator, Callable
 
 from ..engine_types import StreamEvent
+from ..errors import ConfigError
 from ..sampling import SamplingParams
 from .engine import LLMEngine
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05, liveness_check_s: float = 1.0) -> None:
         self.engine = engine
         self.idle_wait_s = idle_wait_s
+        self.liveness_check_s = liveness_check_s   # how often a waiting stream() checks the engine thread
         self._inbox: deque = deque()
         self._callbacks: dict[str, Callable[[StreamEvent], None]] = {}
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._started = False                      # start() was called (and stop() not since)
         self._stop = False
         self._ids = itertools.count()
         self._stats: dict = engine.stats()
@@ -47,17 +50,37 @@ class AsyncEngine:
     def start(self) -> "AsyncEngine":
         if self._thread is None:
             self._stop = False
+            self._started = True
             self._thread = threading.Thread(target=self._loop, name="workbench-engine", daemon=True)
             self._thread.start()
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; every request not finished yet ends with finish_reason "error"."""
         with self._cv:
             self._stop = True
+            self._started = False
             self._cv.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+        if thread is None or not thread.is_alive():
+            self._fail_callbacks(self._stopped_message())   # the thread did this unless it died or never ran
+        self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def _dead(self) -> bool:
+        """start() was called but the engine thread is not running (it died, or stop() was called)."""
+        with self._cv:
+            return self._stop or (self._started and not self.alive)
+
+    def _stopped_message(self) -> str:
+        why = "the engine was stopped" if self._stop else "the engine thread is not running"
+        return why + (f" (last error: {self.last_error})" if self.last_error else "")
 
     def __enter__(self) -> "AsyncEngine":
         return self.start()
@@ -69,11 +92,16 @@ class AsyncEngine:
     def submit(self, prompt, params: SamplingParams, on_event: Callable[[StreamEvent], None], priority: int = 0,
                request_id: str | None = None) -> str:
         """Queue a request; ``on_event`` is called on the engine thread for each of its events.
-        Raises WorkbenchError (in the caller's thread) for invalid input."""
+        Raises WorkbenchError (in the caller's thread) for invalid input, a request id in use, or
+        when the engine thread is not running any more (before start(), requests wait for it)."""
         self.engine.llm.encode(prompt)                 # validate now: the caller can answer 400
-        rid = request_id or f"req-{next(self._ids)}"
         arrival = self.engine.clock()
         with self._cv:
+            if self._stop or (self._started and not self.alive):
+                raise ConfigError(f"cannot submit: {self._stopped_message()}")
+            rid = request_id or f"req-{next(self._ids)}"
+            if rid in self._callbacks or rid in self.engine.seqs:
+                raise ConfigError(f"request id {rid!r} is already in use")
             self._callbacks[rid] = on_event
             self._inbox.append(("add", rid, prompt, params, priority, arrival))
             self._cv.notify()
@@ -86,7 +114,8 @@ class AsyncEngine:
 
     async def stream(self, prompt, params: SamplingParams, priority: int = 0,
                      request_id: str | None = None) -> AsyncIterator[StreamEvent]:
-        """Async iterator over one request's events; closing it early aborts the request."""
+        """Async iterator over one request's events; closing it early aborts the request.  If the
+        engine thread stops or dies first, the last event has finish_reason "error"."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         rid = self.submit(prompt, params, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev),
@@ -94,7 +123,15 @@ class AsyncEngine:
         done = False
         try:
             while True:
-                ev = await queue.get()
+                try:
+                    ev = await asyncio.wait_for(queue.get(), timeout=self.liveness_check_s)
+                except asyncio.TimeoutError:
+                    if not self._dead():
+                        continue
+                    with self._cv:
+                        self._callbacks.pop(rid, None)
+                    now = self.engine.clock()
+                    ev = StreamEvent(rid, 0, -1, "", now, 0.0, True, "error", self._stopped_message())
                 yield ev
                 if ev.finished:
                     done = True
@@ -117,21 +154,50 @@ class AsyncEngine:
                 if self._stop:
                     break
                 inbox, self._inbox = self._inbox, deque()
-            for item in inbox:
-                self._apply(item)
-            if not eng.has_unfinished():
-                continue
             try:
-                events = eng.step()
-            except Exception as e:  # noqa: BLE001 - a failed step must end its requests, not the server
-                self.last_error = "".join(traceback.format_exception_only(type(e), e)).strip()
-                events = self._fail_all(self.last_error)
-            for ev in events:
+                self._turn(inbox)
+            except Exception as e:  # noqa: BLE001 - whatever fails ends its requests, never the loop
+                self._failed(e)
+        try:
+            self._shutdown()
+        except Exception as e:  # noqa: BLE001
+            self.last_error = _describe(e)
+
+    def _turn(self, inbox) -> None:
+        eng = self.engine
+        for item in inbox:
+            self._apply(item)
+        if not eng.has_unfinished():
+            return
+        try:
+            events = eng.step()
+        except Exception as e:  # noqa: BLE001 - a failed step must end its requests, not the server
+            self._failed(e)
+            return
+        for ev in events:
+            self._deliver(ev)
+        self._stats = eng.stats()
+        rec = eng.step_records[-1] if eng.step_records else None
+        if rec is not None and rec.num_seqs == 0 and eng.scheduler.waiting:
+            time.sleep(min(0.001, eng.config.micro_batch_window_s or 0.001))  # window not open yet
+
+    def _failed(self, e: BaseException) -> None:
+        """After a failure on the engine thread: end every unfinished request with the message."""
+        self.last_error = _describe(e)
+        try:
+            events = self._fail_all(self.last_error)
+        except Exception as e2:  # noqa: BLE001 - the engine's state is broken: at least answer the callers
+            self.last_error += f"; then failing the requests raised {_describe(e2)}"
+            events = []
+        for ev in events:
+            try:
                 self._deliver(ev)
-            self._stats = eng.stats()
-            rec = eng.step_records[-1] if eng.step_records else None
-            if rec is not None and rec.num_seqs == 0 and eng.scheduler.waiting:
-                time.sleep(min(0.001, eng.config.micro_batch_window_s or 0.001))  # window not open yet
+            except Exception:  # noqa: BLE001
+                pass
+        try:
+            self._stats = self.engine.stats()
+        except Exception:  # noqa: BLE001
+            pass
 
     def _apply(self, item) -> None:
         eng = self.engine
@@ -140,20 +206,25 @@ class AsyncEngine:
             try:
                 eng.add_request(prompt, params, request_id=rid, priority=priority, arrival_time=arrival)
             except Exception as e:  # noqa: BLE001 - validated already; report anything else to its caller
-                self._deliver(StreamEvent(rid, 0, -1, "", eng.clock(), 0.0, True, "error", str(e)))
+                # the id may belong to a request this one must not touch: answer the caller only
+                self._deliver(StreamEvent(rid, 0, -1, "", eng.clock(), 0.0, True, "error", str(e)), release=False)
         elif item[0] == "abort":
             eng.abort(item[1], "the client went away")
 
-    def _deliver(self, ev: StreamEvent) -> None:
-        cb = self._callbacks.get(ev.request_id)
+    def _deliver(self, ev: StreamEvent, release: bool = True) -> None:
+        if ev.finished:
+            with self._cv:
+                cb = self._callbacks.pop(ev.request_id, None)
+        else:
+            cb = self._callbacks.get(ev.request_id)
         if cb is not None:
             try:
                 cb(ev)
             except Exception:  # noqa: BLE001 - a broken consumer must not stop the engine
                 pass
-        if ev.finished:
-            self._callbacks.pop(ev.request_id, None)
-            if ev.request_id in self.engine.seqs:
+        if ev.finished and release:
+            seq = self.engine.seqs.get(ev.request_id)
+            if seq is not None and seq.finished:
                 self.engine.release(ev.request_id)
 
     def _fail_all(self, message: str) -> list[StreamEvent]:
@@ -162,3 +233,37 @@ class AsyncEngine:
             if not seq.finished:
                 eng.fail(rid, message)
         return eng.drain_events()
+
+    def _shutdown(self) -> None:
+        """On stop: requests still queued or running end with finish_reason "error"."""
+        message = self._stopped_message()
+        with self._cv:
+            inbox, self._inbox = self._inbox, deque()
+        for item in inbox:
+            if item[0] == "add":
+                now = self.engine.clock()
+                self._deliver(StreamEvent(item[1], 0, -1, "", now, 0.0, True, "error", message), release=False)
+        try:
+            events = self._fail_all(message)
+        except Exception as e:  # noqa: BLE001
+            self.last_error = _describe(e)
+            events = []
+        for ev in events:
+            self._deliver(ev)
+        self._stats = self.engine.stats()
+        self._fail_callbacks(message)
+
+    def _fail_callbacks(self, message: str) -> None:
+        """Every caller still waiting gets a final error event (the engine thread is gone)."""
+        with self._cv:
+            pending, self._callbacks = self._callbacks, {}
+        now = self.engine.clock()
+        for rid, cb in pending.items():
+            try:
+                cb(StreamEvent(rid, 0, -1, "", now, 0.0, True, "error", message))
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def _describe(e: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(e), e)).strip()

@@ -70,8 +70,17 @@ class LLMEngine:
                  scheduler: SchedulerConfig | None = None, batch_invariant: bool | None = None,
                  max_model_len: int | None = None, clock=time.perf_counter, runner=None,
                  history: int = 100_000) -> None:
-        base = model if isinstance(model, LLM) else LLM(model, tokenizer=tokenizer, device=device, dtype=dtype,
-                                                         max_model_len=max_model_len)
+        if isinstance(model, LLM):
+            # these configure the loading of a model; a loaded LLM has them already
+            given = {name: v for name, v in (("tokenizer", tokenizer), ("device", device), ("dtype", dtype),
+                                             ("max_model_len", max_model_len)) if v is not None}
+            if given:
+                got = ", ".join(f"{k}={v!r}" for k, v in given.items())
+                raise ConfigError(f"LLMEngine: {got} cannot be applied to an already loaded LLM; pass "
+                                  f"{'/'.join(given)} to LLM(...) instead, or pass a model folder, preset or None")
+            base = model
+        else:
+            base = LLM(model, tokenizer=tokenizer, device=device, dtype=dtype, max_model_len=max_model_len)
         self.llm, self.model, self.tokenizer = base, base.model, base.tokenizer
         self.config = scheduler or SchedulerConfig()
         w = self.model.lm_head.weight
@@ -164,6 +173,15 @@ class LLMEngine:
     # ---- one step --------------------------------------------------------------------------------
     def step(self) -> list[StreamEvent]:
         events, self._events = self._events, []
+        try:
+            return self._step(events)
+        except BaseException:
+            # nothing taken is lost: rejections / aborts from before (and during) this step, and any
+            # token events it produced, stay queued for drain_events() or the next step
+            self._events = events + self._events
+            raise
+
+    def _step(self, events: list[StreamEvent]) -> list[StreamEvent]:
         t0 = self.clock()
         out = self.scheduler.schedule(t0)
         t1 = self.clock()

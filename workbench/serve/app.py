@@ -5,9 +5,12 @@ Server-Sent Events), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
 
 A request's path through the server: the body is read (at most ``max_body_bytes``, else 413),
 validated (:mod:`.protocol`: 400 naming the field), its model name checked (404), its prompt
-tokenized and measured against the context, the KV pool and the ``max_tokens`` cap (400);
-then :class:`_Completion` submits it to the engine and relays the engine's events.  A request
-the engine ends before any token ("rejected": queue full -> 429; "error" -> 500) is answered
+tokenized and measured against the context, the KV pool (prompt + ``max_tokens`` must fit it:
+a request that never can is a 400 ``context_length_exceeded`` at once, not a failure later) and
+the ``max_tokens`` cap (400); then :class:`_Completion` submits it to the engine and relays the
+engine's events.  A request the engine ends before any token ("rejected": queue full -> 429 with
+``Retry-After``; rejected for any other reason, e.g. too big for the KV pool -> 400, which clients
+do not retry, since retrying cannot help; "error" -> 500) is answered
 with that HTTP status even when streaming, because the stream's headers are sent with the first
 token; after that, such an ending is an SSE ``data: {"error": ...}`` event before
 ``data: [DONE]``.  When the client disconnects, the request is aborted and its KV blocks go back
@@ -39,7 +42,7 @@ from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
@@ -160,7 +163,11 @@ async def _send_json(send, status: int, obj: dict, headers: list | None = None) 
 def _ending_error(ev) -> P.APIError:
     """An engine ending other than stop / length, as the HTTP error it becomes."""
     if ev.finish_reason == "rejected":
-        return P.APIError(429, f"rejected by the engine: {ev.error}", None, "engine_rejected", {"Retry-After": "1"})
+        if (ev.error or "").startswith("queue full"):   # the scheduler's reason when max_queue_len is reached
+            return P.APIError(429, f"rejected by the engine: {ev.error}", None, "engine_rejected",
+                              {"Retry-After": "1"})
+        # anything else (the request outgrew the KV pool) fails the same way every time: not retryable
+        return P.APIError(400, f"rejected by the engine: {ev.error}", None, "context_length_exceeded")
     if ev.finish_reason == "abort":
         return P.APIError(503, f"aborted by the engine: {ev.error}", None, "aborted")
     return P.APIError(500, f"engine error: {ev.error}", None, "engine_error")
@@ -426,9 +433,11 @@ class _State:
     def max_tokens(self, req: P.CompletionRequest, prompt_tokens: int) -> int:
         ctx = self.llm.max_model_len
         cap, room, param = self.config.max_tokens_cap or ctx, ctx - prompt_tokens, req.max_tokens_param
+        m = self.aengine.engine.pool.manager
+        pool_room = m.num_blocks * m.block_size - prompt_tokens      # tokens the KV pool can hold after the prompt
         if req.max_tokens is None:
             want = self.config.default_max_tokens if req.kind == "completion" else cap
-            return max(1, min(want, cap, room))
+            return self._fits_pool(param, prompt_tokens, max(1, min(want, cap, room, pool_room)), False)
         if req.max_tokens > cap:
             raise P.bad(param, f"{req.max_tokens} is over this server's cap of {cap} (--max-tokens-cap)")
         if req.max_tokens > room:
@@ -436,7 +445,24 @@ class _State:
                                   f"{prompt_tokens + req.max_tokens} ({prompt_tokens} in the prompt, {req.max_tokens} "
                                   f"to generate): lower {param} or shorten the prompt", param,
                              "context_length_exceeded")
-        return req.max_tokens
+        return self._fits_pool(param, prompt_tokens, req.max_tokens, True)
+
+    def _fits_pool(self, param: str, prompt_tokens: int, max_tokens: int, asked: bool) -> int:
+        """``max_tokens``, or a 400 when prompt + max_tokens can never fit the KV pool (the engine
+        would reject the request only later, possibly after generating tokens)."""
+        m = self.aengine.engine.pool.manager
+        need = -(-(prompt_tokens + max_tokens) // m.block_size)
+        if need > m.num_blocks:
+            what = f"{param}={max_tokens}" if asked else f"at least {max_tokens} token to generate"
+            raise P.APIError(400, f"'{param}': the prompt ({prompt_tokens} tokens) plus {what} needs {need} KV "
+                                  f"blocks but the pool has {m.num_blocks} (block size {m.block_size}, "
+                                  f"{m.num_blocks * m.block_size} tokens); lower {param}, shorten the prompt, or "
+                                  "start the server with more --num-blocks", param, "context_length_exceeded")
+        return max_tokens
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its request body was read."""
 
 
 async def _read_json(request: Request, limit: int):
@@ -444,12 +470,15 @@ async def _read_json(request: Request, limit: int):
                               "(--max-body-bytes)", None, "request_too_large")
     size = request.headers.get("content-length")
     buf, seen = bytearray(), 0
-    async for part in request.stream():    # read everything (so the client sees our answer), keep <= limit
-        seen += len(part)
-        if seen <= limit:
-            buf += part
-        elif seen > 64 * limit:
-            break
+    try:
+        async for part in request.stream():    # read everything (so the client sees our answer), keep <= limit
+            seen += len(part)
+            if seen <= limit:
+                buf += part
+            elif seen > 64 * limit:
+                break
+    except ClientDisconnect:
+        raise _ClientGone() from None
     if seen > limit or (size is not None and size.isdigit() and int(size) > limit):
         raise too_big
     try:
@@ -479,7 +508,11 @@ def create_app(aengine, config: ServerConfig | None = None, source: str | None =
     srv = _State(aengine, config, source)
 
     async def complete(request: Request, parse) -> _Completion:
-        req = parse(await _read_json(request, srv.config.max_body_bytes))
+        try:
+            body = await _read_json(request, srv.config.max_body_bytes)
+        except _ClientGone:                        # left mid-body: nothing to answer (499 on /metrics)
+            return _Dropped()
+        req = parse(body)
         srv.check_model(req.model)
         priority = _priority(request)
         ids = srv.tokenize(req)

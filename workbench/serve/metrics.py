@@ -54,8 +54,13 @@ class Histogram:
         out, cum = [], 0
         for bound, n in zip(self.bounds + (math.inf,), self.counts):
             cum += n
-            out.append(f'{name}_bucket{{le="{_fmt(bound)}"}} {cum}')
+            out.append(f'{name}_bucket{{le="{_label(_fmt(bound))}"}} {cum}')
         return out + [f"{name}_sum {_fmt(self.sum)}", f"{name}_count {self.count}"]
+
+
+def _label(v) -> str:
+    """A label value as the Prometheus text format wants it: backslash, double quote and newline escaped."""
+    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _fmt(v: float) -> str:
@@ -173,14 +178,14 @@ class ServerMetrics:
                    "Arrival to last token, for requests that finished with stop or length.",
                    self.e2e.lines("workbench_e2e_request_latency_seconds"))
             metric("workbench_requests_finished_total", "counter", "Requests ended, by finish reason.",
-                   [f'workbench_requests_finished_total{{finish_reason="{r}"}} {n}'
+                   [f'workbench_requests_finished_total{{finish_reason="{_label(r)}"}} {n}'
                     for r, n in sorted(self.finished.items())])
             metric("workbench_prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
                    [f"workbench_prompt_tokens_total {self.prompt_tokens}"])
             metric("workbench_generation_tokens_total", "counter", "Tokens generated and sent to clients.",
                    [f"workbench_generation_tokens_total {self.generation_tokens}"])
             metric("workbench_http_responses_total", "counter", "HTTP responses by path and status code.",
-                   [f'workbench_http_responses_total{{path="{p}",code="{c}"}} {n}'
+                   [f'workbench_http_responses_total{{path="{_label(p)}",code="{_label(c)}"}} {n}'
                     for (p, c), n in sorted(self.http.items())])
 
         s = stats
@@ -222,7 +227,7 @@ class ServerMetrics:
                [f"workbench_slo_guard_errors_total {errors}"])
         metric("workbench_slo_held_total", "counter",
                "Requests held by the SLO guard's queue (policy=queue), by how the hold ended.",
-               [f'workbench_slo_held_total{{outcome="{o}"}} {n}' for o, n in held])
+               [f'workbench_slo_held_total{{outcome="{_label(o)}"}} {n}' for o, n in held])
         metric("workbench_slo_hold_seconds", "histogram",
                "Time requests spent held by the SLO guard's queue (not part of their TTFT).", hold_lines)
         metric("workbench_slo_held_requests", "gauge", "Requests held by the SLO guard's queue now.",
@@ -233,7 +238,7 @@ class ServerMetrics:
         if isinstance(state, str):
             states = list(SLO_STATES) + ([state] if state not in SLO_STATES else [])
             metric("workbench_slo_guard_state", "gauge", "The SLO guard's state (1 for the current one).",
-                   [f'workbench_slo_guard_state{{state="{s}"}} {int(s == state)}' for s in states])
+                   [f'workbench_slo_guard_state{{state="{_label(s)}"}} {int(s == state)}' for s in states])
         for key, name, help_ in (("baseline_s", "workbench_slo_baseline_ttft_seconds",
                                   "The guard's learned baseline TTFT quantile (NaN while learning)."),
                                  ("threshold_s", "workbench_slo_threshold_ttft_seconds",
@@ -250,7 +255,7 @@ class ServerMetrics:
         decisions = [k for k in ("admitted", "rejected", "deferred", "bypassed", "probes") if k in guard]
         if decisions:
             metric("workbench_slo_decisions_total", "counter", "The guard's admission decisions, by kind.",
-                   [f'workbench_slo_decisions_total{{decision="{k}"}} {_num(guard[k])}' for k in decisions])
+                   [f'workbench_slo_decisions_total{{decision="{_label(k)}"}} {_num(guard[k])}' for k in decisions])
         if "samples" in guard:
             metric("workbench_slo_samples_total", "counter", "TTFTs fed to the guard.",
                    [f"workbench_slo_samples_total {_num(guard['samples'])}"])

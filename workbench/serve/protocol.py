@@ -42,6 +42,14 @@ CHAT_TEMPLATE_NAME = "workbench-plain-v1"
 CHAT_ROLES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
 
 
+def error_type(status: int) -> str:
+    """OpenAI's error "type" for an HTTP status: any other 4xx (405, 415, ...) is the client's
+    request (invalid_request_error); only 5xx are server errors."""
+    if status in _ERROR_TYPES:
+        return _ERROR_TYPES[status]
+    return "invalid_request_error" if 400 <= status < 500 else "server_error"
+
+
 class APIError(Exception):
     """An HTTP error answered in OpenAI's JSON shape."""
 
@@ -55,7 +63,7 @@ class APIError(Exception):
         return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "server_error"),
+        return {"error": {"message": self.message, "type": error_type(self.status),
                           "param": self.param, "code": self.code}}
 
 
