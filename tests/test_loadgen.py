@@ -575,7 +575,8 @@ def test_engine_target_rejections_errors_and_cancellation_free_the_pool(engine_t
     cut = run_load_sync(engine_target, LoadConfig(mode="closed", concurrency=6, max_requests=6, max_tokens=400,
                                                   prompts=["The list type"], max_duration_s=0.4,
                                                   sampling={"ignore_eos": True}))
-    assert [r.status for r in cut.records] == ["cancelled"] * 6
+    assert [r.status for r in cut.records] == ["cancelled"] * 6, \
+        [(r.status, r.finish_reason, r.output_tokens, r.reason, r.sent, r.end) for r in cut.records]
     tokens = sorted(r.output_tokens for r in cut.records)
     assert tokens[:2] == [0, 0] and tokens[-1] >= 1          # queued ones and streaming ones were cut
     assert _pool_drains(eng) == 0 and not eng.scheduler.running and not eng.scheduler.waiting
