@@ -174,12 +174,7 @@ class Scheduler:
         return f"needs {need} KV blocks ({what}), the KV pool has {m.num_blocks} (block size {m.block_size})"
 
     def _reject(self, seq: Sequence, reason: str, out: SchedulerOutput) -> None:
-        if seq.status is SeqStatus.WAITING:
-            self.waiting.remove(seq)
-        elif seq.status is SeqStatus.SWAPPED:
-            self.swapped.remove(seq)
-            self.swap_sizes.pop(seq.request_id, None)
-        seq.status = SeqStatus.FINISHED
+        self.finish(seq)                                   # out of its queue (waiting or swapped)
         self.num_rejected += 1
         out.rejected.append((seq, reason))
 
