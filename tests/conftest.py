@@ -23,6 +23,9 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 # Under pytest-xdist each worker is a process: one torch thread each, or they fight over the
 # cores (two workers x two spinning OpenMP threads on a 2-core machine is many times slower).
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
+# Every engine a test builds keeps that count instead of measuring its own (the thread policy,
+# workbench.measure.threads, is tested on its own in test_measure.py); subprocesses inherit it.
+os.environ["WORKBENCH_THREADS"] = str(torch.get_num_threads())
 
 import workbench  # noqa: E402
 from workbench.config import ModelConfig  # noqa: E402

@@ -137,6 +137,11 @@ def test_prefix_bench_json(capsys):
     s = res["shared_prefix"]
     assert s["identical_greedy_tokens"] and res["no_sharing"]["identical_greedy_tokens"]
     assert 0 < s["hit_rate"] < 1 and s["on"]["ttft_ms_p50"] > 0
+    # the verdict compares the requests after the first (3 - 1 per side, request by request)
+    cmp = s["ttft_comparison"]
+    assert len(cmp["samples"]["prefix cache on"]) == len(cmp["samples"]["prefix cache off"]) == 2
+    assert s["ttft_verdict"] == cmp["verdict"] and s["ttft_winner"] in (None, "prefix cache on", "prefix cache off")
+    assert res["no_sharing"]["tokens_per_s_verdict"]
 
 
 def test_sched_bench_json(capsys):
@@ -150,6 +155,7 @@ def test_sched_bench_json(capsys):
     t = res["throughput"]
     assert t["identical_tokens"] is True
     assert t["speedup"] == pytest.approx(t["concurrent_tokens_per_s"] / t["sequential_tokens_per_s"])
+    assert len(t["runs"]["concurrent"]) == len(t["runs"]["sequential"]) == 1 and t["verdict"]
     assert res["overhead"]["batch"] == 3
 
 

@@ -79,3 +79,19 @@ def test_sched_bench_config_errors():
         SchedBenchConfig(windows_ms=(-1.0,))
     with pytest.raises(ConfigError, match="experiment"):
         run_sched_bench(None, SchedBenchConfig(), experiments=("nope",))
+
+
+def test_compare_runs_interleaves_replays_and_keeps_every_row(llm):
+    from workbench.sched.bench import compare_runs
+
+    cfg = SchedBenchConfig(token_budget=32)
+    trace = _trace(llm, n=4)
+    cmp = compare_runs(llm, cfg, trace, {"static": dict(static_batch=2), "continuous": {}}, repeats=2,
+                       metric="ttft_ms_p95")
+    assert [len(cmp.results[k]) for k in ("static", "continuous")] == [2, 2]
+    rows = cmp.results["static"] + cmp.results["continuous"]
+    assert all(r["finished"] == 4 for r in rows)
+    assert all(r["tokens"] == rows[0]["tokens"] for r in rows)       # greedy: the policy never changes tokens
+    assert cmp.samples["static"] == [r["ttft_ms_p95"] for r in cmp.results["static"]]
+    assert cmp.results["static"][0]["steps_frame"]["num_seqs"].max() <= 2
+    assert cmp.verdict

@@ -51,6 +51,7 @@ class BenchConfig:
     warmup: int = 1
     seed: int = 0
     backend: str | None = None    # per-op backends of the workbench side (workbench.backends spec)
+    threads: int | str | None = None  # torch intra-op threads for both sides (None: the engine measures)
 
     def __post_init__(self) -> None:
         for name in ("prompt_tokens", "max_tokens", "num_prompts", "repeats"):
@@ -139,8 +140,11 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     import transformers
     from tqdm.auto import tqdm
 
+    from .measure.compare import compare_samples
+
     torch.manual_seed(cfg.seed)
-    llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, threads=cfg.threads)
+    threads = torch.get_num_threads()   # the engine's choice; process-wide, so transformers runs with it too
     if cfg.backend:
         from .backends import apply_backends, parse_backend_spec
         apply_backends(llm.model, parse_backend_spec(cfg.backend))
@@ -159,6 +163,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         order = list(sides) if r % 2 == 0 else list(sides)[::-1]
         for i, p in enumerate(prompts):
             for side in order:
+                if torch.get_num_threads() != threads:
+                    raise WorkbenchError(f"bench: torch threads changed from {threads} to "
+                                         f"{torch.get_num_threads()} during the run")
                 toks, ttft, dtps = sides[side](p)
                 raw[side].append({"repeat": r, "prompt": i, "ttft_ms": ttft * 1e3, "decode_tokens_per_s": dtps})
                 if r == 0:
@@ -172,17 +179,26 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
                      "ttft_ms_jitter": statistics.pstdev(x["ttft_ms"] for x in rows),
                      "decode_tokens_per_s_min": min(x["decode_tokens_per_s"] for x in rows),
                      "decode_tokens_per_s_max": max(x["decode_tokens_per_s"] for x in rows)}
+    names = ("workbench", "transformers.generate")
+    decode_cmp = compare_samples([x["decode_tokens_per_s"] for x in raw["workbench"]],
+                                 [x["decode_tokens_per_s"] for x in raw["transformers"]], names=names,
+                                 metric="decode tokens/s", lower_is_better=False, better_word="faster")
+    ttft_cmp = compare_samples([x["ttft_ms"] for x in raw["workbench"]], [x["ttft_ms"] for x in raw["transformers"]],
+                               names=names, metric="TTFT", unit="ms")
     same = sum(a == b for pa, pb in zip(tokens["workbench"], tokens["transformers"]) for a, b in zip(pa, pb))
     total = sum(len(p) for p in tokens["workbench"])
     dev = llm.device
     return {
         "model": cfg.model or "bundled", "device": str(dev),
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name(),
-        "dtype": str(llm.model.lm_head.weight.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+        "dtype": str(llm.model.lm_head.weight.dtype).removeprefix("torch."), "threads": threads,
+        "threads_policy": llm.thread_choice.as_dict(),
         "torch": torch.__version__, "transformers": transformers.__version__, "config": asdict(cfg),
         "workbench": res["workbench"], "transformers_generate": res["transformers"],
         "decode_speedup": res["workbench"]["decode_tokens_per_s_p50"] / res["transformers"]["decode_tokens_per_s_p50"],
         "ttft_ratio": res["workbench"]["ttft_ms_p50"] / res["transformers"]["ttft_ms_p50"],
+        "decode_verdict": decode_cmp.verdict, "ttft_verdict": ttft_cmp.verdict,
+        "decode_winner": decode_cmp.winner, "ttft_winner": ttft_cmp.winner,
         "greedy_token_agreement": same / total if total else None,
         "backends": _backends_row(llm.model),
         "raw": raw,
@@ -208,6 +224,11 @@ def format_bench(res: dict) -> str:
         lines.append(f"{name:<24}{r['ttft_ms_p50']:>14.2f}{r['ttft_ms_jitter']:>13.2f}"
                      f"{r['decode_tokens_per_s_p50']:>18.1f}"
                      f"{r['decode_tokens_per_s_min']:>9.1f}..{r['decode_tokens_per_s_max']:<8.1f}")
-    lines.append(f"decode speed-up (workbench / transformers): {res['decode_speedup']:.2f}x; "
-                 f"TTFT ratio: {res['ttft_ratio']:.2f}; greedy token agreement: {res['greedy_token_agreement']:.1%}")
+    lines.append(f"decode speed-up (workbench / transformers): {res['decode_speedup']:.2f}x "
+                 f"({res['decode_verdict']}); TTFT ratio: {res['ttft_ratio']:.2f} ({res['ttft_verdict']}); "
+                 f"greedy token agreement: {res['greedy_token_agreement']:.1%}")
+    pol = res.get("threads_policy") or {}
+    if pol.get("step_ms"):
+        steps = ", ".join(f"{t}: {ms:.2f} ms" for t, ms in pol["step_ms"].items())
+        lines.append(f"threads: {res['threads']} ({pol['policy']}; decode step by thread count {steps})")
     return "\n".join(lines)

@@ -18,6 +18,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: float32 on CPU, "
                                                  "the checkpoint's dtype on GPU)")
+    p.add_argument("--threads", default=None,
+                   help="torch intra-op threads on a CPU: N, or auto (default: measured on the loaded model, the "
+                        "fewest threads within 15%% of the fastest decode step; env WORKBENCH_THREADS)")
 
 
 def _add_backend_arg(p: argparse.ArgumentParser) -> None:
@@ -44,6 +47,20 @@ def _prepare_triton(args) -> None:
         os.environ["TRITON_INTERPRET"] = "1"
         print("note: Triton kernels on a CPU run under the Triton interpreter (correct, slow: not speed figures)",
               file=sys.stderr)
+
+
+def _prepare_threads(args) -> None:
+    """``--threads``: checked now (a clear error before any model loads), then handed to every
+    engine this command builds through ``WORKBENCH_THREADS`` (see workbench.measure.threads)."""
+    import os
+
+    value = getattr(args, "threads", None)
+    if value is None:
+        return
+    from .measure.threads import ENV, parse_threads
+
+    n = parse_threads(value, where="--threads")
+    os.environ[ENV] = "auto" if n is None else str(n)
 
 
 def _apply_backend(llm, spec: str | None, device_type: str) -> None:
@@ -461,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
+        _prepare_threads(args)
         _prepare_triton(args)
         return args.func(args)
     except WorkbenchError as e:

@@ -48,16 +48,26 @@ class LLM:
     ``tiers`` (+ ``tier_basis``, a fitted :class:`~workbench.kv.pca.PCABasis`): each request
     gets a hot / warm / cold :class:`~workbench.kv.tiers.TieredKVCache` (approximate attention;
     the model's attention modules are switched to the tiered path in place).
+    ``threads``: torch's intra-op thread count on a CPU: an integer, or None / ``"auto"`` to
+    measure decode steps of this model with each candidate count and take the fewest threads
+    within 15 % of the fastest (:mod:`workbench.measure.threads`; ``WORKBENCH_THREADS`` in the
+    environment overrides the measurement).  The choice is in :attr:`thread_choice` and in
+    every request's metrics.  It is process-wide, as torch's setting is.
     """
 
     def __init__(self, model: str | CausalLM | None = None, tokenizer=None, device=None, dtype=None,
                  max_model_len: int | None = None, kv: "PagedKVConfig | None" = None,
-                 tiers: "TierConfig | None" = None, tier_basis=None) -> None:
+                 tiers: "TierConfig | None" = None, tier_basis=None, threads: int | str | None = None) -> None:
+        from .measure.threads import apply_thread_policy, parse_threads
+
+        parse_threads(threads, where="LLM(threads=...)")    # bad input fails before a model loads
         if isinstance(model, CausalLM):
             self.model, source = model, None
         else:
             self.model = load_model(model, device=device, dtype=dtype)
             source = BUNDLED_MODEL if model in (None, "bundled") else model
+        # torch's intra-op threads (process-wide): measured on this model unless given
+        self.thread_choice = apply_thread_policy(self.model, threads)
         if isinstance(tokenizer, Tokenizer):
             self.tokenizer = tokenizer
         elif tokenizer is not None:
@@ -95,6 +105,11 @@ class LLM:
     def device(self) -> torch.device:
         return self.model.device
 
+    @property
+    def threads(self) -> int:
+        """The intra-op thread count this engine chose (``thread_choice`` says why)."""
+        return self.thread_choice.threads
+
     # ---- prompts -----------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -127,7 +142,8 @@ class LLM:
         out = output or RequestOutput(request_id="", prompt=None, prompt_token_ids=[])
         out.request_id = out.request_id or f"req-{next(self._ids)}"
         out.prompt, out.prompt_token_ids = text_prompt, ids
-        m = out.metrics = RequestMetrics(arrival_time=arrival, prompt_tokens=len(ids))
+        m = out.metrics = RequestMetrics(arrival_time=arrival, prompt_tokens=len(ids),
+                                         threads=torch.get_num_threads())
         m.first_scheduled_time = time.perf_counter()
 
         max_new = min(params.max_tokens, self.max_model_len - len(ids))

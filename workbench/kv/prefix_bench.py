@@ -1,7 +1,7 @@
 """Measure what the cross-request prefix cache buys and what it costs, side by side in one run.
 
 Two workloads, each run with the prefix cache on and off on the *same* model in the same
-process, runs interleaved (off, on, on, off, ...) so machine drift hits both:
+process, request by request (off, on, then on, off, ...) so machine drift hits both:
 
 * **shared prefix**: N requests that share a long system prompt and differ in a short
   question (the source articles' "50 prompts with a common opening"). Reported: TTFT median
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from ..engine import LLM
 from ..errors import ConfigError
+from ..measure.compare import compare_samples
 from ..sampling import SamplingParams
 from .paged import PagedKVConfig
 
@@ -67,16 +68,30 @@ def unique_prompts(tokenizer, cfg: PrefixBenchConfig) -> list[list[int]]:
     return heldout_token_windows(tokenizer, cfg.num_requests, cfg.unique_prompt_tokens, seed=cfg.seed + 1)
 
 
-def _run(llm: LLM, prompts, params) -> dict:
-    t0 = time.perf_counter()
-    m0 = llm.kv_pool.manager_seconds
-    outs = [llm.generate([p], params)[0] for p in prompts]
-    wall = time.perf_counter() - t0
-    manager_s = llm.kv_pool.manager_seconds - m0
-    ttft = [o.metrics.ttft * 1e3 for o in outs]
+def _run_pair(engines: dict, prompts, params, first: bool) -> dict:
+    """Every prompt on both engines, request by request, the order alternating (``first``
+    first, then the other; then the reverse ...), so the two sides' requests are neighbours in
+    time and machine drift hits both alike.  Returns per side what :func:`_summarize` needs."""
+    sides = (first, not first)
+    raw = {on: {"outs": [], "seconds": [], "manager_s": 0.0} for on in sides}
+    m0 = {on: engines[on].kv_pool.manager_seconds for on in sides}
+    for i, p in enumerate(prompts):
+        for on in (sides if i % 2 == 0 else sides[::-1]):
+            t0 = time.perf_counter()
+            out = engines[on].generate([p], params)[0]
+            raw[on]["seconds"].append(time.perf_counter() - t0)
+            raw[on]["outs"].append(out)
+    for on in sides:
+        raw[on]["manager_s"] = engines[on].kv_pool.manager_seconds - m0[on]
+    return {on: _summarize(r) for on, r in raw.items()}
+
+
+def _summarize(r: dict) -> dict:
+    outs, wall = r["outs"], sum(r["seconds"])
     n_out = sum(len(o.token_ids) for o in outs)
-    return {"outs": outs, "ttft_ms": ttft, "wall_s": wall, "tokens_per_s": n_out / wall,
-            "manager_share": manager_s / wall,
+    return {"outs": outs, "ttft_ms": [o.metrics.ttft * 1e3 for o in outs], "wall_s": wall,
+            "tokens_per_s": n_out / wall, "request_tokens_per_s": [len(o.token_ids) / t for o, t in zip(outs, r["seconds"])],
+            "manager_share": r["manager_s"] / wall,
             "cached_tokens": [o.num_cached_tokens for o in outs],
             "miss_reasons": [o.prefix_miss_reason for o in outs]}
 
@@ -103,15 +118,17 @@ def run_prefix_bench(model=None, cfg: PrefixBenchConfig | None = None, device=No
     params = SamplingParams(temperature=0, max_tokens=cfg.max_tokens, ignore_eos=True)
 
     runs = {("shared", on): [] for on in (False, True)} | {("unique", on): [] for on in (False, True)}
-    order = [False, True, True, False] * cfg.rounds
-    bar = tqdm(total=2 * len(order[: 2 * cfg.rounds]), desc="prefix bench", disable=not progress)
+    bar = tqdm(total=2 * cfg.rounds, desc="prefix bench", disable=not progress)
     for workload, prompts in (("shared", shared), ("unique", unique)):
-        _run(engines[False], prompts[:2], params)          # warm-up
-        for on in order[: 2 * cfg.rounds]:
-            engines[on].kv_pool.reset()   # each round starts cold: its first request misses
-            runs[(workload, on)].append(_run(engines[on], prompts, params))
-            if on and workload == "shared":
-                shared_stats = engines[on].kv_pool.manager.stats.as_dict()
+        for on in (False, True):                            # warm-up
+            engines[on].generate([prompts[0]], params)
+        for r in range(cfg.rounds):
+            for on in (False, True):
+                engines[on].kv_pool.reset()   # each round starts cold: its first request misses
+            for on, res in _run_pair(engines, prompts, params, first=r % 2 == 1).items():
+                runs[(workload, on)].append(res)
+            if workload == "shared":
+                shared_stats = engines[True].kv_pool.manager.stats.as_dict()
             bar.update()
     bar.close()
 
@@ -137,10 +154,23 @@ def run_prefix_bench(model=None, cfg: PrefixBenchConfig | None = None, device=No
     share_on = statistics.median(r["manager_share"] for r in runs[("unique", True)])
     same_unique = all(a.token_ids == b.token_ids for a, b in
                       zip(runs[("unique", False)][0]["outs"], runs[("unique", True)][0]["outs"]))
+    # The verdicts: each request after a round's first (which cannot hit) off vs on, neighbours
+    # in time; and per-request tokens/s without sharing, where only "within noise" is expected.
+    warm = {on: [t for r in runs[("shared", on)] for t in r["ttft_ms"][1:]] for on in (False, True)}
+    names = ("prefix cache off", "prefix cache on")
+    ttft_cmp = (compare_samples(warm[False], warm[True], names=names, metric="TTFT of requests after the first",
+                                unit="ms") if warm[False] else None)
+    tps_cmp = compare_samples([t for r in runs[("unique", False)] for t in r["request_tokens_per_s"]],
+                              [t for r in runs[("unique", True)] for t in r["request_tokens_per_s"]], names=names,
+                              metric="tokens/s per request, nothing shared", lower_is_better=False,
+                              better_word="faster")
     return {
         "config": cfg.__dict__, "system_prompt_tokens": len(base.tokenizer.encode(system)),
         "device": str(base.device), "pool_blocks": blocks,
         "shared_prefix": {"off": off, "on": on, "ttft_p50_reduction": off["ttft_ms_p50"] / on["ttft_ms_p50"],
+                          "ttft_verdict": ttft_cmp.verdict if ttft_cmp else "needs 2+ requests",
+                          "ttft_winner": ttft_cmp.winner if ttft_cmp else None,
+                          "ttft_comparison": ttft_cmp.as_dict() if ttft_cmp else None,
                           "jitter_off_ms": off["ttft_ms_std"], "jitter_on_ms": on["ttft_ms_std"],
                           "hit_tokens": sum(hit["cached_tokens"]), "prompt_tokens": prompt_tokens,
                           "hit_rate": sum(hit["cached_tokens"]) / prompt_tokens,
@@ -150,7 +180,8 @@ def run_prefix_bench(model=None, cfg: PrefixBenchConfig | None = None, device=No
                        "tokens_per_s_runs_off": [r["tokens_per_s"] for r in runs[("unique", False)]],
                        "tokens_per_s_runs_on": [r["tokens_per_s"] for r in runs[("unique", True)]],
                        "manager_share_off": share_off, "manager_share_on": share_on,
-                       "bookkeeping_cost": share_on - share_off, "identical_greedy_tokens": same_unique},
+                       "bookkeeping_cost": share_on - share_off, "identical_greedy_tokens": same_unique,
+                       "tokens_per_s_verdict": tps_cmp.verdict},
         "block_manager_stats_shared": shared_stats,
     }
 
@@ -166,8 +197,10 @@ def format_prefix_bench(res: dict) -> str:
         f"TTFT p50 reduction {s['ttft_p50_reduction']:.1f}x; hit rate {s['hit_rate']:.1%} "
         f"({s['hit_tokens']}/{s['prompt_tokens']} prompt tokens); miss reasons {s['miss_reasons']}; "
         f"identical greedy tokens: {s['identical_greedy_tokens']}",
+        f"TTFT after each round's first request, off vs on: {s['ttft_verdict']}",
         f"no sharing: {u['tokens_per_s_off']:.1f} tok/s off vs {u['tokens_per_s_on']:.1f} on "
         f"(wall-clock difference {u['relative_cost']:+.1%}, noisy); time in the block manager "
         f"{u['manager_share_off']:.2%} off vs {u['manager_share_on']:.2%} on -> bookkeeping cost "
-        f"{u['bookkeeping_cost']:+.2%}; identical greedy tokens: {u['identical_greedy_tokens']}",
+        f"{u['bookkeeping_cost']:+.2%}; identical greedy tokens: {u['identical_greedy_tokens']}; "
+        f"per-request tokens/s: {u['tokens_per_s_verdict']}",
     ])

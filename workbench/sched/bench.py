@@ -29,6 +29,7 @@ import numpy as np
 
 from ..engine import LLM
 from ..errors import ConfigError
+from ..measure.compare import compare_samples
 from ..sampling import SamplingParams
 from .config import SchedulerConfig
 from .engine import LLMEngine
@@ -40,7 +41,7 @@ class SchedBenchConfig:
     streams: int = 8                     # concurrent requests in the throughput experiment
     prompt_tokens: int = 48              # short prompt length (tokens of held-out text)
     max_tokens: int = 32                 # new tokens per request
-    rounds: int = 2                      # sequential/concurrent alternations
+    rounds: int = 3                      # sequential/concurrent runs each (interleaved; 3+ for a verdict)
     rate: float = 6.0                    # Poisson arrivals per second (chunked-prefill and window traces)
     trace_requests: int = 24
     long_prompt_tokens: int = 640        # every long_every-th request of the trace has a long prompt
@@ -99,9 +100,11 @@ def throughput(llm: LLM, cfg: SchedBenchConfig) -> dict:
         tokens.setdefault(mode, [o.token_ids for o in outs])
     steps = eng.steps_frame()
     seq_tps, conc_tps = statistics.median(runs["sequential"]), statistics.median(runs["concurrent"])
+    cmp = compare_samples(runs["concurrent"], runs["sequential"], names=("concurrent", "sequential"),
+                          metric="output tokens/s", lower_is_better=False, better_word="faster")
     return {"streams": cfg.streams, "batch_invariant": eng.runner.batch_invariant,
             "sequential_tokens_per_s": seq_tps, "concurrent_tokens_per_s": conc_tps,
-            "speedup": conc_tps / seq_tps, "runs": runs,
+            "speedup": conc_tps / seq_tps, "runs": runs, "verdict": cmp.verdict, "winner": cmp.winner,
             "identical_tokens": tokens["sequential"] == tokens["concurrent"],
             "max_batch": int(steps["num_seqs"].max())}
 
@@ -137,24 +140,44 @@ def _trace_row(res, cfg: SchedBenchConfig, **label) -> dict:
             "tokens": [list(o.token_ids) for o in outs]}
 
 
+def trace_run(llm: LLM, cfg: SchedBenchConfig, trace: Trace, static_batch: int | None = None, label=None,
+              **sched) -> dict:
+    """One real-time replay of ``trace`` on a fresh engine (warmed up) with the scheduler options
+    ``sched`` (budget ``cfg.token_budget``, 32 sequences unless given): one row of
+    :func:`_trace_row`, its ``label`` items first, plus ``steps_frame`` (the engine's step records)."""
+    sched = {"max_num_seqs": 32, "max_num_batched_tokens": cfg.token_budget, **sched}
+    eng = _engine(llm, cfg, **sched)
+    eng.generate([trace.requests[0].prompt], SamplingParams(temperature=0.0, max_tokens=2))   # warm-up
+    res = replay(eng, trace, static_batch=static_batch)
+    row = _trace_row(res, cfg, **(label or {}))
+    row["steps_frame"] = res.steps
+    return row
+
+
+def compare_runs(llm: LLM, cfg: SchedBenchConfig, trace: Trace, sides: dict[str, dict], repeats: int = 3,
+                 metric: str = "ttft_ms_p95", lower_is_better: bool = True):
+    """Replay ``trace`` under each of two configurations (``sides``: name -> :func:`trace_run`
+    keyword arguments) ``repeats`` times, interleaved, and compare ``metric`` (a row column) with
+    :func:`workbench.measure.compare.compare`.  ``Comparison.results[name]`` holds every row."""
+    from ..measure.compare import compare
+
+    runs = {name: (lambda kw=kw: trace_run(llm, cfg, trace, **kw)) for name, kw in sides.items()}
+    return compare(runs, repeats=repeats, key=lambda row: row[metric], metric=metric, lower_is_better=lower_is_better)
+
+
 def chunked_prefill(llm: LLM, cfg: SchedBenchConfig, trace: Trace | None = None) -> list[dict]:
     trace = trace or mixed_trace(llm, cfg)
-    rows = []
-    for chunked in (False, True):
-        eng = _engine(llm, cfg, max_num_seqs=32, max_num_batched_tokens=cfg.token_budget, chunked_prefill=chunked)
-        eng.generate([trace.requests[0].prompt], SamplingParams(temperature=0.0, max_tokens=2))   # warm-up
-        rows.append(_trace_row(replay(eng, trace), cfg, chunked_prefill=chunked))
+    rows = [trace_run(llm, cfg, trace, label={"chunked_prefill": c}, chunked_prefill=c) for c in (False, True)]
+    for r in rows:
+        r.pop("steps_frame")
     return rows
 
 
 def window_sweep(llm: LLM, cfg: SchedBenchConfig, trace: Trace | None = None) -> list[dict]:
     trace = trace or mixed_trace(llm, cfg)
-    rows = []
-    for w in cfg.windows_ms:
-        eng = _engine(llm, cfg, max_num_seqs=32, max_num_batched_tokens=cfg.token_budget,
-                      micro_batch_window_s=w / 1e3)
-        eng.generate([trace.requests[0].prompt], SamplingParams(temperature=0.0, max_tokens=2))
-        rows.append(_trace_row(replay(eng, trace), cfg, window_ms=w))
+    rows = [trace_run(llm, cfg, trace, label={"window_ms": w}, micro_batch_window_s=w / 1e3) for w in cfg.windows_ms]
+    for r in rows:
+        r.pop("steps_frame")
     return rows
 
 
@@ -229,7 +252,7 @@ def format_sched_bench(res: dict) -> str:
         t = res["throughput"]
         lines += ["", f"throughput: {t['streams']} greedy streams, batch_invariant={t['batch_invariant']}",
                   f"  sequential {t['sequential_tokens_per_s']:.1f} tok/s | concurrent "
-                  f"{t['concurrent_tokens_per_s']:.1f} tok/s | speed-up {t['speedup']:.2f}x | "
+                  f"{t['concurrent_tokens_per_s']:.1f} tok/s | speed-up {t['speedup']:.2f}x ({t['verdict']}) | "
                   f"identical tokens: {t['identical_tokens']}"]
     c = res["config"]
     for key, label in (("chunked", "chunked_prefill"), ("window", "window_ms")):
@@ -255,4 +278,4 @@ def format_sched_bench(res: dict) -> str:
 
 
 __all__ = ["SchedBenchConfig", "run_sched_bench", "format_sched_bench", "mixed_trace", "throughput",
-           "chunked_prefill", "window_sweep", "overhead"]
+           "chunked_prefill", "window_sweep", "overhead", "trace_run", "compare_runs"]

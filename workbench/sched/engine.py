@@ -69,18 +69,19 @@ class LLMEngine:
     def __init__(self, model=None, tokenizer=None, device=None, dtype=None, kv: PagedKVConfig | None = None,
                  scheduler: SchedulerConfig | None = None, batch_invariant: bool | None = None,
                  max_model_len: int | None = None, clock=time.perf_counter, runner=None,
-                 history: int = 100_000) -> None:
+                 history: int = 100_000, threads: int | str | None = None) -> None:
         if isinstance(model, LLM):
             # these configure the loading of a model; a loaded LLM has them already
             given = {name: v for name, v in (("tokenizer", tokenizer), ("device", device), ("dtype", dtype),
-                                             ("max_model_len", max_model_len)) if v is not None}
+                                             ("max_model_len", max_model_len), ("threads", threads)) if v is not None}
             if given:
                 got = ", ".join(f"{k}={v!r}" for k, v in given.items())
                 raise ConfigError(f"LLMEngine: {got} cannot be applied to an already loaded LLM; pass "
                                   f"{'/'.join(given)} to LLM(...) instead, or pass a model folder, preset or None")
             base = model
         else:
-            base = LLM(model, tokenizer=tokenizer, device=device, dtype=dtype, max_model_len=max_model_len)
+            base = LLM(model, tokenizer=tokenizer, device=device, dtype=dtype, max_model_len=max_model_len,
+                       threads=threads)
         self.llm, self.model, self.tokenizer = base, base.model, base.tokenizer
         self.config = scheduler or SchedulerConfig()
         w = self.model.lm_head.weight
@@ -118,7 +119,8 @@ class LLMEngine:
         max_new = min(params.max_tokens, self.llm.max_model_len - len(ids))
         seq = Sequence(rid, list(ids), len(ids), params, priority, now, max_new)
         out = RequestOutput(request_id=rid, prompt=text, prompt_token_ids=list(ids), priority=priority,
-                            metrics=RequestMetrics(arrival_time=now, prompt_tokens=len(ids)))
+                            metrics=RequestMetrics(arrival_time=now, prompt_tokens=len(ids),
+                                                   threads=torch.get_num_threads()))
         seq.output = out
         seq.state["proc"] = OutputProcessor(out, params, self.tokenizer, self.llm.eos_token_ids, max_new)
         seq.state["gen"] = params.generator(self.device)

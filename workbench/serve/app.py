@@ -107,6 +107,10 @@ def model_info(aengine, name: str, source: str | None = None, guard: GuardHook |
                                                         "micro_batch_window_s", "preemption_mode",
                                                         "priority_preemption", "max_queue_len")},
             "chat_template": P.CHAT_TEMPLATE_NAME}
+    choice = getattr(llm, "thread_choice", None)
+    if choice is not None:   # torch intra-op threads and why (workbench.measure.threads)
+        info["threads"] = choice.threads
+        info["threads_policy"] = choice.policy
     if folder is not None and _has_chat_template(folder):
         info["tokenizer_chat_template"] = "present, not applied yet"
     try:
