@@ -192,13 +192,47 @@ def test_stop_fails_pending_requests(random_llm):
 
 
 def test_submit_before_start_is_lazy(random_llm):
-    a = AsyncEngine(LLMEngine(random_llm))
+    eng = LLMEngine(random_llm)
+    a = AsyncEngine(eng)
     cb = Collect()
-    a.submit(PROMPT, SamplingParams(max_tokens=2), cb)
-    time.sleep(0.05)
+    rid = a.submit(PROMPT, SamplingParams(max_tokens=2), cb)
+    # nothing runs before start(): no thread, the request waits in the inbox, the engine never saw it
+    assert a._thread is None and not a.alive
+    assert [item[:2] for item in a._inbox] == [("add", rid)] and not eng.seqs and not eng.step_records
     assert cb.events == []
     with a:
         assert cb.final().finish_reason == "length"
+
+
+def test_on_step_hook_sees_every_step_and_can_hold_the_engine(random_llm):
+    """``on_step(stats)`` runs on the engine thread after each step with the fresh snapshot; while
+    it runs the engine waits (a test can hold it at a known step); a hook that raises is reported
+    in ``last_error`` and the engine carries on."""
+    eng = LLMEngine(random_llm)
+    seen, release = [], threading.Event()
+
+    def hook(stats):
+        seen.append(stats)
+        if len(seen) == 1:
+            release.wait(30)                                 # held after its first step
+
+    a = AsyncEngine(eng, on_step=hook)
+    with a:
+        cb = Collect()
+        a.submit(PROMPT, SamplingParams(max_tokens=5, ignore_eos=True), cb)
+        wait_for(lambda: seen)
+        assert len(eng.step_records) == 1 and seen[0]["running"] == 1 and seen[0]["kv_used_blocks"] > 0
+        assert a.stats() == seen[0] and not cb.done.is_set()
+        release.set()
+        assert cb.final().finish_reason == "length"
+        wait_for(lambda: len(seen) == len(eng.step_records))   # the final event comes before its step's hook
+        a.on_step = lambda stats: 1 / 0
+        again = Collect()
+        a.submit(PROMPT, SamplingParams(max_tokens=2), again)
+        assert again.final().finish_reason == "length" and a.alive
+        assert "on_step hook failed" in a.last_error and "ZeroDivisionError" in a.last_error
+    assert [s["steps"] for s in seen] == [r.step for r in list(eng.step_records)[:len(seen)]] == [1, 2, 3, 4, 5]
+    assert len(seen) == 5                                    # one prefill step and four decode steps
 
 
 # ---- 8. arguments that cannot apply to a loaded LLM --------------------------------------------------

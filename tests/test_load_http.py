@@ -97,15 +97,40 @@ def test_closed_loop_staged_load_on_chat(server):
     assert responses(server_metrics(server), "/v1/chat/completions") - before == len(res.records)
 
 
+class _Ticking:
+    """A pass-through target that moves the guard's clock ``dt`` seconds forward per request: the
+    guard's cool-down is counted in requests, whatever the server's real latency is."""
+
+    def __init__(self, target, clock: dict, dt: float) -> None:
+        self.target, self.clock, self.dt = target, clock, dt
+
+    async def send(self, prompt, max_tokens, priority=0, **sampling):
+        self.clock["t"] += self.dt
+        stream = self.target.send(prompt, max_tokens, priority=priority, **sampling)
+        try:
+            async for ev in stream:
+                yield ev
+        finally:
+            await stream.aclose()
+
+    async def aclose(self) -> None:            # the HTTP client lives on the run's loop: closed with it
+        await self.target.aclose()
+
+
 def test_slo_guard_in_front_of_the_server_sheds_without_sending(server):
     """A guard whose baseline (0.1 ms) no real request can meet: it opens after two samples,
-    refuses requests without sending them, probes after the cool-down, and opens again."""
+    refuses requests without sending them, probes after the cool-down, and opens again.
+    One user, one request at a time, and the guard's clock moves 50 ms per request: the cool-down
+    (0.3 s) passes after six requests, however long the server takes to answer."""
     before = responses(server_metrics(server), "/v1/completions")
-    guard = SLOGuard(SLOConfig(baseline_s=1e-4, window=4, min_samples=2, factor=2.0, cooldown_s=0.3, probes=1))
-    target = GuardedTarget(HTTPTarget(server.url, model="bundled"), guard)
-    cfg = LoadConfig(mode="constant", rate=20, max_requests=24, max_tokens=2, prompts=PROMPTS,
-                     max_duration_s=60)
+    clock = {"t": 0.0}
+    guard = SLOGuard(SLOConfig(baseline_s=1e-4, window=4, min_samples=2, factor=2.0, cooldown_s=0.3, probes=1),
+                     clock=lambda: clock["t"])
+    target = _Ticking(GuardedTarget(HTTPTarget(server.url, model="bundled"), guard), clock, 0.05)
+    cfg = LoadConfig(mode="closed", concurrency=1, max_requests=24, max_tokens=2, prompts=PROMPTS,
+                     max_duration_s=120)
     res = run_load_sync(target, cfg)
+    assert len(res.records) == 24
     status = [r.status for r in res.records]
     assert status.count("error") == 0 and status.count("ok") >= 2
     assert status.count("rejected") > 0
@@ -113,6 +138,7 @@ def test_slo_guard_in_front_of_the_server_sheds_without_sending(server):
     snap = guard.snapshot()
     assert snap["trips"] >= 2 and snap["probes"] >= 1          # opened, probed, the probe was slow: open again
     assert [t[2] for t in guard.transitions][:3] == ["open", "half_open", "open"]
+    assert guard.transitions[1][0] - guard.transitions[0][0] >= 0.3 - 1e-9    # probed after the cool-down
     sent = responses(server_metrics(server), "/v1/completions") - before
     assert sent == status.count("ok")                          # refused requests never reached the server
 

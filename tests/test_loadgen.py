@@ -1,8 +1,11 @@
 """The load generator: arrival processes, stages, bounds, targets (HTTP SSE and in-process),
 error / rejection accounting, summaries, JSON, observers and the live views.
 
-Timed runs use 5-20 ms fake latencies and stay well under a second each; count and rate
-checks on arrival processes are done on the pure schedule functions (no clock at all).
+Timed runs use 5-20 ms fake latencies; the ones whose assertions depend on timing (schedules,
+queues, deadlines, redraw rates) run on a virtual clock (``virtual_time``: the same numbers on
+any machine, loaded or not); count and rate checks on arrival processes are done on the pure
+schedule functions (no clock at all).  Runs against the real engine order their events with
+explicit synchronisation (the engine's ``on_step`` hook, ``LoadRun.stop()``), not sleeps.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ import collections
 import json
 import math
 import re
+import sys
+import threading
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -22,11 +28,22 @@ from workbench.load import (CallableTarget, FakeTarget, HTTPTarget, LoadConfig, 
                             RequestRecord, Schedule, TokenEvent, arrival_offsets, parse_sse_chunk, run_load,
                             run_load_sync)
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # virtual_time, also under --import-mode=importlib
+from virtual_time import VirtualTime  # noqa: E402
+
 PROMPTS = ["alpha", "beta", "gamma"]
 
 
 def fast_target(**kw) -> FakeTarget:
     return FakeTarget(**{"ttft_s": 0.01, "token_delay_s": 0.005, "capacity": 4, **kw})
+
+
+def run_virtual(cfg: LoadConfig, observers=(), **fake) -> tuple[LoadResult, FakeTarget]:
+    """Run ``cfg`` against ``fast_target(**fake)`` on a virtual clock: exact times, no waiting."""
+    with VirtualTime() as vt:
+        target = fast_target(clock=vt.clock, **fake)
+        res = vt.run(LoadRun(target, cfg, observers, clock=vt.clock).arun())
+    return res, target
 
 
 # ---- arrival processes (pure: no clock) --------------------------------------------------------------
@@ -98,15 +115,15 @@ def test_closed_loop_never_exceeds_its_concurrency():
 
 
 def test_open_loop_counts_rates_and_queueing():
-    target = fast_target(capacity=1, ttft_s=0.01, token_delay_s=0.004)
-    res = run_load_sync(target, LoadConfig(mode="constant", rate=100, max_requests=10, max_tokens=3,
-                                           prompts=PROMPTS))
+    res, target = run_virtual(LoadConfig(mode="constant", rate=100, max_requests=10, max_tokens=3, prompts=PROMPTS),
+                              capacity=1, ttft_s=0.01, token_delay_s=0.004)
     assert len(res.records) == 10 and res.summary().loc["all", "ok"] == 10
     np.testing.assert_allclose([r.scheduled for r in res.records], np.arange(10) / 100, atol=1e-9)
-    assert max(r.sent - r.scheduled for r in res.records) < 0.05      # the generator keeps its schedule
+    # the generator keeps its schedule: each request is sent at its arrival time (virtual clock: exactly)
+    np.testing.assert_allclose([r.sent for r in res.records], [r.scheduled for r in res.records], atol=1e-9)
     ttft = [r.ttft for r in res.records]
-    # one slot, 18 ms per request, one arrival every 10 ms: the queue (and TTFT) grows
-    assert ttft[-1] > ttft[0] + 0.03
+    # one slot, 18 ms per request, one arrival every 10 ms: the queue (and TTFT) grows by 8 ms a request
+    np.testing.assert_allclose(ttft, 0.010 + 0.008 * np.arange(10), atol=1e-9)
     assert [target.priorities[i] for i in range(3)] == [0, 0, 0]
 
 
@@ -122,17 +139,33 @@ def test_stages_recorded_per_request():
 
 def test_max_duration_cancels_in_flight_and_records_them():
     cfg = LoadConfig(mode="constant", rate=50, max_duration_s=0.25, max_tokens=100, prompts=PROMPTS)
-    res = run_load_sync(fast_target(capacity=2, token_delay_s=0.01), cfg)
+    res, _ = run_virtual(cfg, capacity=2, token_delay_s=0.01)
     status = collections.Counter(r.status for r in res.records)
-    assert status["cancelled"] >= 10 and status["ok"] == 0 and set(status) == {"cancelled"}
+    assert status["ok"] == 0 and set(status) == {"cancelled"}
     assert all("max_duration_s" in r.reason for r in res.records)
-    assert res.duration_s < 0.4
-    # arrivals are scheduled at 0, 20, ..., 240 ms; on a busy machine the last ones may slip past
-    # the deadline and are then not sent: never more than 13, none scheduled after the deadline
-    n = len(res.records)
-    assert n == len({r.id for r in res.records}) and 10 <= n <= 13
+    assert res.duration_s == pytest.approx(0.25)          # ended at the deadline, not when the requests would
+    # arrivals are scheduled at 0, 20, ..., 240 ms: all 13 sent, none scheduled after the deadline
+    assert sorted(r.id for r in res.records) == list(range(13))
     assert all(r.scheduled < 0.25 for r in res.records)
     assert res.summary().loc["all", "cancelled"] == len(res.records)
+
+
+def test_stop_ends_the_run_like_max_duration():
+    """``run.stop()`` (here from an observer, at the first finished request) stops sending and
+    cancels what is in flight, saying so in the reason."""
+    cfg = LoadConfig(mode="constant", rate=100, max_requests=50, max_tokens=3, prompts=PROMPTS)
+    first_end = []
+
+    def stop_at_first(run, record):
+        if record is not None and not first_end:
+            first_end.append(run.elapsed())
+            run.stop()
+
+    res, _ = run_virtual(cfg, [stop_at_first], capacity=8)
+    status = collections.Counter(r.status for r in res.records)
+    assert status["ok"] == 1 and status["cancelled"] >= 1 and set(status) == {"ok", "cancelled"}
+    assert len(res.records) < 50 and res.duration_s == pytest.approx(first_end[0])
+    assert all("stop()" in r.reason for r in res.records if r.status == "cancelled")
 
 
 def test_max_requests_bounds_the_count():
@@ -143,9 +176,8 @@ def test_max_requests_bounds_the_count():
 
 
 def test_errors_and_rejections_are_recorded_with_reasons():
-    target = fast_target(capacity=1, max_queue=1, error_every=3, ttft_s=0.02)
-    res = run_load_sync(target, LoadConfig(mode="constant", rate=200, max_requests=9, max_tokens=3,
-                                           prompts=PROMPTS))
+    res, _ = run_virtual(LoadConfig(mode="constant", rate=200, max_requests=9, max_tokens=3, prompts=PROMPTS),
+                         capacity=1, max_queue=1, error_every=3, ttft_s=0.02)
     reasons = res.reasons()
     by = {r.status: r for r in res.records}
     assert "rejected" in by and "queue full" in by["rejected"].reason
@@ -210,22 +242,36 @@ def test_default_prompts_come_from_the_heldout_corpus():
 
 def test_sync_wrapper_inside_a_running_loop_and_observers():
     calls = {"records": 0, "ticks": 0, "done": 0}
+    ticked = asyncio.Event()        # set at the second periodic tick; used on the run's own loop only
+    loops = set()
 
     def observer(run, record):
+        loops.add(threading.get_ident())
         if record is not None:
             calls["records"] += 1
             assert run.in_flight >= 0 and run.counts["ok"] <= run.sent
         else:
             calls["ticks"] += 1
             calls["done"] += run.done
+            if calls["ticks"] >= 2:
+                ticked.set()
+
+    inner = fast_target()
+
+    async def held(prompt, max_tokens, priority=0, **kw):   # no request ends before two ticks came
+        await ticked.wait()
+        async for ev in inner.send(prompt, max_tokens, priority=priority, **kw):
+            yield ev
 
     async def notebook_cell():   # as in Jupyter: a loop is already running here
         cfg = LoadConfig(mode="constant", rate=40, max_requests=8, max_tokens=3, prompts=PROMPTS, tick_s=0.02)
-        return run_load_sync(fast_target(), cfg, observers=[observer])
+        return run_load_sync(CallableTarget(held), cfg, observers=[observer])
 
     res = asyncio.run(notebook_cell())
-    assert len(res.records) == 8
+    assert len(res.records) == 8 and all(r.status == "ok" for r in res.records)
+    # two periodic ticks (they released the requests) and the final one, on the run's own thread
     assert calls["records"] == 8 and calls["ticks"] >= 3 and calls["done"] == 1
+    assert loops and threading.get_ident() not in loops
 
 
 def test_async_run_load_and_a_failing_observer_does_not_stop_the_run():
@@ -456,13 +502,18 @@ def test_dashboard_follows_a_run_throttled_and_static_figure():
     pytest.importorskip("ipywidgets")
     from workbench.load import LatencyDashboard
 
-    target = fast_target(capacity=2)
     cfg = LoadConfig(mode="constant", stages=[(0.3, 60), (0.3, 60)], max_tokens=3, prompts=PROMPTS, tick_s=0.05)
-    run = LoadRun(target, cfg)
-    dash = LatencyDashboard(window_s=1.0, max_hz=10, metrics_fn=target.metrics, metrics_hz=10).attach(run)
-    res = run.run()
+    with VirtualTime() as vt:          # the run's and the dashboard's clock: redraw pacing is exact
+        target = fast_target(capacity=2, clock=vt.clock)
+        run = LoadRun(target, cfg, clock=vt.clock)
+        dash = LatencyDashboard(window_s=1.0, max_hz=10, metrics_fn=target.metrics, metrics_hz=10,
+                                clock=vt.clock).attach(run)
+        res = vt.run(run.arun())
     elapsed = res.duration_s
-    assert 2 <= dash.redraws <= elapsed * 10 + 2                    # <= 10 Hz, plus the final forced redraw
+    assert elapsed >= 0.6
+    # ticks every 50 ms, redraws at most every 100 ms, plus the final forced redraw
+    assert 2 <= dash.redraws <= elapsed * 10 + 2
+    assert all(b - a >= 0.1 - 1e-9 for a, b in zip(dash.data["t"], dash.data["t"][1:-1]))
     d = dash.data
     assert len(d["t"]) == dash.redraws and d["ttft_p95"][-1] > 0
     assert max(v for v in d["in_flight"] if v is not None) >= 1
@@ -518,6 +569,29 @@ def engine_target():
     assert not target.aengine._thread                   # it started the engine thread, so it stopped it
 
 
+class _StopWhenStreaming:
+    """A pass-through target that calls ``run.stop()`` once ``n`` requests have streamed a token
+    (seen here, on the load generator's loop, so the records have them too) and ``ready`` is set."""
+
+    def __init__(self, target, n: int, ready: threading.Event) -> None:
+        self.target, self.n, self.ready, self.run, self.streaming = target, n, ready, None, 0
+
+    async def send(self, prompt, max_tokens, priority=0, **sampling):
+        stream = self.target.send(prompt, max_tokens, priority=priority, **sampling)
+        first = True
+        try:
+            async for ev in stream:
+                if first and ev.tokens:
+                    first = False
+                    self.streaming += 1
+                    if self.streaming == self.n:
+                        assert await asyncio.to_thread(self.ready.wait, 60), "never ready to stop"
+                        self.run.stop()
+                yield ev
+        finally:
+            await stream.aclose()
+
+
 def _pool_drains(engine, timeout: float = 5.0) -> int:
     import time as _time
 
@@ -570,15 +644,37 @@ def test_engine_target_rejections_errors_and_cancellation_free_the_pool(engine_t
         sched_cfg.max_queue_len = old
     assert [r.status for r in rej.records] == ["rejected"] * 3
     assert all("engine rejected the request" in r.reason and "queue full" in r.reason for r in rej.records)
-    # time runs out mid-generation: cancelled records, the engine aborts them, every block comes back
-    # (6 users, 4 running at most: two are still waiting for their first token when cut)
-    cut = run_load_sync(engine_target, LoadConfig(mode="closed", concurrency=6, max_requests=6, max_tokens=400,
-                                                  prompts=["The list type"], max_duration_s=0.4,
-                                                  sampling={"ignore_eos": True}))
-    assert [r.status for r in cut.records] == ["cancelled"] * 6, \
-        [(r.status, r.finish_reason, r.output_tokens, r.reason, r.sent, r.end) for r in cut.records]
+    # cut mid-generation: cancelled records, the engine aborts them, every block comes back.  6 users,
+    # 4 running at most: the engine is held at the first step after which 4 requests have tokens and 2
+    # wait, until the run has ended; the run is stopped once the engine is held and the client has seen
+    # 4 requests stream (explicit ordering: none can finish, none is cut before its first token)
+    cfg = LoadConfig(mode="closed", concurrency=6, max_requests=6, max_tokens=400, prompts=["The list type"],
+                     max_duration_s=120, sampling={"ignore_eos": True})
+    holding, ended, released, held = threading.Event(), threading.Event(), threading.Event(), []
+    target = _StopWhenStreaming(engine_target, 4, holding)
+    run = target.run = LoadRun(target, cfg)
+    run.add_observer(lambda r, rec: ended.set() if r.done else None)
+
+    def hold_until_the_run_ended(stats):          # the engine thread, after each step
+        sch = eng.scheduler
+        if not held and len(sch.running) == 4 and len(sch.waiting) == 2 and \
+                all(s.num_generated >= 1 for s in sch.running):
+            holding.set()
+            held.append(ended.wait(60))           # the engine waits: nothing runs on meanwhile
+            released.set()
+
+    engine_target.aengine.on_step = hold_until_the_run_ended
+    try:
+        cut = run.run()
+    finally:
+        engine_target.aengine.on_step = None
+    records = [(r.status, r.finish_reason, r.output_tokens, r.reason, r.sent, r.end) for r in cut.records]
+    assert holding.is_set(), ("the engine never held 4 streaming + 2 waiting requests", records)
+    assert released.wait(60) and held == [True], ("the hold did not last until the run ended", records)
+    assert [r.status for r in cut.records] == ["cancelled"] * 6, records
+    assert all("stop()" in r.reason for r in cut.records), records
     tokens = sorted(r.output_tokens for r in cut.records)
-    assert tokens[:2] == [0, 0] and tokens[-1] >= 1          # queued ones and streaming ones were cut
+    assert tokens[:2] == [0, 0] and min(tokens[2:]) >= 1, records    # queued ones and streaming ones were cut
     assert _pool_drains(eng) == 0 and not eng.scheduler.running and not eng.scheduler.waiting
 
 

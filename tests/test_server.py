@@ -4,6 +4,12 @@ port, driven by the official ``openai`` client and by ``httpx``.
 One module-scoped server (API key set, a scripted SLO guard that admits until told otherwise)
 serves most tests; small extra servers over the same loaded model cover the engine's queue
 limit (429) and a real :class:`~workbench.load.slo.SLOGuard`.
+
+Where the outcome depends on the order of events across threads (a client leaving while its
+request runs or is held, requests batched together, a queue built behind a long request), the
+tests order them explicitly - the engine's ``on_step`` hook holds the engine at a known step,
+threading events say when the server has done something, the real guard runs on a fake
+clock - instead of sleeping or timing out and hoping the machine was fast enough.
 """
 
 from __future__ import annotations
@@ -11,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import threading
 import time
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -45,9 +53,17 @@ class ScriptedGuard:
         self.config = SimpleNamespace(policy="reject", queue_timeout_s=10.0)
         self.priorities: list[int] = []
         self.ttfts: list[float] = []
+        self._asked = threading.Condition()
+
+    def wait_asked(self, n: int, timeout: float = 60.0) -> bool:
+        """Wait until admit() has been called ``n`` times in all (a safety timeout: False then)."""
+        with self._asked:
+            return self._asked.wait_for(lambda: len(self.priorities) >= n, timeout)
 
     def admit(self, now=None, priority=0):
-        self.priorities.append(priority)
+        with self._asked:
+            self.priorities.append(priority)
+            self._asked.notify_all()
         if self.shed_reason:
             return SimpleNamespace(admitted=False, reason=self.shed_reason, retry_after=self.retry_after)
         return SimpleNamespace(admitted=True, reason=None, retry_after=None)
@@ -103,6 +119,79 @@ def wait_idle(handle, timeout: float = 20.0) -> dict:
             return s
         time.sleep(0.02)
     raise AssertionError(f"the engine did not drain within {timeout} s: {handle.engine.stats()}")
+
+
+def wait_until(cond, timeout: float = 60.0, what: str = "condition") -> None:
+    """Poll ``cond`` until it holds; the timeout is a safety net against a hang, not a bound under test."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what}: not met within {timeout} s"
+        time.sleep(0.01)
+
+
+@contextmanager
+def on_step(aengine, hook):
+    """Install ``hook`` as the AsyncEngine's on_step (called on the engine thread after each step;
+    the engine waits while it runs) for the block."""
+    aengine.on_step = hook
+    try:
+        yield
+    finally:
+        aengine.on_step = None
+
+
+class HoldUntilAborted:
+    """After the ``at``-th step that computes anything, the engine waits - its request keeps its
+    blocks and gets no more tokens - until ``abort`` is called (the server does when the client
+    has gone).  ``reached`` is set when it starts waiting, ``aborted`` when the abort came."""
+
+    def __init__(self, aengine, at: int) -> None:
+        self.aengine, self.at, self.steps = aengine, at, 0
+        self.reached, self.aborted = threading.Event(), threading.Event()
+
+    def _hook(self, stats) -> None:
+        if self.aengine.engine.step_records[-1].num_seqs > 0:
+            self.steps += 1
+        if self.steps == self.at and not self.reached.is_set():
+            self.reached.set()
+            self.aborted.wait(60)
+
+    def __enter__(self) -> "HoldUntilAborted":
+        abort = self.aengine.abort
+
+        def spy(request_id):
+            abort(request_id)                 # queued for the engine thread first, then the hold ends
+            self.aborted.set()
+
+        self.aengine.abort = spy
+        self.aengine.on_step = self._hook
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.aengine.on_step = None
+        del self.aengine.abort                # the class's method again
+        self.aborted.set()                    # never leave the engine held
+
+
+@contextmanager
+def one_step_per_message(aengine):
+    """The engine takes one step per message it receives (a new request, an abort) and otherwise
+    waits after its step: a long request cannot run to its end while the test builds a queue
+    behind it."""
+    release = threading.Event()
+
+    def hook(stats):
+        with aengine._cv:
+            aengine._cv.wait_for(lambda: aengine._inbox or release.is_set(), timeout=60)
+
+    aengine.on_step = hook
+    try:
+        yield
+    finally:
+        release.set()
+        aengine.on_step = None
+        with aengine._cv:
+            aengine._cv.notify_all()
 
 
 # ---- Prometheus text -----------------------------------------------------------------------------
@@ -393,7 +482,8 @@ class ProbeGuard:
 def test_429_when_the_engine_queue_is_full(bundled_llm):
     """One running, one waiting (max_queue_len=1): the third request is rejected by the engine.
     Probes that end before their first token (rejected, or the client gave up) reach the
-    guard as failed (TTFT = inf)."""
+    guard as failed (TTFT = inf).  The engine takes one step per message meanwhile, so the long
+    first request is still running when the third arrives, however slow the machine."""
     eng = LLMEngine(bundled_llm, kv=PagedKVConfig(num_blocks=64),
                     scheduler=SchedulerConfig(max_num_seqs=1, max_queue_len=1))
     long = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
@@ -414,16 +504,15 @@ def test_429_when_the_engine_queue_is_full(bundled_llm):
 
     probes = ProbeGuard()
     with start_server(eng, guard=probes) as handle:
-        third, streamed = asyncio.run(run(handle.url))
+        with one_step_per_message(handle.engine):
+            third, streamed = asyncio.run(run(handle.url))
         e = err(third, 429, "queue full", "max_queue_len=1")
         assert e["type"] == "rate_limit_error" and third.headers["retry-after"] == "1"
         err(streamed, 429, "queue full")                 # a stream rejected before its first token: plain 429
         wait_idle(handle)
         assert handle.engine.stats()["rejected"] == 2
         assert eng.pool.manager.num_used_blocks == 0
-        deadline = time.monotonic() + 10
-        while len(probes.records) < 4 and time.monotonic() < deadline:   # the cancelled one reports last
-            time.sleep(0.02)
+        wait_until(lambda: len(probes.records) >= 4, what="4 probe results")   # the cancelled one reports last
     finite = [t for t, _ in probes.records if math.isfinite(t)]
     assert len(probes.records) == 4 and all(p is True for _, p in probes.records)
     assert len(finite) == 1 and finite[0] > 0            # only the running request produced a token
@@ -440,22 +529,27 @@ def test_disconnect_mid_stream_frees_blocks(srv):
     prompt = "Unique words for a disconnect: " + " ".join(f"w{i}" for i in range(60))   # several blocks
     body = {"prompt": prompt, "max_tokens": CAP, "ignore_eos": True, "stream": True}
     mark = last_step(srv)
-    with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as c:
-        with c.stream("POST", "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            rid = r.headers["x-request-id"]
-            lines = r.iter_lines()
-            got = [next(lines) for _ in range(4)]      # two events (each "data: ..." + blank line)
-            assert got[0].startswith("data: ")
-            assert srv.engine.stats()["kv_used_blocks"] > 0
-        # leaving the block closes the connection mid-stream
+    # the engine waits after the request's 2nd step (the client reads two events) until the server aborts it
+    with HoldUntilAborted(srv.engine, at=2) as gate:
+        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as c:
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                rid = r.headers["x-request-id"]
+                lines = r.iter_lines()
+                got = [next(lines) for _ in range(4)]      # two events (each "data: ..." + blank line)
+                assert got[0].startswith("data: ")
+                assert srv.engine.stats()["kv_used_blocks"] > 0
+            # leaving the block closes the connection mid-stream
+        assert gate.aborted.wait(60), "the server never aborted the request of a client that left"
     s = wait_idle(srv)
-    # aborted, not run to its end: it took part in far fewer steps than its CAP tokens need
-    assert 0 < sum(rid in r.request_ids for r in steps_since(srv, mark)) < CAP // 2
+    # aborted where the client left, not run to its end: held after its 2nd step (or, when the abort
+    # came first, the abort was queued before the hold was lifted), no step of it after the abort
+    assert sum(rid in r.request_ids for r in steps_since(srv, mark)) == 2 < CAP // 2
     assert s["kv_used_blocks"] == 0 and m.num_used_blocks == 0 and m.seq_ids() == []
     assert m.num_available_blocks == initial_available      # free + reusable cached: the whole pool again
     # blocks of the prompt stay in the prefix cache (evictable, counted as available), none is held
     assert m.num_free_blocks + m.num_cached_blocks == m.num_blocks
+    wait_until(lambda: scrape(srv.url)[1][abort] > before[abort], what="the abort on /metrics")
     _, after = scrape(srv.url)
     assert after[abort] == before[abort] + 1
     assert after[("workbench_generation_tokens_total", ())] - before[("workbench_generation_tokens_total", ())] < CAP
@@ -466,11 +560,23 @@ def test_disconnect_while_waiting_for_whole_response(srv):
     wait_idle(srv)
     initial = m.num_available_blocks
     mark = last_step(srv)
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(srv.base_url + "/completions", headers=AUTH, timeout=httpx.Timeout(60, read=0.3),
-                   json={"prompt": PROMPT, "max_tokens": CAP, "ignore_eos": True})
+
+    async def leave_after_step_4(gate):
+        async with httpx.AsyncClient(base_url=srv.url, headers=AUTH, timeout=60) as c:
+            task = asyncio.ensure_future(c.post("/v1/completions",
+                                                json={"prompt": PROMPT, "max_tokens": CAP, "ignore_eos": True}))
+            assert await asyncio.to_thread(gate.reached.wait, 60), "the request never ran 4 steps"
+            assert not task.done()
+            task.cancel()                              # the client gives up waiting: its connection closes
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    with HoldUntilAborted(srv.engine, at=4) as gate:
+        asyncio.run(leave_after_step_4(gate))
+        assert gate.aborted.wait(60), "the server never aborted the request of a client that left"
     wait_idle(srv)
-    assert 0 < len(steps_since(srv, mark)) < CAP // 2     # aborted after ~0.3 s, not run to CAP tokens
+    ran = [r for r in steps_since(srv, mark) if r.num_seqs]
+    assert len(ran) == 4 < CAP // 2                       # aborted where the client left, not run to CAP tokens
     assert m.num_used_blocks == 0 and m.num_available_blocks == initial
 
 
@@ -490,7 +596,25 @@ def test_concurrent_streams_all_complete(srv):
         async with httpx.AsyncClient(base_url=srv.url, headers=AUTH, timeout=60) as c:
             return await asyncio.gather(*(one(c, p) for p in prompts))
 
-    results = asyncio.run(run())
+    # the engine waits after its first step until all four requests are in (however the server
+    # interleaves them): then they run together
+    submit, submitted, all_in = srv.engine.submit, [], threading.Event()
+
+    def counting_submit(*args, **kw):
+        rid = submit(*args, **kw)
+        submitted.append(rid)
+        if len(submitted) == len(prompts):
+            all_in.set()
+        return rid
+
+    held = []
+    srv.engine.submit = counting_submit
+    try:
+        with on_step(srv.engine, lambda stats: held or held.append(all_in.wait(60))):
+            results = asyncio.run(run())
+    finally:
+        del srv.engine.submit
+    assert held == [True] and len(submitted) == 4
     for lines in results:
         assert lines[-1] == "data: [DONE]"
         chunks = [json.loads(x[len("data: "):]) for x in lines[:-1]]
@@ -589,35 +713,31 @@ def test_guard_queue_holds_then_serves(srv, queued, bundled_llm):
     queued.config.queue_timeout_s = 30.0
     queued.shed_reason = "overloaded (scripted)"
     asks = len(queued.priorities)
+    steps = srv.engine.stats()["steps"]
 
     async def run():
         async with httpx.AsyncClient(base_url=srv.url, headers=AUTH, timeout=60) as c:
             task = asyncio.ensure_future(c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4,
                                                                          "temperature": 0}))
-            deadline = time.monotonic() + 20
-            while srv.metrics.slo_holding < 1:
-                assert time.monotonic() < deadline and not task.done(), "the request was never held"
-                await asyncio.sleep(0.01)
-            steps = srv.engine.stats()["steps"]
+            # refused once, then asked again three times (every 50 ms) while held
+            assert await asyncio.to_thread(queued.wait_asked, asks + 4), "the held request was not asked again"
+            assert not task.done() and srv.metrics.slo_holding == 1
+            assert srv.engine.stats()["steps"] == steps             # held: not at the engine
             _, during = scrape(srv.url)
-            await asyncio.sleep(0.4)
-            assert not task.done() and srv.engine.stats()["steps"] == steps     # held: not at the engine
             queued.shed_reason = None
             return await task, during
 
-    t0 = time.monotonic()
     r, during = asyncio.run(run())
     assert r.status_code == 200, r.text
-    assert time.monotonic() - t0 >= 0.4
     assert r.json()["choices"][0]["text"] == greedy(bundled_llm, PROMPT, 4)
-    assert len(queued.priorities) - asks >= 3                 # asked again while held
+    assert len(queued.priorities) - asks >= 5                 # refused, asked again 3+ times, admitted
     assert during[("workbench_slo_held_requests", ())] == 1
     _, after = scrape(srv.url)
     assert held(after, "admitted") == held(before, "admitted") + 1
     assert sum(held(after, o) for o in ("timed_out", "refused", "disconnected", "error")) == \
         sum(held(before, o) for o in ("timed_out", "refused", "disconnected", "error"))
     assert hist_count(after, HOLD) == hist_count(before, HOLD) + 1
-    assert after[(HOLD + "_sum", ())] - before[(HOLD + "_sum", ())] >= 0.4
+    assert after[(HOLD + "_sum", ())] - before[(HOLD + "_sum", ())] >= 3 * 0.05 - 1e-3   # at least 3 naps of 50 ms
     assert after[("workbench_slo_held_requests", ())] == 0
     assert after[("workbench_slo_shed_total", ())] == before[("workbench_slo_shed_total", ())]
 
@@ -651,12 +771,20 @@ def test_guard_queue_client_gone_while_held_is_dropped(srv, queued):
     steps = srv.engine.stats()["steps"]
     queued.config.queue_timeout_s = 30.0
     queued.shed_reason = "overloaded (scripted)"
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(srv.base_url + "/completions", headers=AUTH, timeout=httpx.Timeout(60, read=0.3),
-                   json={"prompt": PROMPT, "max_tokens": 2})
-    deadline = time.monotonic() + 10
-    while srv.metrics.slo_holding and time.monotonic() < deadline:
-        time.sleep(0.02)
+    asks = len(queued.priorities)
+
+    async def leave_while_held():
+        async with httpx.AsyncClient(base_url=srv.url, headers=AUTH, timeout=60) as c:
+            task = asyncio.ensure_future(c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}))
+            assert await asyncio.to_thread(queued.wait_asked, asks + 2), "the request was never held"
+            assert not task.done() and srv.metrics.slo_holding == 1
+            task.cancel()                              # the client gives up: its connection closes
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(leave_while_held())
+    wait_until(lambda: held(scrape(srv.url)[1], "disconnected") > held(before, "disconnected")
+               and not srv.metrics.slo_holding, what="the held request dropped")
     _, after = scrape(srv.url)
     assert held(after, "disconnected") == held(before, "disconnected") + 1
     assert after[("workbench_slo_held_requests", ())] == 0
@@ -673,17 +801,27 @@ def test_real_slo_guard_queue_policy(srv):
     held request gets the 503 with the guard's reason."""
     cfg = SLOConfig(window=2, min_samples=2, baseline_s=2.0, factor=2.0, cooldown_s=0.5, probes=1,
                     policy="queue", queue_timeout_s=20.0)
-    slo = SLOGuard(cfg)
+    clock = SimpleNamespace(t=0.0)
+    slo = SLOGuard(cfg, clock=lambda: clock.t)            # the guard's time moves only when the test says
     with start_server(srv.engine, guard=slo) as h:
         url = h.base_url + "/completions"
-        t0 = time.monotonic()
         slo.record(10.0)
         slo.record(10.0)                                  # P95 10 s > 2 x 2 s: open
         assert slo.state == "open"
-        r = httpx.post(url, json={"prompt": PROMPT, "max_tokens": 2}, timeout=60)
+
+        async def served_after_the_cooldown():
+            async with httpx.AsyncClient(timeout=60) as c:
+                task = asyncio.ensure_future(c.post(url, json={"prompt": PROMPT, "max_tokens": 2}))
+                # deferred, asked again (after the rest of the cool-down, 0.5 s), deferred again: held
+                await asyncio.to_thread(wait_until, lambda: slo.counts["deferred"] >= 2, 60, "two deferrals")
+                assert not task.done() and h.metrics.slo_holding == 1 and slo.counts["probes"] == 0
+                clock.t = 0.5                             # the cool-down ends: the next ask admits the probe
+                return await task
+
+        r = asyncio.run(served_after_the_cooldown())
         assert r.status_code == 200, r.text
-        assert time.monotonic() - t0 >= 0.45              # not served before the cool-down ended
-        assert slo.counts["deferred"] >= 1 and slo.counts["probes"] == 1
+        assert slo.counts["deferred"] >= 2 and slo.counts["probes"] == 1
+        assert slo.transitions[-2][:3] == (0.5, "open", "half_open")     # not served before the cool-down ended
         assert slo.state == "closed" and slo.transitions[-1][1:3] == ("half_open", "closed")
         _, s = scrape(h.url)
         assert held(s, "admitted") == 1 and hist_count(s, HOLD) == 1 and s[(HOLD + "_sum", ())] > 0
@@ -760,15 +898,23 @@ def test_client_gone_mid_body_is_499_not_500(srv):
                 if k[0] == "workbench_http_responses_total" and dict(k[1])["path"] == "/v1/completions"}
 
     before = responses()
-    sock = socket.create_connection(("127.0.0.1", srv.port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
-                 b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\":")
-    time.sleep(0.2)
-    sock.close()
-    deadline = time.monotonic() + 10
-    while responses().get("499", 0) == before.get("499", 0):
-        assert time.monotonic() < deadline, responses()
-        time.sleep(0.02)
+    inner, entered = srv.app.app, threading.Event()
+
+    async def spy(scope, receive, send):              # the server has the request: it now waits for the body
+        if scope.get("path") == "/v1/completions":
+            entered.set()
+        await inner(scope, receive, send)
+
+    srv.app.app = spy
+    try:
+        sock = socket.create_connection(("127.0.0.1", srv.port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                     b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\":")
+        assert entered.wait(60), "the server never started on the request"
+        sock.close()                                  # mid-body: 11 of its 100 bytes sent
+        wait_until(lambda: responses().get("499", 0) != before.get("499", 0), what="a 499 on /metrics")
+    finally:
+        srv.app.app = inner
     after = responses()
     assert after["499"] == before.get("499", 0) + 1
     assert after.get("500", 0) == before.get("500", 0)

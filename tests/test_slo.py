@@ -1,16 +1,22 @@
 """The SLO guard: a latency circuit breaker, driven by a scripted TTFT trace on a fake clock
-(deterministic: no sleeping), then as a target wrapper in short real-time runs."""
+(deterministic: no sleeping), then as a target wrapper in short runs against the fake model -
+on a virtual clock (``virtual_time``) wherever the outcome depends on timing, so the guard
+sees the same TTFTs on any machine, loaded or not."""
 
 from __future__ import annotations
 
-import asyncio
 import math
 import re
+import sys
+from pathlib import Path
 
 import pytest
 
 from workbench.errors import ConfigError
-from workbench.load import FakeTarget, GuardedTarget, LoadConfig, SLOConfig, SLOGuard, run_load_sync
+from workbench.load import FakeTarget, GuardedTarget, LoadConfig, LoadRun, SLOConfig, SLOGuard, run_load_sync
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # virtual_time, also under --import-mode=importlib
+from virtual_time import VirtualTime  # noqa: E402
 
 
 class FakeClock:
@@ -184,9 +190,9 @@ def test_config_errors_name_the_field(kw, field):
         SLOConfig(**kw)
 
 
-# ---- as a target wrapper, in real time ------------------------------------------------------------------
-def _tripped_guard(**kw) -> SLOGuard:
-    g = SLOGuard(SLOConfig(baseline_s=0.01, window=4, min_samples=2, **kw))
+# ---- as a target wrapper ---------------------------------------------------------------------------------
+def _tripped_guard(clock=None, **kw) -> SLOGuard:
+    g = SLOGuard(SLOConfig(baseline_s=0.01, window=4, min_samples=2, **kw), **({"clock": clock} if clock else {}))
     g.record(0.1)
     g.record(0.1)
     assert g.state == "open"
@@ -207,30 +213,43 @@ def test_guarded_target_rejects_without_sending():
 
 
 def test_guarded_target_queue_policy_waits_for_the_probe_slot():
-    inner = FakeTarget(ttft_s=0.005, token_delay_s=0.002)
-    guard = _tripped_guard(cooldown_s=0.15, policy="queue", probes=1, queue_timeout_s=0.5)
-
-    async def one():
-        return [ev async for ev in GuardedTarget(inner, guard).send("p", 2)]
-
-    evs = asyncio.run(one())
-    assert evs[-1].finished and evs[-1].error is None and guard.state == "closed"   # the probe was healthy
-    guard2 = _tripped_guard(cooldown_s=5, policy="queue", queue_timeout_s=0.05)
-    evs = asyncio.run(_send(GuardedTarget(inner, guard2)))
-    assert evs[-1].rejected and "timed out" in evs[-1].error and guard2.counts["rejected"] == 1
+    with VirtualTime() as vt:
+        inner = FakeTarget(ttft_s=0.005, token_delay_s=0.002, clock=vt.clock)
+        opened = vt.clock()
+        guard = _tripped_guard(cooldown_s=0.15, policy="queue", probes=1, queue_timeout_s=0.5, clock=vt.clock)
+        evs = vt.run(_send(GuardedTarget(inner, guard, clock=vt.clock)))
+        assert evs[-1].finished and evs[-1].error is None and guard.state == "closed"   # the probe was healthy
+        # held until the cool-down ended, then admitted as the probe: its first token 5 ms later
+        assert evs[0].time == pytest.approx(opened + 0.15 + 0.005)
+        assert guard.counts["deferred"] >= 1 and guard.counts["probes"] == 1
+        guard2 = _tripped_guard(cooldown_s=5, policy="queue", queue_timeout_s=0.05, clock=vt.clock)
+        t0 = vt.clock()
+        evs = vt.run(_send(GuardedTarget(inner, guard2, clock=vt.clock)))
+        assert evs[-1].rejected and "timed out" in evs[-1].error and guard2.counts["rejected"] == 1
+        assert evs[-1].time - t0 == pytest.approx(0.05)            # gave up at the queue timeout
 
 
 async def _send(target):
     return [ev async for ev in target.send("p", 2)]
 
 
+def run_virtual(cfg: LoadConfig, guard_config: SLOConfig | None = None, **fake):
+    """``cfg`` against ``FakeTarget(**fake)`` - behind an SLOGuard(guard_config) when given - on a
+    virtual clock: (result, guard or None, the fake model)."""
+    with VirtualTime() as vt:
+        inner = FakeTarget(clock=vt.clock, **fake)
+        guard = None if guard_config is None else SLOGuard(guard_config, clock=vt.clock)
+        target = inner if guard is None else GuardedTarget(inner, guard, clock=vt.clock)
+        res = vt.run(LoadRun(target, cfg, clock=vt.clock).arun())
+    return res, guard, inner
+
+
 def test_guard_sheds_a_degrading_target_under_a_ramp():
     """Demo in miniature: a fake model that slows as its batch fills; the guard learns the
     healthy TTFT, opens when the ramp pushes P95 past 2x, and sheds with reasons."""
-    inner = FakeTarget(ttft_s=0.01, token_delay_s=0.002, capacity=2, slowdown=0.5)
-    guard = SLOGuard(SLOConfig(window=10, min_samples=5, factor=2.0, cooldown_s=0.1, probes=2))
     cfg = LoadConfig(mode="constant", stages=[(0.3, 20), (0.4, 200)], max_tokens=4, prompts=["p"])
-    res = run_load_sync(GuardedTarget(inner, guard), cfg)
+    res, guard, inner = run_virtual(cfg, SLOConfig(window=10, min_samples=5, factor=2.0, cooldown_s=0.1, probes=2),
+                                    ttft_s=0.01, token_delay_s=0.002, capacity=2, slowdown=0.5)
     status = [r.status for r in res.records]
     assert status.count("error") == 0 and status.count("ok") > 0
     assert status.count("rejected") > 0 and guard.snapshot()["trips"] >= 1
@@ -269,13 +288,10 @@ def test_guard_opens_sheds_and_recovers_under_a_scripted_overload_ramp():
     cfg = LoadConfig(mode="constant", stages=[(0.8, 10, "warm"), (0.5, 120, "ramp"), (0.6, 120, "peak"),
                                               (0.05, 5, "drop"), (1.0, 5, "quiet")], max_tokens=8, prompts=["p"], max_duration_s=30)
 
-    def fake():
-        return FakeTarget(ttft_s=0.01, token_delay_s=0.003, capacity=2, slowdown=0.3)
-
-    bare_target = fake()
-    bare = run_load_sync(bare_target, cfg)
-    guard = SLOGuard(SLOConfig(window=10, min_samples=5, factor=2.0, cooldown_s=0.2, probes=3))
-    guarded = run_load_sync(GuardedTarget(fake(), guard), cfg)
+    fake = dict(ttft_s=0.01, token_delay_s=0.003, capacity=2, slowdown=0.3)
+    bare, _, _ = run_virtual(cfg, **fake)
+    guarded, guard, _ = run_virtual(cfg, SLOConfig(window=10, min_samples=5, factor=2.0, cooldown_s=0.2, probes=3),
+                                    **fake)
 
     assert len(bare.records) == len(guarded.records)                 # the same arrivals
     assert all(r.status == "ok" for r in bare.records)               # overload without a single failure

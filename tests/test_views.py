@@ -5,6 +5,7 @@ per-step numbers, and the latency dashboard updates while the load runs."""
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
@@ -19,7 +20,13 @@ from workbench.load import (EngineTarget, LatencyDashboard, LoadConfig, LoadRun,
 @pytest.fixture(scope="module")
 def live_run():
     """One short constant-rate run with a dashboard attached; returns (target, result, dashboard,
-    what the dashboard held at each tick while the run was going)."""
+    what the dashboard held at each tick while the run was going, what the engine hold saw).
+
+    Whether a timer poll of the engine's metrics happens to fall on a step that holds KV blocks
+    is chance (a small model on CPU finishes a 5-token request in a few ms).  So the engine
+    thread is held, once, right after the first step that leaves requests running with KV blocks
+    in use (its ``on_step`` hook), until the dashboard has drawn a sample with that KV usage: the
+    dashboard's poller and redraws run on as usual, only the engine waits."""
     from workbench.sched import SchedulerConfig
 
     target = EngineTarget.from_model(None, device="cpu", scheduler=SchedulerConfig(max_num_seqs=4,
@@ -30,14 +37,33 @@ def live_run():
     run = LoadRun(target, cfg)
     dash = LatencyDashboard(window_s=5.0, max_hz=10, metrics_hz=10).attach(run)
     seen = []
-    run.add_observer(lambda r, rec: seen.append((r.done, dash.redraws, len(dash.data["t"]))))
-    res = run.run()
-    yield target, res, dash, seen
+    drawn = threading.Event()          # the dashboard has drawn a sample with KV usage > 0
+
+    def observe(r, rec):               # called after the dashboard's own observer
+        seen.append((r.done, dash.redraws, len(dash.data["t"])))
+        if (dash.data["kv_usage"][-1:] or [None])[0]:
+            drawn.set()
+
+    hold = {}
+
+    def hold_one_busy_step(stats):     # the engine thread, after each step
+        last = target.engine.step_records[-1]
+        if not hold and stats["kv_usage"] > 0 and stats["running"] > 0 and last.num_seqs > 0:
+            hold["stats"] = stats
+            hold["drawn"] = drawn.wait(60)
+
+    run.add_observer(observe)
+    target.aengine.on_step = hold_one_busy_step
+    try:
+        res = run.run()
+    finally:
+        target.aengine.on_step = None
+    yield target, res, dash, seen, hold
     target.close()
 
 
 def test_scheduler_timeline_traces_carry_the_engine_steps(live_run):
-    target, res, _, _ = live_run
+    target, res, *_ = live_run
     frame = target.engine.steps_frame()
     frame = frame[frame["num_seqs"] > 0]
     assert len(frame) >= 5 and frame["prefill_tokens"].sum() > 0 and frame["decode_tokens"].sum() > 0
@@ -61,7 +87,7 @@ def test_scheduler_timeline_traces_carry_the_engine_steps(live_run):
 def test_steps_frame_splits_each_step_per_request(live_run):
     """request_tokens: the tokens each request of the step computed; they add up to the step's
     prefill + decode tokens, and the timeline's per-request markers carry exactly them."""
-    target, _, _, _ = live_run
+    target, *_ = live_run
     frame = target.engine.steps_frame()
     assert {"request_ids", "request_tokens", "request_prefill"} <= set(frame.columns)
     for r in frame.itertuples():
@@ -102,7 +128,7 @@ def test_steps_frame_splits_each_step_per_request(live_run):
 
 
 def test_scheduler_timeline_on_a_time_axis_and_truncated_requests(live_run):
-    target, _, _, _ = live_run
+    target, *_ = live_run
     frame = target.engine.steps_frame()
     fig = scheduler_timeline(frame, x="time", max_requests=2)
     bars = fig.data[0]
@@ -123,7 +149,7 @@ def test_scheduler_timeline_on_a_time_axis_and_truncated_requests(live_run):
 
 
 def test_dashboard_updated_while_the_run_went_and_reads_engine_metrics(live_run):
-    target, res, dash, seen = live_run
+    target, res, dash, seen, hold = live_run
     during = [(redraws, n) for done, redraws, n in seen if not done]
     assert len(during) >= 5
     assert during[-1][0] > during[0][0] >= 0                  # redrawn while requests were still coming
@@ -135,7 +161,10 @@ def test_dashboard_updated_while_the_run_went_and_reads_engine_metrics(live_run)
     # engine metrics polled from EngineTarget.metrics (attach found them on the target)
     assert dash.metrics_fn == target.metrics and dash._poller is None
     assert any(v is not None for v in d["queue_len"]) and max(v or 0 for v in d["batch_size"]) >= 1
+    # the engine was held at a step with KV blocks in use until a drawn sample showed them
+    assert hold.get("drawn") is True, hold
     assert max(v or 0 for v in d["kv_usage"]) > 0
+    assert hold["stats"]["kv_usage"] * 100 in d["kv_usage"]       # the engine's own number, as a percent
     assert f"ok {sum(r.status == 'ok' for r in res.records)}" in dash.label.value
     names = [t.name for t in dash.fig.data]
     assert type(dash.fig).__name__ == "FigureWidget"

@@ -13,6 +13,8 @@
 * ``error_every``: every n-th request fails after its first token (for error accounting).
 
 ``metrics()`` reports queue_len / running / batch_size / kv_usage for live views.
+``clock`` stamps the token events (default ``time.perf_counter``); with the event loop's
+``loop.time`` on a virtual-time loop a whole load run is scripted exactly (no waiting).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from ..errors import ConfigError
 from .target import Prompt, TokenEvent
@@ -28,7 +30,8 @@ from .target import Prompt, TokenEvent
 
 class FakeTarget:
     def __init__(self, ttft_s: float = 0.02, token_delay_s: float = 0.01, capacity: int = 4,
-                 slowdown: float = 0.0, max_queue: int | None = None, error_every: int | None = None) -> None:
+                 slowdown: float = 0.0, max_queue: int | None = None, error_every: int | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         for name, v in (("ttft_s", ttft_s), ("token_delay_s", token_delay_s), ("slowdown", slowdown)):
             if not v >= 0:
                 raise ConfigError(f"FakeTarget.{name}={v!r} must be >= 0")
@@ -36,6 +39,7 @@ class FakeTarget:
             raise ConfigError(f"FakeTarget.capacity={capacity!r} must be an integer >= 1")
         self.ttft_s, self.token_delay_s, self.capacity = ttft_s, token_delay_s, capacity
         self.slowdown, self.max_queue, self.error_every = slowdown, max_queue, error_every
+        self.clock = clock
         self.running = 0
         self.waiting = 0
         self.max_running = 0          # the most ever running at once (never above capacity)
@@ -58,7 +62,7 @@ class FakeTarget:
         n = next(self._ids)
         self.priorities.append(priority)
         if self.max_queue is not None and self.waiting >= self.max_queue:
-            yield TokenEvent(time.perf_counter(), finished=True, finish_reason="rejected", rejected=True,
+            yield TokenEvent(self.clock(), finished=True, finish_reason="rejected", rejected=True,
                              error=f"queue full ({self.waiting} waiting, max_queue={self.max_queue})", tokens=0)
             return
         sem = self._sem()
@@ -75,10 +79,10 @@ class FakeTarget:
                 if i:
                     await asyncio.sleep(self.token_delay_s * self._scale())
                 last = i == max_tokens - 1
-                yield TokenEvent(time.perf_counter(), text=f" t{i}", token_id=i, finished=last,
+                yield TokenEvent(self.clock(), text=f" t{i}", token_id=i, finished=last,
                                  finish_reason="length" if last else None)
                 if i == 0 and self.error_every and n % self.error_every == 0:
-                    yield TokenEvent(time.perf_counter(), finished=True, error="injected failure", tokens=0)
+                    yield TokenEvent(self.clock(), finished=True, error="injected failure", tokens=0)
                     return
             self.served += 1
         finally:

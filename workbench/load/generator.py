@@ -21,6 +21,11 @@ Inside Jupyter, ``await run_load(target, cfg)`` runs on the notebook's own event
 :func:`run_load_sync` works everywhere (it uses a private loop in a thread when one is
 already running).  Observers - ``fn(run, record)`` - are called with each finished record and
 every ``tick_s`` with ``record=None`` (live views read ``run``'s counters then).
+
+``LoadRun(..., clock=fn)``: the clock the run reads (default ``time.perf_counter``); give the
+event loop's ``loop.time`` together with the same clock for the target to run a scripted load
+on a virtual-time loop (deterministic, no waiting).  ``run.stop()`` (any thread) ends a run
+early, as ``max_duration_s`` does.
 """
 
 from __future__ import annotations
@@ -127,11 +132,12 @@ class LoadRun:
     (finished so far), ``stage`` / ``stage_name`` and ``target_value()`` (the current rate or
     number of users)."""
 
-    def __init__(self, target, config: LoadConfig, observers: Sequence[Observer] = ()) -> None:
+    def __init__(self, target, config: LoadConfig, observers: Sequence[Observer] = (),
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         if not hasattr(target, "send"):
             raise ConfigError(f"run_load: target {type(target).__name__} has no send(prompt, max_tokens, "
                               "priority, **sampling) method (see workbench.load.target)")
-        self.target, self.config = target, config
+        self.target, self.config, self.clock = target, config, clock
         self.observers: list[Observer] = list(observers)
         self.schedule = config.schedule()
         self._prompt = self._prompt_source()
@@ -144,6 +150,10 @@ class LoadRun:
         self.t_start: float | None = None
         self._tasks: set[asyncio.Task] = set()
         self._observer_error: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._stop_requested = False
+        self._end_why = "max_duration_s"
 
     def add_observer(self, fn: Observer) -> "LoadRun":
         self.observers.append(fn)
@@ -151,7 +161,7 @@ class LoadRun:
 
     # ---- live state -----------------------------------------------------------------------------
     def elapsed(self) -> float:
-        return 0.0 if self.t_start is None else time.perf_counter() - self.t_start
+        return 0.0 if self.t_start is None else self.clock() - self.t_start
 
     def target_value(self, t: float | None = None) -> float:
         return self.schedule.value(self.elapsed() if t is None else t)
@@ -197,7 +207,7 @@ class LoadRun:
         cfg, t0 = self.config, self.t_start
         prompt = self._prompt(i)
         prio = cfg.priority(i) if callable(cfg.priority) else cfg.priority
-        sent = time.perf_counter() - t0
+        sent = self.clock() - t0
         stage = self.schedule.stage_at(min(scheduled, sent))
         rec = RequestRecord(id=i, stage=stage, stage_name=self.schedule.segments[stage].name, priority=prio,
                             scheduled=scheduled, sent=sent, user=user, prompt_len=len(prompt))
@@ -207,13 +217,13 @@ class LoadRun:
         try:
             stream = self.target.send(prompt, cfg.max_tokens, priority=prio, **cfg.sampling)
             async for ev in stream:
-                self._apply(rec, ev, t0)
+                self._apply(rec, ev, t0, self.clock)
                 if rec.status != "pending":
                     break
             if rec.status == "pending":
                 rec.status, rec.reason = "error", "target stream ended without a finished event"
         except asyncio.CancelledError:
-            rec.status, rec.reason = "cancelled", "in flight when the run ended (max_duration_s)"
+            rec.status, rec.reason = "cancelled", f"in flight when the run ended ({self._end_why})"
             raise
         except Exception as e:   # the target's bug or a bad prompt: recorded, the run goes on
             rec.status, rec.reason = "error", f"{type(e).__name__}: {e}"
@@ -223,7 +233,7 @@ class LoadRun:
                     await asyncio.shield(stream.aclose())
                 except (Exception, asyncio.CancelledError):
                     pass
-            rec.end = time.perf_counter() - t0
+            rec.end = self.clock() - t0
             self.in_flight -= 1
             self.counts[rec.status] = self.counts.get(rec.status, 0) + 1
             self.records.append(rec)
@@ -231,8 +241,9 @@ class LoadRun:
         return rec
 
     @staticmethod
-    def _apply(rec: RequestRecord, ev: TokenEvent, t0: float) -> None:
-        t = (ev.time if ev.time is not None else time.perf_counter()) - t0
+    def _apply(rec: RequestRecord, ev: TokenEvent, t0: float,
+               clock: Callable[[], float] = time.perf_counter) -> None:
+        t = (ev.time if ev.time is not None else clock()) - t0
         rec.token_times.extend([t] * ev.tokens)
         if ev.rejected:
             rec.status, rec.reason = "rejected", ev.error or ev.finish_reason or "rejected"
@@ -250,7 +261,7 @@ class LoadRun:
 
     # ---- arrival processes ----------------------------------------------------------------------
     async def _sleep_until(self, offset: float) -> None:
-        delay = self.t_start + offset - time.perf_counter()
+        delay = self.t_start + offset - self.clock()
         if delay > 0:
             await asyncio.sleep(delay)
 
@@ -267,7 +278,7 @@ class LoadRun:
     async def _user(self, u: int) -> None:
         sched, cfg = self.schedule, self.config
         while True:
-            now = time.perf_counter() - self.t_start
+            now = self.clock() - self.t_start
             if sched.value(now) <= u:          # above the target: wait until the ramp needs this user
                 t = sched.first_time_above(u, now)
                 if t is None:
@@ -292,16 +303,35 @@ class LoadRun:
             self._notify(None)
 
     # ---- the run ---------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """End the run now, from any thread (a notebook cell, a test, a view): as when
+        ``max_duration_s`` is reached, nothing more is sent and requests still in flight are
+        cancelled (recorded as ``cancelled``).  Before the run starts: it ends at once."""
+        self._stop_requested = True
+        loop, event = self._loop, self._stop_event
+        if loop is not None and event is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:               # the loop closed in between: the run is over anyway
+                pass
+
     async def arun(self) -> LoadResult:
         if self.t_start is not None:
             raise ConfigError("this LoadRun has already run; make a new one (or call run_load again)")
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        self.t_start = time.perf_counter()
+        self._loop, self._stop_event = asyncio.get_running_loop(), asyncio.Event()
+        if self._stop_requested:
+            self._stop_event.set()
+        self.t_start = self.clock()
         drive = self._spawn_driver()
         ticker = asyncio.get_running_loop().create_task(self._ticker())
+        stopper = asyncio.get_running_loop().create_task(self._stop_event.wait())
         try:
-            done, _ = await asyncio.wait({drive}, timeout=self.config.max_duration_s)
-            if not done:                       # time is up: stop sending, cancel what is in flight
+            done, _ = await asyncio.wait({drive, stopper}, timeout=self.config.max_duration_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if drive not in done:              # time is up (or stop()): stop sending, cancel what is in flight
+                if stopper in done:
+                    self._end_why = "stop() was called"
                 drive.cancel()
                 for t in list(self._tasks):
                     t.cancel()
@@ -310,8 +340,9 @@ class LoadRun:
                 raise drive.exception()
         finally:
             ticker.cancel()
-            await asyncio.gather(ticker, return_exceptions=True)
-        duration = max([time.perf_counter() - self.t_start] + [r.end for r in self.records if r.end is not None])
+            stopper.cancel()
+            await asyncio.gather(ticker, stopper, return_exceptions=True)
+        duration = max([self.clock() - self.t_start] + [r.end for r in self.records if r.end is not None])
         self.done = True
         self._notify(None)
         stages = [(k, name, a, min(b, duration), tgt) for k, name, a, b, tgt in self.schedule.stage_windows()

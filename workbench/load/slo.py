@@ -285,30 +285,32 @@ class GuardedTarget:
     """A target behind an :class:`SLOGuard`: refused requests are not sent; they end with one
     ``TokenEvent(rejected=True, error=reason)``.  Admitted requests report their TTFT
     (measured from admission, so time held in the guard's queue does not count against the
-    server) to the guard; a probe that fails before its first token counts as unhealthy."""
+    server) to the guard; a probe that fails before its first token counts as unhealthy.
+    ``clock``: what the queue's deadline and the TTFTs are measured with - the clock of the
+    inner target's event times (default ``time.perf_counter``)."""
 
-    def __init__(self, target, guard: SLOGuard) -> None:
-        self.target, self.guard = target, guard
+    def __init__(self, target, guard: SLOGuard, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.target, self.guard, self.clock = target, guard, clock
 
     async def send(self, prompt: Prompt, max_tokens: int, priority: int = 0, **sampling) -> AsyncIterator[TokenEvent]:
         import asyncio
 
-        g = self.guard
+        g, clock = self.guard, self.clock
         d = g.admit(priority=priority)
         if not d.admit and d.retry_after is not None:       # policy="queue": wait for the guard
-            deadline = time.perf_counter() + g.config.queue_timeout_s
-            while not d.admit and time.perf_counter() < deadline:
-                await asyncio.sleep(min(d.retry_after, max(0.0, deadline - time.perf_counter())))
+            deadline = clock() + g.config.queue_timeout_s
+            while not d.admit and clock() < deadline:
+                await asyncio.sleep(min(d.retry_after, max(0.0, deadline - clock())))
                 d = g.admit(priority=priority)
             if not d.admit:
                 d.reason = f"{d.reason} (queued {g.config.queue_timeout_s:g} s, timed out)"
                 with g._lock:
                     g.counts["rejected"] += 1
         if not d.admit:
-            yield TokenEvent(time.perf_counter(), finished=True, finish_reason="rejected", error=d.reason,
+            yield TokenEvent(clock(), finished=True, finish_reason="rejected", error=d.reason,
                              rejected=True, tokens=0)
             return
-        t0 = time.perf_counter()
+        t0 = clock()
         admitted_at = g.clock()
         seen_first = False
         async for ev in self.target.send(prompt, max_tokens, priority=priority, **sampling):

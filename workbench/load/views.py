@@ -79,10 +79,13 @@ class LatencyDashboard:
         dash.static_figure()
 
     Or feed it by hand: ``dash.update(t=..., record=..., in_flight=..., rejected=...)``.
+    ``clock`` paces the redraws (at most ``max_hz``): the run's clock, ``time.perf_counter`` by
+    default (a virtual-time run passes its loop's ``loop.time``).
     """
 
     def __init__(self, window_s: float = 10.0, max_hz: float = 10.0, metrics_fn: Callable[[], dict] | None = None,
-                 metrics_hz: float = 3.0, guard=None, title: str = "Load (live)", height: int = 820) -> None:
+                 metrics_hz: float = 3.0, guard=None, title: str = "Load (live)", height: int = 820,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         import ipywidgets as widgets
         import plotly.graph_objects as go
 
@@ -94,6 +97,7 @@ class LatencyDashboard:
             raise ConfigError(f"LatencyDashboard: window_s={window_s!r} must be > 0 seconds")
         self.window_s, self.min_interval, self.metrics_interval = window_s, 1.0 / max_hz, 1.0 / metrics_hz
         self.metrics_fn, self.guard, self.title, self.height = metrics_fn, guard, title, height
+        self.clock = clock                      # paces redraws (max_hz) and inline polls: the run's clock
         self.fig = go.FigureWidget(self._figure(go))
         self.label = widgets.HTML(value="<b>waiting for the run to start...</b>")
         self.widget = widgets.VBox([self.label, self.fig])
@@ -200,7 +204,7 @@ class LatencyDashboard:
             self._ttfts.append((record.end if record.end is not None else t, record.ttft * 1e3))
             tt = record.token_times
             self._itls.extend((b, (b - a) * 1e3) for a, b in zip(tt, tt[1:]))
-        now = time.perf_counter()
+        now = self.clock()
         if not force and now - self._last_draw < self.min_interval:
             return
         if metrics is not None:
@@ -210,7 +214,7 @@ class LatencyDashboard:
             self._poll_once()
         self._sample(t, in_flight, rejected)
         self._redraw()
-        self._last_draw = time.perf_counter()
+        self._last_draw = self.clock()
 
     def _sample(self, t: float, in_flight, rejected) -> None:
         cut = t - self.window_s            # token times of different requests arrive out of order: filter all

@@ -13,6 +13,10 @@ that touches the engine's state happens on the engine thread.  When a stream's c
 away (a client disconnects: the async generator is closed or cancelled), the request is
 aborted and its blocks return to the pool.  If a step raises, every unfinished request ends
 with finish_reason "error" and the message, and the loop carries on: nothing is lost silently.
+
+``on_step`` (optional, ``fn(stats)``) is called on the engine thread after each step with the
+fresh :meth:`stats` snapshot, before the next requests are taken in: a live view can follow
+every step, and a test can hold the engine at a known step (the engine waits while it runs).
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ from .engine import LLMEngine
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05, liveness_check_s: float = 1.0) -> None:
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05, liveness_check_s: float = 1.0,
+                 on_step: Callable[[dict], None] | None = None) -> None:
         self.engine = engine
+        self.on_step = on_step                     # fn(stats) on the engine thread after each step
         self.idle_wait_s = idle_wait_s
         self.liveness_check_s = liveness_check_s   # how often a waiting stream() checks the engine thread
         self._inbox: deque = deque()
@@ -177,6 +183,12 @@ class AsyncEngine:
         for ev in events:
             self._deliver(ev)
         self._stats = eng.stats()
+        hook = self.on_step
+        if hook is not None:
+            try:
+                hook(dict(self._stats))
+            except Exception as e:  # noqa: BLE001 - a broken observer must not stop the engine
+                self.last_error = f"on_step hook failed: {_describe(e)}"
         rec = eng.step_records[-1] if eng.step_records else None
         if rec is not None and rec.num_seqs == 0 and eng.scheduler.waiting:
             time.sleep(min(0.001, eng.config.micro_batch_window_s or 0.001))  # window not open yet
