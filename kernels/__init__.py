@@ -66,6 +66,38 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# Triton < 3.7's interpreter turns a loaded scalar into a Python int with ``int(array)`` on a
+# one-element array, which numpy >= 2.4 refuses ("only 0-dimensional arrays can be converted"):
+# every kernel that reads a loop bound or an index from memory fails (attention, sampling).
+# Measured: triton 3.6.0 + numpy 2.3.5 passes the kernel tests, + numpy 2.4.x fails them;
+# triton 3.7.1, 3.8.0 and 3.9.0 pass with numpy 2.4.  Compiled kernels (a GPU) are unaffected.
+_INTERPRETER_PROBLEM: list = []     # [message or None], computed once
+
+
+def check_interpreter() -> None:
+    """Raise one clear RuntimeError, before a launch under ``TRITON_INTERPRET=1``, when this
+    triton's interpreter cannot run the kernels with this numpy (see above)."""
+    if not interpreter_active():
+        return
+    if not _INTERPRETER_PROBLEM:
+        import re
+
+        import numpy
+        import triton
+
+        def version(v: str) -> tuple[int, ...]:
+            return tuple(int(x) for x in re.findall(r"\d+", v)[:2])
+
+        bad = version(triton.__version__) < (3, 7) and version(numpy.__version__) >= (2, 4)
+        _INTERPRETER_PROBLEM.append(
+            f"the Triton interpreter (TRITON_INTERPRET=1) of triton {triton.__version__} cannot run these kernels "
+            f"with numpy {numpy.__version__}: it converts one-element arrays to Python ints, which numpy >= 2.4 "
+            "refuses; use triton >= 3.7 or numpy < 2.4 to run the kernels on a CPU (compiled kernels on a GPU "
+            "are unaffected)" if bad else None)
+    if _INTERPRETER_PROBLEM[0]:
+        raise RuntimeError(_INTERPRETER_PROBLEM[0])
+
+
 def has_kernel_file(name: str) -> bool:
     """Whether ``workbench_kernels.<name>`` exists in this checkout (imports nothing heavy)."""
     return importlib.util.find_spec(f"{__name__}.{name}") is not None
@@ -84,6 +116,7 @@ def check_device(kernel, *tensors, op: str) -> None:
     if next(iter(devices)).type == "cpu" and type(kernel).__name__ != "InterpretedFunction":
         raise RuntimeError(f"{op}: Triton kernels run on a CPU only under the interpreter: set TRITON_INTERPRET=1 "
                            f"before workbench_kernels.{op.split('(')[0]} is first imported")
+    check_interpreter()
 
 
 def rows_per_program(num_rows: int, row_elems: int, interpreted: bool) -> int:

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import count_launch, interpreter_active
+from . import check_interpreter, count_launch, interpreter_active
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -245,6 +245,7 @@ def _launch(q, k, v, cu_q, k_lens, block_table, max_seqlen_q, scale, causal, sli
         skb = svb = 0
         page, bt, sbt = 1, cu_q, 0      # BLOCK_TABLE unused: any int32 pointer will do
     grid = lambda meta: (triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), nh, B)  # noqa: E731
+    check_interpreter()
     _flash_prefill_kernel[grid](
         q, k, v, o, cu_q, k_lens, bt, scale * math.log2(math.e), sliding_window or 0,
         *q.stride(), skb, skt, skh, skd, svb, svt, svh, svd, *o.stride(), sbt,

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import count_launch, interpreter_active
+from . import check_interpreter, count_launch, interpreter_active
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -256,6 +256,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         m_part = torch.empty(B, nh, num_splits, device=q.device, dtype=torch.float32)
         l_part = torch.empty_like(m_part)
         acc_part = torch.empty(B, nh, num_splits, hd, device=q.device, dtype=torch.float32)
+    check_interpreter()
     _paged_decode_split_kernel[(B, nkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, m_part, l_part, acc_part, o,
         scale * math.log2(math.e), sliding_window or 0, num_splits, nh,

@@ -1,52 +1,129 @@
 #!/usr/bin/env bash
-# One GPU session's worth of checks, in one call, within about ten minutes:
+# One GPU session's worth of checks and benchmarks, in one call, within 8 minutes:
 #
-#   bash scripts/device_check.sh [OUT_DIR]        # OUT_DIR default: runs/device_check
+#   bash scripts/device_check.sh [OUT_DIR]
 #
-# 1. the kernel, backend, CUDA-graph and batched-engine tests on the GPU (compiled Triton, not
-#    the interpreter);  2. workbench kernels-bench at full size (ceilings, every kernel vs eager
-#    and torch.compile, the Llama-3.2-1B-shaped decode step eager / fused / fused + CUDA graphs);
-#    3. workbench sched-bench on the GPU;  4. the engine vs transformers.generate.
-# Every step has its own time limit and its own log; a failed step is reported and the next
-# one runs.  The summary table prints last.  On a machine without CUDA it runs the same steps
-# at CPU sizes (a dry run of the script itself).
+# 1. tests: the kernel, backend, CUDA-graph and batched-engine tests on the GPU (compiled Triton,
+#    not the interpreter);  2. kernels_bench: `workbench kernels-bench` at full size (ceilings,
+#    every kernel vs eager and torch.compile, the Llama-3.2-1B-shaped decode step eager / fused /
+#    fused + CUDA graphs);  3. sched_bench: `workbench sched-bench`;  4. engine_bench: the engine
+#    vs transformers.generate (`workbench bench`);  5. prefix_bench: `workbench prefix-bench`.
+#
+# Every step has its own time cap, and the whole script (summary included) ends within
+# DEVICE_CHECK_BUDGET_S = 480 s: a step that would run past that gets the time left, or is
+# skipped.  A failed step is reported and the next one runs.  The summary table prints last;
+# the exit status is 1 when any step did not pass.
+#
+# Where the tables go (workbench/measure/gpu_results.py writes them; see results/gpu/README.md):
+#   with CUDA     results/gpu/<device>-<YYYY-MM-DD>/ (committed; a second run that day: -2, -3 ...):
+#                 meta.json, summary.csv, engine_bench.csv, kernel_bench.csv, sched_bench.csv,
+#                 prefix_bench.csv, device_check.log.  Where $OUT is set (the device tool's folder
+#                 of files that come back) the folder is also copied to $OUT/<device>-<date>/:
+#                 copy it into results/gpu/ here and commit it.
+#   without CUDA  a dry run of the script itself at CPU sizes, into runs/device_check/ (git-ignored),
+#                 never into results/gpu/.
+#   OUT_DIR       given: the tables go there instead.
+# Raw outputs of every step (stdout, stderr) stay in runs/device_check/raw/.
+#
+# Runs from a plain checkout (PYTHONPATH=.), no install step: with $PYTHON, else .venv/bin/python,
+# else python3 / python.  Without .git (a copied checkout) set GIT_COMMIT for meta.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:-${OUT:-runs/device_check}}
-mkdir -p "$OUT"
-PY=${PYTHON:-.venv/bin/python}
-WB=("$PY" -m workbench.cli)
-export PYTHONUNBUFFERED=1
-CUDA=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))")
+T0=$(date +%s)
+BUDGET=${DEVICE_CHECK_BUDGET_S:-480}
+RESERVE=15                      # the tables, the copy and the summary after the last step
+DEADLINE=$((T0 + BUDGET - RESERVE))
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
+elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
+elif command -v python3 > /dev/null; then PY=python3
+else PY=python; fi
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+WORK=runs/device_check/raw
+rm -rf "$WORK" && mkdir -p "$WORK"
+
+PROBE=$(timeout -k 5 60 "$PY" - <<'EOF'
+import json, os, platform, subprocess
+import torch
+d = {"cuda_available": torch.cuda.is_available(), "torch": torch.__version__, "cuda": torch.version.cuda,
+     "python": platform.python_version(), "host_cpus": os.cpu_count()}
+for name in ("triton", "transformers", "numpy"):
+    try:
+        d[name] = __import__(name).__version__
+    except Exception:
+        d[name] = None
+if d["cuda_available"]:
+    d["device_name"] = torch.cuda.get_device_name(0)
+    try:
+        d["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem,driver_version",
+                                   "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
+    except Exception:
+        pass
+print(json.dumps(d))
+EOF
+) || { echo "device check: '$PY' cannot import torch (set PYTHON=...)" >&2; exit 2; }
+IFS=$'\t' read -r CUDA DIR < <("$PY" -m workbench.measure.gpu_results start --probe "$PROBE" ${1:+--out "$1"})
+if [ -z "${DIR:-}" ]; then echo "device check: could not create the output folder" >&2; exit 2; fi
+
 if [ "$CUDA" = 1 ]; then
-  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv > "$OUT/gpu.csv" 2>&1
-  DEV=cuda; SIZE=full; SCHED=(--streams 8 --max-tokens 64 --trace-requests 48 --rate 20)
-else
-  DEV=cpu; SIZE=small; SCHED=(--streams 4 --max-tokens 8 --trace-requests 8 --rate 8 --overhead-batch 8
-                              --overhead-tokens 4 --long-prompt-tokens 128 --windows-ms 0 5)
+  DEV=cuda; SIZE=full
+  TESTS=(tests/test_kernels_pointwise.py tests/test_kernels_attention.py tests/test_backends.py
+         tests/test_cuda_graphs.py tests/test_batched_backends.py)
+  # 16 cores there: compile the tests' kernels in 4 processes when pytest-xdist is installed
+  "$PY" -c "import xdist" 2> /dev/null && TESTS=(-n 4 --dist loadfile "${TESTS[@]}")
+  SCHED=(--streams 8 --max-tokens 64 --trace-requests 48 --rate 20)
+  PREFIX=(--num-requests 50)
+  ENGINE=(--repeats 3)
+else                            # the dry run: CPU sizes, the interpreter's quick kernel tests
+  DEV=cpu; SIZE=small
+  TESTS=(tests/test_kernels_pointwise.py tests/test_kernels_attention.py tests/test_cuda_graphs.py)
+  SCHED=(--streams 4 --max-tokens 8 --trace-requests 8 --rate 8 --overhead-batch 8 --overhead-tokens 4
+         --long-prompt-tokens 128 --windows-ms 0 5)
+  PREFIX=(--num-requests 8 --max-tokens 4 --rounds 1)
+  ENGINE=(--repeats 2 --num-prompts 2 --max-tokens 8)
 fi
-declare -a NAMES STATUS SECS
-step() {   # step NAME TIMEOUT_S command...
-  local name=$1 limit=$2; shift 2
-  local t0=$(date +%s)
+
+step() {   # step NAME CAP_S command...: stdout -> $WORK/NAME.out, stderr -> $WORK/NAME.log
+  local name=$1 cap=$2; shift 2
+  local t0 limit status rc
+  t0=$(date +%s)
+  limit=$(( DEADLINE - t0 - 3 ))          # timeout -k 3: a step that ignores TERM is killed 3 s later
+  (( limit > cap )) && limit=$cap
+  if (( limit < 5 )); then
+    printf '%s\tskipped (no time left)\t0\t%s\n' "$name" "$cap" >> "$WORK/steps.tsv"
+    echo "== $name: skipped, no time left"; return
+  fi
   echo "== $name (limit ${limit}s)"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  NAMES+=("$name"); SECS+=($(( $(date +%s) - t0 )))
-  if [ $rc = 0 ]; then STATUS+=("ok"); elif [ $rc = 124 ]; then STATUS+=("timeout"); else STATUS+=("failed rc=$rc"); fi
-  tail -n 3 "$OUT/$name.log"
+  timeout -k 3 "$limit" "$@" > "$WORK/$name.out" 2> "$WORK/$name.log"
+  rc=$?
+  if [ $rc = 0 ]; then status=ok; elif [ $rc = 124 ] || [ $rc = 137 ]; then status=timeout; else status="failed rc=$rc"; fi
+  printf '%s\t%s\t%s\t%s\n' "$name" "$status" $(( $(date +%s) - t0 )) "$limit" >> "$WORK/steps.tsv"
+  tail -n 2 "$WORK/$name.out" | cut -c1-160
+  [ "$status" = ok ] || tail -n 3 "$WORK/$name.log" | cut -c1-300
 }
 
-step tests 240 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_kernels_pointwise.py \
-  tests/test_kernels_attention.py tests/test_backends.py tests/test_cuda_graphs.py tests/test_batched_backends.py
-step kernels_bench 300 "${WB[@]}" kernels-bench --device "$DEV" --size "$SIZE" --csv "$OUT/kernel_bench.csv" \
-  --json "$OUT/kernel_bench.json"
-step sched_bench 150 "${WB[@]}" sched-bench --device "$DEV" "${SCHED[@]}" --json
-step engine_bench 120 "${WB[@]}" bench --device "$DEV" --json --repeats 3
+WB=("$PY" -m workbench.cli)
+echo "device check: $DEV, $PY, tables -> $DIR"
+step tests 110 "$PY" -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"
+step kernels_bench 160 "${WB[@]}" kernels-bench --device "$DEV" --size "$SIZE" --csv "$WORK/kernel_bench.csv" --quiet
+step sched_bench 60 "${WB[@]}" sched-bench --device "$DEV" "${SCHED[@]}" --json --quiet
+step engine_bench 60 "${WB[@]}" bench --device "$DEV" "${ENGINE[@]}" --json --quiet
+step prefix_bench 50 "${WB[@]}" prefix-bench --device "$DEV" "${PREFIX[@]}" --json --quiet
 
-cp "$OUT/sched_bench.log" "$OUT/sched_bench.json" 2>/dev/null
 echo
-echo "== device check summary ($DEV) -> $OUT"
-printf "%-16s %-14s %6s\n" step status seconds
-for i in "${!NAMES[@]}"; do printf "%-16s %-14s %6s\n" "${NAMES[$i]}" "${STATUS[$i]}" "${SECS[$i]}"; done
-if [ -f "$OUT/kernel_bench.log" ]; then echo; tail -n 30 "$OUT/kernel_bench.log"; fi
+echo "== tables"
+timeout -k 2 10 "$PY" -m workbench.measure.gpu_results write-tables "$DIR" --work "$WORK" \
+  || echo "writing the tables failed (raw outputs in $WORK)"
+if [ "$CUDA" = 1 ] && [ -z "${1:-}" ] && [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
+  mkdir -p "$OUT/$(basename "$DIR")" && cp "$DIR"/*.csv "$DIR"/meta.json "$DIR"/*.log "$OUT/$(basename "$DIR")/" 2> /dev/null
+  echo "copied to \$OUT/$(basename "$DIR")/: copy that folder into results/gpu/ and commit it"
+fi
+if [ -s "$WORK/kernels_bench.out" ]; then echo; echo "== kernel bench (last lines)"; tail -n 25 "$WORK/kernels_bench.out"; fi
+echo
+echo "== device check summary ($DEV) -> $DIR"
+printf "%-14s %-24s %7s %7s\n" step status seconds limit_s
+while IFS=$'\t' read -r name status secs limit; do
+  printf "%-14s %-24s %7s %7s\n" "$name" "$status" "$secs" "$limit"
+done < "$WORK/steps.tsv"
+echo "total: $(( $(date +%s) - T0 )) s of a ${BUDGET} s budget"
+cut -f2 "$WORK/steps.tsv" | grep -qv '^ok$' && exit 1
+exit 0

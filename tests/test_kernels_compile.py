@@ -153,3 +153,29 @@ def test_format_and_cli_options():
     text = format_aot([ok, bad])
     assert "swiglu_fwd" in text and "1/2 compiled" in text
     assert "FAILED: sm_80 swiglu_fwd" in text and "bad thing" in text
+
+
+def test_launch_knobs_are_feature_detected():
+    """``JITFunction.run`` copies some compilation knobs into the options, a set that grows with
+    Triton (``fpsan_homomorphic_casts`` since 3.9): a knob is passed only where this Triton has
+    both the knob and the option (triton 3.6 - 3.8 lack it; ``_pack_args`` rejects unknown ones)."""
+    from dataclasses import dataclass
+    from types import SimpleNamespace
+
+    from workbench.kernel_aot import _launch_knobs
+
+    @dataclass
+    class Old:                      # triton 3.6 - 3.8's options
+        instrumentation_mode: str = ""
+
+    @dataclass
+    class New(Old):                 # triton 3.9's
+        fpsan_homomorphic_casts: bool = False
+
+    old_knobs = SimpleNamespace(compilation=SimpleNamespace(instrumentation_mode=""))
+    new_knobs = SimpleNamespace(compilation=SimpleNamespace(instrumentation_mode="", fpsan_homomorphic_casts=True))
+    backend = lambda cls: SimpleNamespace(parse_options=lambda opts: cls())  # noqa: E731
+    assert _launch_knobs(old_knobs, backend(Old)) == {"instrumentation_mode": ""}
+    assert _launch_knobs(new_knobs, backend(Old)) == {"instrumentation_mode": ""}
+    assert _launch_knobs(old_knobs, backend(New)) == {"instrumentation_mode": ""}
+    assert _launch_knobs(new_knobs, backend(New)) == {"instrumentation_mode": "", "fpsan_homomorphic_casts": True}

@@ -7,6 +7,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -57,3 +59,42 @@ def test_every_subpackage_is_packaged():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "workbench").rglob("__init__.py")}
     assert found <= listed, f"pyproject.toml [tool.setuptools] packages lacks {sorted(found - listed)}"
+
+
+def test_declared_floors_admit_the_gpu_image():
+    """The GPU machine's image (torch 2.11, triton 3.6, transformers 5.17) is inside the ranges."""
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    floors = {d.split(">=")[0]: d.split(">=")[1].split(";")[0].strip() for d in deps if ">=" in d}
+
+    def version(v: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in v.split("."))
+
+    for name, image in (("torch", "2.11.0"), ("triton", "3.6.0"), ("transformers", "5.17.0")):
+        assert version(floors[name]) <= version(image), f"{name}>={floors[name]} excludes the GPU image's {image}"
+
+
+def test_old_triton_interpreter_with_new_numpy_fails_with_one_clear_error(monkeypatch):
+    """Triton 3.6's interpreter cannot run the kernels with numpy >= 2.4 (measured): a launch
+    under TRITON_INTERPRET=1 says so, naming both versions, instead of a deep Triton error."""
+    import numpy
+    import triton
+
+    import workbench  # noqa: F401 - registers workbench_kernels
+    import workbench_kernels as wk
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for tv, nv, bad in (("3.6.0", "2.4.6", True), ("3.6.0", "2.3.5", False), ("3.7.1", "2.4.6", False),
+                        ("3.9.0", "2.5.2", False)):
+        monkeypatch.setattr(triton, "__version__", tv)
+        monkeypatch.setattr(numpy, "__version__", nv)
+        monkeypatch.setattr(wk, "_INTERPRETER_PROBLEM", [])
+        if bad:
+            with pytest.raises(RuntimeError, match=rf"triton {tv} .* numpy {nv}.*triton >= 3.7 or numpy < 2.4"):
+                wk.check_interpreter()
+        else:
+            wk.check_interpreter()
+    monkeypatch.setattr(wk, "_INTERPRETER_PROBLEM", [])
+    monkeypatch.setenv("TRITON_INTERPRET", "0")      # compiled kernels: never checked
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    monkeypatch.setattr(numpy, "__version__", "2.4.6")
+    wk.check_interpreter()

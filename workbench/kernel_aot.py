@@ -27,8 +27,9 @@ compiled (on a GPU the autotuner tries each of them).  The recorded arguments th
 Triton's own launch-time specialisation (integer == 1 -> constexpr, 16-divisible integers and
 16-aligned pointers get ``tt.divisibility``, exactly as ``JITFunction.run`` does), with a meta
 tensor's ``data_ptr()`` standing for a 16-byte-aligned allocation plus its storage offset.
-(That path uses two Triton-internal helpers, ``create_function_from_signature`` and
-``JITFunction._pack_args``, as of Triton 3.9; should they change, every row reports the error.)
+(That path uses Triton-internal helpers, ``create_function_from_signature`` and
+``JITFunction._pack_args`` among them, feature-detected for Triton 3.6 - 3.9: see
+``_triton_internals``; should they change, every row reports the error.)
 
 The one thing no wrapper can compute here is the number of SMs (``paged_decode`` asks the
 CUDA device): the decode cases pass ``num_splits`` from the wrapper's own
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import io
 import json
@@ -304,15 +306,55 @@ def ptxas_missing(capabilities=(90, 80)) -> str | None:
     return None
 
 
+# Triton-internal APIs this module uses, all present (same signatures) in Triton 3.6 - 3.9:
+# triton.knobs (compilation / runtime / nvidia), triton.runtime.jit.create_function_from_signature,
+# JITFunction._pack_args, triton.compiler.compiler.make_backend, triton.compiler.ASTSource,
+# triton.backends.nvidia.compiler.get_ptxas, Autotuner.prune_configs.  ``JITFunction.run`` copies
+# some compilation knobs into the launch options, and that set grows between releases
+# (``fpsan_homomorphic_casts`` since 3.9): each is passed only where this Triton has it.
+SUPPORTED_TRITON = "3.6 - 3.9"
+_LAUNCH_KNOBS = ("instrumentation_mode", "fpsan_homomorphic_casts")
+
+
+def _triton_internals():
+    """The Triton-internal functions used below, or an ImportError that names the Triton
+    version and the missing API (each compile row then reports it)."""
+    import triton
+
+    try:
+        from triton import knobs
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from triton.compiler.compiler import make_backend
+        from triton.runtime.jit import JITFunction, create_function_from_signature
+    except ImportError as e:
+        raise ImportError(f"triton {triton.__version__} lacks an API workbench.kernel_aot uses ({e}); "
+                          f"supported: triton {SUPPORTED_TRITON}") from None
+    if not hasattr(JITFunction, "_pack_args"):
+        raise ImportError(f"triton {triton.__version__} has no JITFunction._pack_args; "
+                          f"supported: triton {SUPPORTED_TRITON}")
+    return knobs, GPUTarget, ASTSource, make_backend, create_function_from_signature
+
+
+def _launch_knobs(knobs, backend) -> dict:
+    """The compilation knobs ``JITFunction.run`` adds to a launch's options in this Triton: those
+    that exist both as a knob and as a field of the backend's options (``_pack_args`` rejects
+    any other keyword)."""
+    try:
+        fields = {f.name for f in dataclasses.fields(backend.parse_options({}))}
+    except Exception:       # options are not a dataclass here: trust the knobs alone
+        fields = None
+    return {name: getattr(knobs.compilation, name) for name in _LAUNCH_KNOBS
+            if hasattr(knobs.compilation, name) and (fields is None or name in fields)}
+
+
 def _specialize(jit, backend, args: tuple, kwargs: dict):
     """Signature, constexprs, attrs and options exactly as ``JITFunction.run`` derives them."""
-    from triton import knobs
-    from triton.runtime.jit import create_function_from_signature
+    knobs, _, _, _, create_function_from_signature = _triton_internals()
 
     kwargs = dict(kwargs)
     kwargs["debug"] = kwargs.get("debug", jit.debug) or knobs.runtime.debug
-    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-    kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    kwargs.update(_launch_knobs(knobs, backend))
     binder = create_function_from_signature(jit.signature, jit.params, backend)
     bound_args, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = jit._pack_args(backend, kwargs, bound_args, specialization, options)
@@ -382,10 +424,6 @@ def _grid_text(grid, bound_args: dict) -> str:
 def compile_launch(launch: Launch, cfg, capability: int, tools: dict) -> dict:
     """Compile one launch (with one autotune config) for ``sm_<capability>``; one result row."""
     import triton
-    from triton import knobs
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.compiler.compiler import make_backend
 
     module = importlib.import_module(f"workbench_kernels.{launch.file}")
     kern = getattr(module, launch.kernel)
@@ -393,7 +431,6 @@ def compile_launch(launch: Launch, cfg, capability: int, tools: dict) -> dict:
     kwargs = dict(launch.kwargs)
     if cfg is not None:
         kwargs.update(cfg.all_kwargs())
-    target = GPUTarget("cuda", capability, 32)
     name, _, smem_max, regfile = TARGETS[capability]
     row: dict[str, Any] = {"file": launch.file, "kernel": launch.kernel, "case": launch.case,
                            "target": f"sm_{capability}", "config": _config_text(cfg, launch), "grid": "",
@@ -401,8 +438,11 @@ def compile_launch(launch: Launch, cfg, capability: int, tools: dict) -> dict:
                            "num_stages": None, "regs": None, "stack": None, "spill_bytes": None, "note": ""}
     t0 = time.perf_counter()
     log = io.StringIO()
-    old_dump = knobs.nvidia.dump_ptxas_log
+    knobs = None
     try:
+        knobs, GPUTarget, ASTSource, make_backend, _ = _triton_internals()
+        old_dump = getattr(knobs.nvidia, "dump_ptxas_log", False)
+        target = GPUTarget("cuda", capability, 32)
         backend = make_backend(target)
         signature, constexprs, attrs, options, bound = _specialize(jit, backend, launch.args, kwargs)
         row["grid"] = _grid_text(launch.grid, {**bound, **kwargs})
@@ -418,7 +458,8 @@ def compile_launch(launch: Launch, cfg, capability: int, tools: dict) -> dict:
         row["error"] = msg if len(msg) <= 4000 else f"{msg[:1000]}\n...\n{msg[-3000:]}"
         return row
     finally:
-        knobs.nvidia.dump_ptxas_log = old_dump
+        if knobs is not None:
+            knobs.nvidia.dump_ptxas_log = old_dump
     row["seconds"] = round(time.perf_counter() - t0, 3)
     md = compiled.metadata
     row.update(status="ok", smem=int(md.shared), num_warps=int(md.num_warps), num_stages=int(md.num_stages))

@@ -1,0 +1,432 @@
+"""GPU results that last: the tables ``scripts/device_check.sh`` writes on a GPU, and the
+latest of each for the notebooks.
+
+A GPU is lent now and then for a few minutes; what it measured is committed under
+``results/gpu/<device>-<date>/`` (``<device>`` a slug of the GPU's name such as ``nvidia-h200``,
+``<date>`` the UTC date ``YYYY-MM-DD``; a second run on the same day gets ``-2``, ``-3`` ...).
+One folder holds (see ``results/gpu/README.md``)::
+
+    meta.json          device_name, date, utc_time, torch, triton, cuda, git_commit, python ...
+    summary.csv        step, status, seconds, limit_s: one row per step of the device check
+    engine_bench.csv   `workbench bench`: one row per side (workbench / transformers.generate)
+    kernel_bench.csv   `workbench kernels-bench`: its own CSV, unchanged
+    sched_bench.csv    `workbench sched-bench --json`, long format: section, config, metric, value
+    prefix_bench.csv   `workbench prefix-bench --json`, long format: section, config, metric, value
+    device_check.log   the last lines of every step's output
+
+A notebook shows the latest GPU table next to its CPU figures::
+
+    from workbench.measure.gpu_results import latest, describe
+    t = latest("sched_bench")          # None when no GPU run wrote that table yet
+    print(describe("sched_bench"))     # "NVIDIA H200, 2026-12-01" or "not measured yet on a GPU ..."
+    t.frame                            # a pandas DataFrame
+
+The device check calls this module's command line (stdlib only; pandas is imported lazily, by
+:attr:`GpuTable.frame` alone)::
+
+    python -m workbench.measure.gpu_results start --probe JSON [--out DIR]   # prints: CUDA<TAB>DIR
+    python -m workbench.measure.gpu_results write-tables OUT_DIR --work WORK_DIR
+    python -m workbench.measure.gpu_results latest TABLE                      # print the latest table
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS_ROOT = REPO / "results" / "gpu"          # committed: measured on a GPU, never edited by hand
+DRY_RUN_DIR = REPO / "runs" / "device_check"     # git-ignored: a run without CUDA writes here
+
+# step -> the table it produces (the CSV is named after the step; kernels_bench keeps the name of
+# the CSV `workbench kernels-bench` has always written)
+TABLES = {"engine_bench": "engine_bench", "kernels_bench": "kernel_bench", "sched_bench": "sched_bench",
+          "prefix_bench": "prefix_bench"}
+SUMMARY_COLUMNS = ["step", "status", "seconds", "limit_s"]
+LONG_COLUMNS = ["section", "config", "metric", "value"]
+LOG_NAME = "device_check.log"
+LOG_TAIL_LINES = 40
+
+_DATE = re.compile(r"(\d{4}-\d{2}-\d{2})")
+
+
+# ---- reading: the latest committed table ---------------------------------------------------------
+
+@dataclass
+class GpuTable:
+    """One committed GPU table: ``results/gpu/<folder>/<table>.csv`` and its folder's meta."""
+    table: str
+    folder: Path
+    device: str                 # the GPU's name from meta.json ("NVIDIA H200"), else the folder's slug
+    date: str                   # YYYY-MM-DD (UTC) from the folder name
+    meta: dict = field(default_factory=dict)
+    _frame: Any = field(default=None, repr=False)
+
+    @property
+    def path(self) -> Path:
+        return self.folder / f"{self.table}.csv"
+
+    @property
+    def frame(self):
+        """The table as a pandas DataFrame (read once)."""
+        if self._frame is None:
+            import pandas as pd
+
+            self._frame = pd.read_csv(self.path)
+        return self._frame
+
+    @property
+    def label(self) -> str:
+        """``"NVIDIA H200, 2026-12-01"``: where and when the table was measured."""
+        return f"{self.device}, {self.date}"
+
+    def __str__(self) -> str:
+        return self.label
+
+
+def _folder_key(folder: Path) -> tuple[str, int, str]:
+    """Sort key: the date in the name, then the same-day run number (``-2`` after none), then
+    the name."""
+    m = _DATE.search(folder.name)
+    date = m.group(1) if m else ""
+    rest = folder.name[m.end():] if m else ""
+    run = int(rest[1:]) if re.fullmatch(r"-\d+", rest) else 1
+    return date, run, folder.name
+
+
+def result_folders(root: str | Path | None = None) -> list[Path]:
+    """The dated result folders under ``root`` (default ``results/gpu``), oldest first."""
+    root = Path(root) if root is not None else RESULTS_ROOT
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and _DATE.search(p.name)), key=_folder_key)
+
+
+def read_meta(folder: str | Path) -> dict:
+    try:
+        meta = json.loads((Path(folder) / "meta.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def latest(table: str, root: str | Path | None = None) -> GpuTable | None:
+    """The newest committed ``<table>.csv`` under ``root`` (default ``results/gpu``): by the date
+    in the folder name, then the folder name; None when no folder has that table."""
+    table = table.removesuffix(".csv")
+    for folder in reversed(result_folders(root)):
+        if (folder / f"{table}.csv").is_file():
+            meta = read_meta(folder)
+            date = _DATE.search(folder.name).group(1)
+            slug = folder.name[:_DATE.search(folder.name).start()].rstrip("-") or folder.name
+            return GpuTable(table=table, folder=folder, device=str(meta.get("device_name") or slug), date=date,
+                            meta=meta)
+    return None
+
+
+def describe(table: str, root: str | Path | None = None) -> str:
+    """Where the latest GPU table comes from ("NVIDIA H200, 2026-12-01"), or that there is none."""
+    found = latest(table, root)
+    if found is None:
+        return f"not measured yet on a GPU (no results/gpu/*/{table.removesuffix('.csv')}.csv)"
+    return found.label
+
+
+# ---- writing: JSON of the benchmarks -> CSV rows --------------------------------------------------
+
+def slug(name: str) -> str:
+    """``"NVIDIA H200"`` -> ``"nvidia-h200"`` (letters, digits and single dashes)."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown-device"
+
+
+def _scalar(v) -> bool:
+    return v is None or isinstance(v, (str, int, float, bool))
+
+
+def engine_rows(data: dict) -> list[dict]:
+    """``workbench bench --json`` -> one row per side (``workbench``, ``transformers.generate``):
+    the side's numbers (ttft_ms_p50, decode_tokens_per_s_p50 / min / max, jitter ...), then the
+    comparison (decode_speedup, ttft_ratio, verdicts, greedy_token_agreement) and the run's
+    settings (device, dtype, threads, backend, sizes, versions) repeated on each row."""
+    sides = [("workbench", data.get("workbench")), ("transformers.generate", data.get("transformers_generate"))]
+    shared: dict[str, Any] = {}
+    for k, v in data.items():            # the comparison and the run: every top-level scalar
+        if k not in ("workbench", "transformers_generate") and _scalar(v):
+            shared[k] = v
+    policy = data.get("threads_policy")
+    if isinstance(policy, dict) and "policy" in policy:
+        shared.setdefault("threads_policy", policy["policy"])
+    backends = data.get("backends")
+    if isinstance(backends, dict):
+        for k in ("backends", "triton_interpreter"):
+            if k in backends:
+                shared.setdefault(f"backend_{k}" if k == "backends" else k, backends[k])
+    for k, v in (data.get("config") or {}).items():   # sizes: prompt_tokens, max_tokens, repeats ...
+        if _scalar(v) and k not in shared and v is not None:
+            shared[k] = v
+    rows = []
+    for name, side in sides:
+        if not isinstance(side, dict):
+            continue
+        row = {"side": name}
+        row.update({k: v for k, v in side.items() if _scalar(v)})
+        row.update({k: v for k, v in shared.items() if k not in row})
+        rows.append(row)
+    return rows
+
+
+def long_rows(data: dict) -> list[dict]:
+    """A nested benchmark JSON -> rows ``section, config, metric, value`` (long format).
+
+    ``section`` is the top-level key (top-level scalars go to section ``run``); nested dicts
+    give dotted metric names (``off.ttft_ms_p50``); a list of dicts is one configuration per
+    item, named by its first key (``window_ms=5.0``, ``chunked_prefill=True``).  Lists of plain
+    values are raw samples and are left out (the summary statistics next to them stay), except
+    in section ``config`` where they are settings (``windows_ms = "0.0 5.0"``)."""
+    rows: list[dict] = []
+
+    def walk(section: str, config: str, prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(section, config, f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(value, list):
+            if value and all(isinstance(x, dict) for x in value):
+                for item in value:
+                    first = next(iter(item), None)
+                    name = f"{first}={item[first]}" if first is not None and _scalar(item[first]) else ""
+                    rest = {k: v for k, v in item.items() if k != first} if name else item
+                    walk(section, f"{config};{name}" if config and name else (name or config), prefix, rest)
+            elif section == "config" and all(_scalar(x) for x in value):
+                rows.append({"section": section, "config": config, "metric": prefix,
+                             "value": " ".join(str(x) for x in value)})
+        else:
+            rows.append({"section": section, "config": config, "metric": prefix, "value": value})
+
+    for key, value in data.items():
+        if _scalar(value):
+            rows.append({"section": "run", "config": "", "metric": key, "value": value})
+        else:
+            walk(key, "", "", value)
+    return rows
+
+
+def write_csv(rows: list[dict], path: str | Path, columns: list[str] | None = None) -> Path:
+    """Rows -> CSV (columns: ``columns``, else every key in order of first appearance)."""
+    if columns is None:
+        columns = []
+        for r in rows:
+            columns += [k for k in r if k not in columns]
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with open(p, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    return p
+
+
+def read_json_output(path: str | Path) -> dict:
+    """The JSON object a ``--json`` command printed (stdout; a line of text before it is skipped)."""
+    text = Path(path).read_text()
+    start = text.find("{")
+    if start < 0:
+        raise ValueError(f"{path}: no JSON object in the output")
+    obj, _ = json.JSONDecoder().raw_decode(text[start:])
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: the output is not a JSON object")
+    return obj
+
+
+def read_steps(path: str | Path) -> list[dict]:
+    """``steps.tsv`` (step, status, seconds, limit_s; tab-separated, written by device_check.sh)."""
+    rows = []
+    p = Path(path)
+    if not p.is_file():
+        return rows
+    for line in p.read_text().splitlines():
+        parts = line.rstrip("\n").split("\t")
+        if len(parts) >= 4 and parts[0] != "step":
+            rows.append(dict(zip(SUMMARY_COLUMNS, parts[:4])))
+    return rows
+
+
+def _tail(path: Path, lines: int) -> list[str]:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return text[-lines:]
+
+
+def write_tables(out_dir: str | Path, work_dir: str | Path) -> dict[str, str]:
+    """Turn one device check's raw outputs (``work_dir``: ``<step>.out`` = the command's stdout,
+    ``<step>.log`` = its stderr, ``kernel_bench.csv``, ``steps.tsv``) into the tables of
+    ``out_dir``.  Returns {table: "ok" | why not}.  A step that failed writes no table, so the
+    previous run's table stays the latest."""
+    out, work = Path(out_dir), Path(work_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    steps = read_steps(work / "steps.tsv")
+    status = {s["step"]: s["status"] for s in steps}
+    done: dict[str, str] = {}
+    for step, table in TABLES.items():
+        if step not in status:
+            done[table] = "not run"
+            continue
+        if status[step] != "ok":
+            done[table] = f"step {status[step]}"
+            continue
+        try:
+            if step == "kernels_bench":
+                src = work / "kernel_bench.csv"
+                if not src.is_file():
+                    raise FileNotFoundError(f"{src} is missing")
+                if src.resolve() != (out / "kernel_bench.csv").resolve():
+                    shutil.copyfile(src, out / "kernel_bench.csv")
+            else:
+                data = read_json_output(work / f"{step}.out")
+                rows = engine_rows(data) if step == "engine_bench" else long_rows(data)
+                write_csv(rows, out / f"{table}.csv", None if step == "engine_bench" else LONG_COLUMNS)
+            done[table] = "ok"
+        except Exception as e:  # noqa: BLE001 - one table's problem must not lose the others
+            done[table] = f"error: {type(e).__name__}: {e}"
+    write_csv(steps, out / "summary.csv", SUMMARY_COLUMNS)
+    # one small log: the tail of every step's stderr and stdout
+    log = []
+    for s in steps:
+        for kind in ("log", "out"):
+            tail = _tail(work / f"{s['step']}.{kind}", LOG_TAIL_LINES)
+            if tail:
+                log.append(f"==== {s['step']} ({s['status']}, {s['seconds']} s of {s['limit_s']}): "
+                           f"last {len(tail)} lines of {'stderr' if kind == 'log' else 'stdout'}")
+                log += tail
+    (out / LOG_NAME).write_text("\n".join(log) + "\n")
+    meta = read_meta(out)
+    if meta:
+        meta["tables"] = done
+        (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return done
+
+
+# ---- the output folder and meta.json --------------------------------------------------------------
+
+def _git(*args: str) -> str | None:
+    try:
+        r = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def git_commit() -> str | None:
+    """HEAD's commit (with ``-dirty`` when tracked files differ from it), or ``$GIT_COMMIT``
+    where the checkout has no .git (a plain copy on a GPU machine)."""
+    commit = _git("rev-parse", "HEAD")
+    if commit is None:
+        return os.environ.get("GIT_COMMIT") or None
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    return commit + ("-dirty" if dirty else "")
+
+
+def output_dir(device_name: str, now: datetime, root: str | Path | None = None) -> Path:
+    """``<root>/<slug>-<YYYY-MM-DD>``; a second run of the day gets ``-2``, ``-3`` ..."""
+    root = Path(root) if root is not None else RESULTS_ROOT
+    base = f"{slug(device_name)}-{now:%Y-%m-%d}"
+    folder, n = root / base, 1
+    while folder.exists():
+        n += 1
+        folder = root / f"{base}-{n}"
+    return folder
+
+
+def start(probe: dict, out: str | Path | None = None, root: str | Path | None = None,
+          dry_run_dir: str | Path | None = None, now: datetime | None = None) -> tuple[bool, Path]:
+    """Choose and create the output folder, write its ``meta.json``; returns (cuda, folder).
+    With CUDA: a new ``results/gpu/<device>-<date>`` (or ``out``); without: ``runs/device_check``
+    (or ``out``), never ``results/gpu``."""
+    now = now or datetime.now(timezone.utc)
+    cuda = bool(probe.get("cuda_available"))
+    name = probe.get("device_name") or ("unknown GPU" if cuda else "cpu")
+    if out:
+        folder = Path(out)
+    elif cuda:
+        folder = output_dir(name, now, root)
+    else:
+        folder = Path(dry_run_dir) if dry_run_dir is not None else DRY_RUN_DIR
+        if folder.is_dir():      # a dry run replaces the previous dry run's tables
+            for p in folder.iterdir():
+                if p.is_file() and (p.suffix in (".csv", ".log") or p.name == "meta.json"):
+                    p.unlink()
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "device_name": name,
+        "date": f"{now:%Y-%m-%d}",
+        "utc_time": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "torch": probe.get("torch"),
+        "triton": probe.get("triton"),
+        "cuda": probe.get("cuda"),
+        "git_commit": git_commit(),
+        "python": probe.get("python") or platform.python_version(),
+        "dry_run": not cuda,
+    }
+    for k in ("transformers", "numpy", "gpu", "host_cpus"):
+        if probe.get(k) is not None:
+            meta[k] = probe[k]
+    (folder / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return cuda, folder
+
+
+# ---- command line ---------------------------------------------------------------------------------
+
+def _print_latest(table: str, root: str | None) -> int:
+    found = latest(table, root)
+    print(describe(table, root))
+    if found is None:
+        return 1
+    print(found.frame.to_string(index=False))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m workbench.measure.gpu_results", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("start", help="create the output folder and its meta.json; print 'CUDA<TAB>FOLDER'")
+    s.add_argument("--probe", required=True, help="JSON: cuda_available, device_name, torch, triton, cuda, python")
+    s.add_argument("--out", default="", help="write here instead (default: results/gpu/<device>-<date> on a GPU, "
+                                              "runs/device_check without one)")
+    s.add_argument("--root", default=None, help=argparse.SUPPRESS)
+    w = sub.add_parser("write-tables", help="raw step outputs -> the CSV tables, summary.csv and device_check.log")
+    w.add_argument("out_dir")
+    w.add_argument("--work", required=True, help="folder of the raw outputs (<step>.out / .log, steps.tsv)")
+    lt = sub.add_parser("latest", help="print the latest GPU table of a name and where it comes from")
+    lt.add_argument("table")
+    lt.add_argument("--root", default=None)
+    args = p.parse_args(argv)
+    if args.cmd == "start":
+        cuda, folder = start(json.loads(args.probe), out=args.out or None, root=args.root)
+        try:                    # relative to the working directory when inside it (the repo root)
+            folder = folder.resolve().relative_to(Path.cwd().resolve())
+        except ValueError:
+            pass
+        print(f"{int(cuda)}\t{folder}")
+        return 0
+    if args.cmd == "write-tables":
+        done = write_tables(args.out_dir, args.work)
+        for table, how in done.items():
+            print(f"{table + '.csv':<18} {how}")
+        return 0
+    return _print_latest(args.table, args.root)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
