@@ -95,8 +95,8 @@ def test_compare_refuses_other_than_two_sides_and_bad_repeats():
 # ---- probe --------------------------------------------------------------------------------------
 def test_noise_probe_measures_a_spread_and_becomes_the_default_noise_floor():
     p = noise_probe(repeats=8, task_ms=1.0)
-    assert p.task_ms > 0 and p.spread >= 0 and p.worst >= 1 and p.cores >= 1
-    assert p.threshold == max(0.05, p.spread)
+    assert p.task_ms > 0 and p.spread >= p.iqr >= 0 and p.worst >= 1 and p.cores >= 1
+    assert p.threshold == max(0.05, p.iqr)
     assert last_probe() is p
     assert "machine noise" in p.describe() and json.dumps(p.as_dict())
     c = C.compare({"a": lambda: 1.0, "b": lambda: 2.0}, repeats=3)

@@ -21,15 +21,19 @@ BUNDLED_WEIGHTS = ROOT / "data" / "reference-model" / "model.safetensors"
 # Metrics a notebook's sidecar must hold (notebooks not listed must write at least one metric).
 EXPECTED_KEYS = {
     "00_tour": {"ttft_ms_p50", "tpot_ms_p50", "itl_ms_p99", "decode_tokens_per_s_p50", "step_ms_plain",
-                "hook_overhead_pct", "greedy_token_agreement", "bench_decode_speedup"},
+                "hook_overhead_pct", "greedy_token_agreement", "bench_decode_speedup", "bench_decode_verdict",
+                "threads", "noise_threshold"},
     "01_fused_kernels": {"max_err_add_rmsnorm", "max_err_swiglu", "max_err_rope", "max_err_flash_prefill",
                          "max_err_paged_decode", "launches_per_step_eager", "launches_per_step_fused",
                          "greedy_token_agreement"},
     "04_scheduler": {"static_vs_continuous_ttft_p95_ratio", "chunked_itl_max_ratio", "preemptions_recompute",
                      "preemptions_swap", "throughput_speedup", "scheduler_share_batch32", "identical_greedy_tokens",
-                     "slo_p95_ttft_ms_no_guard", "slo_p95_ttft_ms_guard", "slo_trips"},
+                     "slo_p95_ttft_ms_no_guard", "slo_p95_ttft_ms_guard", "slo_trips",
+                     "verdict: static vs continuous: TTFT p95", "verdict: chunked prefill: ITL max",
+                     "verdict: throughput: concurrent vs sequential", "threads", "noise_threshold"},
     "02_kv_tiers": {"ttft_p50_reduction", "hit_rate", "bookkeeping_cost", "identical_greedy_tokens",
-                    "best_tier_reduction", "best_tier_rel_ppl"},
+                    "best_tier_reduction", "best_tier_rel_ppl", "prefix_ttft_verdict", "offload_host_verdict",
+                    "threads", "noise_threshold"},
 }
 
 

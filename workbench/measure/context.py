@@ -31,7 +31,7 @@ def run_facts(llm, probe: NoiseProbe | None = None) -> dict:
         for t, ms in choice.step_ms.items():
             facts[f"threads_step_ms_{t}"] = ms
     if probe is not None:
-        facts.update(noise_spread=probe.spread, noise_threshold=probe.threshold,
+        facts.update(noise_spread=probe.spread, noise_iqr=probe.iqr, noise_threshold=probe.threshold,
                      noise_parallel_speedup=probe.parallel_speedup)
     return facts
 
