@@ -140,8 +140,9 @@ def test_prefix_bench_json(capsys):
     # the verdict compares the requests after the first (3 - 1 per side, request by request)
     cmp = s["ttft_comparison"]
     assert len(cmp["samples"]["prefix cache on"]) == len(cmp["samples"]["prefix cache off"]) == 2
-    assert s["ttft_verdict"] == cmp["verdict"] and s["ttft_winner"] in (None, "prefix cache on", "prefix cache off")
-    assert res["no_sharing"]["tokens_per_s_verdict"]
+    # two requests a side are too few for a verdict, whatever the timings
+    assert s["ttft_verdict"] == cmp["verdict"] and s["ttft_winner"] is None and "too few" in s["ttft_verdict"]
+    assert res["no_sharing"]["tokens_per_s_verdict"].startswith("within noise")
 
 
 def test_sched_bench_json(capsys):
@@ -155,7 +156,8 @@ def test_sched_bench_json(capsys):
     t = res["throughput"]
     assert t["identical_tokens"] is True
     assert t["speedup"] == pytest.approx(t["concurrent_tokens_per_s"] / t["sequential_tokens_per_s"])
-    assert len(t["runs"]["concurrent"]) == len(t["runs"]["sequential"]) == 1 and t["verdict"]
+    assert len(t["runs"]["concurrent"]) == len(t["runs"]["sequential"]) == 1
+    assert t["winner"] is None and "1 run a side" in t["verdict"]
     assert res["overhead"]["batch"] == 3
 
 

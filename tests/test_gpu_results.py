@@ -126,6 +126,26 @@ def test_a_second_run_of_the_day_wins_and_a_missing_table_falls_back(tmp_path):
     assert older.device == "nvidia-h200" and older.meta == {}       # no meta.json: the folder's slug
 
 
+def test_a_dry_run_folder_is_never_shown_as_a_gpu_figure(tmp_path):
+    _folder(tmp_path, "nvidia-h200-2026-12-01", {"sched_bench": "x\n1\n"}, {"device_name": "NVIDIA H200"})
+    _folder(tmp_path, "cpu-2026-12-02", {"sched_bench": "x\n2\n"}, {"device_name": "AMD EPYC", "dry_run": True})
+    assert gr.latest("sched_bench", root=tmp_path).folder.name == "nvidia-h200-2026-12-01"
+
+
+def test_device_check_script_parses_and_its_caps_fit_the_budget():
+    import re
+    import subprocess
+
+    script = ROOT / "scripts" / "device_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = script.read_text()
+    caps = [int(c) for c in re.findall(r"^\s*step \w+ (\d+) ", text, re.M)]
+    budget = int(re.search(r"DEVICE_CHECK_BUDGET_S:-(\d+)", text).group(1))
+    reserve = int(re.search(r"^RESERVE=(\d+)", text, re.M).group(1))
+    assert len(caps) >= 5 and budget <= 480
+    assert sum(caps) <= budget - reserve, (caps, budget, reserve)
+
+
 def test_missing_table_or_root_is_none_and_describe_says_so(tmp_path):
     assert gr.latest("engine_bench", root=tmp_path / "nowhere") is None
     _folder(tmp_path, "nvidia-h200-2026-12-01", {"sched_bench": "x\n1\n"}, {"device_name": "NVIDIA H200"})
@@ -133,8 +153,9 @@ def test_missing_table_or_root_is_none_and_describe_says_so(tmp_path):
     (tmp_path / "scratch").mkdir()                  # no date in the name: not a result folder
     assert gr.latest("engine_bench", root=tmp_path) is None
     assert gr.describe("engine_bench", root=tmp_path) == \
-        "not measured yet on a GPU (no results/gpu/*/engine_bench.csv)"
-    assert gr.describe("sched_bench", root=tmp_path) == "NVIDIA H200, 2026-12-01"
+        "on a GPU: not measured yet (no results/gpu/*/engine_bench.csv)"
+    assert gr.describe("sched_bench", root=tmp_path) == \
+        "on a GPU: NVIDIA H200, 2026-12-01 (nvidia-h200-2026-12-01/sched_bench.csv)"
 
 
 def test_default_root_is_the_repositorys_results_gpu():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -10,6 +11,7 @@ import torch
 
 import workbench
 from workbench.errors import ConfigError
+from workbench.model import CausalLM, init_weights
 from workbench.measure import compare as C
 from workbench.measure import threads as T
 from workbench.measure.probe import last_probe, noise_probe
@@ -17,7 +19,8 @@ from workbench.measure.probe import last_probe, noise_probe
 
 # ---- compare ------------------------------------------------------------------------------------
 def test_separated_samples_give_a_verdict_with_the_ratio_of_medians():
-    c = C.compare_samples([10.0, 11.0, 12.0], [30.0, 33.0, 36.0], names=("on", "off"), metric="TTFT", unit="ms")
+    c = C.compare_samples([10.0, 11.0, 12.0], [30.0, 33.0, 36.0], names=("on", "off"), metric="TTFT", unit="ms",
+                          noise=0.0)
     assert c.separated and c.winner == "on" and c.favours("on") and not c.favours("off")
     assert c.ratio == pytest.approx(33.0 / 11.0)
     assert c.verdict == "on lower by 3.00x"
@@ -25,21 +28,21 @@ def test_separated_samples_give_a_verdict_with_the_ratio_of_medians():
 
 
 def test_overlapping_ranges_are_within_noise_whatever_the_medians_say():
-    c = C.compare_samples([10.0, 20.0, 11.0], [12.0, 13.0, 14.0], names=("a", "b"))
+    c = C.compare_samples([10.0, 20.0, 11.0], [12.0, 13.0, 14.0], names=("a", "b"), noise=0.0)
     assert c.ratio > 1.1 and not c.separated
     assert c.winner is None and c.verdict.startswith("within noise") and "ranges overlap" in c.verdict
 
 
 def test_noise_floor_turns_a_small_separated_difference_into_within_noise():
     a, b = [100.0, 100.5, 101.0], [102.0, 102.5, 103.0]
-    assert C.compare_samples(a, b).winner == "A"
+    assert C.compare_samples(a, b, noise=0.0).winner == "A"
     c = C.compare_samples(a, b, noise=0.05)
     assert c.separated and c.winner is None and "noise floor" in c.verdict
 
 
 def test_higher_is_better_metrics():
     c = C.compare_samples([200.0, 210.0, 205.0], [100.0, 105.0, 98.0], names=("engine", "hf"),
-                          lower_is_better=False, better_word="faster")
+                          lower_is_better=False, better_word="faster", noise=0.0)
     assert c.winner == "engine" and c.verdict == "engine faster by 2.05x"
     assert c.ratio == pytest.approx(205.0 / 100.0)
 
@@ -49,11 +52,26 @@ def test_paired_rounds_survive_drift_that_makes_ranges_overlap():
     drift = [1, 1.5, 2, 2.5, 3, 3.5]
     a = [10.0 * d for d in drift]
     b = [12.0 * d for d in drift]
-    c = C.compare_samples(a, b)
+    c = C.compare_samples(a, b, noise=0.0)
     assert not c.separated and c.paired and c.winner == "A"
     assert min(c.round_ratios) == pytest.approx(1.2)
     # five rounds are not enough for the paired rule
-    assert C.compare_samples(a[:5], b[:5]).winner is None
+    assert C.compare_samples(a[:5], b[:5], noise=0.0).winner is None
+    # a steady 1 % difference over 6 rounds is below a 5 % noise floor
+    assert C.compare_samples(a, [x * 1.01 for x in a], noise=0.05).winner is None
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_one_or_two_runs_a_side_never_give_a_verdict(n):
+    c = C.compare_samples([1.0] * n, [100.0] * n, noise=0.0)
+    assert not c.separated and c.winner is None
+    assert c.verdict == f"within noise (100.00x, {n} run{'s' if n > 1 else ''} a side: too few for a verdict)"
+    assert C.compare_samples([1.0] * 3, [100.0] * 3, noise=0.0).winner == "A"
+
+
+def test_a_missing_measurement_is_a_clear_error():
+    with pytest.raises(ValueError, match="side 'b', run 1: the measured value is None"):
+        C.compare({"a": lambda: {"p95": 1.0}, "b": lambda: {"p95": None}}, repeats=1, key=lambda r: r["p95"], noise=0.0)
 
 
 def test_compare_interleaves_the_sides_and_keeps_what_each_call_returned():
@@ -93,7 +111,10 @@ def test_compare_refuses_other_than_two_sides_and_bad_repeats():
 
 
 # ---- probe --------------------------------------------------------------------------------------
-def test_noise_probe_measures_a_spread_and_becomes_the_default_noise_floor():
+def test_noise_probe_measures_a_spread_and_becomes_the_default_noise_floor(monkeypatch):
+    from workbench.measure import probe as P
+
+    monkeypatch.setattr(P, "_LAST", None)      # restored afterwards: other tests keep their floor
     p = noise_probe(repeats=8, task_ms=1.0)
     assert p.task_ms > 0 and p.spread >= p.iqr >= 0 and p.worst >= 1 and p.cores >= 1
     assert p.threshold == max(0.05, p.iqr)
@@ -101,6 +122,8 @@ def test_noise_probe_measures_a_spread_and_becomes_the_default_noise_floor():
     assert "machine noise" in p.describe() and json.dumps(p.as_dict())
     c = C.compare({"a": lambda: 1.0, "b": lambda: 2.0}, repeats=3)
     assert c.noise == p.threshold
+    assert C.compare_samples([1.0] * 3, [2.0] * 3).noise == p.threshold
+    assert C.compare_samples([1.0] * 3, [2.0] * 3, noise=0.0).noise == 0.0
     with pytest.raises(ValueError, match="repeats"):
         noise_probe(repeats=2)
 
@@ -143,7 +166,7 @@ def keep_threads():
 def test_measured_policy_times_every_candidate_and_caches_per_model_shape(random_llm, monkeypatch, keep_threads):
     monkeypatch.delenv(T.ENV, raising=False)
     monkeypatch.setattr(T, "_CACHE", {})
-    model = random_llm.model
+    model = init_weights(CausalLM(random_llm.model.config)).eval()     # no engine chose for it yet
     choice = T.apply_thread_policy(model)
     assert choice.policy == "measured"
     assert set(choice.step_ms) == set(T.candidate_threads()) or choice.note == "one core available"
@@ -151,10 +174,45 @@ def test_measured_policy_times_every_candidate_and_caches_per_model_shape(random
         assert choice.threads == T.pick_threads(choice.step_ms)
         assert all(lo <= choice.step_ms[t] <= hi for t, (lo, hi) in choice.spread_ms.items())
     assert torch.get_num_threads() == choice.threads
+    assert model.thread_choice is choice
     again = T.apply_thread_policy(model)
-    assert again.policy == "cached" and again.threads == choice.threads
-    assert T.apply_thread_policy(model, remeasure=True).policy == "measured"
-    assert choice.describe().startswith(f"{choice.threads} thread")
+    assert again.policy == "inherited" and again.threads == choice.threads
+    # another model object of the same shape: the process-wide cache, not a new measurement
+    twin = init_weights(CausalLM(model.config)).eval()
+    cached = T.apply_thread_policy(twin)
+    assert cached.policy == "cached" and cached.threads == choice.threads and cached.step_ms == choice.step_ms
+    # a different shape misses the cache and is measured
+    other = init_weights(CausalLM(dataclasses.replace(model.config, num_hidden_layers=1))).eval()
+    assert T.apply_thread_policy(other).policy in ("measured", "single candidate")
+    assert T.apply_thread_policy(model, remeasure=True).policy in ("measured", "single candidate")
+    assert choice.describe().startswith(f"{choice.threads} thread") and "measured in" in choice.describe()
+    assert "measured in" not in cached.describe()
+
+
+def test_an_engine_on_a_loaded_model_keeps_its_threads(random_llm, monkeypatch, keep_threads):
+    # LLM(threads=2), then an engine built on its model (as prefix-bench and kv-inspect do): still 2
+    monkeypatch.delenv(T.ENV, raising=False)
+    model = init_weights(CausalLM(random_llm.model.config)).eval()
+    workbench.LLM(model, tokenizer=random_llm.tokenizer, threads=2)
+    paged = workbench.LLM(model, tokenizer=random_llm.tokenizer)
+    assert (paged.threads, paged.thread_choice.policy) == (2, "inherited") and torch.get_num_threads() == 2
+
+
+def test_a_failed_measurement_restores_the_thread_count(random_llm, monkeypatch, keep_threads):
+    model = random_llm.model
+    torch.set_num_threads(1)
+    real, calls = model.forward, []
+
+    def failing(*a, **k):
+        calls.append(torch.get_num_threads())
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return real(*a, **k)
+
+    monkeypatch.setattr(model, "forward", failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        T._step_times(model, [2, 1], budget_s=0.05)
+    assert calls[0] == 2 and torch.get_num_threads() == 1
 
 
 def test_argument_beats_environment_beats_measurement(random_llm, monkeypatch, keep_threads):
@@ -203,8 +261,10 @@ def test_cli_threads_flag_reaches_bench_json_and_bad_values_exit_2(capsys, monke
                "--num-prompts", "1", "--repeats", "1", "--threads", "1", "--json"])
     assert rc == 0
     res = json.loads(capsys.readouterr().out)
-    assert res["threads"] == 1 and res["threads_policy"]["policy"] == "environment"
-    assert res["decode_verdict"] and res["ttft_verdict"]
+    assert res["threads"] == 1 and res["threads_policy"]["policy"] == "argument"
+    # one prompt x one repeat: one run a side, never a verdict
+    assert res["decode_verdict"].startswith("within noise") and "too few" in res["decode_verdict"]
+    assert res["decode_winner"] is None and 0 <= res["noise"]["iqr"] <= res["noise"]["threshold"]
     assert main(["bench", "--model", "preset:tiny", "--threads", "0"]) == 2
     assert "--threads" in capsys.readouterr().err
 

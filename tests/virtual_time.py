@@ -12,8 +12,11 @@ wherever the code under test reads a clock::
         run = LoadRun(target, cfg, clock=vt.clock)
         res = vt.run(run.arun())
 
-I/O and other threads still work (the loop polls its selector without waiting first); only
-when no timer is pending does it block for real, up to ``idle_limit_s``.
+I/O still works (the loop polls its selector without waiting first); only when no timer is
+pending does it block for real, up to ``idle_limit_s``.  Work handed in from another thread
+(``call_soon_threadsafe``) is seen, but virtual time does not wait for it: while a timer is
+pending the clock jumps ahead regardless.  So use it with pure-asyncio fakes (FakeTarget), not
+with a target that computes on its own thread.
 """
 
 from __future__ import annotations

@@ -141,10 +141,12 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
     from .measure.compare import compare_samples
+    from .measure.probe import noise_probe
 
     torch.manual_seed(cfg.seed)
     llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, threads=cfg.threads)
     threads = torch.get_num_threads()   # the engine's choice; process-wide, so transformers runs with it too
+    probe = noise_probe()               # the noise floor of this run's verdicts
     if cfg.backend:
         from .backends import apply_backends, parse_backend_spec
         apply_backends(llm.model, parse_backend_spec(cfg.backend))
@@ -192,7 +194,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         "model": cfg.model or "bundled", "device": str(dev),
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name(),
         "dtype": str(llm.model.lm_head.weight.dtype).removeprefix("torch."), "threads": threads,
-        "threads_policy": llm.thread_choice.as_dict(),
+        "threads_policy": llm.thread_choice.as_dict(), "noise": probe.as_dict(),
         "torch": torch.__version__, "transformers": transformers.__version__, "config": asdict(cfg),
         "workbench": res["workbench"], "transformers_generate": res["transformers"],
         "decode_speedup": res["workbench"]["decode_tokens_per_s_p50"] / res["transformers"]["decode_tokens_per_s_p50"],

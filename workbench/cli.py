@@ -51,7 +51,8 @@ def _prepare_triton(args) -> None:
 
 def _prepare_threads(args) -> None:
     """``--threads``: checked now (a clear error before any model loads), then handed to every
-    engine this command builds through ``WORKBENCH_THREADS`` (see workbench.measure.threads)."""
+    engine this command builds through ``WORKBENCH_THREADS`` (see workbench.measure.threads);
+    ``bench`` also passes it to its engine directly, so its JSON records the argument."""
     import os
 
     value = getattr(args, "threads", None)
@@ -109,7 +110,7 @@ def cmd_bench(args) -> int:
 
     cfg = BenchConfig(model=args.model, device=args.device, dtype=args.dtype, prompt_tokens=args.prompt_tokens,
                       max_tokens=args.max_tokens, num_prompts=args.num_prompts, repeats=args.repeats,
-                      warmup=args.warmup, seed=args.seed, backend=args.backend)
+                      warmup=args.warmup, seed=args.seed, backend=args.backend, threads=args.threads)
     res = run_bench(cfg, progress=not args.json and not args.quiet)
     if args.json:
         if not args.raw:

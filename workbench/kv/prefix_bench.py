@@ -111,6 +111,9 @@ def run_prefix_bench(model=None, cfg: PrefixBenchConfig | None = None, device=No
     unique = unique_prompts(base.tokenizer, cfg)
     longest = max(len(base.tokenizer.encode(p)) for p in shared) + cfg.max_tokens
     blocks = -(-longest // cfg.block_size) * 4 + 8   # the shared prefix + a few requests' worth
+    from ..measure.probe import noise_probe
+
+    probe = noise_probe()            # the noise floor of the verdicts below
     engines = {}
     for on in (False, True):
         kv = PagedKVConfig(block_size=cfg.block_size, num_blocks=blocks, enable_prefix_caching=on)
@@ -166,7 +169,7 @@ def run_prefix_bench(model=None, cfg: PrefixBenchConfig | None = None, device=No
                               better_word="faster")
     return {
         "config": cfg.__dict__, "system_prompt_tokens": len(base.tokenizer.encode(system)),
-        "device": str(base.device), "pool_blocks": blocks,
+        "device": str(base.device), "pool_blocks": blocks, "noise": probe.as_dict(),
         "shared_prefix": {"off": off, "on": on, "ttft_p50_reduction": off["ttft_ms_p50"] / on["ttft_ms_p50"],
                           "ttft_verdict": ttft_cmp.verdict if ttft_cmp else "needs 2+ requests",
                           "ttft_winner": ttft_cmp.winner if ttft_cmp else None,

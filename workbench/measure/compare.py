@@ -14,8 +14,9 @@ odd ones (A B, B A, A B, ...), so slow drift and "second run is warmer" effects 
 
 **When a verdict is stated.** Side X is called better only when
 
-1. every one of its samples beats every sample of the other side (the ranges do not overlap:
-   with 3 samples a side, chance alone does that 1 time in 10; with 5, 1 in 126), **or**, with
+1. with at least 3 samples a side, every one of its samples beats every sample of the other
+   side (the ranges do not overlap: chance alone does that 1 time in 10 with 3 a side, 1 in 126
+   with 5; with 1 or 2 a side it proves nothing, so no verdict is stated), **or**, with
    at least 6 rounds, it won every round against the run next to it (paired: slow drift over
    the whole run cannot fake that; chance alone does it 1 time in 32 with 6 rounds), and
 2. the ratio of the medians exceeds ``1 + noise``, the machine's noise level measured by
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 WITHIN_NOISE = "within noise"
+MIN_SEPARATED_SAMPLES = 3
 MIN_PAIRED_ROUNDS = 6
 
 
@@ -111,8 +113,15 @@ class Comparison:
         return out
 
     @property
+    def enough(self) -> bool:
+        """Enough samples for the range rule (a bootstrap comparison checked its own size)."""
+        return self.interval is not None or min(len(self.samples[n]) for n in self.names) >= MIN_SEPARATED_SAMPLES
+
+    @property
     def separated(self) -> bool:
-        """Every sample of the better side beats every sample of the other."""
+        """Every sample of the better side beats every sample of the other (with enough samples)."""
+        if not self.enough:
+            return False
         best, worst = self._better_first()
         (blo, bhi), (wlo, whi) = self.spread(best), self.spread(worst)
         return bhi < wlo if self.lower_is_better else blo > whi
@@ -136,8 +145,13 @@ class Comparison:
         word = self.better_word or ("lower" if self.lower_is_better else "higher")
         if w is not None:
             return f"{w} {word} by {self.ratio:.2f}x"
-        why = ("ranges overlap" if not (self.separated or self.paired)
-               else f"below the {self.noise:.0%} noise floor")
+        if not self.enough:
+            n = min(len(self.samples[x]) for x in self.names)
+            why = f"{n} run{'s' if n > 1 else ''} a side: too few for a verdict"
+        elif not (self.separated or self.paired):
+            why = "ranges overlap"
+        else:
+            why = f"below the {self.noise:.0%} noise floor"
         return f"{WITHIN_NOISE} ({self.ratio:.2f}x, {why})"
 
     def favours(self, name: str) -> bool:
@@ -183,9 +197,21 @@ def _fmt(v: float) -> str:
     return f"{v:.3g}" if a < 10 else f"{v:.1f}" if a < 1000 else f"{v:,.0f}"
 
 
-def compare_samples(a: list[float], b: list[float], names: tuple[str, str] = ("A", "B"), **kw) -> Comparison:
-    """A :class:`Comparison` of samples measured elsewhere (they should have been interleaved)."""
-    return Comparison(names=tuple(names), samples={names[0]: list(a), names[1]: list(b)}, **kw)
+def _default_noise() -> float:
+    """The last :func:`~workbench.measure.probe.noise_probe` of this process; a probe now if none ran."""
+    from .probe import last_probe, noise_probe
+
+    probe = last_probe() or noise_probe()
+    return probe.threshold
+
+
+def compare_samples(a: list[float], b: list[float], names: tuple[str, str] = ("A", "B"), noise: float | None = None,
+                    **kw) -> Comparison:
+    """A :class:`Comparison` of samples measured elsewhere (they should have been interleaved).
+    ``noise``: the relative noise floor; by default the last noise probe of this process (one
+    runs now, in about a tenth of a second, when none has)."""
+    return Comparison(names=tuple(names), samples={names[0]: list(a), names[1]: list(b)},
+                      noise=_default_noise() if noise is None else noise, **kw)
 
 
 def compare_quantile(a: list[float], b: list[float], q: float = 0.95, names: tuple[str, str] = ("A", "B"),
@@ -215,10 +241,7 @@ def compare_quantile(a: list[float], b: list[float], q: float = 0.95, names: tup
         est[n] = float(np.quantile(arr, q))
         ivl[n] = (float(np.quantile(boot, lo_q)), float(np.quantile(boot, hi_q)))
     if noise is None:
-        from .probe import last_probe
-
-        probe = last_probe()
-        noise = probe.threshold if probe is not None else 0.0
+        noise = _default_noise()
     return Comparison(names=tuple(names), samples=vals, noise=noise, estimate=est, interval=ivl,
                       confidence=confidence, **kw)
 
@@ -230,7 +253,8 @@ def compare(sides: dict[str, Callable[[], Any]], repeats: int = 3, warmup: int =
     ``sides``: two named callables.  Each call returns a number, or anything from which ``key``
     extracts the number; everything returned is kept in ``Comparison.results``.  ``warmup``
     rounds run both sides first and are discarded.  ``noise``: the relative noise floor (by
-    default the last :func:`~workbench.measure.probe.noise_probe` of this process, else 0).
+    default the last :func:`~workbench.measure.probe.noise_probe` of this process; one runs now
+    when none has).
     Other keyword arguments go to :class:`Comparison` (``metric``, ``unit``, ``lower_is_better``,
     ``better_word``).
     """
@@ -249,13 +273,14 @@ def compare(sides: dict[str, Callable[[], Any]], repeats: int = 3, warmup: int =
         for n in (names if r % 2 == 0 else names[::-1]):
             value = sides[n]()
             results[n].append(value)
-            samples[n].append(float(key(value)))
+            v = key(value)
+            if v is None:
+                raise ValueError(f"compare: side {n!r}, run {r + 1}: the measured value is None")
+            samples[n].append(float(v))
     if noise is None:
-        from .probe import last_probe
-
-        probe = last_probe()
-        noise = probe.threshold if probe is not None else 0.0
+        noise = _default_noise()
     return Comparison(names=names, samples=samples, noise=noise, results=results, **kw)
 
 
-__all__ = ["Comparison", "compare", "compare_samples", "compare_quantile", "WITHIN_NOISE", "MIN_PAIRED_ROUNDS"]
+__all__ = ["Comparison", "compare", "compare_samples", "compare_quantile", "WITHIN_NOISE", "MIN_PAIRED_ROUNDS",
+           "MIN_SEPARATED_SAMPLES"]

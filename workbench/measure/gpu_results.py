@@ -18,7 +18,7 @@ A notebook shows the latest GPU table next to its CPU figures::
 
     from workbench.measure.gpu_results import latest, describe
     t = latest("sched_bench")          # None when no GPU run wrote that table yet
-    print(describe("sched_bench"))     # "NVIDIA H200, 2026-12-01" or "not measured yet on a GPU ..."
+    print(describe("sched_bench"))     # "on a GPU: NVIDIA H200, 2026-12-01 (...)" or "on a GPU: not measured yet ..."
     t.frame                            # a pandas DataFrame
 
 The device check calls this module's command line (stdlib only; pandas is imported lazily, by
@@ -128,6 +128,8 @@ def latest(table: str, root: str | Path | None = None) -> GpuTable | None:
     for folder in reversed(result_folders(root)):
         if (folder / f"{table}.csv").is_file():
             meta = read_meta(folder)
+            if meta.get("dry_run"):         # a CPU dry run written here by hand (OUT_DIR): not a GPU figure
+                continue
             date = _DATE.search(folder.name).group(1)
             slug = folder.name[:_DATE.search(folder.name).start()].rstrip("-") or folder.name
             return GpuTable(table=table, folder=folder, device=str(meta.get("device_name") or slug), date=date,
@@ -136,11 +138,12 @@ def latest(table: str, root: str | Path | None = None) -> GpuTable | None:
 
 
 def describe(table: str, root: str | Path | None = None) -> str:
-    """Where the latest GPU table comes from ("NVIDIA H200, 2026-12-01"), or that there is none."""
+    """Where the latest GPU table comes from ("on a GPU: NVIDIA H200, 2026-12-01
+    (results/gpu/nvidia-h200-2026-12-01/sched_bench.csv)"), or that there is none."""
     found = latest(table, root)
     if found is None:
-        return f"not measured yet on a GPU (no results/gpu/*/{table.removesuffix('.csv')}.csv)"
-    return found.label
+        return f"on a GPU: not measured yet (no results/gpu/*/{table.removesuffix('.csv')}.csv)"
+    return f"on a GPU: {found.label} ({found.folder.name}/{found.table}.csv)"
 
 
 # ---- writing: JSON of the benchmarks -> CSV rows --------------------------------------------------

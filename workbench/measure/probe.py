@@ -12,7 +12,10 @@ Two measurements, both of fixed work, so they say something about the machine an
   *slower* than one (each parallel region waits for a thread that is not scheduled).  That is
   why the engine chooses its thread count by measurement (:mod:`workbench.measure.threads`).
 
-The load average is not used: in a VM it counts other tenants' work, or none of it.
+The load average is not used: in a VM it counts other tenants' work, or none of it.  The floor
+is measured once, on a short CPU-bound task; longer, memory-bound runs can be noisier than that,
+which is why a verdict also needs the runs' own ranges apart (:mod:`workbench.measure.compare`):
+the floor is a lower bound on what counts as a difference, not the whole test.
 """
 
 from __future__ import annotations

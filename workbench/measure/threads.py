@@ -14,8 +14,10 @@ is within ``margin`` of the fastest**.  Fewer threads win ties because the downs
 asymmetric: an extra thread buys little on an idle machine and costs a lot on a busy one.
 
 Overrides, strongest first: ``LLM(threads=N)`` / ``--threads N``; the environment variable
-``WORKBENCH_THREADS`` (an integer, or ``auto``).  On a GPU the host threads only launch work and
-are left as they are.
+``WORKBENCH_THREADS`` (an integer, or ``auto``).  An engine built on a model another engine
+already chose for (``LLM(llm.model, kv=...)``) inherits that choice.  The measurement times the
+model as it is at load: per-op backends applied later (``--backend``) are not part of it.  On a
+GPU the host threads only launch work and are left as they are.
 
 The OpenMP *wait policy* (``OMP_WAIT_POLICY=PASSIVE``) also rescues 2 threads under load, but
 it is read once, when torch is imported, and it costs an idle machine: measured here, a 64-token
@@ -43,7 +45,7 @@ _CACHE: dict[tuple, "ThreadChoice"] = {}
 @dataclass
 class ThreadChoice:
     threads: int
-    policy: str                                  # measured | cached | argument | environment | cuda
+    policy: str                  # measured | cached | inherited | argument | environment | single candidate | cuda
     step_ms: dict[int, float] = field(default_factory=dict)   # median decode step per candidate
     spread_ms: dict[int, tuple[float, float]] = field(default_factory=dict)
     seconds: float = 0.0                         # what measuring cost
@@ -52,8 +54,8 @@ class ThreadChoice:
     def describe(self) -> str:
         if self.step_ms:
             steps = ", ".join(f"{t} thread{'s' if t > 1 else ''} {ms:.2f} ms" for t, ms in sorted(self.step_ms.items()))
-            return (f"{self.threads} thread{'s' if self.threads > 1 else ''} ({self.policy}: decode step {steps}; "
-                    f"measured in {self.seconds:.2f} s)")
+            when = f"measured in {self.seconds:.2f} s" if self.policy == "measured" else self.note
+            return f"{self.threads} thread{'s' if self.threads > 1 else ''} ({self.policy}: decode step {steps}; {when})"
         return f"{self.threads} thread{'s' if self.threads > 1 else ''} ({self.policy}{': ' + self.note if self.note else ''})"
 
     def as_dict(self) -> dict:
@@ -88,37 +90,46 @@ def parse_threads(value, where: str = "threads") -> int | None:
 
 @torch.inference_mode()
 def _step_times(model, threads: list[int], budget_s: float, min_rounds: int = 3, max_rounds: int = 7,
-                prompt_tokens: int = 16) -> dict[int, list[float]]:
-    """Decode-step times per thread count, round-robin (order alternates each round)."""
+                prompt_tokens: int = 8) -> dict[int, list[float]]:
+    """Decode-step times per thread count, round-robin (order alternates each round).  Each
+    sample is the median of up to 4 timed steps after a warm one; a model whose step is slow
+    compared with ``budget_s`` gets 1 timed step and, past ``4 x budget_s``, a single round.
+    torch's thread count is restored if anything fails."""
     cfg = model.config
-    rounds_cap = max_rounds
     steps_per = 4
-    cache_len = prompt_tokens + 1 + max_rounds * steps_per * len(threads) + 8
-    cache_len = min(cache_len, cfg.max_position_embeddings)
+    cache_len = min(prompt_tokens + 2 + steps_per, cfg.max_position_embeddings)
     device = model.device
     x = torch.zeros(1, 1, dtype=torch.long, device=device)
     ids = torch.arange(prompt_tokens, device=device).remainder(cfg.vocab_size).unsqueeze(0)
     times: dict[int, list[float]] = {t: [] for t in threads}
+    before = torch.get_num_threads()
     start = time.perf_counter()
-    for r in range(rounds_cap):
-        for t in (threads if r % 2 == 0 else threads[::-1]):
-            torch.set_num_threads(t)
-            cache = model.new_cache(1, cache_len)
-            model(ids, 0, cache, logits_to_keep=1)          # prefill (and wakes the threads)
-            pos = prompt_tokens
-            model(x, pos, cache, logits_to_keep=1)          # first decode step: warm
-            per = []
-            for _ in range(steps_per):
-                pos += 1
-                if pos >= cache_len:
-                    break
+    try:
+        for r in range(max_rounds):
+            for t in (threads if r % 2 == 0 else threads[::-1]):
+                torch.set_num_threads(t)
+                cache = model.new_cache(1, cache_len)
+                model(ids, 0, cache, logits_to_keep=1)          # prefill (and wakes the threads)
+                pos = prompt_tokens
                 t0 = time.perf_counter()
-                model(x, pos, cache, logits_to_keep=1)
-                per.append(time.perf_counter() - t0)
-            times[t].append(statistics.median(per) if per else float("inf"))
-        elapsed = time.perf_counter() - start
-        if (r + 1 >= min_rounds and elapsed > budget_s) or elapsed > 4 * budget_s:   # a slow model: fewer rounds
-            break
+                model(x, pos, cache, logits_to_keep=1)          # first decode step: warm, and a cost estimate
+                if time.perf_counter() - t0 > budget_s / (4 * len(threads)):
+                    steps_per = 1                               # a slow model: one timed step per sample
+                per = []
+                for _ in range(steps_per):
+                    pos += 1
+                    if pos >= cache_len:
+                        break
+                    t0 = time.perf_counter()
+                    model(x, pos, cache, logits_to_keep=1)
+                    per.append(time.perf_counter() - t0)
+                times[t].append(statistics.median(per) if per else float("inf"))
+            elapsed = time.perf_counter() - start
+            if (r + 1 >= min_rounds and elapsed > budget_s) or elapsed > 4 * budget_s:
+                break
+    except BaseException:
+        torch.set_num_threads(before)
+        raise
     return times
 
 
@@ -138,7 +149,8 @@ def choose_threads(model, candidates: list[int] | None = None, budget_s: float =
     candidates = sorted(set(candidates or candidate_threads()))
     if len(candidates) == 1:
         torch.set_num_threads(candidates[0])
-        return ThreadChoice(candidates[0], "measured", note="one core available")
+        return ThreadChoice(candidates[0], "single candidate",
+                            note="one core available" if candidates == [available_cores()] else "nothing to compare")
     times = _step_times(model, candidates, budget_s)
     med = {t: statistics.median(v) * 1e3 for t, v in times.items()}
     chosen = pick_threads(med, margin)
@@ -158,9 +170,20 @@ def _cache_key(model) -> tuple:
 def apply_thread_policy(model, threads=None, remeasure: bool = False) -> ThreadChoice:
     """Set torch's intra-op thread count for ``model`` and say why (see the module docstring).
 
-    ``threads``: a positive integer (used as is), or None / ``"auto"`` (the ``WORKBENCH_THREADS``
-    environment variable if set, else measured once per process and model shape; ``remeasure``
-    measures again)."""
+    ``threads``: a positive integer (used as is), or None / ``"auto"``: the ``WORKBENCH_THREADS``
+    environment variable if set; else the choice an earlier engine made for this same model
+    object (so ``LLM(llm.model, kv=...)`` keeps ``llm``'s threads, given or measured); else
+    measured once per process and model shape (``remeasure`` measures again).  The choice is
+    remembered on the model (``model.thread_choice``)."""
+    choice = _resolve(model, threads, remeasure)
+    try:
+        model.thread_choice = choice
+    except AttributeError:      # a model class that refuses new attributes: nothing to inherit later
+        pass
+    return choice
+
+
+def _resolve(model, threads, remeasure: bool) -> ThreadChoice:
     n = parse_threads(threads)
     if n is not None:
         torch.set_num_threads(n)
@@ -174,6 +197,11 @@ def apply_thread_policy(model, threads=None, remeasure: bool = False) -> ThreadC
     if model.device.type != "cpu":
         return ThreadChoice(torch.get_num_threads(), "cuda" if model.device.type == "cuda" else model.device.type,
                             note="host threads only launch device work; left as they are")
+    prev = getattr(model, "thread_choice", None)
+    if not remeasure and isinstance(prev, ThreadChoice):
+        torch.set_num_threads(prev.threads)
+        return ThreadChoice(prev.threads, "inherited", step_ms=prev.step_ms, spread_ms=prev.spread_ms,
+                            note=f"chosen for this model earlier ({prev.policy})")
     key = _cache_key(model)
     if not remeasure and key in _CACHE:
         prev = _CACHE[key]

@@ -211,10 +211,14 @@ def run_sched_bench(model=None, cfg: SchedBenchConfig | None = None, device=None
     llm = model if isinstance(model, LLM) else LLM(model, device=device, dtype=dtype)
     import torch
 
+    from ..measure.probe import noise_probe
+
+    probe = noise_probe()             # the noise floor of the verdicts
+
     res: dict = {"config": asdict(cfg), "device": str(llm.model.device),
                  "device_name": torch.cuda.get_device_name(llm.model.device) if llm.model.device.type == "cuda"
                  else cpu_name(), "dtype": str(llm.model.lm_head.weight.dtype).replace("torch.", ""),
-                 "torch": torch.__version__, "threads": torch.get_num_threads()}
+                 "torch": torch.__version__, "threads": torch.get_num_threads(), "noise": probe.as_dict()}
     trace = mixed_trace(llm, cfg) if {"chunked", "window"} & set(experiments) else None
     steps = [e for e in ("throughput", "chunked", "window", "overhead") if e in experiments]
     bar = None
