@@ -39,6 +39,12 @@ def cpu_name() -> str:
     return f"{name}, {os.cpu_count()} cores"
 
 
+def device_name(device) -> str:
+    """The GPU's name on CUDA, else :func:`cpu_name`."""
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+
+
 @dataclass
 class BenchConfig:
     model: str | None = None      # folder, preset:<name>, or None for the bundled model
@@ -192,7 +198,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     dev = llm.device
     return {
         "model": cfg.model or "bundled", "device": str(dev),
-        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name(),
+        "device_name": device_name(dev),
         "dtype": str(llm.model.lm_head.weight.dtype).removeprefix("torch."), "threads": threads,
         "threads_policy": llm.thread_choice.as_dict(), "noise": probe.as_dict(),
         "torch": torch.__version__, "transformers": transformers.__version__, "config": asdict(cfg),

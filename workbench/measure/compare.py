@@ -46,7 +46,8 @@ class Comparison:
     metric: str = "time"
     unit: str = ""
     lower_is_better: bool = True
-    noise: float = 0.0                      # relative noise floor: ratios below 1 + noise are not verdicts
+    noise: float | None = None              # relative noise floor: ratios below 1 + noise are not verdicts
+                                            # (None: the last noise probe of this process; one runs if none has)
     better_word: str | None = None          # "lower", "faster", "higher" ... (default from lower_is_better)
     confidence: float = 0.9                 # of the bootstrap intervals (compare_quantile)
     results: dict[str, list[Any]] = field(default_factory=dict)   # what each call returned
@@ -65,6 +66,8 @@ class Comparison:
                 raise ValueError(f"compare: side {n!r} has no samples")
             if any(v is None or v != v for v in s):
                 raise ValueError(f"compare: side {n!r} has a missing or NaN sample: {s}")
+        if self.noise is None:
+            self.noise = _default_noise()
         if self.noise < 0:
             raise ValueError(f"compare: noise must be >= 0, got {self.noise}")
 
@@ -210,8 +213,7 @@ def compare_samples(a: list[float], b: list[float], names: tuple[str, str] = ("A
     """A :class:`Comparison` of samples measured elsewhere (they should have been interleaved).
     ``noise``: the relative noise floor; by default the last noise probe of this process (one
     runs now, in about a tenth of a second, when none has)."""
-    return Comparison(names=tuple(names), samples={names[0]: list(a), names[1]: list(b)},
-                      noise=_default_noise() if noise is None else noise, **kw)
+    return Comparison(names=tuple(names), samples={names[0]: list(a), names[1]: list(b)}, noise=noise, **kw)
 
 
 def compare_quantile(a: list[float], b: list[float], q: float = 0.95, names: tuple[str, str] = ("A", "B"),
@@ -240,8 +242,6 @@ def compare_quantile(a: list[float], b: list[float], q: float = 0.95, names: tup
         boot = np.quantile(rng.choice(arr, size=(resamples, arr.size), replace=True), q, axis=1)
         est[n] = float(np.quantile(arr, q))
         ivl[n] = (float(np.quantile(boot, lo_q)), float(np.quantile(boot, hi_q)))
-    if noise is None:
-        noise = _default_noise()
     return Comparison(names=tuple(names), samples=vals, noise=noise, estimate=est, interval=ivl,
                       confidence=confidence, **kw)
 
@@ -277,8 +277,6 @@ def compare(sides: dict[str, Callable[[], Any]], repeats: int = 3, warmup: int =
             if v is None:
                 raise ValueError(f"compare: side {n!r}, run {r + 1}: the measured value is None")
             samples[n].append(float(v))
-    if noise is None:
-        noise = _default_noise()
     return Comparison(names=names, samples=samples, noise=noise, results=results, **kw)
 
 

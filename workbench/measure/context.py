@@ -10,16 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..bench import device_name
 from .probe import NoiseProbe
-
-
-def device_name(device) -> str:
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    from ..bench import cpu_name
-
-    return cpu_name()
 
 
 def run_facts(llm, probe: NoiseProbe | None = None) -> dict:
@@ -50,4 +42,4 @@ def describe_run(llm, probe: NoiseProbe | None = None) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["run_facts", "describe_run", "device_name"]
+__all__ = ["run_facts", "describe_run"]

@@ -141,16 +141,18 @@ def _trace_row(res, cfg: SchedBenchConfig, **label) -> dict:
 
 
 def trace_run(llm: LLM, cfg: SchedBenchConfig, trace: Trace, static_batch: int | None = None, label=None,
-              **sched) -> dict:
+              steps: bool = False, **sched) -> dict:
     """One real-time replay of ``trace`` on a fresh engine (warmed up) with the scheduler options
     ``sched`` (budget ``cfg.token_budget``, 32 sequences unless given): one row of
-    :func:`_trace_row`, its ``label`` items first, plus ``steps_frame`` (the engine's step records)."""
+    :func:`_trace_row`, its ``label`` items first; with ``steps``, also ``steps_frame`` (the
+    engine's step records)."""
     sched = {"max_num_seqs": 32, "max_num_batched_tokens": cfg.token_budget, **sched}
     eng = _engine(llm, cfg, **sched)
     eng.generate([trace.requests[0].prompt], SamplingParams(temperature=0.0, max_tokens=2))   # warm-up
     res = replay(eng, trace, static_batch=static_batch)
     row = _trace_row(res, cfg, **(label or {}))
-    row["steps_frame"] = res.steps
+    if steps:
+        row["steps_frame"] = res.steps
     return row
 
 
@@ -158,27 +160,22 @@ def compare_runs(llm: LLM, cfg: SchedBenchConfig, trace: Trace, sides: dict[str,
                  metric: str = "ttft_ms_p95", lower_is_better: bool = True):
     """Replay ``trace`` under each of two configurations (``sides``: name -> :func:`trace_run`
     keyword arguments) ``repeats`` times, interleaved, and compare ``metric`` (a row column) with
-    :func:`workbench.measure.compare.compare`.  ``Comparison.results[name]`` holds every row."""
+    :func:`workbench.measure.compare.compare`.  ``Comparison.results[name]`` holds every row,
+    with its ``steps_frame``."""
     from ..measure.compare import compare
 
-    runs = {name: (lambda kw=kw: trace_run(llm, cfg, trace, **kw)) for name, kw in sides.items()}
+    runs = {name: (lambda kw=kw: trace_run(llm, cfg, trace, steps=True, **kw)) for name, kw in sides.items()}
     return compare(runs, repeats=repeats, key=lambda row: row[metric], metric=metric, lower_is_better=lower_is_better)
 
 
 def chunked_prefill(llm: LLM, cfg: SchedBenchConfig, trace: Trace | None = None) -> list[dict]:
     trace = trace or mixed_trace(llm, cfg)
-    rows = [trace_run(llm, cfg, trace, label={"chunked_prefill": c}, chunked_prefill=c) for c in (False, True)]
-    for r in rows:
-        r.pop("steps_frame")
-    return rows
+    return [trace_run(llm, cfg, trace, label={"chunked_prefill": c}, chunked_prefill=c) for c in (False, True)]
 
 
 def window_sweep(llm: LLM, cfg: SchedBenchConfig, trace: Trace | None = None) -> list[dict]:
     trace = trace or mixed_trace(llm, cfg)
-    rows = [trace_run(llm, cfg, trace, label={"window_ms": w}, micro_batch_window_s=w / 1e3) for w in cfg.windows_ms]
-    for r in rows:
-        r.pop("steps_frame")
-    return rows
+    return [trace_run(llm, cfg, trace, label={"window_ms": w}, micro_batch_window_s=w / 1e3) for w in cfg.windows_ms]
 
 
 # ---- 4. scheduler overhead --------------------------------------------------------------------
@@ -206,7 +203,7 @@ def run_sched_bench(model=None, cfg: SchedBenchConfig | None = None, device=None
     if unknown:
         raise ConfigError(f"unknown sched-bench experiment(s) {sorted(unknown)}; "
                           "choose from throughput, chunked, window, overhead")
-    from ..bench import cpu_name
+    from ..bench import device_name
 
     llm = model if isinstance(model, LLM) else LLM(model, device=device, dtype=dtype)
     import torch
@@ -215,9 +212,8 @@ def run_sched_bench(model=None, cfg: SchedBenchConfig | None = None, device=None
 
     probe = noise_probe()             # the noise floor of the verdicts
 
-    res: dict = {"config": asdict(cfg), "device": str(llm.model.device),
-                 "device_name": torch.cuda.get_device_name(llm.model.device) if llm.model.device.type == "cuda"
-                 else cpu_name(), "dtype": str(llm.model.lm_head.weight.dtype).replace("torch.", ""),
+    res: dict = {"config": asdict(cfg), "device": str(llm.model.device), "device_name": device_name(llm.model.device),
+                 "dtype": str(llm.model.lm_head.weight.dtype).replace("torch.", ""),
                  "torch": torch.__version__, "threads": torch.get_num_threads(), "noise": probe.as_dict()}
     trace = mixed_trace(llm, cfg) if {"chunked", "window"} & set(experiments) else None
     steps = [e for e in ("throughput", "chunked", "window", "overhead") if e in experiments]
