@@ -349,6 +349,40 @@ def attention_prefill_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                causal=True, sliding_window=sliding_window, check=False)
 
 
+def attention_prefill_ref(q, k, v, causal: bool = True):
+    """The reference of :func:`attention_prefill` (the eager backend): exactly the reference
+    model's SDPA call."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def attention_prefill_paged_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q: int,
+                      sliding_window: int | None = None):
+    """The reference of :func:`attention_prefill_paged` (the eager backend): each sequence's queries padded to [B, max_seqlen_q], its
+    blocks gathered, the causal (bottom-right) and window mask, SDPA; then back to the packed
+    rows.  q [n, nh, hd] -> [n, nh, hd].  Vectorised (no host sync), so it compiles."""
+    n, nh, hd = q.shape
+    B, nkv, dev = block_tables.shape[0], k_cache.shape[2], q.device
+    if n == 0 or B == 0:
+        return torch.empty_like(q)
+    cu, lens = cu_seqlens_q.long(), seq_lens.long()
+    q_lens = cu[1:] - cu[:-1]                                                      # [B]
+    t = torch.arange(max_seqlen_q, device=dev)
+    valid = t[None, :] < q_lens[:, None]                                           # [B, T]
+    qb = q[(cu[:-1, None] + t[None, :]).clamp(max=n - 1)].transpose(1, 2)          # [B, nh, T, hd]
+    k = k_cache[block_tables.long()].reshape(B, -1, nkv, hd).transpose(1, 2)       # [B, nkv, S_max, hd]
+    v = v_cache[block_tables.long()].reshape(B, -1, nkv, hd).transpose(1, 2)
+    q_pos = (lens - q_lens)[:, None, None] + t[None, :, None]                     # [B, T, 1]
+    k_pos = torch.arange(k.shape[2], device=dev)[None, None, :]                    # [1, 1, S_max]
+    mask = (k_pos <= q_pos) & (k_pos < lens[:, None, None])
+    if sliding_window is not None:
+        mask = mask & (k_pos > q_pos - sliding_window)
+    mask = mask | (~valid[:, :, None] & (k_pos == 0))    # padded query rows see one key: finite, then dropped
+    out = torch.nn.functional.scaled_dot_product_attention(qb, k, v, attn_mask=mask[:, None], enable_gqa=nh != nkv)
+    row = torch.arange(n, device=dev)
+    seq = torch.searchsorted(cu[1:], row, right=True)                              # each row's sequence
+    return out[seq, :, row - cu[seq]]                                              # [n, nh, hd]
+
+
 def _check_lens(q_lens: torch.Tensor, k_lens: torch.Tensor, max_seqlen: int) -> None:
     if q_lens.numel() and int(q_lens.max()) > max_seqlen:
         raise ValueError(f"max_seqlen={max_seqlen} is shorter than the longest query run ({int(q_lens.max())})")

@@ -287,6 +287,23 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                         max_context_len=cap, check=False)
 
 
+def attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, sliding_window: int | None = None):
+    """The reference of :func:`attention_decode` (the eager backend): gather each sequence's blocks, mask slots past its length (and
+    before its window), SDPA.  q [B, nh, hd] -> [B, nh, hd].  Vectorised (no host sync), so it
+    compiles and captures."""
+    B, nh, hd = q.shape
+    nkv = k_cache.shape[2]
+    k = k_cache[block_tables.long()].reshape(B, -1, nkv, hd).transpose(1, 2)     # [B, nkv, S_max, hd]
+    v = v_cache[block_tables.long()].reshape(B, -1, nkv, hd).transpose(1, 2)
+    k_pos = torch.arange(k.shape[2], device=q.device)[None, :]
+    mask = k_pos < seq_lens[:, None]                                               # [B, S_max]
+    if sliding_window is not None:
+        mask = mask & (k_pos >= seq_lens[:, None] - sliding_window)
+    out = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None, :],
+                                         enable_gqa=nh != nkv)
+    return out[:, :, 0]
+
+
 def decode_cost(context_lens, nh: int, nkv: int, hd: int, elem_bytes: int, num_splits: int = 1) -> tuple[int, int]:
     """(FLOPs, minimum bytes) of one call, for benchmarks.
 

@@ -6,8 +6,10 @@
 # 1. tests: the kernel, backend, CUDA-graph and batched-engine tests on the GPU (compiled Triton,
 #    not the interpreter);  2. kernels_bench: `workbench kernels-bench` at full size (ceilings,
 #    every kernel vs eager and torch.compile, the Llama-3.2-1B-shaped decode step eager / fused /
-#    fused + CUDA graphs);  3. sched_bench: `workbench sched-bench`;  4. engine_bench: the engine
-#    vs transformers.generate (`workbench bench`);  5. prefix_bench: `workbench prefix-bench`.
+#    fused + CUDA graphs);  3. sched_bench: `workbench sched-bench`;  4. engine_bench: the engine's
+#    reference configuration, the bare loop and CUDA-graphed decode vs transformers.generate
+#    (`workbench bench`);  5. engine_fast: torch.compile'd decode, alone and captured as CUDA graphs;
+#    6. prefix_bench: `workbench prefix-bench`.
 #
 # Every step has its own time cap, and the whole script (summary included) ends within
 # DEVICE_CHECK_BUDGET_S = 480 s: a step that would run past that gets the time left, or is
@@ -72,14 +74,16 @@ if [ "$CUDA" = 1 ]; then
   "$PY" -c "import xdist" 2> /dev/null && TESTS=(-n 4 --dist loadfile "${TESTS[@]}")
   SCHED=(--streams 8 --max-tokens 64 --trace-requests 48 --rate 20)
   PREFIX=(--num-requests 50)
-  ENGINE=(--repeats 3)
+  ENGINE=(--repeats 3 --configs reference,loop,cuda-graphs)
+  FAST=(--repeats 3 --configs reference,compile,compile+graphs)
 else                            # the dry run: CPU sizes, the interpreter's quick kernel tests
   DEV=cpu; SIZE=small
   TESTS=(tests/test_kernels_pointwise.py tests/test_kernels_attention.py tests/test_cuda_graphs.py)
   SCHED=(--streams 4 --max-tokens 8 --trace-requests 8 --rate 8 --overhead-batch 8 --overhead-tokens 4
          --long-prompt-tokens 128 --windows-ms 0 5)
   PREFIX=(--num-requests 8 --max-tokens 4 --rounds 1)
-  ENGINE=(--repeats 2 --num-prompts 2 --max-tokens 8)
+  ENGINE=(--repeats 2 --num-prompts 2 --max-tokens 8 --configs reference,loop,static)
+  FAST=(--repeats 2 --num-prompts 2 --max-tokens 8 --configs reference,compile)
 fi
 
 step() {   # step NAME CAP_S command...: stdout -> $WORK/NAME.out, stderr -> $WORK/NAME.log
@@ -103,11 +107,12 @@ step() {   # step NAME CAP_S command...: stdout -> $WORK/NAME.out, stderr -> $WO
 
 WB=("$PY" -m workbench.cli)
 echo "device check: $DEV, $PY, tables -> $DIR"
-step tests 110 "$PY" -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"
-step kernels_bench 160 "${WB[@]}" kernels-bench --device "$DEV" --size "$SIZE" --csv "$WORK/kernel_bench.csv" --quiet
-step sched_bench 60 "${WB[@]}" sched-bench --device "$DEV" "${SCHED[@]}" --json --quiet
+step tests 100 "$PY" -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"
+step kernels_bench 140 "${WB[@]}" kernels-bench --device "$DEV" --size "$SIZE" --csv "$WORK/kernel_bench.csv" --quiet
+step sched_bench 55 "${WB[@]}" sched-bench --device "$DEV" "${SCHED[@]}" --json --quiet
 step engine_bench 60 "${WB[@]}" bench --device "$DEV" "${ENGINE[@]}" --json --quiet
-step prefix_bench 50 "${WB[@]}" prefix-bench --device "$DEV" "${PREFIX[@]}" --json --quiet
+step engine_fast 70 "${WB[@]}" bench --device "$DEV" "${FAST[@]}" --json --quiet
+step prefix_bench 40 "${WB[@]}" prefix-bench --device "$DEV" "${PREFIX[@]}" --json --quiet
 
 echo
 echo "== tables"

@@ -40,7 +40,8 @@ torch.set_num_threads(1)
 
 # kernel wrapper(s) an op launches in the steps below (prefill + decode on a contiguous cache)
 WRAPPERS = {"rmsnorm": {"rmsnorm", "add_rmsnorm"}, "rope": {"rope_kv_write"}, "swiglu": {"swiglu"},
-            "attention_prefill": {"flash_prefill"}, "attention_decode": {"paged_decode"}}
+            "attention_prefill": {"flash_prefill"}, "attention_decode": {"paged_decode"},
+            "sampling": set()}    # sampling is the engine's step, not the model's (tests/test_one_engine.py)
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +273,8 @@ def test_engine_with_all_triton_ops_gives_the_eager_greedy_tokens(bundled):
         assert set(current_backends(llm.model).values()) == {"triton"}
         got = []
         used = launches_during(lambda: got.extend(o.token_ids for o in llm.generate(PROMPTS, params)))
-    assert used == set().union(*WRAPPERS.values()), "every op ran its Triton kernel"
+    # every op ran its Triton kernel, sampling too (greedy requests: the argmax kernel)
+    assert used == set().union(*WRAPPERS.values()) | {"greedy_tokens"}, "every op ran its Triton kernel"
     assert got == eager
 
 
@@ -291,9 +293,9 @@ def test_paged_kv_engine_with_all_triton_ops_gives_the_eager_greedy_tokens(bundl
 
 
 def test_batched_engine_with_all_triton_ops_gives_the_eager_greedy_tokens(bundled):
-    """The batched engine's ModelRunner calls the model's norm and MLP modules and reads the
-    attention modules' chosen ops each step: every kernel runs there (RoPE fused with the paged
-    K/V write, paged decode attention, paged flash prefill), and the tokens stay eager's."""
+    """The batched engine's steps go through the model's own DecoderLayer.forward, so every
+    kernel runs there (the fused residual add + RMSNorm, RoPE fused with the paged K/V write,
+    paged decode attention, paged flash prefill), and the tokens stay eager's."""
     from workbench.sched import LLMEngine
 
     llm, params, eager = bundled
@@ -301,6 +303,5 @@ def test_batched_engine_with_all_triton_ops_gives_the_eager_greedy_tokens(bundle
         engine = LLMEngine(workbench.LLM(llm.model, tokenizer=llm.tokenizer))
         got = []
         used = launches_during(lambda: got.extend(o.token_ids for o in engine.generate(PROMPTS, params)))
-    # (the runner adds the residual itself, so the fused add_rmsnorm of the decoder layer does not run)
-    assert used == {"rmsnorm", "swiglu", "rope_kv_write", "paged_decode", "flash_prefill"}
+    assert used == {"rmsnorm", "add_rmsnorm", "swiglu", "rope_kv_write", "paged_decode", "flash_prefill", "greedy_tokens"}
     assert got == eager

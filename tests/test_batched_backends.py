@@ -152,7 +152,7 @@ def test_sliding_window_stays_on_the_kernels_past_the_window(windowed, monkeypat
     prefill chunks of 6 start after a cached prefix longer than the window.  Every attention
     group of every step and layer runs on a kernel (no fallback once a context passes the
     window) and the greedy tokens are the eager batched engine's and the single-sequence engine's."""
-    from workbench.sched import model_runner
+    from workbench.kv import batch as kv_batch
 
     prompts = [[5, 17, 300, 41, 9], [7, 120, 33, 2048, 61, 11, 95, 400, 23, 8, 71], [3, 250, 19, 88, 1000, 42, 6]]
     params = workbench.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -161,14 +161,14 @@ def test_sliding_window_stays_on_the_kernels_past_the_window(windowed, monkeypat
     assert eager == single
 
     groups = []                                   # (decode group?, longest context, entry point or None)
-    choose = model_runner._AttentionGroup.kernel
+    choose = kv_batch._Group.kernel
 
     def kernel(self, ops):
         fn = choose(self, ops)
         groups.append((self.decode, self.S, fn))
         return fn
 
-    monkeypatch.setattr(model_runner._AttentionGroup, "kernel", kernel)
+    monkeypatch.setattr(kv_batch._Group, "kernel", kernel)
     with using_backends(windowed.model, TRITON):
         eng = engine(windowed)
         got = []

@@ -59,12 +59,22 @@ def test_capture_on_cpu_says_so_in_one_line_and_runs_eager(tiny, capsys):
         dec.capture(strict=True)
 
 
+def static_llm(llm, max_model_len: int, **kw):
+    """The engine with decode steps on the static buffers (the path CUDA graphs capture)."""
+    return workbench.LLM(llm.model, tokenizer=llm.tokenizer, max_model_len=max_model_len, static_decode=True, **kw)
+
+
 def test_static_decode_gives_the_reference_greedy_tokens(bundled):
     llm, ref = bundled
-    dec = GraphedDecoder(llm.model, max_len=32)
-    dec.capture()
-    for prompt, want in zip(PROMPTS, ref):
-        assert dec.generate(llm.tokenizer.encode(prompt), 12) == want
+    static = static_llm(llm, 32)
+    assert "static-decode" in static.engine.describe()
+    params = workbench.SamplingParams(temperature=0, max_tokens=12)
+    assert [o.token_ids for o in static.generate(PROMPTS, params)] == ref
+    # several sequences at once: bucketed steps, rows kept packed as sequences end
+    batched = static_llm(llm, 32, scheduler=workbench.SchedulerConfig(max_num_seqs=4))
+    outs = batched.generate(PROMPTS, [workbench.SamplingParams(temperature=0, max_tokens=n) for n in (12, 5, 9)])
+    assert [o.token_ids for o in outs] == [ref[0], ref[1][:5], ref[2][:9]]
+    assert max(r.num_seqs for r in batched.engine.step_records) == 3
 
 
 def test_static_decode_with_all_triton_ops_gives_the_reference_greedy_tokens(bundled):
@@ -76,7 +86,8 @@ def test_static_decode_with_all_triton_ops_gives_the_reference_greedy_tokens(bun
     try:
         dec = GraphedDecoder(llm.model, max_len=16)
         assert dec.backends == {op: "triton" for op in OPS}
-        assert dec.generate(llm.tokenizer.encode(PROMPTS[0]), 6) == ref[0][:6]
+        out = static_llm(llm, 16).generate(PROMPTS[0], workbench.SamplingParams(temperature=0, max_tokens=6))[0]
+        assert out.token_ids == ref[0][:6]
     finally:
         apply_backends(llm.model, before)
 

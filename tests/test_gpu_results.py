@@ -270,7 +270,8 @@ def test_start_and_write_tables_on_a_gpu(tmp_path):
     work = _work(tmp_path, [("tests", "ok"), ("kernels_bench", "ok"), ("sched_bench", "timeout"),
                             ("engine_bench", "ok"), ("prefix_bench", "ok")])
     done = gr.write_tables(out, work)
-    assert done == {"engine_bench": "ok", "kernel_bench": "ok", "sched_bench": "step timeout", "prefix_bench": "ok"}
+    assert done == {"engine_bench": "ok", "kernel_bench": "ok", "sched_bench": "step timeout", "prefix_bench": "ok",
+                    "engine_fast_bench": "not run"}
     names = sorted(p.name for p in out.iterdir())
     assert names == ["device_check.log", "engine_bench.csv", "kernel_bench.csv", "meta.json", "prefix_bench.csv",
                      "summary.csv"]

@@ -19,7 +19,7 @@ from workbench.errors import ConfigError
 from workbench.kv.pca import PCABasis, collect_keys, fit_pca_basis, fit_pca_from_model, unrotate
 from workbench.kv.tier_config import TierConfig, resident_bytes, zone_counts, zone_masks
 from workbench.kv.tier_eval import best_under, evaluate_config, grid_configs, pareto_front, sweep
-from workbench.kv.tiers import TieredAttention, TieredKVCache, tiered_attention
+from workbench.kv.tiers import TieredKVCache, is_tiered, tiered_attention
 from workbench.kv_cache import KVCache
 from workbench.model import Attention, CausalLM, RotaryEmbedding, apply_rope, init_weights
 
@@ -115,7 +115,7 @@ def test_cold_summary_is_exact_for_equal_keys_in_a_chunk():
     cache = TieredKVCache(cfg_m, cfg, basis)
     cache.update(0, k[:, :, :S - 1], v[:, :, :S - 1], 0)
     cache.update(0, k[:, :, S - 1:], v[:, :, S - 1:], S - 1)
-    out = cache.attend(0, q, S - 1)
+    out = cache.attend_tiered(0, q, S - 1)
     exact = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     assert cache.zone_counts(S).cold_chunks == 4
     assert max_diff(out, exact) < 1e-5
@@ -145,10 +145,10 @@ def test_one_pass_equals_step_by_step_decoding(model, ids, bases):
 
 def test_context_manager_restores_reference_attention(model, ids, reference):
     with torch.no_grad(), tiered_attention(model):
-        assert all(type(layer.self_attn) is TieredAttention for layer in model.model.layers)
+        assert is_tiered(model)
         kv = KVCache(model.config, 1, N)
         assert max_diff(model(ids, cache=kv), reference) < 1e-5    # other caches: reference path
-    assert all(type(layer.self_attn) is Attention for layer in model.model.layers)
+    assert not is_tiered(model) and all(type(layer.self_attn) is Attention for layer in model.model.layers)
     # Without the transformation the tiered cache is the exact path.
     with torch.no_grad():
         cache = TieredKVCache(model.config, TierConfig(window=2, warm_tokens=0, chunk=1), None, max_len=N)

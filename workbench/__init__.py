@@ -35,9 +35,10 @@ from .loader import BUNDLED_MODEL, load_model, save_model
 from .model import CausalLM
 from .sampling import SamplingParams
 from .engine import LLM, RequestOutput, StreamEvent
+from .sched import LLMEngine, SchedulerConfig
 from .metrics import RequestMetrics, summarize
 from .tokenizer import Tokenizer
 
 __all__ = ["WorkbenchError", "ModelConfig", "BUNDLED_MODEL", "load_model", "save_model", "CausalLM",
-           "SamplingParams", "LLM", "RequestOutput", "StreamEvent", "RequestMetrics", "summarize", "Tokenizer"]
+           "SamplingParams", "LLM", "LLMEngine", "SchedulerConfig", "RequestOutput", "StreamEvent", "RequestMetrics", "summarize", "Tokenizer"]
 __version__ = "0.1.0"

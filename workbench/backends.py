@@ -61,9 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import ConfigError, WorkbenchError
-from .kv.paged import PagedSequenceCache
-from .kv_cache import KVCache
-from .model import MLP, Attention, CausalLM, DecoderLayer, RMSNorm, attention_mask
+from .model import MLP, Attention, CausalLM, DecoderLayer, RMSNorm, reference_attention
 
 # op -> its entry points (what the modules call)
 OPS: dict[str, tuple[str, ...]] = {
@@ -72,6 +70,7 @@ OPS: dict[str, tuple[str, ...]] = {
     "swiglu": ("swiglu",),
     "attention_prefill": ("attention_prefill", "attention_prefill_paged"),
     "attention_decode": ("attention_decode",),
+    "sampling": ("greedy_tokens", "sample_tokens"),
 }
 BACKENDS = ("eager", "triton", "compile")
 _IMPLS: dict[tuple[str, str], dict[str, str | Callable]] = {}
@@ -88,56 +87,6 @@ def register(op: str, backend: str, **entry_points: str | Callable) -> None:
     _IMPLS[(op, backend)] = dict(entry_points)
 
 
-def sdpa_prefill(q, k, v, causal: bool = True):
-    """Eager attention_prefill: exactly the reference model's SDPA call."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
-
-
-def paged_prefill_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q: int,
-                      sliding_window: int | None = None):
-    """Eager attention_prefill_paged: each sequence's queries padded to [B, max_seqlen_q], its
-    blocks gathered, the causal (bottom-right) and window mask, SDPA; then back to the packed
-    rows.  q [n, nh, hd] -> [n, nh, hd].  Vectorised (no host sync), so it compiles."""
-    n, nh, hd = q.shape
-    B, nkv, dev = block_tables.shape[0], k_cache.shape[2], q.device
-    if n == 0 or B == 0:
-        return torch.empty_like(q)
-    cu, lens = cu_seqlens_q.long(), seq_lens.long()
-    q_lens = cu[1:] - cu[:-1]                                                      # [B]
-    t = torch.arange(max_seqlen_q, device=dev)
-    valid = t[None, :] < q_lens[:, None]                                           # [B, T]
-    qb = q[(cu[:-1, None] + t[None, :]).clamp(max=n - 1)].transpose(1, 2)          # [B, nh, T, hd]
-    k = k_cache[block_tables.long()].reshape(B, -1, nkv, hd).transpose(1, 2)       # [B, nkv, S_max, hd]
-    v = v_cache[block_tables.long()].reshape(B, -1, nkv, hd).transpose(1, 2)
-    q_pos = (lens - q_lens)[:, None, None] + t[None, :, None]                     # [B, T, 1]
-    k_pos = torch.arange(k.shape[2], device=dev)[None, None, :]                    # [1, 1, S_max]
-    mask = (k_pos <= q_pos) & (k_pos < lens[:, None, None])
-    if sliding_window is not None:
-        mask = mask & (k_pos > q_pos - sliding_window)
-    mask = mask | (~valid[:, :, None] & (k_pos == 0))    # padded query rows see one key: finite, then dropped
-    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask[:, None], enable_gqa=nh != nkv)
-    row = torch.arange(n, device=dev)
-    seq = torch.searchsorted(cu[1:], row, right=True)                              # each row's sequence
-    return out[seq, :, row - cu[seq]]                                              # [n, nh, hd]
-
-
-def paged_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, sliding_window: int | None = None):
-    """Eager attention_decode: gather each sequence's blocks, mask slots past its length (and
-    before its window), SDPA.  q [B, nh, hd] -> [B, nh, hd].  Vectorised (no host sync), so it
-    compiles and captures."""
-    B, nh, hd = q.shape
-    nkv = k_cache.shape[2]
-    k = k_cache[block_tables.long()].reshape(B, -1, nkv, hd).transpose(1, 2)     # [B, nkv, S_max, hd]
-    v = v_cache[block_tables.long()].reshape(B, -1, nkv, hd).transpose(1, 2)
-    k_pos = torch.arange(k.shape[2], device=q.device)[None, :]
-    mask = k_pos < seq_lens[:, None]                                               # [B, S_max]
-    if sliding_window is not None:
-        mask = mask & (k_pos >= seq_lens[:, None] - sliding_window)
-    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None, :],
-                                         enable_gqa=nh != nkv)
-    return out[:, :, 0]
-
-
 _K = "workbench_kernels."
 register("rmsnorm", "eager", rmsnorm=_K + "rmsnorm:rmsnorm_ref", add_rmsnorm=_K + "rmsnorm:add_rmsnorm_ref")
 register("rmsnorm", "triton", rmsnorm=_K + "rmsnorm:rmsnorm", add_rmsnorm=_K + "rmsnorm:add_rmsnorm")
@@ -145,8 +94,14 @@ register("rope", "eager", rope=_K + "rope:rope_ref", rope_kv_write=_K + "rope:ro
 register("rope", "triton", rope=_K + "rope:rope", rope_kv_write=_K + "rope:rope_kv_write")
 register("swiglu", "eager", swiglu=_K + "swiglu:swiglu_ref")
 register("swiglu", "triton", swiglu=_K + "swiglu:swiglu")
-register("attention_prefill", "eager", attention_prefill=sdpa_prefill, attention_prefill_paged=paged_prefill_ref)
-register("attention_decode", "eager", attention_decode=paged_decode_ref)
+# the eager attention entry points: the torch references next to the kernels they stand for
+register("attention_prefill", "eager", attention_prefill=_K + "flash_prefill:attention_prefill_ref",
+         attention_prefill_paged=_K + "flash_prefill:attention_prefill_paged_ref")
+register("attention_decode", "eager", attention_decode=_K + "paged_decode:attention_decode_ref")
+# Sampling is read by the engine (LLMEngine._sample), not by a module: "eager" there is the
+# reference sampler of workbench.sampling; these entry points serve the other backends.
+register("sampling", "eager", greedy_tokens=_K + "sampling:greedy_tokens_ref", sample_tokens=_K + "sampling:sample_tokens_ref")
+register("sampling", "triton", greedy_tokens=_K + "sampling:greedy_tokens", sample_tokens=_K + "sampling:sample_tokens")
 # The attention kernels' model-shaped wrappers (packing to the varlen layout; no host sync in decode).
 register("attention_prefill", "triton", attention_prefill=_K + "flash_prefill:attention_prefill",
          attention_prefill_paged=_K + "flash_prefill:attention_prefill_paged")
@@ -352,70 +307,11 @@ def _token_rows(B: int, T: int, device) -> torch.Tensor:
     return torch.arange(T, device=device).repeat(B)
 
 
-class _StepMeta:
-    """What every layer of one forward shares: the tokens' cos/sin rows and, for a cache seen as
-    paged storage, the slots of this step's tokens, block tables and lengths.  Made once per
-    forward (kept on the cache object, keyed by batch, tokens and start) rather than per layer."""
-
-    def __init__(self, cache, B: int, start: int, T: int, device) -> None:
-        end = start + T
-        self.key, self.end = (B, start, T), end
-        self.rows = _token_rows(B, T, device)
-        if isinstance(cache, KVCache):          # contiguous: one block of max_len per sequence
-            kb = cache.k[0].shape[0]
-            if B != kb:
-                raise ValueError(f"batch {B} does not match the KV cache's batch {kb}")
-            if end > cache.max_len:
-                raise ValueError(f"KV cache overflow: {end} tokens > capacity {cache.max_len}")
-            base = torch.arange(B, device=device)[:, None] * cache.max_len
-            self.slots = (base + torch.arange(start, end, device=device)[None, :]).reshape(-1)
-            self._tables = lambda: torch.arange(B, device=device, dtype=torch.int32)[:, None]
-        else:                                    # PagedSequenceCache (one sequence)
-            if B != 1:
-                raise ValueError(f"a paged sequence view holds one sequence, got batch {B}")
-            # Private helpers of PagedSequenceCache: the step's slot mapping and block table.
-            cache._prepare(start, end)
-            self.slots = cache._slots
-            self._tables = lambda: cache._blocks.to(torch.int32)[None]
-        self._decode = None
-
-    def decode_args(self):
-        """(block_tables [B, nb] int32, seq_lens [B] int32) for attention_decode, made on first use."""
-        if self._decode is None:
-            tables = self._tables()
-            self._decode = (tables, torch.full((tables.shape[0],), self.end, device=tables.device,
-                                               dtype=torch.int32))
-        return self._decode
-
-
-def _step_meta(cache, B: int, start: int, T: int, device) -> _StepMeta | None:
-    if type(cache) is not KVCache and type(cache) is not PagedSequenceCache:
-        return None
-    meta = cache.__dict__.get("_wb_step")
-    if meta is None or meta.key != (B, start, T):
-        meta = cache._wb_step = _StepMeta(cache, B, start, T, device)
-    return meta
-
-
-def _layer_storage(cache, layer: int):
-    """A layer's k/v as paged storage [num_blocks, block_size, nkv, hd] (views)."""
-    if isinstance(cache, KVCache):
-        return cache.k[layer].permute(0, 2, 1, 3), cache.v[layer].permute(0, 2, 1, 3)
-    return cache.pool.k_cache[layer], cache.pool.v_cache[layer]
-
-
-def _context(cache, layer: int, end: int):
-    """Keys / values of positions [0, end): [B, nkv, end, hd] (what cache.update returns)."""
-    if isinstance(cache, KVCache):
-        return cache.k[layer][:, :, :end], cache.v[layer][:, :, :end]
-    kc, vc = _layer_storage(cache, layer)
-    nkv, hd = kc.shape[2], kc.shape[3]
-    keys = kc[cache._blocks].reshape(-1, nkv, hd)[:end]
-    vals = vc[cache._blocks].reshape(-1, nkv, hd)[:end]
-    return keys.transpose(0, 1).unsqueeze(0), vals.transpose(0, 1).unsqueeze(0)
-
-
 class BackendAttention(Attention):
+    """Projections, then ``ops.rope`` (or, with ``rope=triton`` and a cache that exposes its
+    slots, ``ops.rope_kv_write``: rotation and the K/V write in one launch); the cache then
+    attends with the module's attention entry points (:mod:`workbench.kv_cache`)."""
+
     def forward(self, x, cos, sin, start, cache):
         ops = self._wb_ops
         B, T, _ = x.shape
@@ -425,42 +321,24 @@ class BackendAttention(Attention):
         v = self.v_proj(x).view(B * T, nkv, hd)
         if getattr(cache, "static_decode", False):
             return self._static_decode(q, k, v, cos, sin, cache, B)
-        meta = _step_meta(cache, B, start, T, x.device)
-        rows = meta.rows if meta is not None else _token_rows(B, T, x.device)
-        if meta is not None and ops.backends["rope"] == "triton":   # rope + KV write in one kernel
-            kc, vc = _layer_storage(cache, self.layer_idx)
-            q, k = ops.rope_kv_write(q, k, v, cos, sin, rows, kc, vc, meta.slots)
-            K = V = None                                            # the context is read lazily
-        else:                                                       # the reference's two steps
+        rows = _token_rows(B, T, x.device)
+        written = False
+        if cache is not None and ops.backends["rope"] == "triton" and hasattr(cache, "write_slots"):
+            kc, vc = cache.kv_storage(self.layer_idx)
+            q, k = ops.rope_kv_write(q, k, v, cos, sin, rows, kc, vc, cache.write_slots(B, start, T))
+            written = True                                      # rope + K/V write in one kernel
+        else:
             q, k = ops.rope(q, k, cos, sin, rows)
-            K, V = (t.view(B, T, -1, hd).transpose(1, 2) for t in (k, v))
-            if cache is not None:
-                K, V = cache.update(self.layer_idx, K, V, start)    # [B, nkv, S, hd]
-        q = q.view(B, T, nh, hd).transpose(1, 2)                    # [B, nh, T, hd]
-        if T == 1 and meta is not None and ops.backends["attention_decode"] != "eager":
-            kc, vc = _layer_storage(cache, self.layer_idx)
-            out = ops.attention_decode(q[:, :, 0], kc, vc, *meta.decode_args(),
-                                       sliding_window=self.window)[:, :, None]
+        q = q.view(B, T, nh, hd).transpose(1, 2)                # [B, nh, T, hd]
+        K, V = (t.view(B, T, -1, hd).transpose(1, 2) for t in (k, v))
+        if cache is None:
+            if start == 0 and self.window is None and ops.backends["attention_prefill"] != "eager":
+                out = ops.attention_prefill(q, K, V, causal=T > 1)
+            else:
+                out = reference_attention(q, K, V, start, self.window)
         else:
-            if K is None:
-                K, V = _context(cache, self.layer_idx, meta.end)
-            out = self._attend(q, K, V, start, T)
+            out = cache.attend(self, q, K, V, start, written=written)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, nh * hd))
-
-    def _attend(self, q, k, v, start, T):
-        """Mirrors the reference Attention.forward's choice of mask (kept in step with model.py)."""
-        S = k.shape[2]
-        if start == 0 and T == S and self.window is None:       # plain causal prefill
-            if self._wb_ops.backends["attention_prefill"] != "eager":
-                return self._wb_ops.attention_prefill(q, k, v, causal=T > 1)
-            mask, causal = None, T > 1
-        elif T == 1 and (self.window is None or S <= self.window):
-            mask, causal = None, False                         # one new token sees the whole cache
-        else:
-            positions = torch.arange(start, start + T, device=q.device)
-            mask, causal = attention_mask(positions, S, self.window, k_start=start + T - S), False
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                              enable_gqa=self.nh != self.nkv)
 
     def _static_decode(self, q, k, v, cos, sin, cache, B):
         """CUDA-graph-safe decode (see workbench.cuda_graphs): positions, slots and the mask are
@@ -517,7 +395,7 @@ def apply_backends(model: CausalLM, backends: dict[str, str] | None = None, **by
     for _, m in targets:
         m.__class__ = _SWAPS.get(type(m), type(m))
         m._wb_ops = ops
-    model._wb_backends = ops.backends
+    model._wb_backends, model._wb_ops = ops.backends, ops     # the engine reads sampling from here
     return model
 
 
@@ -528,6 +406,7 @@ def remove_backends(model: CausalLM) -> CausalLM:
             m.__class__ = _UNSWAP[type(m)]
         m.__dict__.pop("_wb_ops", None)
     model.__dict__.pop("_wb_backends", None)
+    model.__dict__.pop("_wb_ops", None)
     return model
 
 

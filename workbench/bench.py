@@ -1,8 +1,10 @@
 """The workbench engine against Hugging Face ``transformers.generate``, same process, same run.
 
-Both sides get the same weights, the same prompts (token ids), greedy decoding and the same
-number of new tokens (EOS ignored), after a warm-up; repeats are interleaved (ours, theirs,
-ours, ...) so that drift in machine speed hits both.  Each token's time is taken when its id
+Every side gets the same weights, the same prompts (token ids), greedy decoding and the same
+number of new tokens (EOS ignored), after a warm-up; repeats are interleaved (each side in
+turn, the order rotated) so that drift in machine speed hits all.  The sides are engine
+configurations (:data:`CONFIGS`: the reference configuration, the bare loop, static / compiled
+/ graphed decode, optionally llama.cpp) and transformers.  Each token's time is taken when its id
 reaches the host (for transformers through a streamer, which receives ``next_tokens.cpu()``),
 so TTFT and decode tokens/s are measured the same way on both sides.  Greedy token agreement
 is reported next to the speed: a faster engine that emits different tokens is not a win.
@@ -58,8 +60,10 @@ class BenchConfig:
     seed: int = 0
     backend: str | None = None    # per-op backends of the workbench side (workbench.backends spec)
     threads: int | str | None = None  # torch intra-op threads for both sides (None: the engine measures)
+    configs: str = "reference,loop"   # engine configurations measured (bench.CONFIGS; "all": every one)
 
     def __post_init__(self) -> None:
+        parse_configs(self.configs)
         for name in ("prompt_tokens", "max_tokens", "num_prompts", "repeats"):
             if getattr(self, name) < 1:
                 raise WorkbenchError(f"bench: {name} must be >= 1, got {getattr(self, name)}")
@@ -122,11 +126,51 @@ class _TimingStreamer:
         pass
 
 
-def _run_ours(llm: LLM, prompt: list[int], n: int) -> tuple[list[int], float, float]:
+# ---- the configurations measured against transformers.generate -----------------------------------------
+CONFIGS = {
+    "reference": "the engine's reference configuration (LLM(): one sequence at a time, contiguous cache)",
+    "loop": "the bare decode loop, no engine (workbench.engine.ReferenceLoop): the LLM front's per-token cost "
+            "is reference minus loop",
+    "static": "the engine, decode steps on static buffers (eager; what CUDA graphs capture)",
+    "compile": "the engine, static decode steps through torch.compile (inductor: C++ on a CPU)",
+    "cuda-graphs": "the engine, static decode steps captured as CUDA graphs (CUDA only)",
+    "compile+graphs": "the engine, torch.compile'd static decode captured as CUDA graphs (CUDA only)",
+    "llama.cpp": "llama-cpp-python on an f32 GGUF of the same weights (optional: shown when installed)",
+}
+ENGINE_OPTIONS = {"reference": {}, "static": {"static_decode": True}, "compile": {"compile": True},
+                  "cuda-graphs": {"cuda_graphs": True}, "compile+graphs": {"compile": True, "cuda_graphs": True}}
+
+
+def parse_configs(text: str | None) -> list[str]:
+    """``"reference,loop,compile"`` -> the list (``all``: every configuration this device can run)."""
+    names = [c.strip() for c in (text or "reference").split(",") if c.strip()]
+    if names == ["all"]:
+        names = [c for c in CONFIGS if "graphs" not in c or torch.cuda.is_available()]
+    bad = [c for c in names if c not in CONFIGS]
+    if bad:
+        raise WorkbenchError(f"bench: unknown configuration {bad[0]!r}; choose from {', '.join(CONFIGS)} or all")
+    if "reference" not in names:
+        names.insert(0, "reference")      # every other row is compared with it
+    return list(dict.fromkeys(names))
+
+
+def _run_engine(llm: LLM, prompt: list[int], n: int) -> tuple[list[int], float, float]:
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     out = llm.generate([prompt], params)[0]
     m = out.metrics
     return out.token_ids, m.ttft, m.decode_tokens_per_s
+
+
+def _run_loop(model, prompt: list[int], n: int) -> tuple[list[int], float, float]:
+    from .engine import ReferenceLoop
+
+    start = time.perf_counter()
+    loop = ReferenceLoop(model, prompt, n)
+    tokens, times = [], []
+    for _ in range(n):
+        tokens.append(loop.step())
+        times.append(time.perf_counter())
+    return tokens, times[0] - start, (n - 1) / (times[-1] - times[0])
 
 
 @torch.inference_mode()
@@ -140,15 +184,54 @@ def _run_hf(hf, prompt: list[int], n: int) -> tuple[list[int], float, float]:
     return streamer.tokens, t[0] - start, (len(t) - 1) / (t[-1] - t[0])
 
 
+def _sides(cfg: "BenchConfig", llm: LLM, names: list[str], prompts: list[list[int]]) -> tuple[dict, dict]:
+    """name -> fn(prompt) -> (tokens, ttft s, decode tok/s); name -> a one-line description."""
+    sides, described, skipped = {}, {}, {}
+    ctx = cfg.prompt_tokens + cfg.max_tokens + 1        # the static buffers hold exactly what a request needs
+    for name in names:
+        if name == "loop":
+            sides[name] = lambda p: _run_loop(llm.model, p, cfg.max_tokens)
+            described[name] = "bare loop"
+        elif name == "llama.cpp":
+            side = _llamacpp_side(cfg, llm)
+            if side.get("available"):
+                sides[name], described[name] = side["run"], side["description"]
+            else:
+                skipped[name] = side["reason"]
+        elif name == "reference":
+            sides[name], described[name] = (lambda p: _run_engine(llm, p, cfg.max_tokens)), llm.engine.describe()
+        else:
+            try:
+                eng = LLM(llm.model, tokenizer=llm.tokenizer, max_model_len=ctx, **ENGINE_OPTIONS[name])
+            except WorkbenchError as e:
+                skipped[name] = str(e)
+                continue
+            sides[name] = (lambda e: lambda p: _run_engine(e, p, cfg.max_tokens))(eng)
+            described[name] = eng.engine.describe() + f" (max_model_len {ctx})"
+    return sides, {"described": described, "skipped": skipped}
+
+
+def _llamacpp_side(cfg: "BenchConfig", llm: LLM) -> dict:
+    """llama.cpp as one more side, when llama-cpp-python is installed (never a dependency)."""
+    try:
+        from .llamacpp import llamacpp_side
+    except ImportError as e:
+        return {"available": False, "reason": f"workbench.llamacpp unavailable ({e})"}
+    return llamacpp_side(cfg.model, llm, cfg.max_tokens, threads=torch.get_num_threads())
+
+
 def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
-    """Returns a JSON-ready dict: per side median TTFT (ms) and decode tokens/s, their ratios,
-    token agreement, the environment, and every raw measurement."""
+    """Returns a JSON-ready dict: per configuration median TTFT (ms) and decode tokens/s, their
+    ratios to transformers with verdicts, greedy token agreement with the reference (and the
+    logit margin at the first divergence), the environment, and every raw measurement."""
     import transformers
     from tqdm.auto import tqdm
 
+    from .measure.agreement import agreement, divergence_margin
     from .measure.compare import compare_samples
     from .measure.probe import noise_probe
 
+    names = parse_configs(cfg.configs)
     torch.manual_seed(cfg.seed)
     llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, threads=cfg.threads)
     threads = torch.get_num_threads()   # the engine's choice; process-wide, so transformers runs with it too
@@ -158,17 +241,17 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         apply_backends(llm.model, parse_backend_spec(cfg.backend))
     hf = hf_model_like(llm, cfg.model)
     prompts = bench_prompts(llm, cfg.num_prompts, cfg.prompt_tokens, cfg.seed)
-    sides = {"workbench": lambda p: _run_ours(llm, p, cfg.max_tokens),
-             "transformers": lambda p: _run_hf(hf, p, cfg.max_tokens)}
-    for _ in range(cfg.warmup):
+    ours, info = _sides(cfg, llm, names, prompts)
+    sides = {**ours, "transformers": lambda p: _run_hf(hf, p, cfg.max_tokens)}
+    for _ in range(cfg.warmup):          # also where compile / capture happen
         for fn in sides.values():
             fn(prompts[0])
     raw = {k: [] for k in sides}
     tokens = {k: [] for k in sides}
     steps = cfg.repeats * len(prompts) * len(sides)
     bar = tqdm(total=steps, desc="bench", unit="run", disable=not progress)
+    order = list(sides)
     for r in range(cfg.repeats):
-        order = list(sides) if r % 2 == 0 else list(sides)[::-1]
         for i, p in enumerate(prompts):
             for side in order:
                 if torch.get_num_threads() != threads:
@@ -179,38 +262,63 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
                 if r == 0:
                     tokens[side].append(toks)
                 bar.update()
+            order = order[1:] + order[:1]          # rotate, so no side always follows the same one
     bar.close()
-    res = {}
-    for side, rows in raw.items():
-        res[side] = {"ttft_ms_p50": statistics.median(x["ttft_ms"] for x in rows),
-                     "decode_tokens_per_s_p50": statistics.median(x["decode_tokens_per_s"] for x in rows),
-                     "ttft_ms_jitter": statistics.pstdev(x["ttft_ms"] for x in rows),
-                     "decode_tokens_per_s_min": min(x["decode_tokens_per_s"] for x in rows),
-                     "decode_tokens_per_s_max": max(x["decode_tokens_per_s"] for x in rows)}
-    names = ("workbench", "transformers.generate")
-    decode_cmp = compare_samples([x["decode_tokens_per_s"] for x in raw["workbench"]],
-                                 [x["decode_tokens_per_s"] for x in raw["transformers"]], names=names,
-                                 metric="decode tokens/s", lower_is_better=False, better_word="faster")
-    ttft_cmp = compare_samples([x["ttft_ms"] for x in raw["workbench"]], [x["ttft_ms"] for x in raw["transformers"]],
-                               names=names, metric="TTFT", unit="ms")
-    same = sum(a == b for pa, pb in zip(tokens["workbench"], tokens["transformers"]) for a, b in zip(pa, pb))
-    total = sum(len(p) for p in tokens["workbench"])
-    dev = llm.device
-    return {
-        "model": cfg.model or "bundled", "device": str(dev),
-        "device_name": device_name(dev),
+    res = {side: _stats(rows) for side, rows in raw.items()}
+    hf_rates = [x["decode_tokens_per_s"] for x in raw["transformers"]]
+    configs = {}
+    for name in ours:
+        rates = [x["decode_tokens_per_s"] for x in raw[name]]
+        cmp = compare_samples(rates, hf_rates, names=(name, "transformers.generate"), metric="decode tokens/s",
+                              lower_is_better=False, better_word="faster")
+        agree = agreement(tokens["reference"], tokens[name])
+        margins = [divergence_margin(llm.model, p, a, b) for p, a, b in zip(prompts, tokens["reference"], tokens[name])]
+        configs[name] = {**res[name], "description": info["described"][name],
+                         "decode_vs_transformers": res[name]["decode_tokens_per_s_p50"]
+                         / res["transformers"]["decode_tokens_per_s_p50"],
+                         "decode_verdict": cmp.verdict, "decode_winner": cmp.winner,
+                         "token_agreement_vs_reference": agree["rate"],
+                         "token_agreement_vs_transformers": agreement(tokens["transformers"], tokens[name])["rate"],
+                         "first_divergence": [m for m in margins if m is not None]}
+    names_cmp = ("workbench", "transformers.generate")
+    ref_rates = [x["decode_tokens_per_s"] for x in raw["reference"]]
+    decode_cmp = compare_samples(ref_rates, hf_rates, names=names_cmp, metric="decode tokens/s",
+                                 lower_is_better=False, better_word="faster")
+    ttft_cmp = compare_samples([x["ttft_ms"] for x in raw["reference"]], [x["ttft_ms"] for x in raw["transformers"]],
+                               names=names_cmp, metric="TTFT", unit="ms")
+    fastest = max(configs, key=lambda c: configs[c]["decode_tokens_per_s_p50"] if c != "llama.cpp" else -1)
+    out = {
+        "model": cfg.model or "bundled", "device": str(llm.device), "device_name": device_name(llm.device),
         "dtype": str(llm.model.lm_head.weight.dtype).removeprefix("torch."), "threads": threads,
         "threads_policy": llm.thread_choice.as_dict(), "noise": probe.as_dict(),
         "torch": torch.__version__, "transformers": transformers.__version__, "config": asdict(cfg),
-        "workbench": res["workbench"], "transformers_generate": res["transformers"],
-        "decode_speedup": res["workbench"]["decode_tokens_per_s_p50"] / res["transformers"]["decode_tokens_per_s_p50"],
-        "ttft_ratio": res["workbench"]["ttft_ms_p50"] / res["transformers"]["ttft_ms_p50"],
+        "workbench": res["reference"], "transformers_generate": res["transformers"],
+        "decode_speedup": res["reference"]["decode_tokens_per_s_p50"] / res["transformers"]["decode_tokens_per_s_p50"],
+        "ttft_ratio": res["reference"]["ttft_ms_p50"] / res["transformers"]["ttft_ms_p50"],
         "decode_verdict": decode_cmp.verdict, "ttft_verdict": ttft_cmp.verdict,
         "decode_winner": decode_cmp.winner, "ttft_winner": ttft_cmp.winner,
-        "greedy_token_agreement": same / total if total else None,
+        "greedy_token_agreement": agreement(tokens["reference"], tokens["transformers"])["rate"],
+        "configs": configs, "skipped": info["skipped"], "fastest": fastest,
         "backends": _backends_row(llm.model),
         "raw": raw,
     }
+    if "loop" in configs:                # what the LLM front + engine add to each token, vs the bare loop
+        cmp = compare_samples([1e3 / x for x in ref_rates], [1e3 / x["decode_tokens_per_s"] for x in raw["loop"]],
+                              names=("engine (reference)", "bare loop"), metric="ms per decode token", unit="ms")
+        ms_ref = 1e3 / res["reference"]["decode_tokens_per_s_p50"]
+        ms_loop = 1e3 / res["loop"]["decode_tokens_per_s_p50"]
+        out["front_overhead"] = {"engine_ms_per_token": ms_ref, "loop_ms_per_token": ms_loop,
+                                 "overhead_ms_per_token": ms_ref - ms_loop,
+                                 "overhead_pct": 100 * (ms_ref - ms_loop) / ms_loop, "verdict": cmp.verdict}
+    return out
+
+
+def _stats(rows: list[dict]) -> dict:
+    return {"ttft_ms_p50": statistics.median(x["ttft_ms"] for x in rows),
+            "decode_tokens_per_s_p50": statistics.median(x["decode_tokens_per_s"] for x in rows),
+            "ttft_ms_jitter": statistics.pstdev(x["ttft_ms"] for x in rows),
+            "decode_tokens_per_s_min": min(x["decode_tokens_per_s"] for x in rows),
+            "decode_tokens_per_s_max": max(x["decode_tokens_per_s"] for x in rows)}
 
 
 def _backends_row(model) -> dict:
@@ -221,20 +329,38 @@ def _backends_row(model) -> dict:
 
 
 def format_bench(res: dict) -> str:
-    w, h = res["workbench"], res["transformers_generate"]
+    h = res["transformers_generate"]
     lines = [f"model {res['model']} on {res['device']} ({res['device_name']}), {res['dtype']}, "
              f"{res['threads']} threads; prompt {res['config']['prompt_tokens']} tokens, "
              f"{res['config']['max_tokens']} new tokens, {res['config']['num_prompts']} prompts x "
              f"{res['config']['repeats']} repeats; workbench backends: {res['backends']['backends']}"
              + (" (Triton interpreter)" if res["backends"].get("triton_interpreter") else ""),
-             f"{'engine':<24}{'TTFT p50 ms':>14}{'TTFT jitter':>13}{'decode tok/s p50':>18}{'min..max':>18}"]
-    for name, r in (("workbench", w), ("transformers.generate", h)):
+             f"{'engine':<24}{'TTFT p50 ms':>14}{'TTFT jitter':>13}{'decode tok/s p50':>18}{'min..max':>18}"
+             f"{'vs HF':>8}{'agree':>8}"]
+    rows = [(name, c, f"{c['decode_vs_transformers']:.2f}x", f"{c['token_agreement_vs_reference']:.0%}")
+            for name, c in res["configs"].items()] + [("transformers.generate", h, "1.00x", "")]
+    for name, r, ratio, agree in rows:
         lines.append(f"{name:<24}{r['ttft_ms_p50']:>14.2f}{r['ttft_ms_jitter']:>13.2f}"
                      f"{r['decode_tokens_per_s_p50']:>18.1f}"
-                     f"{r['decode_tokens_per_s_min']:>9.1f}..{r['decode_tokens_per_s_max']:<8.1f}")
-    lines.append(f"decode speed-up (workbench / transformers): {res['decode_speedup']:.2f}x "
+                     f"{r['decode_tokens_per_s_min']:>9.1f}..{r['decode_tokens_per_s_max']:<8.1f}{ratio:>8}{agree:>8}")
+    lines.append(f"decode speed-up (reference configuration / transformers): {res['decode_speedup']:.2f}x "
                  f"({res['decode_verdict']}); TTFT ratio: {res['ttft_ratio']:.2f} ({res['ttft_verdict']}); "
                  f"greedy token agreement: {res['greedy_token_agreement']:.1%}")
+    for name, c in res["configs"].items():
+        if name != "reference":
+            lines.append(f"  {name}: {c['description']}; {c['decode_verdict']}")
+            for d in c["first_divergence"]:
+                lines.append(f"    first divergence at token {d['position']}: margin {d['margin']:.2e} "
+                             f"(reference top-2 gap {d['top2_gap']:.2e})")
+    for name, why in res.get("skipped", {}).items():
+        lines.append(f"  {name}: not measured ({why})")
+    fo = res.get("front_overhead")
+    if fo:
+        lines.append(f"LLM front + engine per decode token: {fo['engine_ms_per_token']:.3f} ms vs the bare loop "
+                     f"{fo['loop_ms_per_token']:.3f} ms: {fo['overhead_ms_per_token']:+.3f} ms "
+                     f"({fo['overhead_pct']:+.0f}%; {fo['verdict']})")
+    lines.append(f"fastest configuration: {res['fastest']} ({res['configs'][res['fastest']]['decode_vs_transformers']:.2f}x "
+                 "transformers)")
     pol = res.get("threads_policy") or {}
     if pol.get("step_ms"):
         steps = ", ".join(f"{t}: {ms:.2f} ms" for t, ms in pol["step_ms"].items())

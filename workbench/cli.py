@@ -77,7 +77,7 @@ def cmd_generate(args) -> int:
     from .engine import LLM, RequestOutput
     from .sampling import SamplingParams
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, compile=args.compile, cuda_graphs=args.cuda_graphs)
     _apply_backend(llm, args.backend, llm.device.type)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or [])
@@ -101,7 +101,7 @@ def cmd_generate(args) -> int:
         if not args.quiet:
             tpot = f"{m.tpot * 1e3:.1f} ms" if m.tpot else "n/a"
             print(f"[{m.output_tokens} tokens, {out.finish_reason}; TTFT {m.ttft * 1e3:.1f} ms, TPOT {tpot}, "
-                  f"E2E {m.e2e * 1e3:.1f} ms]", file=sys.stderr)
+                  f"E2E {m.e2e * 1e3:.1f} ms; {m.engine}]", file=sys.stderr)
     return 0
 
 
@@ -110,7 +110,8 @@ def cmd_bench(args) -> int:
 
     cfg = BenchConfig(model=args.model, device=args.device, dtype=args.dtype, prompt_tokens=args.prompt_tokens,
                       max_tokens=args.max_tokens, num_prompts=args.num_prompts, repeats=args.repeats,
-                      warmup=args.warmup, seed=args.seed, backend=args.backend, threads=args.threads)
+                      warmup=args.warmup, seed=args.seed, backend=args.backend, threads=args.threads,
+                      configs=args.configs)
     res = run_bench(cfg, progress=not args.json and not args.quiet)
     if args.json:
         if not args.raw:
@@ -180,18 +181,26 @@ def cmd_info(args) -> int:
 
 def cmd_kv_inspect(args) -> int:
     """Paged: a shared-prefix workload through the prefix cache, then the pool's report.
-    --tiers: one long prompt through the hot / warm / cold cache, then its zone report."""
+    --tiers: one long prompt through the hot / warm / cold cache, then its zone report.
+    --url: the live pool of a running `workbench serve` (no model is loaded here)."""
+    if args.url:
+        import os
+
+        from .errors import ConfigError
+        from .kv.inspect import fetch_pool_report
+        from .kv.view import format_report
+
+        if args.tiers:
+            raise ConfigError("--url shows a server's paged KV pool; --tiers runs a tiered workload here: pick one")
+        rep = fetch_pool_report(args.url, api_key=os.environ.get("WORKBENCH_API_KEY") or None)
+        print(json.dumps(rep, indent=1) if args.json else format_report(rep, width=args.width))
+        return 0
     from .kv.inspect import inspect_paged_workload, inspect_tiered_workload
     from .kv.view import format_report
 
     progress = not args.json and not args.quiet
     if args.tiers:
-        from .kv.tier_config import TierConfig
-
-        block = args.block or -(-16 // args.chunk) * args.chunk    # a multiple of chunk, >= 16
-        tier = TierConfig(window=args.window, sink=args.sink, rank=args.rank, warm_tokens=args.warm_tokens,
-                          chunk=args.chunk, block=block, budget=args.budget, value_format=args.value_format,
-                          key_space=args.key_space, cold_mode=args.cold_mode)
+        tier = _tier_config(args)
         rep = inspect_tiered_workload(tier, model=args.model, prompt=args.prompt[0] if args.prompt else None,
                                       prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                                       calibration_docs=args.calibration_docs, device=args.device, dtype=args.dtype,
@@ -305,8 +314,6 @@ def cmd_serve(args) -> int:
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                             chunked_prefill=not args.no_chunked_prefill, micro_batch_window_s=args.window_ms / 1e3,
                             preemption_mode=args.preemption, max_queue_len=args.max_queue_len)
-    kv = PagedKVConfig(block_size=args.block_size, num_blocks=args.num_blocks,
-                       enable_prefix_caching=not args.no_prefix_caching)
     config = ServerConfig(host=args.host, port=args.port, model_name=args.served_model_name,
                           api_key=args.api_key or os.environ.get("WORKBENCH_API_KEY") or None,
                           max_tokens_cap=args.max_tokens_cap, max_body_bytes=args.max_body_bytes,
@@ -319,11 +326,27 @@ def cmd_serve(args) -> int:
                                    baseline_s=None if args.slo_baseline_ms is None else args.slo_baseline_ms / 1e3,
                                    bypass_priorities=tuple(args.slo_bypass_priority)))
     from .engine import LLM
+    from .sched import LLMEngine
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
     _apply_backend(llm, args.backend, llm.device.type)
+    tiers = basis = None
+    if args.tiers:
+        from .kv.inspect import fit_heldout_basis
+
+        tiers = _tier_config(args)
+        basis = fit_heldout_basis(llm, tiers, args.calibration_docs)
+        kv = None
+    elif args.kv == "contiguous":
+        kv = "contiguous"
+    else:
+        kv = PagedKVConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                           enable_prefix_caching=not args.no_prefix_caching, offload=args.offload,
+                           offload_blocks=args.offload_blocks)
+    engine = LLMEngine(llm, kv=kv, scheduler=sched, tiers=tiers, tier_basis=basis, compile=args.compile,
+                       cuda_graphs=args.cuda_graphs)
     announce = lambda line: print(line, flush=True)  # noqa: E731 - scripts read the port from this line
-    return serve(llm, config, announce=announce, scheduler=sched, kv=kv, guard=guard)
+    return serve(engine, config, announce=announce, guard=guard)
 
 
 def _add_serve_parser(sub) -> None:
@@ -353,6 +376,16 @@ def _add_serve_parser(sub) -> None:
     g.add_argument("--num-blocks", type=int, default=None, help="blocks in the pool (default: max-num-seqs "
                                                                 "sequences of up to 2048 tokens)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn the cross-request prefix cache off")
+    g.add_argument("--offload", choices=["host", "disk"], default=None,
+                   help="keep evicted prefix blocks in host memory or on disk; a later hit copies them back")
+    g.add_argument("--offload-blocks", type=int, default=4096, help="capacity of the offload tier, in blocks")
+    g.add_argument("--kv", choices=["paged", "contiguous"], default="paged",
+                   help="contiguous: one cache per request (no prefix sharing; what --compile / --cuda-graphs need)")
+    g = s.add_argument_group("fast paths (with --kv contiguous)")
+    _add_fast_path_args(g)
+    g = s.add_argument_group("tiered KV (hot / warm / cold cache per request, PCA basis fitted on held-out text)")
+    g.add_argument("--tiers", action="store_true", help="serve with the tiered cache instead of the paged pool")
+    _add_tier_args(g)
     g = s.add_argument_group("SLO guard")
     g.add_argument("--slo-guard", action="store_true", help="shed load (503 + Retry-After) when P95 TTFT degrades")
     g.add_argument("--slo-factor", type=float, default=2.0, help="open when P95 TTFT > factor x baseline")
@@ -363,13 +396,44 @@ def _add_serve_parser(sub) -> None:
     s.set_defaults(func=cmd_serve)
 
 
+def _add_fast_path_args(g) -> None:
+    g.add_argument("--compile", action="store_true",
+                   help="decode steps on static buffers through torch.compile (on a CPU inductor builds C++, ~30 s)")
+    g.add_argument("--cuda-graphs", action="store_true", help="decode steps captured as CUDA graphs per batch bucket")
+
+
+def _add_tier_args(t) -> None:
+    """The hot / warm / cold cache's settings (kv-inspect --tiers, serve --tiers)."""
+    t.add_argument("--window", type=int, default=128, help="recent tokens kept hot")
+    t.add_argument("--sink", type=int, default=4, help="first tokens kept hot")
+    t.add_argument("--rank", type=int, default=8, help="PCA rank of warm keys")
+    t.add_argument("--warm-tokens", type=int, default=None, help="warm tokens before chunks turn cold (default: no cold zone)")
+    t.add_argument("--chunk", type=int, default=16, help="tokens per cold chunk")
+    t.add_argument("--block", type=int, default=None, help="routing block, a multiple of --chunk (default 16 rounded up)")
+    t.add_argument("--budget", type=int, default=None, help="tokens fetched exactly per step, layer and KV head")
+    t.add_argument("--value-format", choices=["full", "int8"], default="full")
+    t.add_argument("--key-space", choices=["post_rope", "pre_rope"], default="post_rope")
+    t.add_argument("--cold-mode", choices=["mean", "drop"], default="mean", help="drop: the sliding-window control")
+    t.add_argument("--calibration-docs", type=int, default=2, help="held-out calibration documents for the PCA basis")
+
+
+def _tier_config(args):
+    from .kv.tier_config import TierConfig
+
+    block = args.block or -(-16 // args.chunk) * args.chunk    # a multiple of chunk, >= 16
+    return TierConfig(window=args.window, sink=args.sink, rank=args.rank, warm_tokens=args.warm_tokens,
+                      chunk=args.chunk, block=block, budget=args.budget, value_format=args.value_format,
+                      key_space=args.key_space, cold_mode=args.cold_mode)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="workbench", description="The LLM-inference workbench.")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    g = sub.add_parser("generate", help="generate text with the reference engine (streams tokens)")
+    g = sub.add_parser("generate", help="generate text with the engine's reference configuration (streams tokens)")
     _add_model_args(g)
     _add_backend_arg(g)
+    _add_fast_path_args(g)
     g.add_argument("prompt", nargs="*", help="prompt text (several prompts run one after another)")
     g.add_argument("--token-ids", action="store_true", help="prompts are space/comma-separated token ids")
     g.add_argument("--max-tokens", type=int, default=48)
@@ -391,6 +455,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--warmup", type=int, default=1)
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--configs", default="reference,loop",
+                   help="engine configurations to measure, comma-separated: reference (always), loop (the bare decode "
+                        "loop: the engine's per-token cost), static, compile, cuda-graphs, compile+graphs, llama.cpp "
+                        "(when llama-cpp-python is installed), or all")
     b.add_argument("--json", action="store_true", help="print a JSON object instead of the table")
     b.add_argument("--raw", action="store_true", help="with --json: include every measurement")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -426,20 +494,12 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--offload", choices=["host", "disk"], default=None, help="tier for evicted cached blocks")
     k.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     k.add_argument("--width", type=int, default=64, help="blocks per line of the text block map")
+    k.add_argument("--url", default=None, help="a running `workbench serve` (http://HOST:PORT): show its live KV "
+                                               "pool instead (no model loaded; WORKBENCH_API_KEY is its API key)")
     t = k.add_argument_group("tiered cache (--tiers)")
     t.add_argument("--tiers", action="store_true", help="inspect the hot / warm / cold cache instead")
     t.add_argument("--prompt-tokens", type=int, default=512, help="length of the default long prompt")
-    t.add_argument("--window", type=int, default=128, help="recent tokens kept hot")
-    t.add_argument("--sink", type=int, default=4, help="first tokens kept hot")
-    t.add_argument("--rank", type=int, default=8, help="PCA rank of warm keys")
-    t.add_argument("--warm-tokens", type=int, default=None, help="warm tokens before chunks turn cold (default: no cold zone)")
-    t.add_argument("--chunk", type=int, default=16, help="tokens per cold chunk")
-    t.add_argument("--block", type=int, default=None, help="routing block, a multiple of --chunk (default 16 rounded up)")
-    t.add_argument("--budget", type=int, default=None, help="tokens fetched exactly per step, layer and KV head")
-    t.add_argument("--value-format", choices=["full", "int8"], default="full")
-    t.add_argument("--key-space", choices=["post_rope", "pre_rope"], default="post_rope")
-    t.add_argument("--cold-mode", choices=["mean", "drop"], default="mean", help="drop: the sliding-window control")
-    t.add_argument("--calibration-docs", type=int, default=2, help="held-out calibration documents for the PCA basis")
+    _add_tier_args(t)
     k.add_argument("--json", action="store_true", help="print the report as JSON")
     k.add_argument("--quiet", action="store_true", help="no progress bar")
     k.set_defaults(func=cmd_kv_inspect)

@@ -13,17 +13,19 @@ depends on the step.  That is :class:`StaticDecodeCache` + ``BackendAttention._s
 
 ::
 
-    dec = GraphedDecoder(model, max_len=512, buckets=(1, 2, 4, 8))
+    LLM(cuda_graphs=True)                       # the engine's decode steps, graphed (LLM(compile=True) on a CPU)
+
+    dec = GraphedDecoder(model, max_len=512, buckets=(1, 2, 4, 8))     # what the engine's StaticRunner holds
     dec.capture()                               # CUDA: one graph per bucket; CPU: one line, runs eager
-    tokens = dec.generate(prompt_ids, 32)       # greedy, single sequence (the reference engine's decode)
+    dec.prefill(0, prompt_ids)                  # eager, into cache row 0
     logits = dec.decode([t0, t1, t2], [p0, p1, p2])   # a batch of 3 runs in the bucket of 4
 
     launches_per_decode_step(model, {"rmsnorm": "triton"})          # what one step launches
     launches_per_decode_step(model, parse_backend_spec("triton"), graphed=True)
 
 Buckets.  A batch of n sequences runs in the smallest captured bucket >= n; sequence i owns
-cache row i, padding rows write their K/V to a scratch row.  The single-sequence engine uses
-bucket 1; the batched engine will map its sequences to rows.
+cache row i, padding rows write their K/V to a scratch row.  The engine's
+:class:`~workbench.sched.model_runner.StaticRunner` keeps its running sequences on rows 0..n-1.
 
 Not run here: every line marked ``# CUDA only`` (capture, replay, the profiler's kernel count)
 was written without a GPU in the development session and is untested; the static decode path
@@ -76,6 +78,7 @@ def _row_view(kv: KVCache, row: int) -> KVCache:
     view.k = [t[row:row + 1] for t in kv.k]
     view.v = [t[row:row + 1] for t in kv.v]
     view.max_len, view.length = kv.max_len, 0
+    view._slots_key = view._slots = None
     return view
 
 
@@ -105,6 +108,7 @@ class GraphedDecoder:
         self.ids = {b: torch.zeros(b, 1, dtype=torch.long, device=self.device) for b in self.buckets}
         self.graphs: dict[int, tuple] = {}                      # bucket -> (CUDAGraph, static logits)
         self.backends = current_backends(model)
+        self._step, self.compiled = self._forward, False
 
     @property
     def graphed(self) -> bool:
@@ -126,14 +130,23 @@ class GraphedDecoder:
             x = layer(x, self.cos, self.sin, None, c)
         return m.lm_head(m.model.norm(x))[:, -1]
 
-    def _set_inputs(self, bs: int, tokens: list[int], positions: list[int]) -> None:
-        n, c = len(tokens), self.static[bs]
-        pad = bs - n
-        ml = self.max_len
-        slots = [i * ml + p for i, p in enumerate(positions)] + [self.scratch * ml] * pad
-        self.ids[bs].copy_(torch.tensor(tokens + [0] * pad).view(bs, 1))
-        c.positions.copy_(torch.tensor(positions + [0] * pad))
+    def _set_inputs(self, bs: int, tokens: list, positions: list) -> None:
+        """Row i decodes ``tokens[i]`` at ``positions[i]``; a None token (or a row past the list)
+        is padding: its K/V goes to the scratch row and its logits are ignored."""
+        c, ml = self.static[bs], self.max_len
+        toks = list(tokens) + [None] * (bs - len(tokens))
+        pos = list(positions) + [0] * (bs - len(positions))
+        slots = [self.scratch * ml if t is None else i * ml + p for i, (t, p) in enumerate(zip(toks, pos))]
+        self.ids[bs].copy_(torch.tensor([0 if t is None else t for t in toks]).view(bs, 1))
+        c.positions.copy_(torch.tensor(pos))
         c.slots.copy_(torch.tensor(slots))
+
+    def compile(self, **options) -> None:
+        """``torch.compile`` the static step (one graph per bucket, made on first use): on a
+        CPU inductor generates C++ for the whole decode step; on CUDA, Triton kernels (capture
+        graphs after this to launch them as one)."""
+        self._step = torch.compile(self._forward, dynamic=False, **options)
+        self.compiled = True
 
     @torch.inference_mode()
     def capture(self, strict: bool = False) -> bool:
@@ -153,20 +166,21 @@ class GraphedDecoder:
         with torch.cuda.stream(side):                                                # CUDA only
             for bs in reversed(self.buckets):
                 for _ in range(2):
-                    self._forward(bs)
+                    self._step(bs)
         torch.cuda.current_stream().wait_stream(side)                                # CUDA only
         pool = torch.cuda.graph_pool_handle()                                        # CUDA only
         for bs in reversed(self.buckets):            # largest first: the smaller reuse its pool
             graph = torch.cuda.CUDAGraph()                                           # CUDA only
             with torch.cuda.graph(graph, pool=pool):                                 # CUDA only
-                out = self._forward(bs)
+                out = self._step(bs)
             self.graphs[bs] = (graph, out)
         torch.cuda.synchronize()                                                     # CUDA only
         return True
 
     @torch.inference_mode()
-    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One step for sequences 0..n-1 (token ``tokens[i]`` at ``positions[i]``): logits [n, V]."""
+    def decode(self, tokens: list, positions: list[int]) -> torch.Tensor:
+        """One step for rows 0..n-1 (row i: token ``tokens[i]`` at ``positions[i]``; a None token
+        leaves row i alone): logits [n, V]."""
         n = len(tokens)
         if n != len(positions) or n == 0:
             raise ConfigError(f"decode: {n} tokens but {len(positions)} positions")
@@ -179,27 +193,23 @@ class GraphedDecoder:
             graph, out = self.graphs[bs]
             graph.replay()                                                           # CUDA only
             return out[:n]
-        return self._forward(bs)[:n]
+        return self._step(bs)[:n]
 
     @torch.inference_mode()
-    def prefill(self, row: int, ids: list[int]) -> torch.Tensor:
-        """Eager prefill of sequence ``row`` (its cache row); logits of the last position [V]."""
-        if len(ids) >= self.max_len:
-            raise WorkbenchError(f"prefill: {len(ids)} prompt tokens leave no room in max_len {self.max_len}")
+    def prefill(self, row: int, ids: list[int], start: int = 0) -> torch.Tensor:
+        """Eager prefill of tokens ``ids`` at positions ``start..`` of sequence ``row`` (its
+        cache row); logits of the last position [V]."""
+        if start + len(ids) >= self.max_len:
+            raise WorkbenchError(f"prefill: {start + len(ids)} tokens leave no room in max_len {self.max_len}")
         x = torch.tensor([ids], device=self.device)
-        return self.model(x, 0, _row_view(self.kv, row), logits_to_keep=1)[0, -1]
+        view = _row_view(self.kv, row)
+        view.length = start
+        return self.model(x, start, view, logits_to_keep=1)[0, -1]
 
-    def generate(self, ids: list[int], max_new_tokens: int) -> list[int]:
-        """Greedy tokens of one sequence: eager prefill, then graphed (or static eager) decode."""
-        if len(ids) + max_new_tokens > self.max_len:
-            raise WorkbenchError(f"generate: {len(ids)} prompt + {max_new_tokens} new tokens > max_len {self.max_len}")
-        token = int(self.prefill(0, ids).argmax())
-        out, pos = [token], len(ids)
-        for _ in range(max_new_tokens - 1):
-            token = int(self.decode([token], [pos])[0].argmax())
-            out.append(token)
-            pos += 1
-        return out
+    def move_row(self, src: int, dst: int) -> None:
+        """Copy sequence ``src``'s cache row to ``dst`` (rows stay packed when a sequence ends)."""
+        for t in self.kv.k + self.kv.v:
+            t[dst].copy_(t[src])
 
 
 # ---- counting launches ----------------------------------------------------------------------

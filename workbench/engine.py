@@ -1,105 +1,153 @@
-"""The reference engine: one request at a time, contiguous KV cache, plain PyTorch.
+"""``LLM``: the offline front over the engine (:class:`workbench.sched.LLMEngine`).
 
-This is the baseline every later layer (paged KV, fused kernels, continuous batching) is
-measured against, so it is deliberately simple and exact::
+::
 
-    llm = LLM()                                     # the bundled model
+    llm = LLM()                                     # the bundled model, the reference configuration
     out = llm.generate(["The list type"], SamplingParams(temperature=0, max_tokens=32))
     for ev in llm.stream("The list type", SamplingParams(max_tokens=8)):
         print(ev.text, ev.time)
 
-A generation step is ``model(new_tokens, start_pos, cache, logits_to_keep=1)`` followed by
-:func:`workbench.sampling.sample`; prefill is the same call over the whole prompt.
+There is one engine.  ``LLM`` adds requests to it and steps it: :meth:`generate` adds every
+prompt and steps until all are done; :meth:`stream` adds one and steps until it ends (and
+aborts it if the caller stops early).  What differs between "the reference" and "the
+optimised stack" is the engine's *configuration*:
+
+* **the reference configuration** (the default): one sequence at a time, no chunking, a
+  contiguous KV cache per request, and every step exactly ``model(ids, start, cache,
+  logits_to_keep=1)`` followed by :func:`workbench.sampling.sample` - the baseline every layer
+  is measured against (``workbench bench`` compares it with transformers);
+* ``kv=PagedKVConfig(...)``: the paged pool with cross-request prefix caching (and an offload
+  tier), ``tiers=``: a hot / warm / cold cache per request, ``scheduler=SchedulerConfig(...)``:
+  continuous batching - the same engine, other parts plugged in.
 """
 
 from __future__ import annotations
 
-import itertools
-import time
+from collections import deque
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
 from .engine_types import RequestOutput, StreamEvent
-from .errors import ConfigError, WorkbenchError
-from .loader import BUNDLED_MODEL, load_model
-from .metrics import RequestMetrics, requests_frame, summarize
+from .errors import ConfigError
+from .loaded import LoadedModel, Prompt
+from .metrics import requests_frame, summarize
 from .model import CausalLM
-from .output import OutputProcessor
 from .sampling import SamplingParams, sample
-from .tokenizer import Tokenizer
+from .sched.config import SchedulerConfig
+from .sched.engine import LLMEngine
 
 if TYPE_CHECKING:
     from .kv.paged import PagedKVConfig
     from .kv.tier_config import TierConfig
 
-Prompt = str | Sequence[int]
+__all__ = ["LLM", "Prompt", "ReferenceLoop", "RequestOutput", "StreamEvent", "reference_generate",
+           "reference_scheduler"]
+
+
+class ReferenceLoop:
+    """The decode loop, written once, with nothing around it: what one step of the reference
+    configuration computes.  For teaching (notebook 00) and for instruments that need the bare
+    step (the profiler's hooks, the engine-overhead row of ``workbench bench``)::
+
+        loop = ReferenceLoop(model, prompt_ids, max_new_tokens=32)
+        token = loop.step()                  # prefill, sample the first token
+        logits = loop.forward()              # a decode step: model(token, pos, cache)[-1] ...
+        token = loop.sample(logits)          # ... then sampling; the two halves can be timed apart
+    """
+
+    def __init__(self, model: CausalLM, prompt_ids: list[int], max_new_tokens: int,
+                 params: SamplingParams | None = None) -> None:
+        self.model, self.params = model, params or SamplingParams(temperature=0)
+        self.cache = model.new_cache(1, len(prompt_ids) + max_new_tokens)
+        self.gen = self.params.generator(model.device)
+        self.pending, self.pos = list(prompt_ids), 0
+
+    @torch.inference_mode()
+    def forward(self) -> torch.Tensor:
+        """One model call on the tokens not yet in the cache: logits of the last one [V]."""
+        x = torch.tensor([self.pending], device=self.model.device)
+        logits = self.model(x, self.pos, self.cache, logits_to_keep=1)[0, -1]
+        self.pos += len(self.pending)
+        return logits
+
+    def sample(self, logits: torch.Tensor) -> int:
+        token = int(sample(logits, self.params, self.gen))     # int(): the id is on the host
+        self.pending = [token]
+        return token
+
+    def step(self) -> int:
+        return self.sample(self.forward())
+
+
+def reference_generate(model: CausalLM, prompt_ids: list[int], max_new_tokens: int,
+                       params: SamplingParams | None = None) -> list[int]:
+    """``max_new_tokens`` tokens by the bare loop (no EOS or stop checks, no metrics)."""
+    loop = ReferenceLoop(model, prompt_ids, max_new_tokens, params)
+    return [loop.step() for _ in range(max_new_tokens)]
+
+
+def reference_scheduler(max_model_len: int) -> SchedulerConfig:
+    """One sequence at a time, the whole prompt in one step, requests in arrival order."""
+    return SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=max_model_len, chunked_prefill=False,
+                           prefix_aware=False, max_queue_len=1 << 30, aging_s=None)
 
 
 class LLM:
-    """Offline engine over a :class:`CausalLM` and its tokenizer.
+    """Offline front over one :class:`~workbench.sched.LLMEngine`.
 
     ``model``: a path, ``"preset:<name>"``, None for the bundled model, or a loaded CausalLM.
     ``tokenizer``: a folder / tokenizer.json path, a :class:`Tokenizer`, or None to use the
     model folder's (presets have none: pass prompts as token-id lists).
     ``kv``: None for a contiguous cache per request (the reference), or a
     :class:`~workbench.kv.paged.PagedKVConfig` for a paged pool shared by all requests, with
-    cross-request prefix caching when ``enable_prefix_caching`` is set.
+    cross-request prefix caching when ``enable_prefix_caching`` is set (and its offload tier).
     ``tiers`` (+ ``tier_basis``, a fitted :class:`~workbench.kv.pca.PCABasis`): each request
     gets a hot / warm / cold :class:`~workbench.kv.tiers.TieredKVCache` (approximate attention;
-    the model's attention modules are switched to the tiered path in place).
+    the model's attention modules are switched to the tiered policy in place).
+    ``scheduler``: None for one request at a time (:func:`reference_scheduler`), or a
+    :class:`~workbench.sched.SchedulerConfig` for continuous batching.
     ``threads``: torch's intra-op thread count on a CPU: an integer, or None / ``"auto"`` to
     measure decode steps of this model with each candidate count and take the fewest threads
     within 15 % of the fastest (:mod:`workbench.measure.threads`; ``WORKBENCH_THREADS`` in the
     environment overrides the measurement).  The choice is in :attr:`thread_choice` and in
     every request's metrics.  It is process-wide, as torch's setting is.
+    ``static_decode`` / ``compile`` / ``cuda_graphs``: decode steps on static buffers (eager), ``torch.compile``'d (on a CPU,
+    inductor's C++ for the whole step) and/or captured as CUDA graphs per batch-size bucket
+    (:class:`~workbench.sched.model_runner.StaticRunner`; contiguous KV only).
     """
 
     def __init__(self, model: str | CausalLM | None = None, tokenizer=None, device=None, dtype=None,
                  max_model_len: int | None = None, kv: "PagedKVConfig | None" = None,
-                 tiers: "TierConfig | None" = None, tier_basis=None, threads: int | str | None = None) -> None:
-        from .measure.threads import apply_thread_policy, parse_threads
+                 tiers: "TierConfig | None" = None, tier_basis=None, threads: int | str | None = None,
+                 scheduler: SchedulerConfig | None = None, batch_invariant: bool | None = None,
+                 compile: bool = False, cuda_graphs: bool = False, static_decode: bool = False) -> None:
+        self.loaded = LoadedModel.load(model, tokenizer=tokenizer, device=device, dtype=dtype,
+                                       max_model_len=max_model_len, threads=threads)
+        if kv is not None and tiers is not None:
+            raise ConfigError("LLM: give kv= (paged pool) or tiers= (tiered cache), not both")
+        self.engine = LLMEngine(self.loaded, kv=kv if kv is not None or tiers is not None else "contiguous",
+                                scheduler=scheduler or reference_scheduler(self.loaded.max_model_len),
+                                tiers=tiers, tier_basis=tier_basis, batch_invariant=batch_invariant,
+                                compile=compile, cuda_graphs=cuda_graphs, static_decode=static_decode)
+        self._queues: dict[str, deque] = {}      # live stream id -> its events not yet yielded
 
-        parse_threads(threads, where="LLM(threads=...)")    # bad input fails before a model loads
-        if isinstance(model, CausalLM):
-            self.model, source = model, None
-        else:
-            self.model = load_model(model, device=device, dtype=dtype)
-            source = BUNDLED_MODEL if model in (None, "bundled") else model
-        # torch's intra-op threads (process-wide): measured on this model unless given
-        self.thread_choice = apply_thread_policy(self.model, threads)
-        if isinstance(tokenizer, Tokenizer):
-            self.tokenizer = tokenizer
-        elif tokenizer is not None:
-            self.tokenizer = Tokenizer(tokenizer)
-        elif source is not None and not str(source).startswith("preset:"):
-            self.tokenizer = Tokenizer(source)
-        else:
-            self.tokenizer = None
-        limit = self.model.config.max_position_embeddings
-        self.max_model_len = min(max_model_len or limit, limit)
-        eos = self.model.config.eos_token_id
-        cfg_eos = set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
-        self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else cfg_eos
-        self._ids = itertools.count()
-        self.kv_pool = None
-        # request id -> its live cache (tiered mode), and the last finished one, for kv-inspect
-        self.active_caches: dict = {}
-        self.last_cache = None
-        self.tiers, self.tier_basis = tiers, tier_basis
-        if tiers is not None:   # hot / warm / cold KV per request
-            if kv is not None:
-                raise ConfigError("LLM: give kv= (paged pool) or tiers= (tiered cache), not both")
-            from .kv.tiers import TieredKVCache, apply_tiered_attention
+    # ---- what was loaded ---------------------------------------------------------------------
+    model = property(lambda self: self.loaded.model)
+    tokenizer = property(lambda self: self.loaded.tokenizer)
+    max_model_len = property(lambda self: self.loaded.max_model_len)
 
-            TieredKVCache(self.model.config, tiers, tier_basis, max_len=1)   # validate now, not per request
-            apply_tiered_attention(self.model)   # other caches keep the reference path
-        if kv is not None:  # paged KV with an optional cross-request prefix cache
-            from .kv.paged import PagedKVPool
+    @property
+    def eos_token_ids(self) -> set:
+        return self.loaded.eos_token_ids
 
-            w = self.model.lm_head.weight
-            # default pool: room for four full-context sequences
-            self.kv_pool = PagedKVPool(self.model.config, kv, w.device, w.dtype, default_tokens=4 * self.max_model_len)
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:        # requests added from now on stop on these
+        self.loaded.eos_token_ids = set(ids)
+    thread_choice = property(lambda self: self.loaded.thread_choice)
+    tiers = property(lambda self: self.engine.tiers)
+    tier_basis = property(lambda self: self.engine.tier_basis)
 
     @property
     def device(self) -> torch.device:
@@ -108,113 +156,103 @@ class LLM:
     @property
     def threads(self) -> int:
         """The intra-op thread count this engine chose (``thread_choice`` says why)."""
-        return self.thread_choice.threads
+        return self.loaded.threads
 
-    # ---- prompts -----------------------------------------------------------------------------
+    @property
+    def kv_pool(self):
+        """The paged KV pool (None when KV lives in a cache per request)."""
+        return self.engine.pool if self.engine.kv_mode == "paged" else None
+
+    @property
+    def active_caches(self) -> dict:
+        """Request id -> its live per-request cache (contiguous or tiered KV)."""
+        return getattr(self.engine.runner, "caches", {})
+
+    @property
+    def last_cache(self):
+        """The per-request cache of the request that ended last (kv-inspect reads tiered zones)."""
+        return getattr(self.engine.runner, "last_cache", None)
+
     def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise WorkbenchError("this model has no tokenizer (a shape preset?): pass prompts as lists of "
-                                     "token ids, or give LLM(..., tokenizer=<folder>)")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-            prompt = None
-        vocab = self.model.config.vocab_size
-        if not ids:
-            raise ConfigError("prompt is empty: give at least one token")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ConfigError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ConfigError(f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
-                              "(leave room for at least one generated token)")
-        return prompt, ids
+        return self.loaded.encode(prompt)
 
     # ---- generation --------------------------------------------------------------------------
-    @torch.inference_mode()
+    def _route(self, events: list[StreamEvent]) -> None:
+        for ev in events:
+            q = self._queues.get(ev.request_id)
+            if q is not None:
+                q.append(ev)
+
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, arrival_time: float | None = None,
                output: RequestOutput | None = None) -> Iterator[StreamEvent]:
-        """Generate one request, yielding each token as soon as its id is on the host."""
-        params = params or SamplingParams()
-        arrival = time.perf_counter() if arrival_time is None else arrival_time
-        text_prompt, ids = self.encode(prompt)
-        out = output or RequestOutput(request_id="", prompt=None, prompt_token_ids=[])
-        out.request_id = out.request_id or f"req-{next(self._ids)}"
-        out.prompt, out.prompt_token_ids = text_prompt, ids
-        m = out.metrics = RequestMetrics(arrival_time=arrival, prompt_tokens=len(ids),
-                                         threads=torch.get_num_threads())
-        m.first_scheduled_time = time.perf_counter()
-
-        max_new = min(params.max_tokens, self.max_model_len - len(ids))
-        rid = out.request_id
-        if self.tiers is not None:
-            from .kv.tiers import TieredKVCache
-
-            w = self.model.lm_head.weight
-            cache, pos = TieredKVCache(self.model.config, self.tiers, self.tier_basis, max_len=len(ids) + max_new,
-                                       device=w.device, dtype=w.dtype), 0
-            self.active_caches[rid] = cache
-        elif self.kv_pool is None:
-            cache, pos = self.model.new_cache(1, len(ids) + max_new), 0
-        else:
-            cache, alloc = self.kv_pool.begin(rid, ids)
-            pos = out.num_cached_tokens = alloc.num_cached_tokens
-            out.prefix_miss_reason = _reason_name(alloc.miss_reason)
+        """Generate one request, yielding each token as soon as its id is on the host.  Other
+        streams of this LLM may be open at the same time: each gets only its own events."""
+        eng = self.engine
+        rid = eng.add_request(prompt, params, arrival_time=arrival_time, output=output)
+        q = self._queues[rid] = deque()
+        done = False
         try:
-            yield from self._decode_loop(out, ids, pos, cache, max_new, params, arrival)
-        finally:  # also when the caller stops iterating: the blocks go back to the pool
-            if self.kv_pool is not None:
-                self.kv_pool.end(rid)
-            if rid in self.active_caches:
-                self.last_cache = self.active_caches.pop(rid)
-
-    def _decode_loop(self, out: RequestOutput, ids: list[int], pos: int, cache, max_new: int,
-                     params: SamplingParams, arrival: float) -> Iterator[StreamEvent]:
-        rid, pool = out.request_id, self.kv_pool
-        gen = params.generator(self.device)
-        proc = OutputProcessor(out, params, self.tokenizer, self.eos_token_ids, max_new)
-        x = torch.tensor([ids[pos:]], device=self.device)   # after a prefix hit: only the rest
-        while True:
-            logits = self.model(x, pos, cache, logits_to_keep=1)[0, -1]
-            token = int(sample(logits, params, gen))   # .item(): waits for the device
-            pos += x.shape[1]
-            if pool is not None:
-                pool.commit(rid, pos)
-            event = proc.push(token, time.perf_counter())
-            yield event
-            if event.finished:
-                return
-            if pool is not None:
-                pool.reserve(rid, token)
-            x = torch.tensor([[token]], device=self.device)
+            while True:
+                while not q:
+                    self._route(eng.step())
+                ev = q.popleft()
+                yield ev
+                if ev.finished:
+                    done = True
+                    return
+        finally:   # also when the caller stops iterating: the request ends, its KV is freed
+            del self._queues[rid]
+            if not done:
+                eng.abort(rid, "the caller stopped reading the stream")
+                self._route(eng.drain_events())
+            eng.release(rid)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run each prompt to completion, one after another.  All requests arrive at the call,
-        so a later request's TTFT includes the time it waited for the earlier ones."""
+        """Add every prompt (all arrive now), step until all are done.  One at a time in the
+        reference configuration, so a later request's TTFT includes the time it waited."""
+        eng = self.engine
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         plist = params if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ConfigError(f"got {len(prompts)} prompts but {len(plist)} SamplingParams")
-        arrival = time.perf_counter()
-        outputs = []
-        it = zip(prompts, plist)
+        now = eng.clock()
+        rids = [eng.add_request(p, sp, arrival_time=now) for p, sp in zip(prompts, plist)]
+        pending = set(rids)
+        bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
-            it = tqdm(it, total=len(prompts), desc="generate", unit="req")
-        for prompt, p in it:
-            out = RequestOutput(request_id=f"req-{next(self._ids)}", prompt=None, prompt_token_ids=[])
-            for _ in self.stream(prompt, p, arrival_time=arrival, output=out):
-                pass
-            outputs.append(out)
-        return outputs
+            bar = tqdm(total=len(rids), desc="generate", unit="req")
+        try:
+            while pending:
+                events = eng.step()
+                for ev in events:
+                    if ev.finished and ev.request_id in pending:
+                        pending.discard(ev.request_id)
+                        if bar is not None:
+                            bar.update()
+                self._route(events)          # open streams of this LLM get theirs
+        finally:
+            for rid in pending:              # an error (or ^C) ends what is left; nothing stays queued
+                eng.abort(rid, "generate() was interrupted")
+            self._route(eng.drain_events())
+            if bar is not None:
+                bar.close()
+        return [eng.release(r) for r in rids]
+
+    @contextmanager
+    def batching(self, max_num_seqs: int):
+        """Let up to ``max_num_seqs`` requests run together for the duration (e.g. interleaved
+        streams that should hold their KV at the same time); the configuration comes back on exit."""
+        cfg = self.engine.config
+        before = cfg.max_num_seqs
+        cfg.max_num_seqs = max(before, int(max_num_seqs))
+        try:
+            yield self
+        finally:
+            cfg.max_num_seqs = before
 
     # ---- summaries ---------------------------------------------------------------------------
     summarize = staticmethod(summarize)
     requests_frame = staticmethod(requests_frame)
-
-
-def _reason_name(reason) -> str | None:
-    return None if reason is None else getattr(reason, "value", str(reason))

@@ -250,8 +250,6 @@ def make_case(op: str, sz: dict, dev: torch.device, dtype: torch.dtype, seed: in
     import workbench_kernels.rope as kp
     import workbench_kernels.swiglu as ks
 
-    from . import backends
-
     g = torch.Generator(device="cpu").manual_seed(seed)
 
     def rnd(*shape, scale=1.0):
@@ -297,7 +295,7 @@ def make_case(op: str, sz: dict, dev: torch.device, dtype: torch.dtype, seed: in
         flops, _ = kf.prefill_cost([T] * B, [T] * B, nh, nkv, hd, e, causal=True)
         return Case(op, f"B={B} T={T} nh={nh} nkv={nkv} hd={hd} causal", "TFLOP/s", flops,
                     "4 * hd * nh * sum_b T_b (T_b + 1) / 2 (causal q.k and p.v)",
-                    (backends.sdpa_prefill, (q4, k4, v4, True), {}),
+                    (kf.attention_prefill_ref, (q4, k4, v4, True), {}),
                     (kf.flash_prefill, (q, k, v, cu, T), {"check": False}),
                     lambda: kf.flash_prefill_ref(*f32(q, k, v), cu),
                     post={"eager": lambda o: o.transpose(1, 2).reshape(B * T, nh, hd),
@@ -317,7 +315,7 @@ def make_case(op: str, sz: dict, dev: torch.device, dtype: torch.dtype, seed: in
         splits = kd.choose_num_splits(B, nkv, S, kd._num_sms(dev))
         return Case(op, f"B={B} context={S} nh={nh} nkv={nkv} hd={hd} page={page}", "GB/s", nbytes,
                     "e * hd * (2 * nkv * sum_b S_b + 2 * B * nh) (K, V once per kv head; q, o)",
-                    (backends.paged_decode_ref, (q, kc, vc, tables, lens), {}),
+                    (kd.attention_decode_ref, (q, kc, vc, tables, lens), {}),
                     (kd.paged_decode, (q, kc, vc, tables, lens), {"max_context_len": S, "check": False}),
                     lambda: kd.paged_decode_ref(*f32(q, kc, vc), tables, lens),
                     note=f"eager = gather blocks + masked SDPA; triton num_splits={splits}")

@@ -30,6 +30,7 @@ class RequestMetrics:
     finished_time: float | None = None
     prompt_tokens: int = 0
     threads: int | None = None   # torch intra-op threads the engine ran with (workbench.measure.threads)
+    engine: str | None = None    # the engine configuration that served it (LLMEngine.describe())
 
     @property
     def time_in_queue(self) -> float | None:
@@ -73,7 +74,7 @@ class RequestMetrics:
         return {"prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
                 "queue_ms": ms(self.time_in_queue), "ttft_ms": ms(self.ttft), "tpot_ms": ms(self.tpot),
                 "e2e_ms": ms(self.e2e), "tokens_per_s": self.tokens_per_s,
-                "decode_tokens_per_s": self.decode_tokens_per_s, "threads": self.threads}
+                "decode_tokens_per_s": self.decode_tokens_per_s, "threads": self.threads, "engine": self.engine}
 
 
 def _stats(values: list[float]) -> dict:

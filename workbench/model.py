@@ -18,13 +18,16 @@ H = hidden size, nh / nkv = query / key-value heads, hd = head dim, V = vocab)::
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from .kv_cache import KVCache
 
 
 class RMSNorm(nn.Module):
@@ -95,6 +98,12 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._table(end, device)
         return cos[start:end].to(dtype), sin[start:end].to(dtype)
 
+    def at(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos, sin [T, hd] for the given absolute positions (a [T] long tensor), any order."""
+        n = int(positions.max()) + 1 if positions.numel() else 1
+        cos, sin = self._table(n, positions.device)
+        return cos[positions].to(dtype), sin[positions].to(dtype)
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
@@ -135,20 +144,28 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
         v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v, start)              # [B, nkv, S, hd]
-        S = k.shape[2]
-        if start == 0 and T == S and self.window is None:
-            mask, causal = None, T > 1          # plain causal prefill: SDPA's fast path
-        elif T == 1 and (self.window is None or S <= self.window):
-            mask, causal = None, False          # one new token sees the whole cache
-        else:
-            positions = torch.arange(start, start + T, device=x.device)
-            # keys end where the queries end: without a cache (S == T) they start at `start`
-            mask, causal = attention_mask(positions, S, self.window, k_start=start + T - S), False
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                             enable_gqa=self.nh != self.nkv)
+        if cache is None:                     # no cache: the keys are these tokens, from `start`
+            out = reference_attention(q, k, v, start, self.window)
+        else:                                 # the cache writes k/v and attends (workbench.kv_cache)
+            out = cache.attend(self, q, k, v, start)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                        window: int | None) -> torch.Tensor:
+    """The reference attention: queries q [B, nh, T, hd] at positions start..start+T-1 over keys
+    k, v [B, nkv, S, hd] that end where the queries end (S = start + T with a cache, S = T
+    without one).  Causal, with the model's sliding window; GQA by SDPA's ``enable_gqa``."""
+    T, S = q.shape[2], k.shape[2]
+    if start == 0 and T == S and window is None:
+        mask, causal = None, T > 1          # plain causal prefill: SDPA's fast path
+    elif T == 1 and (window is None or S <= window):
+        mask, causal = None, False          # one new token sees the whole cache
+    else:
+        positions = torch.arange(start, start + T, device=q.device)
+        mask, causal = attention_mask(positions, S, window, k_start=start + T - S), False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 class MLP(nn.Module):
@@ -204,16 +221,29 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None,
-                logits_to_keep: int = 0) -> torch.Tensor:
+                logits_to_keep: int = 0, positions: torch.Tensor | None = None,
+                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T or logits_to_keep, V].
+
+        ``positions`` (a [T] long tensor) replaces ``start_pos`` for a *packed* step: one row of
+        tokens from many sequences, each at its own position; the cache (a batch view such as
+        :class:`~workbench.kv.paged.PagedBatchCache`) knows which token belongs to which
+        sequence.  ``logits_rows`` then picks the rows that get logits ([k] long) -> [k, V].
+        """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
-        if cache is not None and start_pos != cache.length:
-            raise ValueError(f"start_pos {start_pos} does not continue the cache (length {cache.length})")
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary_emb(start_pos, start_pos + T, x.device, x.dtype)
+        if positions is None:
+            if cache is not None and start_pos != cache.length:
+                raise ValueError(f"start_pos {start_pos} does not continue the cache (length {cache.length})")
+            cos, sin = self.model.rotary_emb(start_pos, start_pos + T, x.device, x.dtype)
+        else:
+            cos, sin = self.model.rotary_emb.at(positions, x.dtype)        # [T, hd] rows by position
         for layer in self.model.layers:
             x = layer(x, cos, sin, start_pos, cache)
+        if positions is not None:
+            return self.lm_head(self.model.norm(x[0, logits_rows] if logits_rows is not None else x))
         if cache is not None:
             cache.length = start_pos + T
         x = self.model.norm(x[:, -logits_to_keep:] if logits_to_keep else x)
@@ -221,6 +251,8 @@ class CausalLM(nn.Module):
 
     def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> KVCache:
         """A contiguous KV cache for this model on its device and dtype."""
+        from .kv_cache import KVCache
+
         p = self.lm_head.weight
         return KVCache(self.config, batch_size, max_len or self.config.max_position_embeddings,
                        device=p.device, dtype=p.dtype)

@@ -42,7 +42,7 @@ from contextlib import contextmanager
 import torch
 
 from .errors import ConfigError
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams
 
 COMPONENTS = ("embedding", "attention", "mlp", "norm", "lm_head", "sampling", "other")
 
@@ -116,17 +116,17 @@ def _gc_paused():
 
 
 def _prefill(llm, prompt, extra_tokens: int, params: SamplingParams):
+    """The bare decode loop (:class:`workbench.engine.ReferenceLoop`) after its prefill step."""
+    from .engine import ReferenceLoop
+
     _, ids = llm.encode(prompt)
     need = len(ids) + extra_tokens + 1
     if need > llm.max_model_len:
         raise ConfigError(f"profile: prompt ({len(ids)} tokens) + {extra_tokens} decode steps exceed the "
                           f"model's context ({llm.max_model_len}); use a shorter prompt or fewer steps")
-    model = llm.model
-    cache = model.new_cache(1, need)
-    gen = params.generator(llm.device)
-    logits = model(torch.tensor([ids], device=llm.device), 0, cache, logits_to_keep=1)[0, -1]
-    token = int(sample(logits, params, gen))
-    return model, cache, gen, token, len(ids)
+    loop = ReferenceLoop(llm.model, ids, extra_tokens + 1, params)
+    loop.step()
+    return loop
 
 
 @torch.inference_mode()
@@ -148,7 +148,8 @@ def profile_decode_step(llm, prompt, steps: int = 16, warmup: int = 3,
     params = params or SamplingParams(temperature=0.0)
     dev = llm.device
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    model, cache, gen, token, pos = _prefill(llm, prompt, 2 * (steps + warmup), params)
+    loop = _prefill(llm, prompt, 2 * (steps + warmup), params)
+    model, prompt_tokens = llm.model, loop.pos
     timer = _HookTimer(sync)
     pairs = _component_modules(model)
 
@@ -165,14 +166,12 @@ def profile_decode_step(llm, prompt, steps: int = 16, warmup: int = 3,
                     timer.reset()
                 sync()
                 t0 = time.perf_counter()
-                x = torch.tensor([[token]], device=dev)
-                logits = model(x, pos, cache, logits_to_keep=1)[0, -1]
+                logits = loop.forward()
                 if hooked:
                     sync()
                 t_sample = time.perf_counter()
-                token = int(sample(logits, params, gen))     # int(): the token id is on the host
+                loop.sample(logits)                          # the token id is on the host
                 t1 = time.perf_counter()
-                pos += 1
                 if hooked:
                     timer.detach()
                 if i < 2 * warmup:
@@ -203,7 +202,7 @@ def profile_decode_step(llm, prompt, steps: int = 16, warmup: int = 3,
     df.attrs.update({"plain_step_ms": plain_ms, "hooked_step_ms": hooked_ms,
                      "hook_overhead_ms": hooked_ms - plain_ms,
                      "hook_overhead_pct": 100.0 * (hooked_ms - plain_ms) / plain_ms,
-                     "steps": steps, "prompt_tokens": pos - 2 * (steps + warmup),
+                     "steps": steps, "prompt_tokens": prompt_tokens,
                      "device": str(dev), "dtype": str(model.lm_head.weight.dtype).removeprefix("torch.")})
     return df
 
@@ -232,14 +231,8 @@ def op_profile(llm, prompt, steps: int = 8, top: int = 15,
         raise ConfigError(f"op_profile: steps must be >= 1, got {steps}")
     params = params or SamplingParams(temperature=0.0)
     dev = llm.device
-    model, cache, gen, token, pos = _prefill(llm, prompt, steps + 1, params)
-
-    def step():
-        nonlocal token, pos
-        logits = model(torch.tensor([[token]], device=dev), pos, cache, logits_to_keep=1)[0, -1]
-        token = int(sample(logits, params, gen))
-        pos += 1
-
+    loop = _prefill(llm, prompt, steps + 1, params)
+    step = loop.step
     step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=activities) as prof:

@@ -22,6 +22,13 @@ request's :class:`~workbench.kv.block_manager.Allocation` (and the blocks its ad
 restored from the offload tier or evicted) in ``pool.admissions``, which :class:`KVInspector`
 copies at the ``"begin"`` event.
 
+**A running server** (``workbench serve``) answers ``GET /v1/workbench/kv`` (:data:`KV_POOL_PATH`)
+with the live pool of its batched engine: :func:`pool_report_from_thread` reads it while the
+engine thread keeps changing it (retried until a read is unchanged and self-consistent), with
+each live request's reuse from the pool's ``admissions``; :func:`fetch_pool_report` GETs it
+(``workbench kv-inspect --url http://HOST:PORT`` prints it as the local report).  The server
+keeps no finished-request records, so its ``"finished"`` is empty.
+
 **Tiered mode** reads a :class:`~workbench.kv.tiers.TieredKVCache` at its current length ``n``,
 i.e. as its last query (position ``n - 1``) sees it.  Per layer and sequence (batch rows share
 the zone arithmetic of :mod:`~workbench.kv.tier_config`):
@@ -117,6 +124,165 @@ def pool_report(pool, allocations: dict | None = None, finished=None) -> dict:
     }
 
 
+def allocation_record(admission: dict) -> dict:
+    """What admitting one request did, JSON-ready: an entry of ``pool.admissions`` (its
+    :class:`~workbench.kv.block_manager.Allocation`, blocks restored from the offload tier,
+    cached blocks evicted to make room) as the fields :func:`sequence_record` reports."""
+    a = admission["allocation"]
+    return {"prompt_tokens": a.prompt_tokens, "cached_tokens": a.num_cached_tokens,
+            "reuse_ratio": a.num_cached_tokens / a.prompt_tokens if a.prompt_tokens else None,
+            "miss_reason": None if a.miss_reason is None else a.miss_reason.value,
+            "restored_blocks": admission["restored_blocks"], "evictions": admission["evictions"]}
+
+
+def live_allocations(pool) -> dict[str, dict]:
+    """seq id -> :func:`allocation_record` for every live sequence, from the pool's own
+    ``admissions`` (no :class:`KVInspector` needed: the pool keeps them until a request ends)."""
+    return {sid: allocation_record(adm) for sid, adm in dict(getattr(pool, "admissions", None) or {}).items()}
+
+
+# ---- a pool that another thread changes (a server's engine thread) ------------------------------
+# The errors a reader can meet when the engine thread changes the pool under it: a dict that
+# changes size while walked (RuntimeError), a sequence freed between listing it and reading it
+# (the block manager's WorkbenchError), a list or dict entry gone (IndexError, KeyError).
+_TORN_READ = (RuntimeError, KeyError, IndexError, WorkbenchError)
+
+
+def _fingerprint(pool) -> tuple:
+    """Everything a step, an admission or a release changes in the pool's bookkeeping: equal
+    fingerprints before and after a read mean that nothing changed while it was read."""
+    m = pool.manager
+    st = m.stats
+    return (id(m), m.block_states(), st.requests, st.evictions, st.cow_copies, st.restored_blocks,
+            [(sid, m.num_tokens(sid), m.num_committed(sid)) for sid in m.seq_ids()])
+
+
+def _consistent(rep: dict) -> bool:
+    """Whether a report's parts agree as the block manager's invariants say: a block is owned
+    by exactly one live sequence's table, shared by several, free or cached by none; a table
+    has one block per ``block_size`` tokens.  A read made in the middle of an allocation or a
+    release (reference counts changed, tables not yet, or the reverse) fails this."""
+    owners, want = rep["block_owners"], {"free": 0, "cached": 0, "owned": 1}
+    for i, state in enumerate(rep["block_states"]):
+        n = len(owners.get(str(i), ()))
+        if (n < 2) if state == "shared" else n != want[state]:
+            return False
+    return all(r["num_blocks"] == -(-r["tokens"] // rep["block_size"]) for r in rep["sequences"])
+
+
+def pool_report_from_thread(pool, attempts: int = 8, pause_s: float = 0.002) -> dict:
+    """:func:`pool_report` of a pool that another thread keeps changing - a server's engine
+    thread, which takes no lock around a step - with each live sequence's reuse from
+    :func:`live_allocations`.
+
+    A plain read from here could fail (a dict changing size while walked, a sequence freed
+    between listing it and reading its table), mix the pool before and after one step, or catch
+    it in the middle of one block-manager call (the reader can be given the GIL there).  Each
+    attempt reads a fingerprint of the pool (block states, counters, live sequences and their
+    lengths), the report, then the fingerprint again, and keeps the report when the two agree -
+    nothing changed while it was read - and its parts agree with each other (:func:`_consistent`:
+    not read mid-call).  A failed, changed or inconsistent read is retried, ``attempts`` times
+    at most, ``pause_s * attempt`` seconds apart; when no read was both, the last one that did
+    not fail is returned with ``snapshot.stable`` False.  The report gains ``"snapshot"``:
+    ``stable``, ``attempts`` (reads made) and ``seconds`` (spent reading).  Raises
+    WorkbenchError when every read failed.
+    """
+    if not isinstance(attempts, int) or attempts < 1:
+        raise WorkbenchError(f"pool_report_from_thread: attempts must be an integer >= 1, got {attempts!r}")
+    t0 = time.perf_counter()
+    rep, stable, last_error = None, False, None
+    for attempt in range(1, attempts + 1):
+        try:
+            before = _fingerprint(pool)
+            got = pool_report(pool, live_allocations(pool))
+            stable = before == _fingerprint(pool) and _consistent(got)
+        except _TORN_READ as e:
+            last_error = f"{type(e).__name__}: {e}"
+        else:
+            rep = got
+            if stable:
+                break
+        if attempt < attempts:
+            time.sleep(pause_s * attempt)
+    if rep is None:
+        raise WorkbenchError(f"KV pool: all {attempts} reads failed while the engine thread changed the pool "
+                             f"(last: {last_error}); try again")
+    rep["snapshot"] = {"stable": stable, "attempts": attempt, "seconds": time.perf_counter() - t0}
+    return rep
+
+
+# ---- a running `workbench serve` ----------------------------------------------------------------
+# The server's read-only route for its live pool (workbench.serve.app).  Under /v1 so that the
+# server's API key guards it like the completions: the report names live requests and its
+# prefix-cache counters tell whether others sent a given prefix.  "workbench" in the path: no
+# OpenAI-compatible server has it.
+KV_POOL_PATH = "/v1/workbench/kv"
+KV_POOL_OBJECT = "workbench.kv_pool"     # the report's "object": how a client knows what answered
+
+
+def _server_base(url: str) -> str:
+    """http://HOST:PORT from what a user may pass: with or without ``http://``, a trailing
+    ``/``, the OpenAI base URL (``.../v1``) or the endpoint itself."""
+    from ..errors import ConfigError
+
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigError(f"--url {url!r}: give the server's address, e.g. http://127.0.0.1:8000")
+    base = url.strip()
+    if "://" not in base:
+        base = "http://" + base
+    if not base.startswith(("http://", "https://")):
+        raise ConfigError(f"--url {url}: only http:// and https:// servers can be asked")
+    base = base.rstrip("/")
+    for tail in (KV_POOL_PATH, "/v1"):
+        if base.endswith(tail):
+            base = base[:-len(tail)]
+    return base
+
+
+def fetch_pool_report(url: str, timeout: float = 10.0, api_key: str | None = None) -> dict:
+    """GET the live KV pool report of a running ``workbench serve`` at ``url`` (``http://HOST:PORT``;
+    ``.../v1`` and a missing ``http://`` are accepted) from :data:`KV_POOL_PATH`.
+
+    Returns the server's :func:`pool_report` (``mode`` "paged", block counts and states, prefix
+    cache counters, live sequences) plus ``object`` (:data:`KV_POOL_OBJECT`), ``server`` (served
+    model, engine thread and queue, and how the snapshot was taken: see
+    :func:`pool_report_from_thread`).  ``api_key``: sent as ``Authorization: Bearer`` (a server
+    started with ``--api-key`` needs it).  Raises WorkbenchError naming the URL when the server
+    cannot be reached or does not answer within ``timeout`` seconds, answers an HTTP error, or
+    is not a workbench server (anything but its report).
+    """
+    import httpx
+
+    endpoint = _server_base(url) + KV_POOL_PATH
+    where = f"--url {url}: GET {endpoint}"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(endpoint, headers=headers, timeout=timeout)
+    except httpx.TimeoutException:
+        raise WorkbenchError(f"{where}: no answer within {timeout:g} s") from None
+    except httpx.HTTPError as e:
+        raise WorkbenchError(f"{where}: cannot reach the server ({type(e).__name__}: {e}); is `workbench serve` "
+                             "running there?") from None
+    if r.status_code != 200:
+        try:
+            said = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            said = r.text.strip()[:200] or r.reason_phrase
+        hint = {401: "; the server wants its API key: set WORKBENCH_API_KEY (kv-inspect) or pass api_key",
+                404: "; not a workbench server, or one older than this endpoint",
+                405: "; not a workbench server, or one older than this endpoint"}.get(r.status_code, "")
+        raise WorkbenchError(f"{where}: HTTP {r.status_code} ({said}){hint}")
+    try:
+        body = r.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict) or body.get("object") != KV_POOL_OBJECT or body.get("mode") != "paged":
+        kind = r.headers.get("content-type", "no content type")
+        raise WorkbenchError(f"{where}: the answer ({kind}) is not a workbench KV pool report; is this a "
+                             "`workbench serve` server?")
+    return body
+
+
 class KVInspector:
     """Subscribes to a paged pool's listeners; keeps what each request's allocation did while it
     runs and a record of it when it ends (the last ``history`` requests).  ::
@@ -157,13 +323,7 @@ class KVInspector:
     def _on_event(self, event: str, seq_id: str) -> None:
         m = self.pool.manager
         if event == "begin":
-            adm = self.pool.admissions[seq_id]
-            a = adm["allocation"]
-            self.allocations[seq_id] = {
-                "prompt_tokens": a.prompt_tokens, "cached_tokens": a.num_cached_tokens,
-                "reuse_ratio": a.num_cached_tokens / a.prompt_tokens,
-                "miss_reason": None if a.miss_reason is None else a.miss_reason.value,
-                "restored_blocks": adm["restored_blocks"], "evictions": adm["evictions"]}
+            self.allocations[seq_id] = allocation_record(self.pool.admissions[seq_id])
             self._begin_time[seq_id] = time.perf_counter()
             self._steps[seq_id] = 0
         elif event == "step":
@@ -372,6 +532,26 @@ def inspect_paged_workload(model=None, prompts=None, num_requests: int = 8, syst
     return rep
 
 
+def fit_heldout_basis(llm, tier, calibration_docs: int = 2, split=None):
+    """The PCA key basis a tiered cache needs (None when ``tier`` has no warm zone), fitted on
+    ``calibration_docs`` held-out calibration documents - never the evaluation ones
+    (:func:`~workbench.kv.tier_eval.heldout_split`)."""
+    from ..errors import ConfigError
+    from .pca import fit_pca_from_model
+    from .tier_eval import heldout_split
+
+    if llm.tokenizer is None:
+        raise ConfigError("the tiered cache's PCA basis is fitted on held-out text; this model has no tokenizer")
+    split = split or heldout_split(llm.tokenizer, context=min(1024, llm.max_model_len))
+    if len(split["calibration"]) < calibration_docs or not split["evaluation"]:
+        raise ConfigError(f"the held-out corpus has {len(split['calibration'])} calibration documents of "
+                          f"{min(1024, llm.max_model_len)} tokens; asked for {calibration_docs}")
+    if not tier.has_warm:
+        return None
+    return fit_pca_from_model(llm.model, split["calibration"][:calibration_docs], key_space=tier.key_space,
+                              source=f"heldout calibration: {', '.join(split['calibration_docs'][:calibration_docs])}")
+
+
 def inspect_tiered_workload(tier, model=None, prompt=None, prompt_tokens: int = 512, max_tokens: int = 8,
                             calibration_docs: int = 2, device=None, dtype=None, progress: bool = False) -> dict:
     """Fit a PCA basis on ``calibration_docs`` held-out calibration documents (never the
@@ -382,7 +562,6 @@ def inspect_tiered_workload(tier, model=None, prompt=None, prompt_tokens: int = 
     from ..engine import LLM
     from ..errors import ConfigError
     from ..sampling import SamplingParams
-    from .pca import fit_pca_from_model
     from .tier_eval import heldout_split
 
     base = LLM(model, device=device, dtype=dtype)
@@ -390,13 +569,10 @@ def inspect_tiered_workload(tier, model=None, prompt=None, prompt_tokens: int = 
         raise ConfigError("kv-inspect --tiers: calibration and the default prompt are text; this model has no tokenizer")
     with _bar(3, "kv-inspect --tiers", progress) as bar:
         split = heldout_split(base.tokenizer, context=min(1024, base.max_model_len))
-        if len(split["calibration"]) < calibration_docs or not split["evaluation"]:
-            raise ConfigError(f"kv-inspect --tiers: the held-out corpus has {len(split['calibration'])} calibration "
-                              f"documents of {min(1024, base.max_model_len)} tokens; asked for {calibration_docs}")
-        basis = None
-        if tier.has_warm:
-            basis = fit_pca_from_model(base.model, split["calibration"][:calibration_docs], key_space=tier.key_space,
-                                       source=f"heldout calibration: {', '.join(split['calibration_docs'][:calibration_docs])}")
+        try:
+            basis = fit_heldout_basis(base, tier, calibration_docs, split)
+        except ConfigError as e:
+            raise ConfigError(f"kv-inspect --tiers: {e}") from None
         bar.update()
         if prompt is None:
             ids = split["evaluation"][0][:prompt_tokens]

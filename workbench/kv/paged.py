@@ -62,7 +62,7 @@ class PagedKVPool:
     """Block tensors for every layer plus the block manager that hands them out."""
 
     def __init__(self, cfg: ModelConfig, paged: PagedKVConfig, device: torch.device, dtype: torch.dtype,
-                 default_tokens: int) -> None:
+                 default_tokens: int, tensors: bool = True) -> None:
         self.layout = KVLayout.from_model_config(cfg, paged.block_size, dtype)
         if paged.num_blocks is not None:
             num_blocks = paged.num_blocks
@@ -75,8 +75,14 @@ class PagedKVPool:
             num_blocks = -(-default_tokens // paged.block_size)
         self.block_size, self.config, self.device = paged.block_size, paged, device
         shape = (num_blocks, paged.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.k_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
-        self.v_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        # tensors=False: block accounting only (an engine whose KV lives in per-sequence caches
+        # admits and preempts by the same blocks; nothing is stored here)
+        n_layers = cfg.num_hidden_layers if tensors else 0
+        self.k_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.v_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.stores_kv = tensors
+        if paged.offload is not None and not tensors:
+            raise ConfigError("PagedKVConfig.offload needs the paged KV pool (this engine keeps KV per sequence)")
         self.offload = None
         if paged.offload == "host":
             self.offload = HostOffload(paged.offload_blocks, pin=device.type == "cuda")
@@ -137,22 +143,25 @@ class PagedKVPool:
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate block ``src`` into ``dst`` in every layer."""
-        if not pairs:
+        if not pairs or not self.stores_kv:
             return
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
         for cache in self.k_cache + self.v_cache:
             cache[dst] = cache[src]
 
-    # ---- one sequence's life: begin -> (reserve, forward, commit)* -> end ----------------------
+    # ---- one sequence's life: allocate -> (append_slot, forward, commit)* -> free ------------
+    @property
+    def blocks(self) -> "PoolBlocks":
+        """The block manager as an engine's scheduler drives it, with this pool's lifecycle
+        around every call (offload restores, copy-on-write copies, listeners, timing)."""
+        return PoolBlocks(self)
+
     def begin(self, seq_id: str, token_ids: list[int]) -> tuple["PagedSequenceCache", object]:
         """Allocate the prompt's blocks (reusing cached prefix blocks); returns the sequence's
         cache view, positioned after the reused tokens, and the block manager's allocation.
         With an offload tier, evicted prefix blocks it still holds are copied back first."""
-        t0, evictions = time.perf_counter(), self.manager.stats.evictions
-        restored = self._restore(token_ids) if self.offload is not None else 0
-        alloc = self.manager.allocate(seq_id, token_ids)
-        self.manager_seconds += time.perf_counter() - t0
+        alloc = self.blocks.allocate(seq_id, token_ids)
         if alloc is None:
             need = -(-len(token_ids) // self.block_size)
             why = ("more than the whole pool" if self.manager.can_allocate(len(token_ids)) == AllocStatus.NEVER
@@ -161,40 +170,81 @@ class PagedKVPool:
                 f"KV pool: {need} blocks needed for a {len(token_ids)}-token prompt, {why} (pool of "
                 f"{self.num_blocks} blocks of {self.block_size} tokens); give the pool more blocks "
                 "(PagedKVConfig.num_blocks / kv_cache_bytes)")
-        self.copy_blocks(self.manager.take_copies())
-        # What admitting this request did, for inspectors (kept until the request ends).
-        self.admissions[seq_id] = {"allocation": alloc, "restored_blocks": restored,
-                                   "evictions": self.manager.stats.evictions - evictions}
-        self._notify("begin", seq_id)
         return PagedSequenceCache(self, seq_id, alloc.num_cached_tokens), alloc
 
     def reserve(self, seq_id: str, token_id: int) -> None:
         """Reserve the slot of the next token fed to the model (copy-on-write if shared)."""
-        t0 = time.perf_counter()
-        slot = self.manager.append_slot(seq_id, token_id)
-        self.manager_seconds += time.perf_counter() - t0
-        if slot is None:
+        if self.blocks.append_slot(seq_id, token_id) is None:
             raise WorkbenchError(f"KV pool: no free block for sequence {seq_id} at "
                                  f"{len(self.manager.block_table(seq_id)) * self.block_size} tokens "
                                  f"({self.num_blocks} blocks of {self.block_size}); give the pool more blocks")
-        self.copy_blocks(self.manager.take_copies())
 
     def commit(self, seq_id: str, num_tokens: int) -> None:
         """The KV of the sequence's first ``num_tokens`` tokens is written: full blocks become reusable."""
-        t0 = time.perf_counter()
-        self.manager.commit(seq_id, num_tokens)
-        self.manager_seconds += time.perf_counter() - t0
-        if self.listeners:
-            self._notify("step", seq_id)
+        self.blocks.commit(seq_id, num_tokens)
 
     def end(self, seq_id: str) -> None:
+        self.blocks.free(seq_id)
+
+
+class PoolBlocks:
+    """:class:`BlockManager`'s interface (what the scheduler calls), with the pool's lifecycle
+    around the calls that change state.  Everything else goes to the manager as it is.
+
+    * ``allocate``: blocks the offload tier holds are restored first (their KV copied in), then
+      the allocation; what it did is kept in ``pool.admissions``; listeners get ``"begin"``.
+    * ``append_slot``: copy-on-write copies are done before anything writes.
+    * ``commit``: listeners get ``"step"``.   * ``free``: listeners get ``"end"`` first.
+    * every call is timed into ``pool.manager_seconds`` (the bookkeeping cost of paging).
+    """
+
+    def __init__(self, pool: PagedKVPool) -> None:
+        self.pool = pool
+
+    def __getattr__(self, name):
+        return getattr(self.pool.manager, name)
+
+    def allocate(self, seq_id: str, token_ids: list[int]):
+        pool = self.pool
+        m = pool.manager
+        t0, evictions = time.perf_counter(), m.stats.evictions
+        restored = pool._restore(token_ids) if pool.offload is not None else 0
+        alloc = m.allocate(seq_id, token_ids)
+        pool.manager_seconds += time.perf_counter() - t0
+        if alloc is None:
+            return None
+        pool.copy_blocks(m.take_copies())
+        # What admitting this request did, for inspectors (kept until the request ends).
+        pool.admissions[seq_id] = {"allocation": alloc, "restored_blocks": restored,
+                                   "evictions": m.stats.evictions - evictions}
+        pool._notify("begin", seq_id)
+        return alloc
+
+    def append_slot(self, seq_id: str, token_id: int):
+        pool = self.pool
+        t0 = time.perf_counter()
+        slot = pool.manager.append_slot(seq_id, token_id)
+        pool.manager_seconds += time.perf_counter() - t0
+        pool.copy_blocks(pool.manager.take_copies())
+        return slot
+
+    def commit(self, seq_id: str, num_tokens: int) -> None:
+        pool = self.pool
+        t0 = time.perf_counter()
+        pool.manager.commit(seq_id, num_tokens)
+        pool.manager_seconds += time.perf_counter() - t0
+        if pool.listeners:
+            pool._notify("step", seq_id)
+
+    def free(self, seq_id: str) -> None:
+        pool = self.pool
         try:
-            self._notify("end", seq_id)
+            pool._notify("end", seq_id)
         finally:
-            self.admissions.pop(seq_id, None)
+            pool.admissions.pop(seq_id, None)
             t0 = time.perf_counter()
-            self.manager.free(seq_id)
-            self.manager_seconds += time.perf_counter() - t0
+            pool.manager.free(seq_id)
+            pool.manager_seconds += time.perf_counter() - t0
 
 
 class PagedSequenceCache:
@@ -220,16 +270,56 @@ class PagedSequenceCache:
         self._blocks = torch.tensor(m.block_table(self.seq_id)[:nb], device=dev)
         self._key = (start, end)
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int):
-        """Scatter k/v [1, nkv, T, hd] into their slots; gather the context [1, nkv, S, hd]."""
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         if k.shape[0] != 1:
             raise ValueError(f"a paged sequence view holds one sequence, got batch {k.shape[0]}")
-        end = start + k.shape[2]
-        self._prepare(start, end)
         kc, vc = self.pool.k_cache[layer], self.pool.v_cache[layer]
         nkv, hd = kc.shape[2], kc.shape[3]
         kc.view(-1, nkv, hd)[self._slots] = k[0].transpose(0, 1)
         vc.view(-1, nkv, hd)[self._slots] = v[0].transpose(0, 1)
+
+    def _context(self, layer: int, end: int):
+        kc, vc = self.pool.k_cache[layer], self.pool.v_cache[layer]
+        nkv, hd = kc.shape[2], kc.shape[3]
         keys = kc[self._blocks].reshape(-1, nkv, hd)[:end]       # [S, nkv, hd]
         vals = vc[self._blocks].reshape(-1, nkv, hd)[:end]
         return keys.transpose(0, 1).unsqueeze(0), vals.transpose(0, 1).unsqueeze(0)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int):
+        """Scatter k/v [1, nkv, T, hd] into their slots; gather the context [1, nkv, S, hd]."""
+        end = start + k.shape[2]
+        self._prepare(start, end)
+        self._write(layer, k, v)
+        return self._context(layer, end)
+
+    # ---- the attention interface (workbench.kv_cache) ----------------------------------------
+    def attend(self, attn, q, k, v, start: int, written: bool = False) -> torch.Tensor:
+        """Write this step's k/v into the pool and attend over the sequence's blocks: in place
+        with a decode kernel, else gathered to a contiguous context (the reference)."""
+        from ..kv_cache import attention_ops, uses_kernel
+        from ..model import reference_attention
+
+        layer, T = attn.layer_idx, q.shape[2]
+        end = start + T
+        self._prepare(start, end)
+        if not written:
+            self._write(layer, k, v)
+        ops = attention_ops(attn)
+        if T == 1 and uses_kernel(ops, "attention_decode"):
+            kc, vc = self.kv_storage(layer)
+            lens = torch.tensor([end], device=q.device, dtype=torch.int32)
+            return ops.attention_decode(q[:, :, 0], kc, vc, self._blocks.to(torch.int32)[None], lens,
+                                        sliding_window=attn.window)[:, :, None]
+        K, V = self._context(layer, end)
+        if start == 0 and attn.window is None and uses_kernel(ops, "attention_prefill"):
+            return ops.attention_prefill(q, K, V, causal=T > 1)
+        return reference_attention(q, K, V, start, attn.window)
+
+    def kv_storage(self, layer: int):
+        return self.pool.k_cache[layer], self.pool.v_cache[layer]
+
+    def write_slots(self, B: int, start: int, T: int) -> torch.Tensor:
+        if B != 1:
+            raise ValueError(f"a paged sequence view holds one sequence, got batch {B}")
+        self._prepare(start, start + T)
+        return self._slots

@@ -3,7 +3,7 @@
 ::
 
     cache = TieredKVCache(model.config, TierConfig(window=128, rank=8, warm_tokens=256, budget=64), basis)
-    with tiered_attention(model):                     # swaps Attention.forward; model.py untouched
+    with tiered_attention(model):                     # a flag on the attention modules; model.py untouched
         logits = model(ids, cache=cache)              # every query sees the cache as the policy keeps it
     cache.resident_bytes(), cache.fetched_bytes_by_pos
 
@@ -140,8 +140,19 @@ class TieredKVCache:
             self.v_hat[layer][:, :, start:end] = (q.float() * s).to(self.dtype)
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
+    # ---- the attention interface (workbench.kv_cache) -----------------------------------
+    def attend(self, attn, q, k, v, start: int, written: bool = False) -> torch.Tensor:
+        """Write k/v in every representation; attend with the tiered policy when the module is
+        switched to it (:func:`apply_tiered_attention`), else exactly over the full K/V."""
+        K, V = self.update(attn.layer_idx, k, v, start)
+        if getattr(attn, "_wb_tiered", False):
+            return self.attend_tiered(attn.layer_idx, q, start)
+        from ..model import reference_attention
+
+        return reference_attention(q, K, V, start, attn.window)
+
     # ---- tiered attention ---------------------------------------------------------------
-    def attend(self, layer: int, q: torch.Tensor, start: int) -> torch.Tensor:
+    def attend_tiered(self, layer: int, q: torch.Tensor, start: int) -> torch.Tensor:
         """Attention of queries q [B, nh, T, hd] at positions start..start+T-1 over the tiered
         cache (already updated with those tokens).  Returns [B, nh, T, hd]."""
         cfg = self.cfg
@@ -241,43 +252,29 @@ class TieredKVCache:
         return basis_bytes(self.cfg, c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
 
 
-class TieredAttention(Attention):
-    """``Attention`` whose forward serves a :class:`TieredKVCache` through ``cache.attend``;
-    any other cache (or none) takes the reference path unchanged.  Installed by swapping the
-    module's class (parameter names and the state dict stay the same)."""
-
-    def forward(self, x, cos, sin, start, cache):
-        if not isinstance(cache, TieredKVCache):
-            return super().forward(x, cos, sin, start, cache)
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)   # [B, nh, T, hd]
-        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
-        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.update(self.layer_idx, k, v, start)
-        out = cache.attend(self.layer_idx, q, start)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
-
-
 def apply_tiered_attention(model: CausalLM) -> CausalLM:
-    """Make every layer's attention serve a :class:`TieredKVCache` (in place; returns model)."""
+    """Make every layer's attention serve a :class:`TieredKVCache` with the tiered policy (in
+    place; returns model).  A flag on each attention module, read by the cache: other caches
+    keep the exact path, and per-op backends (``workbench.backends``) compose with it."""
     if model.config.sliding_window is not None:
         raise ConfigError(f"tiered attention does not support sliding-window models "
                           f"(config field 'sliding_window' = {model.config.sliding_window})")
     for i, layer in enumerate(model.model.layers):
-        attn = layer.self_attn
-        if type(attn) not in (Attention, TieredAttention):
-            raise ConfigError(f"layer {i}: self_attn is a {type(attn).__name__}, expected the reference "
-                              "Attention; apply the tiered attention before other attention transformations")
-        attn.__class__ = TieredAttention
+        if not isinstance(layer.self_attn, Attention):
+            raise ConfigError(f"layer {i}: self_attn is a {type(layer.self_attn).__name__}, expected an Attention")
+        layer.self_attn._wb_tiered = True
     return model
 
 
 def remove_tiered_attention(model: CausalLM) -> CausalLM:
     for layer in model.model.layers:
-        if type(layer.self_attn) is TieredAttention:
-            layer.self_attn.__class__ = Attention
+        layer.self_attn.__dict__.pop("_wb_tiered", None)
     return model
+
+
+def is_tiered(model: CausalLM) -> bool:
+    """Is the tiered policy switched on for ``model``'s attention?"""
+    return all(getattr(layer.self_attn, "_wb_tiered", False) for layer in model.model.layers)
 
 
 @contextmanager

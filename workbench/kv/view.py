@@ -123,10 +123,26 @@ def format_tier_report(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def format_server_header(rep: dict) -> str:
+    """The first line of a pool report a server sent (:func:`workbench.kv.inspect.fetch_pool_report`):
+    model, engine thread and queue, and how stable the snapshot is."""
+    srv = rep.get("server") or {}
+    eng, snap = srv.get("engine") or {}, srv.get("snapshot") or {}
+    alive = "engine running" if srv.get("engine_alive") else "engine thread NOT running" + (
+        f" (last error: {srv['last_error']})" if srv.get("last_error") else "")
+    queue = ", ".join(f"{eng[k]} {k}" for k in ("running", "waiting", "swapped", "finished") if k in eng)
+    how = ("stable snapshot" if snap.get("stable") else "snapshot taken while the pool changed (not stable)") + (
+        f" after {snap['attempts']} read(s)" if snap.get("attempts") else "")
+    return (f"server: model {srv.get('model', '?')}; {alive}" + (f" at step {eng['steps']}" if "steps" in eng else "")
+            + (f"; {queue}" if queue else "") + f"; {how}")
+
+
 def format_report(rep: dict, width: int = 64) -> str:
-    """Readable text for any report of :mod:`workbench.kv.inspect`."""
+    """Readable text for any report of :mod:`workbench.kv.inspect` (a server's pool report:
+    :func:`format_server_header`, then the pool)."""
     if rep["mode"] == "paged":
-        return format_pool_report(rep, width)
+        text = format_pool_report(rep, width)
+        return format_server_header(rep) + "\n" + text if "server" in rep else text
     if rep["mode"] == "contiguous":
         return (f"{rep['message']}\nKV bytes per token {rep['kv_bytes_per_token']:,}; a full context of "
                 f"{rep['max_model_len']} tokens takes {rep['bytes_full_context']:,} B")
@@ -365,6 +381,8 @@ class KVBlockMapView:
         outs = [RequestOutput(request_id="", prompt=None, prompt_token_ids=[]) for _ in plist]
         streams = [llm.stream(p, params, output=o) for p, o in zip(plist, outs)]
         groups = [streams] if interleave else [[s] for s in streams]
+        together = llm.batching(len(plist) if interleave else 1)
+        together.__enter__()
         try:
             for group in groups:
                 live = list(group)
@@ -379,4 +397,5 @@ class KVBlockMapView:
         finally:
             for st in streams:                          # on an error: every request gives its blocks back
                 st.close()
+            together.__exit__(None, None, None)
         return outs[0] if single else outs

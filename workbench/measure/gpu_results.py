@@ -8,7 +8,9 @@ One folder holds (see ``results/gpu/README.md``)::
 
     meta.json          device_name, date, utc_time, torch, triton, cuda, git_commit, python ...
     summary.csv        step, status, seconds, limit_s: one row per step of the device check
-    engine_bench.csv   `workbench bench`: one row per side (workbench / transformers.generate)
+    engine_bench.csv   `workbench bench`: one row per side (the reference configuration, the bare loop,
+                       CUDA-graphed decode / transformers.generate)
+    engine_fast_bench.csv  the same with torch.compile'd decode (compile, compile + CUDA graphs)
     kernel_bench.csv   `workbench kernels-bench`: its own CSV, unchanged
     sched_bench.csv    `workbench sched-bench --json`, long format: section, config, metric, value
     prefix_bench.csv   `workbench prefix-bench --json`, long format: section, config, metric, value
@@ -51,8 +53,9 @@ DRY_RUN_DIR = REPO / "runs" / "device_check"     # git-ignored: a run without CU
 
 # step -> the table it produces (the CSV is named after the step; kernels_bench keeps the name of
 # the CSV `workbench kernels-bench` has always written)
-TABLES = {"engine_bench": "engine_bench", "kernels_bench": "kernel_bench", "sched_bench": "sched_bench",
-          "prefix_bench": "prefix_bench"}
+TABLES = {"engine_bench": "engine_bench", "engine_fast": "engine_fast_bench", "kernels_bench": "kernel_bench",
+          "sched_bench": "sched_bench", "prefix_bench": "prefix_bench"}
+ENGINE_STEPS = ("engine_bench", "engine_fast")      # `workbench bench --json` outputs: one row per side
 SUMMARY_COLUMNS = ["step", "status", "seconds", "limit_s"]
 LONG_COLUMNS = ["section", "config", "metric", "value"]
 LOG_NAME = "device_check.log"
@@ -158,14 +161,20 @@ def _scalar(v) -> bool:
 
 
 def engine_rows(data: dict) -> list[dict]:
-    """``workbench bench --json`` -> one row per side (``workbench``, ``transformers.generate``):
-    the side's numbers (ttft_ms_p50, decode_tokens_per_s_p50 / min / max, jitter ...), then the
-    comparison (decode_speedup, ttft_ratio, verdicts, greedy_token_agreement) and the run's
-    settings (device, dtype, threads, backend, sizes, versions) repeated on each row."""
-    sides = [("workbench", data.get("workbench")), ("transformers.generate", data.get("transformers_generate"))]
+    """``workbench bench --json`` -> one row per side (each engine configuration: ``reference``,
+    ``loop``, ``compile``, ``cuda-graphs`` ...; then ``transformers.generate``): the side's numbers
+    (ttft_ms_p50, decode_tokens_per_s_p50 / min / max, jitter, its ratio and verdict against
+    transformers, token agreement with the reference configuration ...), then the run's
+    comparison and settings (device, dtype, threads, backend, sizes, versions) on each row."""
+    configs = data.get("configs")
+    if isinstance(configs, dict) and configs:
+        sides = list(configs.items())
+    else:                                # before engine configurations were sides
+        sides = [("workbench", data.get("workbench"))]
+    sides.append(("transformers.generate", data.get("transformers_generate")))
     shared: dict[str, Any] = {}
     for k, v in data.items():            # the comparison and the run: every top-level scalar
-        if k not in ("workbench", "transformers_generate") and _scalar(v):
+        if k not in ("workbench", "transformers_generate", "configs") and _scalar(v):
             shared[k] = v
     policy = data.get("threads_policy")
     if isinstance(policy, dict) and "policy" in policy:
@@ -298,8 +307,8 @@ def write_tables(out_dir: str | Path, work_dir: str | Path) -> dict[str, str]:
                     shutil.copyfile(src, out / "kernel_bench.csv")
             else:
                 data = read_json_output(work / f"{step}.out")
-                rows = engine_rows(data) if step == "engine_bench" else long_rows(data)
-                write_csv(rows, out / f"{table}.csv", None if step == "engine_bench" else LONG_COLUMNS)
+                rows = engine_rows(data) if step in ENGINE_STEPS else long_rows(data)
+                write_csv(rows, out / f"{table}.csv", None if step in ENGINE_STEPS else LONG_COLUMNS)
             done[table] = "ok"
         except Exception as e:  # noqa: BLE001 - one table's problem must not lose the others
             done[table] = f"error: {type(e).__name__}: {e}"

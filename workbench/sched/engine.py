@@ -25,15 +25,16 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..engine import LLM
 from ..engine_types import RequestOutput, StreamEvent
 from ..errors import ConfigError
 from ..kv.paged import PagedKVConfig, PagedKVPool
+from ..kv_cache import KVCache
+from ..loaded import LoadedModel
 from ..metrics import RequestMetrics
 from ..output import OutputProcessor
 from ..sampling import SamplingParams, sample
 from .config import SchedulerConfig
-from .model_runner import ModelRunner
+from .model_runner import ContiguousRunner, ModelRunner, StaticRunner
 from .scheduler import Scheduler
 from .sequence import Sequence
 
@@ -66,12 +67,30 @@ class StepRecord:
 
 
 class LLMEngine:
-    def __init__(self, model=None, tokenizer=None, device=None, dtype=None, kv: PagedKVConfig | None = None,
+    """The engine: scheduler + block accounting + model runner + output processing.
+
+    Fast paths (contiguous KV): ``static_decode`` runs decode steps on static buffers (the path
+    CUDA graphs capture; eager), ``compile`` also ``torch.compile``s that step (on a CPU,
+    inductor generates C++ for the whole step), ``cuda_graphs`` captures it per batch-size
+    bucket (CUDA only).  Sampling on a kernel is the ``sampling`` op of ``workbench.backends``.
+
+    ``model``: a folder, ``"preset:<name>"``, None (the bundled model), a loaded
+    :class:`~workbench.loaded.LoadedModel` or :class:`~workbench.LLM` (its model is shared).
+    ``kv``: where KV lives - a :class:`~workbench.kv.paged.PagedKVConfig` (None: the default
+    paged pool, with prefix caching) or ``"contiguous"`` (one contiguous cache per sequence,
+    the reference).  ``tiers`` (+ ``tier_basis``): one hot / warm / cold
+    :class:`~workbench.kv.tiers.TieredKVCache` per sequence (the model's attention is switched
+    to the tiered policy in place).  A combination that cannot work raises ConfigError.
+    """
+
+    def __init__(self, model=None, tokenizer=None, device=None, dtype=None, kv: PagedKVConfig | str | None = None,
                  scheduler: SchedulerConfig | None = None, batch_invariant: bool | None = None,
                  max_model_len: int | None = None, clock=time.perf_counter, runner=None,
-                 history: int = 100_000, threads: int | str | None = None) -> None:
-        if isinstance(model, LLM):
-            # these configure the loading of a model; a loaded LLM has them already
+                 history: int = 100_000, threads: int | str | None = None, tiers=None, tier_basis=None,
+                 compile: bool = False, cuda_graphs: bool = False, static_decode: bool = False) -> None:
+        loaded = getattr(model, "loaded", model)
+        if isinstance(loaded, LoadedModel):
+            # these configure the loading of a model; a loaded one has them already
             given = {name: v for name, v in (("tokenizer", tokenizer), ("device", device), ("dtype", dtype),
                                              ("max_model_len", max_model_len), ("threads", threads)) if v is not None}
             if given:
@@ -80,18 +99,26 @@ class LLMEngine:
                                   f"{'/'.join(given)} to LLM(...) instead, or pass a model folder, preset or None")
             base = model
         else:
-            base = LLM(model, tokenizer=tokenizer, device=device, dtype=dtype, max_model_len=max_model_len,
-                       threads=threads)
-        self.llm, self.model, self.tokenizer = base, base.model, base.tokenizer
+            base = loaded = LoadedModel.load(model, tokenizer=tokenizer, device=device, dtype=dtype,
+                                             max_model_len=max_model_len, threads=threads)
+        self.llm, self.loaded, self.model, self.tokenizer = base, loaded, loaded.model, loaded.tokenizer
         self.config = scheduler or SchedulerConfig()
+        self.kv_mode = _kv_mode(kv, tiers, self.config, runner)
+        self.tiers, self.tier_basis = tiers, tier_basis
+        self.compiled, self.cuda_graphs = bool(compile), bool(cuda_graphs)
+        self.static_decode = bool(static_decode or compile or cuda_graphs)
+        if self.static_decode:
+            _check_fast_paths(self.kv_mode, loaded.model, cuda_graphs, runner)
         w = self.model.lm_head.weight
-        default_tokens = self.config.max_num_seqs * min(base.max_model_len, 2048)
-        self.pool = PagedKVPool(self.model.config, kv or PagedKVConfig(), w.device, w.dtype, default_tokens)
-        if self.pool.offload is not None:
-            raise ConfigError("LLMEngine: the offload tier of PagedKVConfig is not wired into the batched engine; "
-                              "use preemption_mode='swap' for host memory")
-        self.scheduler = Scheduler(self.config, self.pool.manager)
-        self.runner = runner or ModelRunner(self.model, self.pool, batch_invariant)
+        default_tokens = self.config.max_num_seqs * min(loaded.max_model_len, 2048)
+        if self.kv_mode == "paged":
+            self.pool = PagedKVPool(self.model.config, kv or PagedKVConfig(), w.device, w.dtype, default_tokens)
+        else:   # per-sequence caches: the pool only counts blocks (admission, preemption, inspectors)
+            default_tokens = self.config.max_num_seqs * loaded.max_model_len
+            self.pool = PagedKVPool(self.model.config, PagedKVConfig(enable_prefix_caching=False), w.device,
+                                    w.dtype, default_tokens, tensors=False)
+        self.scheduler = Scheduler(self.config, self.pool.blocks)
+        self.runner = runner or self._make_runner(batch_invariant)
         self.clock = clock
         self.seqs: dict[str, Sequence] = {}
         self.step_records: deque[StepRecord] = deque(maxlen=history)
@@ -99,30 +126,87 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_finished = 0
 
+    def _make_runner(self, batch_invariant):
+        if self.static_decode:
+            return StaticRunner(self.model, self.pool, self.max_model_len, self.config.max_num_seqs,
+                                compile=self.compiled, cuda_graphs=self.cuda_graphs)
+        if self.kv_mode == "paged":
+            return ModelRunner(self.model, self.pool, batch_invariant)
+        w = self.model.lm_head.weight
+        cfg = self.model.config
+        if self.kv_mode == "tiered":
+            from ..kv.tiers import TieredKVCache, apply_tiered_attention
+
+            TieredKVCache(cfg, self.tiers, self.tier_basis, max_len=1)   # validate now, not per request
+            apply_tiered_attention(self.model)                           # other caches keep the exact path
+            tiers, basis = self.tiers, self.tier_basis
+
+            def make(n):
+                return TieredKVCache(cfg, tiers, basis, max_len=n, device=w.device, dtype=w.dtype)
+        else:
+            def make(n):
+                return KVCache(cfg, 1, n, device=w.device, dtype=w.dtype)
+        return ContiguousRunner(self.model, self.pool, make, direct=self.config.max_num_seqs == 1,
+                                batch_invariant=batch_invariant)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.loaded.max_model_len
+
+    @property
+    def eos_token_ids(self):
+        return self.loaded.eos_token_ids
+
+    def describe(self) -> str:
+        """One line: the configuration that serves requests (metrics rows, /metrics, x-model-info)."""
+        from ..backends import current_backends
+
+        cfg = self.config
+        parts = [self.describe_kv(), f"seqs={cfg.max_num_seqs}"]
+        if cfg.max_num_seqs > 1 or cfg.chunked_prefill and cfg.max_num_batched_tokens < self.max_model_len:
+            parts.append(f"tokens={cfg.max_num_batched_tokens}" + (" chunked" if cfg.chunked_prefill else ""))
+        parts += [name for name, on in (("static-decode", self.static_decode and not (self.compiled or self.cuda_graphs)),
+                                        ("compile", self.compiled), ("cuda-graphs", self.cuda_graphs)) if on]
+        ops = {op: b for op, b in current_backends(self.model).items() if b != "eager"}
+        if ops:
+            parts.append("backends " + ",".join(f"{op}={b}" for op, b in ops.items()))
+        return " ".join(parts)
+
+    def describe_kv(self) -> str:
+        """One line: where this engine keeps KV (metrics rows, headers)."""
+        if self.kv_mode == "paged":
+            c = self.pool.config
+            extra = (" prefix-cache" if c.enable_prefix_caching else "") + (f" offload={c.offload}" if c.offload else "")
+            return f"paged bs={c.block_size} blocks={self.pool.num_blocks}{extra}"
+        return "tiered " + self.tiers.name if self.kv_mode == "tiered" else "contiguous"
+
     @property
     def device(self) -> torch.device:
         return self.model.device
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> str:
+                    priority: int = 0, arrival_time: float | None = None, output: RequestOutput | None = None) -> str:
         """Queue a request; returns its id.  Bad input raises (ConfigError); a full queue ends
-        the request with finish_reason "rejected" (its event comes with the next step)."""
+        the request with finish_reason "rejected" (its event comes with the next step).
+        ``output``: a RequestOutput to fill (the caller keeps a reference); default a new one."""
         params = params or SamplingParams()
-        text, ids = self.llm.encode(prompt)
-        rid = request_id or f"req-{next(self._ids)}"
+        text, ids = self.loaded.encode(prompt)
+        rid = request_id or (output.request_id if output is not None and output.request_id else None) \
+            or f"req-{next(self._ids)}"
         if rid in self.seqs:
             raise ConfigError(f"request id {rid!r} is already in use")
         if not isinstance(priority, int):
             raise ConfigError(f"priority must be an integer, got {priority!r}")
         now = self.clock() if arrival_time is None else arrival_time
-        max_new = min(params.max_tokens, self.llm.max_model_len - len(ids))
+        max_new = min(params.max_tokens, self.max_model_len - len(ids))
         seq = Sequence(rid, list(ids), len(ids), params, priority, now, max_new)
-        out = RequestOutput(request_id=rid, prompt=text, prompt_token_ids=list(ids), priority=priority,
-                            metrics=RequestMetrics(arrival_time=now, prompt_tokens=len(ids),
-                                                   threads=torch.get_num_threads()))
+        out = output or RequestOutput(request_id=rid, prompt=None, prompt_token_ids=[])
+        out.request_id, out.prompt, out.prompt_token_ids, out.priority = rid, text, list(ids), priority
+        out.metrics = RequestMetrics(arrival_time=now, prompt_tokens=len(ids), threads=torch.get_num_threads(),
+                                     engine=self.describe())
         seq.output = out
-        seq.state["proc"] = OutputProcessor(out, params, self.tokenizer, self.llm.eos_token_ids, max_new)
+        seq.state["proc"] = OutputProcessor(out, params, self.tokenizer, self.eos_token_ids, max_new)
         seq.state["gen"] = params.generator(self.device)
         self.seqs[rid] = seq
         reason = self.scheduler.add(seq)
@@ -193,7 +277,7 @@ class LLMEngine:
             self.runner.swap_out(s)
         for s in out.swapped_in:
             self.runner.swap_in(s)
-            self.pool.manager.commit(s.seq.request_id, s.num_tokens)
+            self.scheduler.manager.commit(s.seq.request_id, s.num_tokens)
         for seq in out.admitted:
             a = seq.state.pop("allocation")
             seq.output.num_cached_tokens = max(seq.output.num_cached_tokens, a.num_cached_tokens)
@@ -212,7 +296,7 @@ class LLMEngine:
         for s in out.scheduled:
             seq = s.seq
             seq.num_computed = s.start + s.num_tokens
-            self.pool.manager.commit(seq.request_id, seq.num_computed)
+            self.scheduler.manager.commit(seq.request_id, seq.num_computed)
             if not s.samples:
                 continue
             token = next(sampled)
@@ -238,7 +322,12 @@ class LLMEngine:
         return events
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        """One token per sequence; all greedy rows in one argmax (one device sync)."""
+        """One token per sequence; all greedy rows in one argmax (one device sync).  With the
+        ``sampling`` op on a kernel backend (``--backend sampling=triton``), one launch for the
+        whole batch, each sampled row drawing its noise from its own request's generator."""
+        ops = getattr(self.model, "_wb_ops", None)
+        if ops is not None and ops.backends.get("sampling", "eager") != "eager":
+            return self._sample_kernel(ops, seqs, logits)
         greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
         tokens = [0] * len(seqs)
         if greedy:
@@ -248,6 +337,20 @@ class LLMEngine:
             if not s.params.greedy:
                 tokens[i] = int(sample(logits[i], s.params, s.state["gen"]))
         return tokens
+
+    @staticmethod
+    def _sample_kernel(ops, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        from workbench_kernels.sampling import gumbel_noise
+
+        x = logits.float()
+        if all(s.params.greedy for s in seqs):
+            return ops.greedy_tokens(x).tolist()
+        V = x.shape[1]
+        noise = torch.cat([torch.zeros(1, V, device=x.device) if s.params.greedy
+                           else gumbel_noise(1, V, s.state["gen"], x.device) for s in seqs])
+        return ops.sample_tokens(x, temperature=[s.params.temperature for s in seqs],
+                                 top_k=[s.params.top_k for s in seqs], top_p=[s.params.top_p for s in seqs],
+                                 gumbel=noise).tolist()
 
     # ---- convenience ---------------------------------------------------------------------------
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
@@ -283,9 +386,52 @@ class LLMEngine:
                 "kv_used_blocks": m.num_used_blocks, "kv_total_blocks": m.num_blocks,
                 "kv_usage": m.num_used_blocks / m.num_blocks, "prefix_hit_rate": m.stats.hit_rate,
                 "preemptions": sch.num_preemptions, "rejected": sch.num_rejected, "finished": self.num_finished,
-                "steps": sch.step_no}
+                "steps": sch.step_no, "engine": self.fast_paths()}
+
+    def fast_paths(self) -> dict:
+        """The configuration as plain values (``/metrics`` labels, ``x-model-info``)."""
+        from ..backends import current_backends
+
+        return {"config": self.describe(), "kv": self.kv_mode, "static_decode": self.static_decode,
+                "compile": self.compiled, "cuda_graphs": self.cuda_graphs,
+                "sampling": current_backends(self.model).get("sampling", "eager")}
 
     def steps_frame(self):
         import pandas as pd
 
         return pd.DataFrame([asdict(r) for r in self.step_records])
+
+
+def _kv_mode(kv, tiers, config: SchedulerConfig, runner) -> str:
+    """"paged", "contiguous" or "tiered", or a ConfigError saying why the combination cannot work."""
+    if tiers is not None:
+        if kv is not None:
+            raise ConfigError("LLMEngine: give kv= (where KV lives) or tiers= (a tiered cache per sequence), not both")
+        mode = "tiered"
+    elif isinstance(kv, str):
+        if kv != "contiguous":
+            raise ConfigError(f"LLMEngine: kv must be a PagedKVConfig, 'contiguous' or None, got {kv!r}")
+        mode = "contiguous"
+    elif kv is None or isinstance(kv, PagedKVConfig):
+        mode = "paged"
+    else:
+        raise ConfigError(f"LLMEngine: kv must be a PagedKVConfig, 'contiguous' or None, got {type(kv).__name__}")
+    if mode != "paged" and config.preemption_mode == "swap":
+        raise ConfigError(f"LLMEngine: preemption_mode='swap' needs the paged pool; the {mode} KV cache is kept "
+                          "per sequence and is recomputed after preemption (use preemption_mode='recompute')")
+    if mode != "paged" and runner is not None:
+        raise ConfigError(f"LLMEngine: a custom runner needs the paged pool (kv=PagedKVConfig), not {mode} KV")
+    return mode
+
+
+def _check_fast_paths(kv_mode: str, model, cuda_graphs: bool, runner) -> None:
+    """static decode / compile / CUDA graphs run decode steps on static contiguous buffers
+    (:class:`~workbench.sched.model_runner.StaticRunner`)."""
+    if cuda_graphs and model.device.type != "cuda":
+        raise ConfigError(f"LLMEngine: cuda_graphs=True needs a CUDA device; the model is on {model.device} "
+                          "(compile=True is the CPU's whole-step fast path)")
+    if runner is not None:
+        raise ConfigError("LLMEngine: compile / cuda_graphs bring their own runner; do not pass runner=")
+    if kv_mode != "contiguous":
+        raise ConfigError(f"LLMEngine: compile / cuda_graphs run decode steps over static contiguous KV buffers; "
+                          f"{kv_mode} KV is not implemented on that path yet (use kv='contiguous', the LLM default)")

@@ -5,8 +5,9 @@
 * ``metrics``: Prometheus text for ``GET /metrics`` (TTFT / ITL histograms, finish reasons,
   queue, batch, KV, prefix hits, preemptions, rejections);
 * ``app``: the Starlette app (:func:`create_app`, :class:`ServerConfig`): completions and chat
-  completions (JSON or SSE), models, health, metrics, ``x-model-info`` / ``x-priority`` headers,
-  API key, body and token limits, abort on client disconnect;
+  completions (JSON or SSE), models, health, metrics, the live KV pool (``GET /v1/workbench/kv``),
+  ``x-model-info`` / ``x-priority`` headers, API key, body and token limits, abort on client
+  disconnect;
 * ``guard``: the SLO-guard hook (:class:`workbench.load.slo.SLOGuard` or any object with
   ``admit(now=None, priority=0)`` and ``record(ttft_s)``): sheds with 503 + ``Retry-After``,
   learns from each request's TTFT, and shows its state on ``/metrics``;

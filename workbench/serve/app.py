@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP app over an :class:`~workbench.sched.AsyncEngine` (Starlette).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or ``stream: true``
-Server-Sent Events), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+Server-Sent Events), ``GET /v1/models``, ``GET /health``, ``GET /metrics``, and one of
+workbench's own (no OpenAI-compatible server has it): ``GET /v1/workbench/kv``, the engine's
+live paged KV pool as JSON (:func:`kv_pool_report`; ``workbench kv-inspect --url`` shows it).
 
 A request's path through the server: the body is read (at most ``max_body_bytes``, else 413),
 validated (:mod:`.protocol`: 400 naming the field), its model name checked (404), its prompt
@@ -41,12 +43,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from ..errors import ConfigError, WorkbenchError
+from ..kv.inspect import KV_POOL_OBJECT, KV_POOL_PATH, pool_report_from_thread
 from ..sampling import SamplingParams
 from . import protocol as P
 from .guard import GuardHook, check_guard
@@ -107,6 +111,8 @@ def model_info(aengine, name: str, source: str | None = None, guard: GuardHook |
                                                         "micro_batch_window_s", "preemption_mode",
                                                         "priority_preemption", "max_queue_len")},
             "chat_template": P.CHAT_TEMPLATE_NAME}
+    if hasattr(eng, "fast_paths"):    # KV layout, static decode / compile / CUDA graphs, sampling backend
+        info["engine"] = eng.fast_paths()
     choice = getattr(llm, "thread_choice", None)
     if choice is not None:   # torch intra-op threads and why (workbench.measure.threads)
         info["threads"] = choice.threads
@@ -128,6 +134,33 @@ def model_info(aengine, name: str, source: str | None = None, guard: GuardHook |
     if guard is not None:
         info["slo_guard"] = guard.describe()
     return info
+
+
+def kv_pool_report(aengine, name: str) -> dict:
+    """``GET /v1/workbench/kv``: :func:`~workbench.kv.inspect.pool_report` of the engine's live
+    paged KV pool (``block_states`` included: one state per physical block, for a block map),
+    each live request's prefix reuse, plus ``object`` ("workbench.kv_pool") and ``server``:
+    the served model, whether the engine thread runs, its last stats and how the snapshot was
+    taken.
+
+    The engine thread changes the pool during a step without a lock (as ``/metrics`` it is not
+    stopped for a reader), so the report is read by
+    :func:`~workbench.kv.inspect.pool_report_from_thread`: retried while the pool changes under
+    it, kept when nothing changed during the read and its parts agree (``server.snapshot.stable``);
+    503 with ``Retry-After`` if every read failed.  Blocking (it
+    sleeps between tries): the route runs it on a worker thread, off the event loop."""
+    pool = getattr(aengine.engine, "pool", None)
+    if pool is None or not hasattr(pool, "manager"):
+        raise P.APIError(501, "this engine has no paged KV pool to inspect", None, "no_kv_pool")
+    try:
+        rep = pool_report_from_thread(pool)
+    except WorkbenchError as e:                 # every read was torn: the engine is busy, ask again
+        raise P.APIError(503, str(e), None, "kv_pool_busy", {"Retry-After": "1"}) from None
+    snapshot = rep.pop("snapshot")
+    alive = engine_alive(aengine)
+    return {"object": KV_POOL_OBJECT, **rep,
+            "server": {"model": name, "engine_alive": alive, "last_error": aengine.last_error,
+                       "engine": aengine.stats(), "snapshot": snapshot}}
 
 
 def _has_chat_template(folder: Path) -> bool:
@@ -559,6 +592,9 @@ def create_app(aengine, config: ServerConfig | None = None, source: str | None =
         return PlainTextResponse(srv.metrics.render(aengine.stats(), engine_alive(aengine), guard),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    async def kv_pool(request: Request):
+        return JSONResponse(await run_in_threadpool(kv_pool_report, aengine, srv.name))
+
     async def api_error(request: Request, exc: P.APIError):
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
 
@@ -572,7 +608,8 @@ def create_app(aengine, config: ServerConfig | None = None, source: str | None =
               Route("/v1/models", models, methods=["GET"]),
               Route("/v1/models/{model_id:path}", model_get, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
-              Route("/metrics", metrics, methods=["GET"])]
+              Route("/metrics", metrics, methods=["GET"]),
+              Route(KV_POOL_PATH, kv_pool, methods=["GET"])]
     app = Starlette(routes=routes, exception_handlers={P.APIError: api_error, HTTPException: http_error})
     app.state.server = srv
     known = {r.path for r in routes if "{" not in r.path}

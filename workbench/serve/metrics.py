@@ -211,6 +211,12 @@ class ServerMetrics:
         ]
         for name, help_, v in counters:
             metric(name, "counter", help_, [f"{name} {_fmt(v)}"])
+        eng = s.get("engine")
+        if isinstance(eng, dict):       # the configuration serving requests, as labels of a constant 1
+            labels = ",".join(f'{k}="{_label(v)}"' for k, v in eng.items())
+            metric("workbench_engine_info", "gauge",
+                   "The engine configuration: KV layout, fast paths (static decode, compile, CUDA graphs), sampling.",
+                   [f"workbench_engine_info{{{labels}}} 1"])
         self._render_guard(metric, guard)
         return "\n".join(lines) + "\n"
 
