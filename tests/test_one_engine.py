@@ -117,6 +117,12 @@ def test_the_pool_lifecycle_runs_in_the_batched_engine(bundled_llm):
     assert eng.pool.manager_seconds > 0
     recs = {r["seq_id"]: r for r in insp.records}
     assert len(recs) == len(PROMPTS) and min(r["cached_tokens"] for r in recs.values() if r["seq_id"] != "req-0") > 0
+    from workbench.kv.view import KVBlockMapView
+
+    view = KVBlockMapView().attach(eng)            # the live block map on the batched engine
+    eng.generate(PROMPTS[:2], GREEDY)
+    assert view.events >= 2 * GREEDY.max_tokens and view.pool is eng.kv_pool
+    view.detach()
 
 
 def test_stream_is_a_front_over_the_engine(random_llm):

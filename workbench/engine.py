@@ -161,17 +161,17 @@ class LLM:
     @property
     def kv_pool(self):
         """The paged KV pool (None when KV lives in a cache per request)."""
-        return self.engine.pool if self.engine.kv_mode == "paged" else None
+        return self.engine.kv_pool
 
     @property
     def active_caches(self) -> dict:
         """Request id -> its live per-request cache (contiguous or tiered KV)."""
-        return getattr(self.engine.runner, "caches", {})
+        return self.engine.active_caches
 
     @property
     def last_cache(self):
         """The per-request cache of the request that ended last (kv-inspect reads tiered zones)."""
-        return getattr(self.engine.runner, "last_cache", None)
+        return self.engine.last_cache
 
     def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         return self.loaded.encode(prompt)

@@ -153,6 +153,21 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.loaded.max_model_len
 
+    # what inspectors and views read (KVInspector, KVBlockMapView, kv-inspect): the same names as on LLM
+    @property
+    def kv_pool(self):
+        """The paged KV pool (None when KV lives in a cache per sequence)."""
+        return self.pool if self.kv_mode == "paged" else None
+
+    @property
+    def active_caches(self) -> dict:
+        """Sequence id -> its live per-sequence cache (contiguous or tiered KV)."""
+        return getattr(self.runner, "caches", {})
+
+    @property
+    def last_cache(self):
+        return getattr(self.runner, "last_cache", None)
+
     @property
     def eos_token_ids(self):
         return self.loaded.eos_token_ids
