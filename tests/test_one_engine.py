@@ -210,6 +210,41 @@ def test_tiers_and_offload_serve(bundled_llm, tiered, reference):
                 assert f'workbench_engine_info{{config="{eng.describe()}",kv="{kind}"' in c.get("/metrics").text
                 if kind == "paged":
                     assert r.json()["choices"][0]["text"] == bundled_llm.tokenizer.decode(reference[0])
+                else:                               # no paged pool to show: said so, not a fake one
+                    kv = c.get("/v1/workbench/kv")
+                    assert kv.status_code == 501 and "tiered cache per request" in kv.json()["error"]["message"]
     finally:
         from workbench.kv.tiers import remove_tiered_attention
         remove_tiered_attention(bundled_llm.model)
+
+
+def test_a_failed_generate_leaves_nothing_queued(random_llm):
+    llm = _same_model(random_llm)
+    with pytest.raises(ConfigError, match="empty"):
+        llm.generate(["The list", "A function is", []], GREEDY)         # the third prompt is bad
+    assert not llm.engine.seqs and not llm.engine.has_unfinished()
+    out = llm.generate(["The list"], GREEDY)[0]
+    assert out.request_id in {r.request_ids[0] for r in llm.engine.step_records if r.request_ids}
+    assert all(set(r.request_ids) <= {out.request_id} for r in list(llm.engine.step_records)[-GREEDY.max_tokens:])
+
+
+def test_static_buffers_refuse_more_sequences_than_they_hold(random_llm):
+    static = _same_model(random_llm, max_model_len=48, static_decode=True)
+    with pytest.raises(ConfigError, match="built for 1 sequence"):
+        with static.batching(2):
+            pass
+    with pytest.raises(ConfigError, match="batch_invariant"):
+        LLMEngine(random_llm, kv="contiguous", static_decode=True, batch_invariant=True)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--kv", "contiguous", "--offload", "host"], "--offload: options of the paged pool"),
+    (["--tiers", "--num-blocks", "64"], "--num-blocks"),
+    (["--compile"], "add --kv contiguous"),
+    (["--tiers", "--kv", "contiguous"], "--kv does not apply"),
+])
+def test_serve_refuses_options_its_kv_layout_does_not_read(argv, words, capsys):
+    from workbench.cli import main
+
+    assert main(["serve", "--model", "preset:tiny", *argv]) == 2
+    assert words in capsys.readouterr().err

@@ -188,7 +188,8 @@ def _sides(cfg: "BenchConfig", llm: LLM, names: list[str], prompts: list[list[in
     """name -> fn(prompt) -> (tokens, ttft s, decode tok/s); name -> a one-line description."""
     sides, described, skipped = {}, {}, {}
     ctx = cfg.prompt_tokens + cfg.max_tokens + 1        # the static buffers hold exactly what a request needs
-    for name in names:
+    static_model = None                                 # static decode swaps in backend modules: on a copy, so the
+    for name in names:                                  # reference and loop rows time the plain model
         if name == "loop":
             sides[name] = lambda p: _run_loop(llm.model, p, cfg.max_tokens)
             described[name] = "bare loop"
@@ -202,8 +203,12 @@ def _sides(cfg: "BenchConfig", llm: LLM, names: list[str], prompts: list[list[in
         elif name == "reference":
             sides[name], described[name] = (lambda p: _run_engine(llm, p, cfg.max_tokens)), llm.engine.describe()
         else:
+            if static_model is None:
+                import copy
+
+                static_model = copy.deepcopy(llm.model)
             try:
-                eng = LLM(llm.model, tokenizer=llm.tokenizer, max_model_len=ctx, **ENGINE_OPTIONS[name])
+                eng = LLM(static_model, tokenizer=llm.tokenizer, max_model_len=ctx, **ENGINE_OPTIONS[name])
             except WorkbenchError as e:
                 skipped[name] = str(e)
                 continue

@@ -77,8 +77,11 @@ def cmd_generate(args) -> int:
     from .engine import LLM, RequestOutput
     from .sampling import SamplingParams
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, compile=args.compile, cuda_graphs=args.cuda_graphs)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
     _apply_backend(llm, args.backend, llm.device.type)
+    if args.compile or args.cuda_graphs:     # after the backends: the static step is compiled / captured with them
+        llm = LLM(llm.model, tokenizer=llm.tokenizer, max_model_len=args.max_model_len, compile=args.compile,
+                  cuda_graphs=args.cuda_graphs)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or [])
     prompts = args.prompt or ["The Python tutorial"]
@@ -328,7 +331,8 @@ def cmd_serve(args) -> int:
     from .engine import LLM
     from .sched import LLMEngine
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    _check_serve_kv_args(args)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
     _apply_backend(llm, args.backend, llm.device.type)
     tiers = basis = None
     if args.tiers:
@@ -396,10 +400,30 @@ def _add_serve_parser(sub) -> None:
     s.set_defaults(func=cmd_serve)
 
 
+def _check_serve_kv_args(args) -> None:
+    """Options that only one KV layout reads are refused with the others (not silently dropped)."""
+    from .errors import ConfigError
+
+    paged_only = [name for name, on in (("--offload", args.offload is not None),
+                                         ("--num-blocks", args.num_blocks is not None),
+                                         ("--block-size", args.block_size != 16),
+                                         ("--no-prefix-caching", args.no_prefix_caching)) if on]
+    if args.tiers and args.kv != "paged":
+        raise ConfigError("--tiers gives each request its own tiered cache; --kv does not apply with it")
+    layout = "--tiers" if args.tiers else "--kv contiguous" if args.kv == "contiguous" else None
+    if layout and paged_only:
+        raise ConfigError(f"{', '.join(paged_only)}: options of the paged pool, which {layout} does not use")
+    if (args.compile or args.cuda_graphs) and layout != "--kv contiguous":
+        raise ConfigError("--compile / --cuda-graphs run decode steps on static contiguous buffers: add --kv contiguous")
+
+
 def _add_fast_path_args(g) -> None:
     g.add_argument("--compile", action="store_true",
                    help="decode steps on static buffers through torch.compile (on a CPU inductor builds C++, ~30 s)")
     g.add_argument("--cuda-graphs", action="store_true", help="decode steps captured as CUDA graphs per batch bucket")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context per request (default: the model's); the static buffers of --compile / --cuda-graphs "
+                        "hold this many tokens per sequence and every decode step attends over them")
 
 
 def _add_tier_args(t) -> None:

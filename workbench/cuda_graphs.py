@@ -85,8 +85,9 @@ def _row_view(kv: KVCache, row: int) -> KVCache:
 class GraphedDecoder:
     """Static-buffer decode steps of ``model`` for batch-size ``buckets``, graphed on CUDA.
 
-    The model gets backend modules if it has none (all ``eager``: bitwise the reference), since
-    the static path lives in ``BackendAttention``; whatever backends it has are kept.
+    The model gets backend modules if it has none (all ``eager``: bitwise the reference, a few
+    more ops per step), since the static path lives in ``BackendAttention``; whatever backends
+    it has are kept.  This changes ``model`` in place, for every engine that shares it.
     """
 
     def __init__(self, model: CausalLM, max_len: int, buckets: tuple[int, ...] = (1,)) -> None:

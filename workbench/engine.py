@@ -218,13 +218,15 @@ class LLM:
         if len(plist) != len(prompts):
             raise ConfigError(f"got {len(prompts)} prompts but {len(plist)} SamplingParams")
         now = eng.clock()
-        rids = [eng.add_request(p, sp, arrival_time=now) for p, sp in zip(prompts, plist)]
-        pending = set(rids)
+        rids: list[str] = []
         bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=len(rids), desc="generate", unit="req")
         try:
+            for p, sp in zip(prompts, plist):
+                rids.append(eng.add_request(p, sp, arrival_time=now))
+            pending = set(rids)
+            if use_tqdm:
+                from tqdm.auto import tqdm
+                bar = tqdm(total=len(rids), desc="generate", unit="req")
             while pending:
                 events = eng.step()
                 for ev in events:
@@ -233,10 +235,11 @@ class LLM:
                         if bar is not None:
                             bar.update()
                 self._route(events)          # open streams of this LLM get theirs
-        finally:
-            for rid in pending:              # an error (or ^C) ends what is left; nothing stays queued
-                eng.abort(rid, "generate() was interrupted")
+        except BaseException:                # bad input, a failed step, ^C: nothing of this call stays queued
+            eng.forget(rids, "generate() failed or was interrupted")
             self._route(eng.drain_events())
+            raise
+        finally:
             if bar is not None:
                 bar.close()
         return [eng.release(r) for r in rids]
@@ -247,6 +250,10 @@ class LLM:
         streams that should hold their KV at the same time); the configuration comes back on exit."""
         cfg = self.engine.config
         before = cfg.max_num_seqs
+        cap = getattr(self.engine.runner, "max_seqs", None)
+        if cap is not None and max_num_seqs > cap:
+            raise ConfigError(f"LLM.batching({max_num_seqs}): the static decode buffers of this engine were built for "
+                              f"{cap} sequence(s); build it with scheduler=SchedulerConfig(max_num_seqs=...)")
         cfg.max_num_seqs = max(before, int(max_num_seqs))
         try:
             yield self

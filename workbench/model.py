@@ -98,9 +98,12 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._table(end, device)
         return cos[start:end].to(dtype), sin[start:end].to(dtype)
 
-    def at(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos, sin [T, hd] for the given absolute positions (a [T] long tensor), any order."""
-        n = int(positions.max()) + 1 if positions.numel() else 1
+    def at(self, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None):
+        """cos, sin [T, hd] for the given absolute positions (a [T] long tensor), any order.
+        ``max_position`` (known on the host) saves reading the largest one from the device."""
+        if max_position is None:
+            max_position = int(positions.max()) if positions.numel() else 0
+        n = max_position + 1
         cos, sin = self._table(n, positions.device)
         return cos[positions].to(dtype), sin[positions].to(dtype)
 
@@ -222,13 +225,14 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None,
                 logits_to_keep: int = 0, positions: torch.Tensor | None = None,
-                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+                logits_rows: torch.Tensor | None = None, max_position: int | None = None) -> torch.Tensor:
         """Logits [B, T or logits_to_keep, V].
 
         ``positions`` (a [T] long tensor) replaces ``start_pos`` for a *packed* step: one row of
         tokens from many sequences, each at its own position; the cache (a batch view such as
         :class:`~workbench.kv.paged.PagedBatchCache`) knows which token belongs to which
-        sequence.  ``logits_rows`` then picks the rows that get logits ([k] long) -> [k, V].
+        sequence.  ``logits_rows`` then picks the rows that get logits ([k] long) -> [k, V];
+        ``max_position``: the largest position, when the caller knows it without a device read.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
@@ -239,7 +243,7 @@ class CausalLM(nn.Module):
                 raise ValueError(f"start_pos {start_pos} does not continue the cache (length {cache.length})")
             cos, sin = self.model.rotary_emb(start_pos, start_pos + T, x.device, x.dtype)
         else:
-            cos, sin = self.model.rotary_emb.at(positions, x.dtype)        # [T, hd] rows by position
+            cos, sin = self.model.rotary_emb.at(positions, x.dtype, max_position)   # [T, hd] rows by position
         for layer in self.model.layers:
             x = layer(x, cos, sin, start_pos, cache)
         if positions is not None:

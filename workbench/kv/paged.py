@@ -9,12 +9,13 @@ A token at position p of a sequence lives at slot ``block_table[p // B] * B + p 
 (B = block_size), so viewing a layer's cache as ``[num_blocks * B, nkv, hd]`` and indexing it
 with the *slot mapping* writes or reads any set of tokens.
 
-:class:`PagedSequenceCache` is a per-sequence view with the same ``update(layer, k, v, start)``
-interface as the contiguous :class:`~workbench.kv_cache.KVCache`, so the reference model runs on
-paged storage unchanged: ``update`` scatters the new keys/values into their slots and gathers
-the sequence's blocks back into a contiguous ``[1, nkv, S, hd]`` for attention.  That gather is
-the reference ("torch") paged attention: it copies the whole context every step; the paged
-decode-attention kernel reads the blocks in place instead.
+:class:`PagedSequenceCache` is one sequence's view with the cache interface of
+:mod:`workbench.kv_cache` (what the engine uses when it runs one sequence per step): ``attend``
+scatters the new keys/values into their slots and gathers the sequence's blocks back into a
+contiguous ``[1, nkv, S, hd]`` for the reference attention.  That gather copies the whole
+context every step; the paged decode-attention kernel reads the blocks in place instead.  A
+step of many sequences uses :class:`~workbench.kv.batch.PagedBatchCache`.  The scheduler drives
+the block manager through :class:`PoolBlocks`, which runs this pool's lifecycle around it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from .offload import DiskOffload, HostOffload
 @dataclass
 class PagedKVConfig:
     block_size: int = 16
-    num_blocks: int | None = None          # default: enough for max_model_len tokens x max_seqs
+    num_blocks: int | None = None          # default: max_seqs x min(max_model_len, 2048) tokens; one sequence at
+                                           # a time: 4 x max_model_len (room for cached prefixes)
     kv_cache_bytes: int | None = None      # alternatively: a memory budget for the pool
     enable_prefix_caching: bool = True
     eviction: str = "lru"

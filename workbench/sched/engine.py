@@ -1,4 +1,6 @@
-"""The batched engine: continuous batching over the paged KV pool.
+"""The engine - one for every mode: continuous batching over the paged KV pool, a cache per
+sequence (contiguous: the reference; tiered), static decode buffers (compile, CUDA graphs).
+``workbench.LLM`` is a front over it; ``LLM()`` is its reference configuration.
 
 ::
 
@@ -7,13 +9,14 @@
     # or drive it: requests join and leave at every step
     rid = eng.add_request("The list type", params, priority=1)
     while eng.has_unfinished():
-        for ev in eng.step(): ...                  # StreamEvents, as the reference engine yields
+        for ev in eng.step(): ...                  # StreamEvents (what LLM.stream yields)
     eng.step_records                               # per step: batch, tokens, scheduler vs model time
 
 One :meth:`step` = schedule (pure Python) → swap copies → one batched forward → sampling →
 stop checks.  Every request ends with output or an explicit reason ("rejected", "abort",
-"error"), and its blocks go back to the pool.  The scheduler decides; :class:`ModelRunner`
-does the tensor work; both can be replaced (a fake runner drives the property tests).
+"error"), and its blocks go back to the pool.  The scheduler decides; a runner
+(:mod:`workbench.sched.model_runner`) does the tensor work; both can be replaced (a fake runner
+drives the property tests).
 """
 
 from __future__ import annotations
@@ -109,8 +112,14 @@ class LLMEngine:
         self.static_decode = bool(static_decode or compile or cuda_graphs)
         if self.static_decode:
             _check_fast_paths(self.kv_mode, loaded.model, cuda_graphs, runner)
+            if batch_invariant:
+                raise ConfigError("LLMEngine: batch_invariant=True is a property of the eager packed path; static "
+                                  "decode steps attend over whole buffer rows (leave batch_invariant unset)")
         w = self.model.lm_head.weight
-        default_tokens = self.config.max_num_seqs * min(loaded.max_model_len, 2048)
+        if self.config.max_num_seqs == 1:   # one request at a time: room for it and cached prefixes of 3 more
+            default_tokens = 4 * loaded.max_model_len
+        else:
+            default_tokens = self.config.max_num_seqs * min(loaded.max_model_len, 2048)
         if self.kv_mode == "paged":
             self.pool = PagedKVPool(self.model.config, kv or PagedKVConfig(), w.device, w.dtype, default_tokens)
         else:   # per-sequence caches: the pool only counts blocks (admission, preemption, inspectors)
@@ -131,7 +140,7 @@ class LLMEngine:
             return StaticRunner(self.model, self.pool, self.max_model_len, self.config.max_num_seqs,
                                 compile=self.compiled, cuda_graphs=self.cuda_graphs)
         if self.kv_mode == "paged":
-            return ModelRunner(self.model, self.pool, batch_invariant)
+            return ModelRunner(self.model, self.pool, batch_invariant, direct=self.config.max_num_seqs == 1)
         w = self.model.lm_head.weight
         cfg = self.model.config
         if self.kv_mode == "tiered":
@@ -147,7 +156,7 @@ class LLMEngine:
             def make(n):
                 return KVCache(cfg, 1, n, device=w.device, dtype=w.dtype)
         return ContiguousRunner(self.model, self.pool, make, direct=self.config.max_num_seqs == 1,
-                                batch_invariant=batch_invariant)
+                                batch_invariant=batch_invariant, keep_last=self.kv_mode == "tiered")
 
     @property
     def max_model_len(self) -> int:
@@ -219,7 +228,7 @@ class LLMEngine:
         out = output or RequestOutput(request_id=rid, prompt=None, prompt_token_ids=[])
         out.request_id, out.prompt, out.prompt_token_ids, out.priority = rid, text, list(ids), priority
         out.metrics = RequestMetrics(arrival_time=now, prompt_tokens=len(ids), threads=torch.get_num_threads(),
-                                     engine=self.describe())
+                                     engine=self.fast_paths()["config"])
         seq.output = out
         seq.state["proc"] = OutputProcessor(out, params, self.tokenizer, self.eos_token_ids, max_new)
         seq.state["gen"] = params.generator(self.device)
@@ -242,6 +251,19 @@ class LLMEngine:
         seq = self.seqs.get(request_id)
         if seq is not None and not seq.finished:
             self._end(seq, "error", message)
+
+    def forget(self, request_ids, reason: str) -> None:
+        """Abort what is still running of ``request_ids`` and release all of them (their
+        events are dropped): nothing of a failed call stays queued for the next one."""
+        for rid in request_ids:
+            seq = self.seqs.get(rid)
+            if seq is None:
+                continue
+            if not seq.finished:
+                self._end(seq, "abort", reason)
+            self.seqs.pop(rid, None)
+        gone = set(request_ids)
+        self._events = [ev for ev in self._events if ev.request_id not in gone]
 
     def drain_events(self) -> list[StreamEvent]:
         """Events produced outside step() (rejections, aborts, failures), without stepping."""
@@ -377,21 +399,27 @@ class LLMEngine:
         if len(plist) != len(prompts):
             raise ConfigError(f"got {len(prompts)} prompts but {len(plist)} SamplingParams")
         now = self.clock()
-        rids = [self.add_request(p, sp, priority=(priorities or [0] * len(prompts))[i], arrival_time=now)
-                for i, (p, sp) in enumerate(zip(prompts, plist))]
+        rids: list[str] = []
         bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=len(rids), desc="generate", unit="req")
-        pending = set(rids)
-        while pending:
-            for ev in self.step():
-                if ev.finished and ev.request_id in pending:
-                    pending.discard(ev.request_id)
-                    if bar is not None:
-                        bar.update()
-        if bar is not None:
-            bar.close()
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, plist)):
+                rids.append(self.add_request(p, sp, priority=(priorities or [0] * len(prompts))[i], arrival_time=now))
+            if use_tqdm:
+                from tqdm.auto import tqdm
+                bar = tqdm(total=len(rids), desc="generate", unit="req")
+            pending = set(rids)
+            while pending:
+                for ev in self.step():
+                    if ev.finished and ev.request_id in pending:
+                        pending.discard(ev.request_id)
+                        if bar is not None:
+                            bar.update()
+        except BaseException:
+            self.forget(rids, "generate() failed or was interrupted")
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [self.release(r) for r in rids]
 
     def stats(self) -> dict:
@@ -404,12 +432,18 @@ class LLMEngine:
                 "steps": sch.step_no, "engine": self.fast_paths()}
 
     def fast_paths(self) -> dict:
-        """The configuration as plain values (``/metrics`` labels, ``x-model-info``)."""
-        from ..backends import current_backends
+        """The configuration as plain values (``/metrics`` labels, ``x-model-info``); remade only
+        when the model's backends or the scheduler's batch size change (read after every step)."""
+        key = (getattr(self.model, "_wb_backends", None) and tuple(self.model._wb_backends.items()),
+               self.config.max_num_seqs)
+        if getattr(self, "_fast_paths_key", None) != key:
+            from ..backends import current_backends
 
-        return {"config": self.describe(), "kv": self.kv_mode, "static_decode": self.static_decode,
-                "compile": self.compiled, "cuda_graphs": self.cuda_graphs,
-                "sampling": current_backends(self.model).get("sampling", "eager")}
+            self._fast_paths = {"config": self.describe(), "kv": self.kv_mode, "static_decode": self.static_decode,
+                                "compile": self.compiled, "cuda_graphs": self.cuda_graphs,
+                                "sampling": current_backends(self.model).get("sampling", "eager")}
+            self._fast_paths_key = key
+        return dict(self._fast_paths)
 
     def steps_frame(self):
         import pandas as pd

@@ -36,7 +36,7 @@ import torch
 
 from ..errors import ConfigError
 from ..kv.batch import PagedBatchCache, SequenceBatchCache
-from ..kv.paged import PagedKVPool
+from ..kv.paged import PagedKVPool, PagedSequenceCache
 from ..model import CausalLM
 from .scheduler import ScheduledSeq, SwapIn, SwapOut
 
@@ -62,6 +62,7 @@ class _Packed:
             if s.samples:
                 last.append(len(tokens) - 1)
         self.num_tokens, self.num_logits = len(tokens), len(last)
+        self.max_position = max(positions, default=0)
         pad = max(0, pad_to - len(tokens))
         self.rows = len(tokens) + pad
         self.ids = torch.tensor([tokens + [0] * pad], device=device)
@@ -72,10 +73,14 @@ class _Packed:
 
 
 class ModelRunner:
-    """Packed steps over the paged pool (and swap copies for preemption by swapping)."""
+    """Packed steps over the paged pool (and swap copies for preemption by swapping).  ``direct``
+    (one sequence per step, the LLM front's default): a step is ``model(ids, start,
+    PagedSequenceCache, logits_to_keep=1)``, the reference call over the sequence's blocks -
+    nothing to pad, no batch to be invariant to."""
 
-    def __init__(self, model: CausalLM, pool: PagedKVPool, batch_invariant: bool | None = None) -> None:
-        self.model, self.pool = model, pool
+    def __init__(self, model: CausalLM, pool: PagedKVPool, batch_invariant: bool | None = None,
+                 direct: bool = False) -> None:
+        self.model, self.pool, self.direct = model, pool, direct
         cfg = model.config
         self.nkv, self.hd = cfg.num_key_value_heads, cfg.head_dim
         self.window = cfg.sliding_window
@@ -116,10 +121,17 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Run the step; returns logits [k, vocab] for the sequences that sample (in order)."""
+        if self.direct and len(scheduled) == 1:
+            s = scheduled[0]
+            ids = torch.tensor([s.seq.tokens[s.start:s.start + s.num_tokens]], device=self.device)
+            cache = PagedSequenceCache(self.pool, s.seq.request_id, s.start)
+            logits = self.model(ids, s.start, cache, logits_to_keep=1)[0, -1:]
+            return logits if s.samples else logits[:0]
         p = _Packed(scheduled, MIN_ROWS if self.batch_invariant else 0, self.device)
         cache = PagedBatchCache(self.pool, [(s.seq.request_id, s.start, s.num_tokens) for s in scheduled],
                                 p.rows, self.batch_invariant, self.window)
-        logits = self.model(p.ids, cache=cache, positions=p.positions, logits_rows=p.logits_rows)
+        logits = self.model(p.ids, cache=cache, positions=p.positions, logits_rows=p.logits_rows,
+                            max_position=p.max_position)
         return logits[:p.num_logits]
 
 
@@ -132,17 +144,20 @@ class ContiguousRunner:
     configuration); otherwise steps are packed (padded for batch invariance)."""
 
     def __init__(self, model: CausalLM, pool: PagedKVPool, make_cache, direct: bool = True,
-                 batch_invariant: bool | None = None) -> None:
+                 batch_invariant: bool | None = None, keep_last: bool = False) -> None:
         self.model, self.pool, self.make_cache, self.direct = model, pool, make_cache, direct
         self.device = model.device
         self.batch_invariant = default_batch_invariant(model, batch_invariant)
         self.caches: dict[str, object] = {}   # live sequence id -> its cache
-        self.last_cache = None                # the cache of the sequence that ended last (inspectors)
+        self.keep_last = keep_last            # keep the last ended sequence's cache (tiered: inspectors read it)
+        self.last_cache = None
         pool.listeners.append(self._on_pool_event)
 
     def _on_pool_event(self, event: str, seq_id: str) -> None:
         if event == "end" and seq_id in self.caches:
-            self.last_cache = self.caches.pop(seq_id)
+            cache = self.caches.pop(seq_id)
+            if self.keep_last:
+                self.last_cache = cache
 
     def swap_out(self, s: SwapOut) -> None:
         raise ConfigError("per-sequence KV caches are not swapped; use preemption_mode='recompute'")
@@ -169,7 +184,8 @@ class ContiguousRunner:
             return logits if s.samples else logits[:0]
         p = _Packed(scheduled, MIN_ROWS if self.batch_invariant else 0, self.device)
         batch = SequenceBatchCache([(c, s.start, s.num_tokens) for c, s in zip(caches, scheduled)])
-        logits = self.model(p.ids, cache=batch, positions=p.positions, logits_rows=p.logits_rows)
+        logits = self.model(p.ids, cache=batch, positions=p.positions, logits_rows=p.logits_rows,
+                            max_position=p.max_position)
         for c, s in zip(caches, scheduled):
             c.length = s.start + s.num_tokens
         return logits[:p.num_logits]
@@ -182,13 +198,19 @@ class StaticRunner(ContiguousRunner):
     inductor's C++); ``cuda_graphs``: captured once per batch-size bucket and replayed.
     Prefill chunks run eagerly on their sequence's row; all decode rows of a step go in one
     static call.  Attention there spans the whole row with a mask, so the reduction length
-    differs from the reference: greedy tokens agree, they are not bitwise guaranteed."""
+    differs from the reference: greedy tokens agree, they are not bitwise guaranteed.
+
+    Cost: the buffers hold ``max_seqs + 1`` rows of ``max_len`` tokens and every decode step
+    attends over whole rows, so both grow with the engine's ``max_model_len`` (set it to what
+    requests need: ``LLM(..., max_model_len=...)``, ``--max-model-len``).  The batch-size buckets
+    are fixed here: more running sequences than ``max_seqs`` is refused."""
 
     def __init__(self, model: CausalLM, pool: PagedKVPool, max_len: int, max_seqs: int,
                  compile: bool = False, cuda_graphs: bool = False) -> None:
         from ..cuda_graphs import GraphedDecoder
 
         buckets = sorted({min(1 << i, max_seqs) for i in range(max_seqs.bit_length() + 1)})
+        self.max_seqs = max_seqs
         self.decoder = GraphedDecoder(model, max_len, tuple(buckets))
         if compile:
             self.decoder.compile()

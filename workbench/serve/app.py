@@ -149,9 +149,12 @@ def kv_pool_report(aengine, name: str) -> dict:
     it, kept when nothing changed during the read and its parts agree (``server.snapshot.stable``);
     503 with ``Retry-After`` if every read failed.  Blocking (it
     sleeps between tries): the route runs it on a worker thread, off the event loop."""
-    pool = getattr(aengine.engine, "pool", None)
+    eng = aengine.engine
+    pool = getattr(eng, "kv_pool", None)
     if pool is None or not hasattr(pool, "manager"):
-        raise P.APIError(501, "this engine has no paged KV pool to inspect", None, "no_kv_pool")
+        kind = getattr(eng, "kv_mode", "another")
+        raise P.APIError(501, f"this engine keeps KV in a {kind} cache per request, not a paged pool: nothing to "
+                              "inspect here", None, "no_kv_pool")
     try:
         rep = pool_report_from_thread(pool)
     except WorkbenchError as e:                 # every read was torn: the engine is busy, ask again
