@@ -317,6 +317,7 @@ def sample_tokens_ref(logits: torch.Tensor, temperature: PerRow = 1.0, top_k: Pe
         if ps[r] < 1.0:
             sorted_p, order = torch.softmax(s, -1).sort(descending=True)
             drop = (sorted_p.cumsum(-1) - sorted_p) >= ps[r]
+            drop[0] = False     # the most likely token always stays (a tiny top_p rounds to 0 in float32)
             s = s.masked_fill(torch.zeros_like(drop).scatter_(-1, order, drop), float("-inf"))
         out[r] = (s + gumbel[r]).argmax()
     return out

@@ -81,6 +81,13 @@ class ReferenceLoop:
         return self.sample(self.forward())
 
 
+def _raise_failed(engine: LLMEngine, request_id: str, error: str | None):
+    """The offline front raises what the engine isolated (the engine itself went on)."""
+    from .errors import WorkbenchError
+
+    raise WorkbenchError(f"request {request_id} failed: {error}") from engine.last_step_error
+
+
 def reference_generate(model: CausalLM, prompt_ids: list[int], max_new_tokens: int,
                        params: SamplingParams | None = None) -> list[int]:
     """``max_new_tokens`` tokens by the bare loop (no EOS or stop checks, no metrics)."""
@@ -196,6 +203,9 @@ class LLM:
                 while not q:
                     self._route(eng.step())
                 ev = q.popleft()
+                if ev.finish_reason == "error":
+                    done = True
+                    _raise_failed(eng, ev.request_id, ev.error)
                 yield ev
                 if ev.finished:
                     done = True
@@ -242,7 +252,11 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [eng.release(r) for r in rids]
+        outs = [eng.release(r) for r in rids]
+        failed = next((o for o in outs if o.finish_reason == "error"), None)
+        if failed is not None:
+            _raise_failed(eng, failed.request_id, failed.error)
+        return outs
 
     @contextmanager
     def batching(self, max_num_seqs: int):

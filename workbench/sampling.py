@@ -3,6 +3,11 @@
 ``SamplingParams`` follows vLLM's names so learners can move between the two.  The sampler is
 plain torch on one row of logits: temperature -> top-k -> top-p -> a draw from a per-request
 ``torch.Generator`` (so a seeded request is reproducible whatever else runs).
+
+Numerically safe for every value validation accepts: a temperature below :data:`SAMPLING_EPS`
+(1e-5, vLLM's floor) is greedy - dividing logits by 1e-38 would give inf and NaN
+probabilities - and top-p always keeps the most likely token, whatever ``top_p`` rounds to in
+float32 (1e-46 is 0 there).
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import ConfigError
+
+SAMPLING_EPS = 1e-5     # temperatures below this are greedy (logits / T would overflow)
 
 
 @dataclass
@@ -43,7 +50,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         if self.greedy:
@@ -69,6 +76,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         sorted_p, idx = probs.sort(descending=True)
         # drop a token when the mass *before* it already reaches top_p (the first one always stays)
         drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        drop[..., 0] = False        # the most likely token always stays (top_p may round to 0 in float32)
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
     return torch.multinomial(probs, 1, generator=generator)[0]

@@ -51,6 +51,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stats: dict = engine.stats()
         self.last_error: str | None = None
+        self._seen_step_error: BaseException | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "AsyncEngine":
@@ -182,6 +183,10 @@ class AsyncEngine:
             return
         for ev in events:
             self._deliver(ev)
+        err = eng.last_step_error              # a step the engine isolated: its requests ended, it went on
+        if err is not None and err is not self._seen_step_error:
+            self._seen_step_error = err
+            self.last_error = f"a step failed (its requests ended with it): {_describe(err)}"
         self._stats = eng.stats()
         hook = self.on_step
         if hook is not None:

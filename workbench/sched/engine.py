@@ -134,6 +134,7 @@ class LLMEngine:
         self._events: list[StreamEvent] = []     # events produced outside step() (rejections, aborts)
         self._ids = itertools.count()
         self.num_finished = 0
+        self.last_step_error: BaseException | None = None   # the last exception a step's requests ended on
 
     def _make_runner(self, batch_invariant):
         if self.static_decode:
@@ -320,23 +321,38 @@ class LLMEngine:
             seq.output.num_cached_tokens = max(seq.output.num_cached_tokens, a.num_cached_tokens)
             if seq.output.prefix_miss_reason is None and seq.num_preemptions == 0:
                 seq.output.prefix_miss_reason = None if a.miss_reason is None else a.miss_reason.value
-        tokens: list[int] = []
+        tokens: list[int | None] = []
+        errors: dict[str, str] = {}
+        step_failed = None
         if out.scheduled:
             for s in out.scheduled:
                 if s.seq.output.metrics.first_scheduled_time is None:
                     s.seq.output.metrics.first_scheduled_time = t1
-            logits = self.runner.execute(out.scheduled)
-            tokens = self._sample([s.seq for s in out.scheduled if s.samples], logits)
+            try:
+                logits = self.runner.execute(out.scheduled)
+            except Exception as e:  # noqa: BLE001 - the step's requests end, the engine goes on
+                step_failed = f"engine step {out.step} failed: {_describe(e)}"
+                self.last_step_error = e
+            else:
+                tokens, errors = self._sample([s.seq for s in out.scheduled if s.samples], logits)
         t2 = self.clock()
         finished = 0
         sampled = iter(tokens)
         for s in out.scheduled:
             seq = s.seq
+            if step_failed is not None:       # only the requests of this step: waiting ones are untouched
+                self._end(seq, "error", step_failed)
+                finished += 1
+                continue
             seq.num_computed = s.start + s.num_tokens
             self.scheduler.manager.commit(seq.request_id, seq.num_computed)
             if not s.samples:
                 continue
             token = next(sampled)
+            if token is None:                 # its sampling failed: it ends alone, with the reason
+                self._end(seq, "error", errors[seq.request_id])
+                finished += 1
+                continue
             seq.tokens.append(token)
             ev = seq.state["proc"].push(token, t2)
             seq.output.num_preemptions = seq.num_preemptions
@@ -358,22 +374,38 @@ class LLMEngine:
             tuple(s.start < s.seq.prompt_len for s in out.scheduled)))
         return events
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        """One token per sequence; all greedy rows in one argmax (one device sync).  With the
-        ``sampling`` op on a kernel backend (``--backend sampling=triton``), one launch for the
-        whole batch, each sampled row drawing its noise from its own request's generator."""
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int | None], dict[str, str]]:
+        """One token per sequence, and the sequences whose sampling failed (id -> why; their
+        token is None): a failure belongs to its request, the others keep their tokens.  All
+        greedy rows go in one argmax (one device sync).  With the ``sampling`` op on a kernel
+        backend (``--backend sampling=triton``), one launch for the whole batch, each sampled row
+        drawing its noise from its own request's generator (a failed launch is retried row by
+        row, so that only the failing rows fail)."""
         ops = getattr(self.model, "_wb_ops", None)
-        if ops is not None and ops.backends.get("sampling", "eager") != "eager":
-            return self._sample_kernel(ops, seqs, logits)
-        greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
-        tokens = [0] * len(seqs)
-        if greedy:
-            for i, t in zip(greedy, logits[greedy].argmax(-1).tolist()):
-                tokens[i] = t
-        for i, s in enumerate(seqs):
-            if not s.params.greedy:
-                tokens[i] = int(sample(logits[i], s.params, s.state["gen"]))
-        return tokens
+        kernel = ops is not None and ops.backends.get("sampling", "eager") != "eager"
+        tokens: list[int | None] = [None] * len(seqs)
+        errors: dict[str, str] = {}
+        if kernel:
+            try:
+                return self._sample_kernel(ops, seqs, logits), errors
+            except Exception:  # noqa: BLE001 - find the rows that fail
+                rows = list(range(len(seqs)))
+        else:
+            greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+            if greedy:
+                for i, t in zip(greedy, logits[greedy].argmax(-1).tolist()):
+                    tokens[i] = t
+            rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        for i in rows:
+            s = seqs[i]
+            try:
+                if kernel:
+                    tokens[i] = self._sample_kernel(ops, [s], logits[i:i + 1])[0]
+                else:
+                    tokens[i] = int(sample(logits[i], s.params, s.state["gen"]))
+            except Exception as e:  # noqa: BLE001
+                errors[s.request_id] = f"sampling failed: {_describe(e)}"
+        return tokens, errors
 
     @staticmethod
     def _sample_kernel(ops, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
@@ -385,7 +417,7 @@ class LLMEngine:
         V = x.shape[1]
         noise = torch.cat([torch.zeros(1, V, device=x.device) if s.params.greedy
                            else gumbel_noise(1, V, s.state["gen"], x.device) for s in seqs])
-        return ops.sample_tokens(x, temperature=[s.params.temperature for s in seqs],
+        return ops.sample_tokens(x, temperature=[0.0 if s.params.greedy else s.params.temperature for s in seqs],
                                  top_k=[s.params.top_k for s in seqs], top_p=[s.params.top_p for s in seqs],
                                  gumbel=noise).tolist()
 
@@ -484,3 +516,9 @@ def _check_fast_paths(kv_mode: str, model, cuda_graphs: bool, runner) -> None:
     if kv_mode != "contiguous":
         raise ConfigError(f"LLMEngine: compile / cuda_graphs run decode steps over static contiguous KV buffers; "
                           f"{kv_mode} KV is not implemented on that path yet (use kv='contiguous', the LLM default)")
+
+
+def _describe(e: BaseException) -> str:
+    import traceback
+
+    return "".join(traceback.format_exception_only(type(e), e)).strip()
