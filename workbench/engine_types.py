@@ -19,6 +19,7 @@ class StreamEvent:
     finished: bool = False
     finish_reason: str | None = None   # "stop", "length"; batched engine also "abort", "rejected", "error"
     error: str | None = None           # why, for "rejected" / "error" / "abort"
+    logprobs: dict | None = None       # with SamplingParams.logprobs: {"logprob", "top": {token id: logprob}}
 
 
 @dataclass
@@ -36,3 +37,7 @@ class RequestOutput:
     error: str | None = None              # why it ended, for "rejected" / "error" / "abort"
     priority: int = 0
     num_preemptions: int = 0
+    # with SamplingParams.logprobs: per generated token {"token_id", "logprob", "top": {id: logprob}};
+    # with prompt_logprobs: per prompt token the same (None for the first: nothing precedes it)
+    logprobs: list[dict] | None = None
+    prompt_logprobs: list[dict | None] | None = None

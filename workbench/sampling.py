@@ -19,6 +19,21 @@ import torch
 from .errors import ConfigError
 
 SAMPLING_EPS = 1e-5     # temperatures below this are greedy (logits / T would overflow)
+MAX_LOGPROBS = 20       # top-k log-probabilities per token at most (OpenAI's limit for chat)
+
+
+def token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[dict]:
+    """Per row of ``logits`` [n, V]: the log-probability of ``targets[i]`` under the model's own
+    distribution (log-softmax of the raw logits, float32: before temperature, top-k or top-p,
+    as OpenAI reports them) and the ``k`` most likely tokens with theirs."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    picked = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
+    if k:
+        top = lp.topk(k, dim=-1)
+        tops = [dict(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+    else:
+        tops = [{} for _ in targets]
+    return [{"token_id": t, "logprob": p, "top": tp} for t, p, tp in zip(targets, picked, tops)]
 
 
 @dataclass
@@ -31,6 +46,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None         # log-probabilities of each generated token, and of the top-k (0..20)
+    prompt_logprobs: int | None = None  # the same for every prompt token (computed in full: no prefix-cache reuse)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -41,6 +58,11 @@ class SamplingParams:
             (isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be an integer >= -1 (0 or -1: off)"),
             (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
+            (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+             "logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]"),
+            (self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                              and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+             "prompt_logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]"),
         ]
         for ok, name, why in checks:
             if not ok:

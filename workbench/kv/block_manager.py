@@ -110,11 +110,13 @@ class BlockManager:
     def _blocks_for(self, n: int) -> int:
         return -(-n // self.block_size)
 
-    def _match(self, token_ids: list[int]) -> tuple[list[int], list[int], MissReason | None]:
+    def _match(self, token_ids: list[int], reuse: bool = True) -> tuple[list[int], list[int], MissReason | None]:
         """Reusable blocks for a prompt (no state change): (hit block ids, hashes of its full
-        blocks, miss reason)."""
+        blocks, miss reason).  ``reuse=False``: none (the request computes its whole prompt)."""
         if not self.enable_prefix_caching:
             return [], [], MissReason.DISABLED
+        if not reuse:
+            return [], self.prefix_cache.chain(token_ids), MissReason.FULL_PROMPT
         B, pc = self.block_size, self.prefix_cache
         hashes = pc.chain(token_ids)
         max_hit = (len(token_ids) - 1) // B  # the final token is always computed
@@ -140,21 +142,22 @@ class BlockManager:
         ordering of waiting requests."""
         return len(self._match(list(token_ids))[0]) * self.block_size
 
-    def can_allocate(self, num_tokens: int, token_ids: list[int] | None = None) -> AllocStatus:
+    def can_allocate(self, num_tokens: int, token_ids: list[int] | None = None, reuse: bool = True) -> AllocStatus:
         """Would a prompt of ``num_tokens`` tokens fit? Pass ``token_ids`` (the prompt) to count
         prefix-cache hits, which need no new block; :meth:`allocate` agrees exactly."""
         need = self._blocks_for(num_tokens)
         if need > self.num_blocks:
             return AllocStatus.NEVER
-        hits = self._match(list(token_ids))[0] if token_ids else []
+        hits = self._match(list(token_ids), reuse)[0] if token_ids else []
         return AllocStatus.OK if self._fits(need, hits) else AllocStatus.LATER
 
     def _fits(self, need: int, hits: list[int]) -> bool:
         cached_hits = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # no longer evictable
         return need - len(hits) <= self.num_available_blocks - cached_hits
 
-    def allocate(self, seq_id: str, token_ids: list[int]) -> Allocation | None:
-        """Blocks for a new sequence's prompt, reusing committed cached prefix blocks.
+    def allocate(self, seq_id: str, token_ids: list[int], reuse: bool = True) -> Allocation | None:
+        """Blocks for a new sequence's prompt, reusing committed cached prefix blocks (not with
+        ``reuse=False``: its blocks are its own, computed in full, and cached for later ones).
         None when the blocks cannot be had now (state unchanged; see :meth:`can_allocate`)."""
         if seq_id in self._seqs:
             raise WorkbenchError(f"BlockManager.allocate: sequence {seq_id!r} is already allocated")
@@ -165,7 +168,7 @@ class BlockManager:
         need = self._blocks_for(n)
         if need > self.num_blocks:
             return None
-        hits, hashes, reason = self._match(token_ids)
+        hits, hashes, reason = self._match(token_ids, reuse)
         if not self._fits(need, hits):
             return None
         for bid in hits:  # claim hits first, so the evictions below cannot take them

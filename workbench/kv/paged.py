@@ -206,12 +206,12 @@ class PoolBlocks:
     def __getattr__(self, name):
         return getattr(self.pool.manager, name)
 
-    def allocate(self, seq_id: str, token_ids: list[int]):
+    def allocate(self, seq_id: str, token_ids: list[int], reuse: bool = True):
         pool = self.pool
         m = pool.manager
         t0, evictions = time.perf_counter(), m.stats.evictions
-        restored = pool._restore(token_ids) if pool.offload is not None else 0
-        alloc = m.allocate(seq_id, token_ids)
+        restored = pool._restore(token_ids) if pool.offload is not None and reuse else 0
+        alloc = m.allocate(seq_id, token_ids, reuse)
         pool.manager_seconds += time.perf_counter() - t0
         if alloc is None:
             return None

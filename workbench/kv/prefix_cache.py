@@ -60,6 +60,7 @@ class MissReason(str, enum.Enum):
     EVICTED = "evicted"
     DISABLED = "disabled"
     NOT_COMPUTED = "not_computed"
+    FULL_PROMPT = "full_prompt"       # the request computes its whole prompt (it asked for prompt logprobs)
 
 
 def block_hash(parent: int | None, tokens: Sequence[int]) -> int:

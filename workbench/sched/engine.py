@@ -35,7 +35,7 @@ from ..kv_cache import KVCache
 from ..loaded import LoadedModel
 from ..metrics import RequestMetrics
 from ..output import OutputProcessor
-from ..sampling import SamplingParams, sample
+from ..sampling import SamplingParams, sample, token_logprobs
 from .config import SchedulerConfig
 from .model_runner import ContiguousRunner, ModelRunner, StaticRunner
 from .scheduler import Scheduler
@@ -230,6 +230,14 @@ class LLMEngine:
         out.request_id, out.prompt, out.prompt_token_ids, out.priority = rid, text, list(ids), priority
         out.metrics = RequestMetrics(arrival_time=now, prompt_tokens=len(ids), threads=torch.get_num_threads(),
                                      engine=self.fast_paths()["config"])
+        if params.prompt_logprobs is not None:
+            if self.static_decode:
+                raise ConfigError("prompt_logprobs: this engine prefills on static decode buffers, which keep the "
+                                  "last position's logits only; use an engine without static_decode / compile / "
+                                  "cuda_graphs")
+            out.prompt_logprobs = [None] * len(ids)
+        if params.logprobs is not None:
+            out.logprobs = []
         seq.output = out
         seq.state["proc"] = OutputProcessor(out, params, self.tokenizer, self.eos_token_ids, max_new)
         seq.state["gen"] = params.generator(self.device)
@@ -334,7 +342,8 @@ class LLMEngine:
                 step_failed = f"engine step {out.step} failed: {_describe(e)}"
                 self.last_step_error = e
             else:
-                tokens, errors = self._sample([s.seq for s in out.scheduled if s.samples], logits)
+                rows = self._split_logits(out.scheduled, logits)
+                tokens, errors = self._sample([s.seq for s in out.scheduled if s.samples], rows)
         t2 = self.clock()
         finished = 0
         sampled = iter(tokens)
@@ -355,6 +364,9 @@ class LLMEngine:
                 continue
             seq.tokens.append(token)
             ev = seq.state["proc"].push(token, t2)
+            if seq.params.logprobs is not None:      # the model's log-probability of the token it chose
+                ev.logprobs = token_logprobs(seq.state.pop("last_row")[None], [token], seq.params.logprobs)[0]
+                seq.output.logprobs.append(ev.logprobs)
             seq.output.num_preemptions = seq.num_preemptions
             events.append(ev)
             if ev.finished:
@@ -373,6 +385,33 @@ class LLMEngine:
             tuple(s.seq.request_id for s in out.scheduled), tuple(s.num_tokens for s in out.scheduled),
             tuple(s.start < s.seq.prompt_len for s in out.scheduled)))
         return events
+
+    def _split_logits(self, scheduled, logits: torch.Tensor) -> torch.Tensor:
+        """The runner's rows (``ScheduledSeq.logit_rows`` per sequence, in order) -> the rows that
+        sample, [k, V]; prompt-logprob rows are turned into ``output.prompt_logprobs`` here, and
+        the row of a sequence that wants logprobs of its token is kept for after sampling."""
+        off, sample_rows = 0, []
+        for s in scheduled:
+            k = s.logit_rows
+            chunk = logits[off:off + k]
+            off += k
+            seq = s.seq
+            n_prompt = seq.prompt_len
+            if k and seq.params.prompt_logprobs is not None and s.start < n_prompt:
+                pos = [s.start + j for j in range(k) if s.start + j + 1 < n_prompt]   # row j predicts token p + 1
+                if pos:
+                    entries = token_logprobs(chunk[:len(pos)], [seq.tokens[p + 1] for p in pos],
+                                             seq.params.prompt_logprobs)
+                    lst = seq.output.prompt_logprobs
+                    for p, e in zip(pos, entries):
+                        lst[p + 1] = e
+            if s.samples:
+                sample_rows.append(chunk[-1])
+                if seq.params.logprobs is not None:
+                    seq.state["last_row"] = chunk[-1]
+        if off != logits.shape[0]:
+            raise RuntimeError(f"runner returned {logits.shape[0]} rows of logits, the step wants {off}")
+        return torch.stack(sample_rows) if sample_rows else logits[:0]
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int | None], dict[str, str]]:
         """One token per sequence, and the sequences whose sampling failed (id -> why; their

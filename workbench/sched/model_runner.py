@@ -50,8 +50,8 @@ def default_batch_invariant(model: CausalLM, batch_invariant: bool | None) -> bo
 
 
 class _Packed:
-    """The step's tokens in one row: ids and positions (padded), the spans of each sequence,
-    and the rows whose logits are wanted (padded too, for batch invariance)."""
+    """The step's tokens in one row: ids and positions (padded), and the rows whose logits are
+    wanted (``ScheduledSeq.logit_rows`` per sequence, in order; padded too, for batch invariance)."""
 
     def __init__(self, scheduled: list[ScheduledSeq], pad_to: int, device) -> None:
         tokens, positions, last = [], [], []
@@ -59,8 +59,8 @@ class _Packed:
             end = s.start + s.num_tokens
             tokens += s.seq.tokens[s.start:end]
             positions += range(s.start, end)
-            if s.samples:
-                last.append(len(tokens) - 1)
+            k = s.logit_rows                       # the chunk's last k rows (k = 1: the row that samples)
+            last += range(len(tokens) - k, len(tokens))
         self.num_tokens, self.num_logits = len(tokens), len(last)
         self.max_position = max(positions, default=0)
         pad = max(0, pad_to - len(tokens))
@@ -70,6 +70,15 @@ class _Packed:
         if last and len(last) < pad_to:                  # the LM head is a matmul too
             last += [last[0]] * (pad_to - len(last))
         self.logits_rows = torch.tensor(last, dtype=torch.long, device=device)
+
+
+def _direct(model: CausalLM, s: ScheduledSeq, cache, device) -> torch.Tensor:
+    """One sequence's chunk as the reference call ``model(ids, start, cache, logits_to_keep=k)``:
+    logits of its last ``s.logit_rows`` positions."""
+    ids = torch.tensor([s.seq.tokens[s.start:s.start + s.num_tokens]], device=device)
+    k = s.logit_rows
+    logits = model(ids, s.start, cache, logits_to_keep=max(k, 1))[0]
+    return logits[logits.shape[0] - k:]
 
 
 class ModelRunner:
@@ -123,10 +132,7 @@ class ModelRunner:
         """Run the step; returns logits [k, vocab] for the sequences that sample (in order)."""
         if self.direct and len(scheduled) == 1:
             s = scheduled[0]
-            ids = torch.tensor([s.seq.tokens[s.start:s.start + s.num_tokens]], device=self.device)
-            cache = PagedSequenceCache(self.pool, s.seq.request_id, s.start)
-            logits = self.model(ids, s.start, cache, logits_to_keep=1)[0, -1:]
-            return logits if s.samples else logits[:0]
+            return _direct(self.model, s, PagedSequenceCache(self.pool, s.seq.request_id, s.start), self.device)
         p = _Packed(scheduled, MIN_ROWS if self.batch_invariant else 0, self.device)
         cache = PagedBatchCache(self.pool, [(s.seq.request_id, s.start, s.num_tokens) for s in scheduled],
                                 p.rows, self.batch_invariant, self.window)
@@ -178,10 +184,7 @@ class ContiguousRunner:
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         caches = [self._cache(s) for s in scheduled]
         if self.direct and len(scheduled) == 1:
-            s, cache = scheduled[0], caches[0]
-            ids = torch.tensor([s.seq.tokens[s.start:s.start + s.num_tokens]], device=self.device)
-            logits = self.model(ids, s.start, cache, logits_to_keep=1)[0, -1:]
-            return logits if s.samples else logits[:0]
+            return _direct(self.model, scheduled[0], caches[0], self.device)
         p = _Packed(scheduled, MIN_ROWS if self.batch_invariant else 0, self.device)
         batch = SequenceBatchCache([(c, s.start, s.num_tokens) for c, s in zip(caches, scheduled)])
         logits = self.model(p.ids, cache=batch, positions=p.positions, logits_rows=p.logits_rows,

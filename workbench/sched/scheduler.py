@@ -50,6 +50,14 @@ class ScheduledSeq:
         """Does this chunk reach the last known token (so a new token is sampled)?"""
         return self.start + self.num_tokens == len(self.seq.tokens)
 
+    @property
+    def logit_rows(self) -> int:
+        """Rows of logits the runner returns for this chunk: all of them for a prompt chunk of a
+        request that wants prompt logprobs, else the last one when it samples, else none."""
+        if getattr(self.seq.params, "prompt_logprobs", None) is not None and self.start < self.seq.prompt_len:
+            return self.num_tokens
+        return 1 if self.samples else 0
+
 
 @dataclass
 class SwapOut:
@@ -248,10 +256,10 @@ class Scheduler:
                 self._reject(seq, reason, out)
         if not out.swapped_out and not out.preempted:
             for seq in sorted(self.swapped, key=order):
-                if len(self.running) >= cfg.max_num_seqs or m.can_allocate(len(seq.tokens), seq.tokens) \
+                if len(self.running) >= cfg.max_num_seqs or m.can_allocate(len(seq.tokens), seq.tokens, _reuse(seq)) \
                         is not AllocStatus.OK:
                     break
-                alloc = m.allocate(seq.request_id, seq.tokens)
+                alloc = m.allocate(seq.request_id, seq.tokens, _reuse(seq))
                 saved = self.swap_sizes.pop(seq.request_id)
                 self.swapped.remove(seq)
                 # restore only what the prefix cache does not hold again: positions below
@@ -267,7 +275,7 @@ class Scheduler:
         # 3. admissions, once the micro-batch window of the oldest waiting request has passed
         if self.waiting and not self.swapped and self._window_open(now):
             if cfg.prefix_aware:
-                cached = {s.request_id: m.cached_prefix_tokens(s.tokens) for s in self.waiting}
+                cached = {s.request_id: m.cached_prefix_tokens(s.tokens) if _reuse(s) else 0 for s in self.waiting}
                 key = lambda s: (order(s)[0], -cached[s.request_id], s.seq_no)  # noqa: E731
             else:
                 key = order
@@ -278,15 +286,15 @@ class Scheduler:
                 if reason is not None:                     # before anything is preempted for it
                     self._reject(seq, reason, out)
                     continue
-                status = m.can_allocate(len(seq.tokens), seq.tokens)
+                status = m.can_allocate(len(seq.tokens), seq.tokens, _reuse(seq))
                 if len(self.running) >= cfg.max_num_seqs or status is not AllocStatus.OK:
                     if not self._make_room_by_priority(seq, now, out):
                         break                              # first come, first served: no overtaking
-                    status = m.can_allocate(len(seq.tokens), seq.tokens)
+                    status = m.can_allocate(len(seq.tokens), seq.tokens, _reuse(seq))
                 budget = left()
                 if status is not AllocStatus.OK or len(self.running) >= cfg.max_num_seqs:
                     break
-                alloc = m.allocate(seq.request_id, seq.tokens)
+                alloc = m.allocate(seq.request_id, seq.tokens, _reuse(seq))
                 self.waiting.remove(seq)
                 seq.num_computed = alloc.num_cached_tokens
                 seq.state["allocation"] = alloc
@@ -326,7 +334,7 @@ class Scheduler:
             return False
         victims = self._victims_for(seq, now)
         slots_short = len(self.running) - cfg.max_num_seqs + 1
-        hits = m._match(list(seq.tokens))[0]
+        hits = m._match(list(seq.tokens), _reuse(seq))[0]
         hit_set = set(hits)
         need = -(-len(seq.tokens) // m.block_size) - len(hits)
         # as BlockManager.can_allocate counts: cached hits are not available for the new blocks
@@ -342,3 +350,9 @@ class Scheduler:
                     self._preempt(victim, out)
                 return True
         return False
+
+
+def _reuse(seq: Sequence) -> bool:
+    """May ``seq`` start from cached prefix blocks?  Not when it wants every prompt token's
+    logits (prompt logprobs): those come only from computing the prompt."""
+    return getattr(seq.params, "prompt_logprobs", None) is None
