@@ -303,10 +303,17 @@ def test_safetensors_rejected_by_the_reader(good, data_bytes, extra):
     """Headers that pass the size checks but that the safetensors reader refuses (bytes not
     covered by any tensor; two tensors on the same bytes — the second an ignored exported
     buffer): still a CheckpointError naming the file, not a bare SafetensorError."""
-    header = {_NORM: {"dtype": "F32", "shape": [32], "data_offsets": [0, 128]}}
-    header.update({k: {"dtype": "F32", "shape": [32], "data_offsets": v} for k, v in extra.items()})
+    # The rest of the checkpoint is intact: every header check (sizes, names, shapes against the
+    # config) passes and the reader is what refuses the file.
+    path = good / WEIGHTS
+    data = path.read_bytes()
+    (n,) = __import__("struct").unpack("<Q", data[:8])
+    header, body = json.loads(data[8:8 + n]), data[8 + n:]
+    norm = header[_NORM]["data_offsets"]
+    header.update({k: {"dtype": "F32", "shape": [32], "data_offsets": [norm[0] + v[0], norm[0] + v[1]]}
+                   for k, v in extra.items()})
     raw = json.dumps(header).encode()
-    (good / WEIGHTS).write_bytes(len(raw).to_bytes(8, "little") + raw + b"\0" * data_bytes)
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + body + b"\0" * (data_bytes - 128))
     raises(good, WEIGHTS, "cannot read safetensors", exc=CheckpointError)
 
 
@@ -424,3 +431,290 @@ def test_copying_a_checkpoint_keeps_it_loadable(good, tmp_path):
     dst = tmp_path / "copy"
     shutil.copytree(good, dst)
     load(dst)
+
+
+# ---- a loader that checks before it allocates ------------------------------------------------
+# Each input below used to be accepted silently, crash with a traceback, hang, or allocate
+# gigabytes before failing.  Config fields are bounded before anything is built; shapes are
+# checked against the safetensors headers (not the data) before the model is built.
+
+import os  # noqa: E402
+import signal  # noqa: E402
+import struct  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+
+from workbench.config import MAX_HIDDEN_LAYERS, MAX_POSITION_EMBEDDINGS  # noqa: E402
+from workbench.loader import read_safetensors_header  # noqa: E402
+
+
+@contextmanager
+def deadline(seconds: float):
+    """Fail (TimeoutError, not a WorkbenchError) instead of hanging or allocating for minutes
+    when a check regresses; a no-op where SIGALRM is unavailable or off the main thread."""
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def boom(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, boom)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def raises_fast(folder, *substrings, exc=WorkbenchError, limit: float = 2.0) -> str:
+    t0 = time.perf_counter()
+    with deadline(max(10.0, 5 * limit)):
+        msg = raises(folder, *substrings, exc=exc)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < limit, f"took {elapsed:.2f} s to refuse (limit {limit} s): {msg}"
+    return msg
+
+
+def test_a_million_layers_fails_fast(good):
+    edit_config(good, num_hidden_layers=1_000_000)
+    raises_fast(good, "config.json", "'num_hidden_layers'", "1000000", str(MAX_HIDDEN_LAYERS), exc=ConfigError)
+
+
+@pytest.mark.parametrize("head_dim", [8, _DELETE], ids=["head_dim-given", "head_dim-derived"])
+def test_hidden_size_2_pow_40(good, head_dim):
+    edit_config(good, hidden_size=2**40, head_dim=head_dim)
+    raises_fast(good, "config.json", "'hidden_size'", str(2**40), exc=ConfigError)
+
+
+@pytest.mark.parametrize("field,value", [("vocab_size", 2**40), ("intermediate_size", 2**40),
+                                         ("num_attention_heads", 2**20), ("head_dim", 2**20)])
+def test_other_sizes_are_bounded(good, field, value):
+    edit_config(good, **{field: value})
+    raises_fast(good, "config.json", f"'{field}'", str(value), exc=ConfigError)
+
+
+def test_max_position_embeddings_10_pow_12(good):
+    edit_config(good, max_position_embeddings=10**12)
+    raises_fast(good, "config.json", "'max_position_embeddings'", str(10**12), str(MAX_POSITION_EMBEDDINGS),
+                exc=ConfigError)
+
+
+def test_long_context_within_bounds_loads(good):
+    edit_config(good, max_position_embeddings=2**24)
+    assert load(good).config.max_position_embeddings == 2**24
+
+
+@pytest.mark.parametrize("shape", [
+    # Llama-3.1 405B, Llama-3 70B, Qwen2.5 72B (config.json values)
+    dict(vocab_size=128256, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+         num_attention_heads=128, num_key_value_heads=8, max_position_embeddings=131072),
+    dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+         num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192),
+    dict(vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+         num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=32768),
+], ids=["llama-3.1-405b", "llama-3-70b", "qwen2.5-72b"])
+def test_real_large_shapes_pass_the_bounds(shape):
+    cfg = ModelConfig(**shape, torch_dtype="bfloat16")
+    assert cfg.num_parameters() > 7 * 10**10
+
+
+@pytest.mark.parametrize("key", ["torch_dtype", "dtype"])
+def test_unknown_torch_dtype(good, key):
+    edit_config(good, torch_dtype=_DELETE, dtype=_DELETE)
+    edit_config(good, **{key: "int3"})
+    raises_fast(good, "config.json", f"'{key}'", "'int3'", "bfloat16", exc=ConfigError)
+
+
+@pytest.mark.parametrize("value", ["float16", "bfloat16", "float32", "torch.bfloat16"])
+def test_known_torch_dtypes_load(good, value):
+    edit_config(good, torch_dtype=value)
+    load(good)
+
+
+@pytest.mark.parametrize("field,value", [("rope_theta", float("inf")), ("rms_norm_eps", float("inf")),
+                                         ("rope_scaling", {"rope_type": "linear", "factor": float("inf")}),
+                                         ("tie_word_embeddings", "false"), ("eos_token_id", "</s>"),
+                                         ("bos_token_id", 1.0), ("eos_token_id", [2, "3"])])
+def test_bad_field_types_and_non_finite_numbers(good, field, value):
+    edit_config(good, **{field: value})
+    raises_fast(good, "config.json", f"'{field}", exc=ConfigError)
+
+
+def test_directory_named_model_safetensors(good):
+    (good / WEIGHTS).unlink()
+    (good / WEIGHTS).mkdir()
+    msg = raises_fast(good, WEIGHTS, "not a regular file", "directory", exc=CheckpointError)
+    assert "\n" not in msg
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_fifo_named_model_safetensors_does_not_hang(good):
+    (good / WEIGHTS).unlink()
+    os.mkfifo(good / WEIGHTS)
+    raises_fast(good, WEIGHTS, "not a regular file", exc=CheckpointError)
+
+
+def test_shard_that_is_a_directory(good):
+    files = shard(good)
+    (good / files[0]).unlink()
+    (good / files[0]).mkdir()
+    raises_fast(good, files[0], "not a regular file", exc=CheckpointError)
+
+
+def _poison(name: str, value: float, dtype=None):
+    def edit(state):
+        t = state[name].clone() if dtype is None else state[name].to(dtype)
+        t.view(-1)[3] = value
+        state[name] = t
+    return edit
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+def test_non_finite_weights_are_refused(good, value, dtype):
+    name = "model.layers.1.mlp.down_proj.weight"
+    rewrite_tensors(good, _poison(name, value, dtype))
+    raises_fast(good, WEIGHTS, f"'{name}'", "finite", "check_finite=False", exc=CheckpointError)
+
+
+def test_non_finite_names_the_first_bad_tensor(good):
+    rewrite_tensors(good, _poison("model.layers.1.mlp.down_proj.weight", float("nan")))
+    rewrite_tensors(good, _poison("model.layers.0.self_attn.q_proj.weight", float("inf")))
+    msg = raises(good, "'model.layers.0.self_attn.q_proj.weight'", exc=CheckpointError)
+    assert "down_proj" not in msg
+
+
+def test_non_finite_check_opt_out(good):
+    name = "model.norm.weight"
+    rewrite_tensors(good, _poison(name, float("nan")))
+    model = workbench.load_model(good, device="cpu", dtype="float32", check_finite=False)
+    assert torch.isnan(model.model.norm.weight).sum() == 1
+
+
+@pytest.mark.parametrize("dtype,value", [(torch.float32, 3e38), (torch.bfloat16, 3e38), (torch.float16, 6e4)],
+                         ids=["f32", "bf16", "f16"])
+def test_large_finite_weights_are_not_mistaken_for_inf(good, dtype, value):
+    """The cheap pass sums each tensor; a sum that overflows must not be reported as Inf."""
+    name = "model.embed_tokens.weight"
+    rewrite_tensors(good, lambda s: s.__setitem__(name, torch.full(tuple(s[name].shape), value, dtype=dtype)))
+    assert torch.isfinite(load(good).model.embed_tokens.weight).all()
+
+
+@pytest.mark.parametrize("field,value,tensor,got", [
+    ("hidden_size", 48, "model.embed_tokens.weight", 32),
+    ("vocab_size", 80, "model.embed_tokens.weight", 64),
+    ("intermediate_size", 64, "model.layers.0.mlp.gate_proj.weight", 48),
+    ("num_attention_heads", 8, "model.layers.0.self_attn.q_proj.weight", 32),
+    ("num_key_value_heads", 4, "model.layers.0.self_attn.k_proj.weight", 16),
+    ("head_dim", 16, "model.layers.0.self_attn.q_proj.weight", 32),
+    ("num_hidden_layers", 3, "model.layers.2", 2),
+    ("num_hidden_layers", 1, "model.layers.1", 2),
+])
+def test_config_does_not_match_the_tensors(good, field, value, tensor, got):
+    edit_config(good, **{field: value})
+    raises_fast(good, "config.json", f"'{field}'", str(value), WEIGHTS, tensor, str(got), exc=CheckpointError)
+
+
+def test_config_far_larger_than_the_files(good):
+    """Llama-3-70B shapes over a 60 kB checkpoint: refused from the file sizes, before any model
+    (even on the meta device) is built."""
+    big = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+               num_attention_heads=64, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+    edit_config(good, **big)
+    n = ModelConfig(**big).num_parameters()
+    raises_fast(good, "config.json", f"{n:,}", "parameters", WEIGHTS, f"{(good / WEIGHTS).stat().st_size:,}",
+                exc=CheckpointError)
+
+
+def test_unknown_dtype_in_a_header(good):
+    header = {_NORM: {"dtype": "Q3", "shape": [32], "data_offsets": [0, 128]}}
+    raw = json.dumps(header).encode()
+    (good / WEIGHTS).write_bytes(len(raw).to_bytes(8, "little") + raw + b"\0" * 128)
+    raises_fast(good, WEIGHTS, f"'{_NORM}'", "unknown dtype", "'Q3'", exc=CheckpointError)
+
+
+def _write_raw(path: Path, tensors: dict[str, tuple[str, list[int], int]]) -> None:
+    """A safetensors file from (dtype, shape, itemsize) entries, zero data."""
+    header, offset = {}, 0
+    for name, (dtype, shape, itemsize) in tensors.items():
+        size = itemsize
+        for d in shape:
+            size *= d
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * offset)
+
+
+def test_quantized_tensors_pass_the_header_check(tmp_path):
+    """Packed int32 weights and their scales are valid safetensors (a later issue loads them)."""
+    path = tmp_path / WEIGHTS
+    _write_raw(path, {"model.layers.0.mlp.up_proj.qweight": ("I32", [4, 48], 4),
+                      "model.layers.0.mlp.up_proj.scales": ("F16", [1, 48], 2),
+                      "model.layers.0.mlp.up_proj.qzeros": ("I32", [1, 6], 4),
+                      "model.layers.0.mlp.up_proj.g_idx": ("I32", [32], 4),
+                      "x.u8": ("U8", [7], 1), "x.i8": ("I8", [7], 1), "x.f8": ("F8_E4M3", [7], 1)})
+    assert read_safetensors_header(path)["model.layers.0.mlp.up_proj.qweight"]["dtype"] == "I32"
+
+
+@pytest.mark.parametrize("dtype,torch_dtype", [("I32", torch.int32), ("I8", torch.int8), ("U8", torch.uint8)])
+def test_integer_weight_is_refused_as_quantized(good, dtype, torch_dtype):
+    name = "model.layers.0.mlp.up_proj.weight"
+    rewrite_tensors(good, lambda s: s.__setitem__(name, torch.zeros(tuple(s[name].shape), dtype=torch_dtype)))
+    raises_fast(good, WEIGHTS, f"'{name}'", dtype, "float", "quantized checkpoints are not loaded yet",
+                exc=CheckpointError)
+
+
+def test_quantization_config_is_refused_clearly(good):
+    edit_config(good, quantization_config={"quant_method": "gptq", "bits": 4})
+    raises_fast(good, "config.json", "'quantization_config'", "gptq", "not loaded yet", exc=CheckpointError)
+
+
+def test_expected_shapes_match_the_model():
+    """The loader's header check computes shapes from the config; they must be the model's."""
+    from workbench.loader import expected_shapes
+
+    for over in ({}, dict(tie_word_embeddings=True), dict(architecture="Qwen2ForCausalLM", qkv_bias=True),
+                 dict(qkv_bias=True, o_bias=True, mlp_bias=True), dict(head_dim=16)):
+        cfg = ModelConfig(**{**TINY, **over})
+        with torch.device("meta"):
+            model = CausalLM(cfg)
+        want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        if cfg.tie_word_embeddings:
+            want.pop("lm_head.weight")
+        got = {k: shape for k, (shape, _fields) in expected_shapes(cfg).items()}
+        assert got == want, over
+
+
+def test_cli_prints_one_line_for_a_bad_folder(good):
+    import subprocess
+    import sys
+
+    edit_config(good, num_hidden_layers=1_000_000)
+    with deadline(60):
+        r = subprocess.run([sys.executable, "-m", "workbench.cli", "info", "--model", str(good)],
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "'num_hidden_layers'" in r.stderr
+
+
+@pytest.mark.parametrize("weight_map,expect", [({"model.norm.weight": "../elsewhere.safetensors"}, "outside"),
+                                               ({"model.norm.weight": 3}, "weight_map")])
+def test_sharded_index_with_bad_shard_names(good, weight_map, expect):
+    shard(good)
+    (good / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    raises_fast(good, "model.safetensors.index.json", expect, exc=CheckpointError)
+
+
+@pytest.mark.parametrize("name,want", [("float32", torch.float32), ("float", torch.float32),
+                                       ("torch.float16", torch.float16), ("bf16", torch.bfloat16),
+                                       ("float64", torch.float32)])
+def test_default_gpu_dtype_reads_every_accepted_torch_dtype(name, want):
+    from workbench.loader import default_dtype
+
+    assert default_dtype(torch.device("cuda"), name) is want      # a pure function: no GPU needed
+    assert default_dtype(torch.device("cpu"), name) is torch.float32

@@ -20,6 +20,7 @@ Mistral    none                    none                ``sliding_window`` (may b
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,29 @@ from .errors import ConfigError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+# Upper bounds on the shape fields, checked before anything is built from them.  Each is several
+# times the largest released Llama / Qwen2 / Mistral checkpoint (Llama-3.1-405B: 126 layers,
+# hidden 16384, intermediate 53248, 128 heads of 128; Qwen2: vocab 152064; 128k-1M contexts), so
+# real models pass and a typo or a hostile config.json (a million layers, hidden_size 2**40)
+# fails in microseconds instead of allocating for minutes.
+MAX_VOCAB_SIZE = 2**22                  # 4,194,304
+MAX_HIDDEN_SIZE = 2**17                 # 131,072
+MAX_INTERMEDIATE_SIZE = 2**20           # 1,048,576
+MAX_HIDDEN_LAYERS = 1024
+MAX_ATTENTION_HEADS = 1024              # also bounds num_key_value_heads (a divisor of it)
+MAX_HEAD_DIM = 1024
+MAX_POSITION_EMBEDDINGS = 2**24         # 16,777,216 tokens of context
+MAX_PARAMETERS = 2**42                  # ~4.4e12: ten times Llama-3.1-405B
+_BOUNDS = {"vocab_size": MAX_VOCAB_SIZE, "hidden_size": MAX_HIDDEN_SIZE,
+           "intermediate_size": MAX_INTERMEDIATE_SIZE, "num_hidden_layers": MAX_HIDDEN_LAYERS,
+           "num_attention_heads": MAX_ATTENTION_HEADS, "num_key_value_heads": MAX_ATTENTION_HEADS,
+           "head_dim": MAX_HEAD_DIM, "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+           "sliding_window": MAX_POSITION_EMBEDDINGS}
+# Checkpoint dtypes a config.json may name (``torch_dtype``, or ``dtype`` in transformers 5), with
+# or without a "torch." prefix.  Quantized checkpoints name their float compute dtype here too.
+SUPPORTED_TORCH_DTYPES = ("float32", "float16", "bfloat16", "float64", "fp32", "fp16", "bf16", "half",
+                          "float", "double")
 
 
 @dataclass
@@ -65,6 +89,9 @@ class ModelConfig:
                 value = self.head_dim = self.hidden_size // self.num_attention_heads
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"config field '{name}' must be a positive integer, got {value!r}")
+            if value > _BOUNDS[name]:
+                raise ConfigError(f"config field '{name}' is {value}, above the bound of {_BOUNDS[name]} "
+                                  "(no real checkpoint comes close; is config.json corrupt?)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"config field 'num_attention_heads' ({self.num_attention_heads}) must be a multiple "
@@ -92,6 +119,23 @@ class ModelConfig:
                                                 or isinstance(self.sliding_window, bool)
                                                 or self.sliding_window <= 0):
             raise ConfigError(f"config field 'sliding_window' must be positive or null, got {self.sliding_window}")
+        if self.sliding_window is not None and self.sliding_window > _BOUNDS["sliding_window"]:
+            raise ConfigError(f"config field 'sliding_window' is {self.sliding_window}, above the bound of "
+                              f"{_BOUNDS['sliding_window']}")
+        check_torch_dtype(self.torch_dtype, "torch_dtype")
+        for name in ("rms_norm_eps", "rope_theta"):
+            _positive_float(getattr(self, name), name)
+        for name in ("tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"config field '{name}' must be true or false, got {getattr(self, name)!r}")
+        _check_token_id(self.bos_token_id, "bos_token_id", allow_list=False)
+        _check_token_id(self.eos_token_id, "eos_token_id", allow_list=True)
+        n = self.num_parameters()
+        if n > MAX_PARAMETERS:
+            raise ConfigError(f"config describes {n:,} parameters, above the bound of {MAX_PARAMETERS:,} "
+                              "('num_hidden_layers', 'hidden_size', 'intermediate_size' and 'vocab_size' "
+                              f"are {self.num_hidden_layers}, {self.hidden_size}, {self.intermediate_size}, "
+                              f"{self.vocab_size})")
 
     # ---- derived sizes -------------------------------------------------------------------
     @property
@@ -153,8 +197,18 @@ class ModelConfig:
             qkv_bias = o_bias = False
             window = d.get("sliding_window")
         else:
-            qkv_bias = o_bias = bool(d.get("attention_bias", False))
+            qkv_bias = o_bias = _flag(d, "attention_bias", source)
             window = None
+        tied, mlp_bias = _flag(d, "tie_word_embeddings", source), _flag(d, "mlp_bias", source)
+        dtype_key = "torch_dtype" if d.get("torch_dtype") is not None else "dtype"
+        dtype = d.get(dtype_key)
+        if dtype is None:
+            dtype = "float32"
+        else:
+            try:
+                check_torch_dtype(dtype, dtype_key)
+            except ConfigError as e:
+                raise ConfigError(f"{source}: {e}") from None
         known = {f.name for f in dataclasses.fields(cls)}
         try:
             return cls(
@@ -169,15 +223,15 @@ class ModelConfig:
                 rms_norm_eps=_positive_float(d.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
                 rope_theta=_positive_float(theta, "rope_theta"),
                 rope_scaling=scaling,
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                tie_word_embeddings=tied,
                 qkv_bias=qkv_bias,
                 o_bias=o_bias,
-                mlp_bias=bool(d.get("mlp_bias", False)),
+                mlp_bias=mlp_bias,
                 sliding_window=window,
                 architecture=arch,
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_id=d.get("eos_token_id"),
-                torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+                torch_dtype=dtype,
                 extra={k: v for k, v in d.items() if k not in known},
             )
         except ConfigError as e:
@@ -228,23 +282,26 @@ def _qwen2_sliding_window(d: dict[str, Any], source: str) -> int | None:
     ``max_window_layers >= num_hidden_layers`` means full attention everywhere.  One window for
     all layers or none is supported; a mix is refused rather than computed wrongly.
     """
-    window = d.get("sliding_window") if d.get("use_sliding_window") else None
+    window = d.get("sliding_window") if _flag(d, "use_sliding_window", source) else None
     if window is None:
         return None
     n = d["num_hidden_layers"]
     layer_types = d.get("layer_types")
     if isinstance(layer_types, list) and layer_types:
         sliding = [t == "sliding_attention" for t in layer_types]
+        some, every = any(sliding), all(sliding)
         field_desc = "'layer_types'"
     else:
         mwl = d.get("max_window_layers", 28)
         if not isinstance(mwl, int) or isinstance(mwl, bool):
             raise ConfigError(f"{source}: field 'max_window_layers' must be an integer, got {mwl!r}")
-        sliding = [i >= mwl for i in range(n if isinstance(n, int) else 0)]
+        # layers i >= mwl slide; computed without a list of n flags (n is not bounded yet here)
+        n_layers = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
+        some, every = n_layers > max(mwl, 0), n_layers > 0 and mwl <= 0
         field_desc = f"'max_window_layers' ({mwl}) with 'num_hidden_layers' ({n})"
-    if not any(sliding):
+    if not some:
         return None
-    if not all(sliding):
+    if not every:
         raise ConfigError(f"{source}: Qwen2 sliding window on only some layers ({field_desc}) is not "
                           "supported; expected it on all layers or on none")
     return window
@@ -258,8 +315,10 @@ def _check_rope_scaling(scaling: dict[str, Any]) -> None:
         if value is None:
             raise ConfigError(f"config field 'rope_scaling.{key}' is required for rope_type "
                               f"{scaling['rope_type']!r}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ConfigError(f"config field 'rope_scaling.{key}' must be a positive number, got {value!r}")
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+                or not math.isfinite(value)):
+            raise ConfigError(f"config field 'rope_scaling.{key}' must be a positive finite number, "
+                              f"got {value!r}")
         return float(value)
 
     number("factor")
@@ -272,6 +331,40 @@ def _check_rope_scaling(scaling: dict[str, Any]) -> None:
 
 
 def _positive_float(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"config field '{name}' must be a positive number, got {value!r}")
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+            or not math.isfinite(value)):
+        raise ConfigError(f"config field '{name}' must be a positive finite number, got {value!r}")
     return float(value)
+
+
+def check_torch_dtype(value: Any, name: str = "torch_dtype") -> str:
+    """A config.json checkpoint dtype: one of :data:`SUPPORTED_TORCH_DTYPES` (optionally "torch."-prefixed)."""
+    if not isinstance(value, str) or value.removeprefix("torch.") not in SUPPORTED_TORCH_DTYPES:
+        raise ConfigError(f"config field '{name}' is {value!r}; supported: float32, float16, bfloat16 "
+                          "(or float64, and the aliases fp32, fp16, bf16, half, float, double)")
+    return value
+
+
+def _flag(d: dict[str, Any], key: str, source: str) -> bool:
+    """A boolean config.json field: true, false or null (absent / null = false).  A string such as
+    "false" is refused rather than read as true."""
+    value = d.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ConfigError(f"{source}: field '{key}' must be true or false, got {value!r}")
+    return value
+
+
+def _check_token_id(value: Any, name: str, allow_list: bool) -> None:
+    """Type only: a token id is compared with sampled ids, never used as an index, so an odd
+    value (some exporters write -1) is harmless; a string or float is a broken config."""
+    def ok(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if value is None or ok(value):
+        return
+    if allow_list and isinstance(value, list) and value and all(ok(v) for v in value):
+        return
+    kind = "an integer, a non-empty list of integers, or null" if allow_list else "an integer or null"
+    raise ConfigError(f"config field '{name}' must be {kind}, got {value!r}")
