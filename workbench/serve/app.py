@@ -6,11 +6,17 @@ workbench's own (no OpenAI-compatible server has it): ``GET /v1/workbench/kv``, 
 live paged KV pool as JSON (:func:`kv_pool_report`; ``workbench kv-inspect --url`` shows it).
 
 A request's path through the server: the body is read (at most ``max_body_bytes``, else 413),
-validated (:mod:`.protocol`: 400 naming the field), its model name checked (404), its prompt
-tokenized and measured against the context, the KV pool (prompt + ``max_tokens`` must fit it:
-a request that never can is a 400 ``context_length_exceeded`` at once, not a failure later) and
-the ``max_tokens`` cap (400); then :class:`_Completion` submits it to the engine and relays the
-engine's events.  A request the engine ends before any token ("rejected": queue full -> 429 with
+its Content-Type checked (JSON or none, else 415), parsed and validated (:mod:`.protocol`: 400
+naming the field; too deeply nested, not UTF-8, lone surrogates: 400 too), its model name checked
+(404), its prompt measured against the context - first from its byte length alone (a lower bound
+on its tokens, :attr:`~workbench.tokenizer.Tokenizer.max_token_bytes`), then tokenized - and
+against the KV pool (prompt + ``max_tokens`` must fit it: a request that never can is a 400
+``context_length_exceeded`` at once, not a failure later) and the ``max_tokens`` cap (400).
+Parsing, tokenizing and checking run on worker threads (:data:`PREP_THREADS` at once), never on
+the event loop, which relays every open stream: a 1 MiB prompt must not stall them (tokenizing
+one takes ~0.6 s; ``Tokenizer.encode_nogil`` does it with the GIL released).  Then
+:class:`_Completion` submits it to the engine and relays the engine's events (their text is
+detokenized on the engine thread).  A request the engine ends before any token ("rejected": queue full -> 429 with
 ``Retry-After``; rejected for any other reason, e.g. too big for the KV pool -> 400, which clients
 do not retry, since retrying cannot help; "error" -> 500) is answered
 with that HTTP status even when streaming, because the stream's headers are sent with the first
@@ -18,9 +24,16 @@ token; after that, such an ending is an SSE ``data: {"error": ...}`` event befor
 ``data: [DONE]``.  When the client disconnects, the request is aborted and its KV blocks go back
 to the pool.
 
+Errors are always in OpenAI's JSON shape: an unexpected exception is a 500 with code
+``internal_error`` (its traceback goes to the ``workbench.serve`` logger), and a stream already
+under way ends with an error event.  ``/health`` shows the engine's ``last_error`` only while it
+is current - until the engine produces a token after it - and ``engine_error`` tells the last one
+with when it was seen and whether (and when) the engine recovered (:class:`EngineErrors`).
+
 Every response carries ``x-model-info``: one line of JSON describing the engine that served it
 (model, device, dtype, KV pool, scheduler, per-op backends when known) and ``x-request-id`` for
-completions.  ``x-priority: <int>`` (higher first) sets the request's scheduling priority.
+completions.  ``x-priority: <int>`` (higher first) sets the request's scheduling priority.  With an
+API key, ``/v1/*`` needs ``Authorization: Bearer <key>`` (the scheme in any case, RFC 7235).
 
 An optional SLO guard (:mod:`.guard`; e.g. :class:`workbench.load.slo.SLOGuard`) is asked
 before each valid request reaches the engine: when it sheds, the answer is ``503`` with its
@@ -36,27 +49,45 @@ and their time held.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
+import logging
+import os
+import time
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import anyio
+import anyio.to_thread
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from ..errors import ConfigError, WorkbenchError
 from ..kv.inspect import KV_POOL_OBJECT, KV_POOL_PATH, pool_report_from_thread
 from ..sampling import SamplingParams
+from ..tokenizer import utf8_len
 from . import protocol as P
 from .guard import GuardHook, check_guard
 from .metrics import ServerMetrics
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+log = logging.getLogger("workbench.serve")
+
+# Request bodies parsed and prompts tokenized at once, on worker threads (more wait their turn, the
+# event loop free meanwhile): one per 4 cores, 1 to 4, so that big prompts leave the engine its cores.
+# Not more: work that holds the GIL (JSON parsing; a tokenizer that does not release it) on two
+# threads at once starves the engine thread of the GIL (measured: a 0.3 s GIL-holding tokenization on
+# each of 2 threads gave a stream 90-320 ms gaps; on 1 thread, 50-90 ms; alone 10-20 ms).
+PREP_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
+# A token-id prompt longer than this is handed to the engine (which checks the ids again, in Python)
+# from a worker thread; shorter ones from the event loop (checking takes microseconds; a thread hop more).
+INLINE_SUBMIT_IDS = 4096
 
 
 @dataclass
@@ -192,8 +223,18 @@ class _Dropped:
         return None
 
 
+def internal_error(exc: BaseException) -> P.APIError:
+    """The 500 for an unexpected exception: its type only (the details go to the log)."""
+    return P.APIError(500, f"internal server error ({type(exc).__name__}); the server's log has the details", None,
+                      "internal_error")
+
+
+def _json_response(status: int, obj: dict, headers: dict | None = None) -> Response:
+    return Response(P.json_bytes(obj), status_code=status, headers=headers or None, media_type="application/json")
+
+
 async def _send_json(send, status: int, obj: dict, headers: list | None = None) -> None:
-    body = json.dumps(obj).encode()
+    body = P.json_bytes(obj)
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *(headers or [])]})
@@ -232,16 +273,40 @@ class _Completion:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         watcher = loop.create_task(self._watch_disconnect(receive, q))
+        started = finished = False                # the response's headers / its last part were sent
+
+        async def tracked(msg) -> None:
+            nonlocal started, finished
+            started = started or msg["type"] == "http.response.start"
+            finished = finished or (msg["type"] == "http.response.body" and not msg.get("more_body", False))
+            await send(msg)
+
         try:
+            submit = functools.partial(self.srv.aengine.submit, self.ids, self.params,
+                                       lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev), self.priority, self.rid)
             try:
-                self.srv.aengine.submit(self.ids, self.params,
-                                        lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev), self.priority, self.rid)
+                if len(self.ids) > INLINE_SUBMIT_IDS:   # the engine checks every id again, in Python
+                    await run_in_threadpool(submit)     # (a cancel waits for the thread: abort comes after)
+                else:
+                    submit()
             except WorkbenchError as e:            # validated already; anything left is still the client's
                 self.ended = True
-                return await _send_json(send, 400, P.bad(self.req.prompt_param, str(e)).body(), self.headers)
-            await (self._stream(q, send) if self.req.stream else self._whole(q, send))
+                return await _send_json(tracked, 400, P.bad(self.req.prompt_param, str(e)).body(), self.headers)
+            await (self._stream(q, tracked) if self.req.stream else self._whole(q, tracked))
         except OSError:
             pass                                   # the client went away while we were sending
+        except Exception as e:  # noqa: BLE001 - a bug here: answer in OpenAI's shape, log it, free the request
+            log.error("%s %s failed while answering %s", scope.get("method"), scope.get("path"), self.rid,
+                      exc_info=e)
+            err = internal_error(e)
+            try:
+                if not started:
+                    await _send_json(send, 500, err.body(), self.headers)
+                elif self.req.stream and not finished:   # the stream's headers are out: end it with an error event
+                    await send({"type": "http.response.body", "body": P.sse(err.body()) + P.SSE_DONE,
+                                "more_body": False})
+            except OSError:
+                pass
         finally:
             watcher.cancel()
             if not self.ended:
@@ -267,6 +332,7 @@ class _Completion:
                 continue
             if item is not _GONE and item is not _DEAD:
                 self.srv.metrics.observe(item, len(self.ids))
+                self.srv.errors.event(item)
                 if item.token_id >= 0 and not self.first_token:
                     self.first_token = True
                     if self.srv.guard is not None:
@@ -342,6 +408,62 @@ class _Completion:
         await send({"type": "http.response.body", "body": P.SSE_DONE, "more_body": False})
 
 
+# ---- engine errors, as /health tells them -------------------------------------------------------------
+class EngineErrors:
+    """The engine's last error and whether it is still current, for ``/health``.
+
+    :class:`~workbench.sched.AsyncEngine` keeps ``last_error`` forever (no time, never cleared), so
+    the server follows it: an error is new when ``last_error`` changes or the engine's
+    ``last_step_error`` is another exception (a step that failed again the same way); it is
+    noticed when an event ends a request with "error" (a failed step ends the requests it held)
+    or when ``/health`` is asked, and stays current until the engine produces a token after it
+    (on the engine's clock: a token computed before the error and delivered late does not count).
+    An error that repeats a message word for word outside a step (``last_error`` unchanged) is not
+    told apart.  Updated on the event loop only."""
+
+    def __init__(self, aengine) -> None:
+        self.aengine = aengine
+        self.message: str | None = None   # the last error
+        self.at: float | None = None      # when the server noticed it (Unix time)
+        self.engine_at = 0.0              # ... on the engine's clock: tokens after this show recovery
+        self.recovered_at: float | None = None
+        self._seen: tuple = (None, None)  # (last_error, last_step_error) when last looked
+        self.sync(aengine.engine.clock())
+
+    @property
+    def current(self) -> bool:
+        return self.message is not None and self.recovered_at is None
+
+    def sync(self, engine_at: float) -> None:
+        """Notice an error not seen yet (``engine_at``: the engine's clock when it happened, or now)."""
+        msg = self.aengine.last_error
+        step_error = getattr(self.aengine.engine, "last_step_error", None)
+        if msg == self._seen[0] and step_error is self._seen[1]:
+            return
+        self._seen = (msg, step_error)
+        if msg is None and step_error is None:
+            return
+        self.message = msg or f"{type(step_error).__name__}: {step_error}"
+        self.at, self.engine_at, self.recovered_at = time.time(), engine_at, None
+
+    def event(self, ev) -> None:
+        """One engine event of a request this server runs (cheap unless it matters)."""
+        if ev.finish_reason == "error":
+            self.sync(ev.time)
+        elif ev.token_id >= 0 and self.current and ev.time > self.engine_at:
+            self.recovered_at = time.time()
+
+    def report(self, alive: bool) -> tuple[str | None, dict | None]:
+        """(``last_error`` while current, else None; the last error with its times, or None)."""
+        self.sync(self.aengine.engine.clock())
+        if self.message is None:
+            return None, None
+        recovered = alive and self.recovered_at is not None
+        return (None if recovered else self.message), {
+            "message": self.message, "at": self.at, "recovered": recovered,
+            "recovered_at": self.recovered_at if recovered else None}
+
+
 # ---- the app ---------------------------------------------------------------------------------------
 class _State:
     def __init__(self, aengine, config: ServerConfig, source: str | None) -> None:
@@ -351,6 +473,9 @@ class _State:
         self.name = config.model_name or default
         self.llm = llm
         self.metrics = ServerMetrics()
+        self.errors = EngineErrors(aengine)
+        getattr(llm.tokenizer, "max_token_bytes", None)    # worked out now (it reads the vocabulary), not per request
+        self._prep: anyio.CapacityLimiter | None = None    # made on the event loop, at first use
         self.guard = GuardHook(config.guard) if config.guard is not None else None
         self.info = model_info(aengine, self.name, None if source in (None, "bundled") else source, self.guard)
         self.info_header = json.dumps(self.info, separators=(",", ":")).encode()   # ASCII: json escapes the rest
@@ -360,6 +485,13 @@ class _State:
         self.info = model_info(self.aengine, self.name, self.info.get("path"), self.guard)
         self.info_header = json.dumps(self.info, separators=(",", ":")).encode()
         return self.info
+
+    async def off_loop(self, fn, *args):
+        """``fn(*args)`` on a worker thread (at most :data:`PREP_THREADS` at once): parsing bodies,
+        tokenizing and checking prompts.  The loop only waits; other streams go on."""
+        if self._prep is None:
+            self._prep = anyio.CapacityLimiter(PREP_THREADS)
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._prep)
 
     def guard_call(self, fn, *args) -> None:
         """Feed the guard; a failing guard is counted on /metrics, never fails the request."""
@@ -445,19 +577,42 @@ class _State:
                                   "(see GET /v1/models)", "model", "model_not_found")
 
     def tokenize(self, req: P.CompletionRequest) -> list[int]:
+        """The prompt's token ids, checked against the context, vocabulary and KV pool.  Blocking
+        (a long prompt takes up to ~0.6 s to tokenize): run it with :meth:`off_loop`.
+
+        A text prompt is measured cheaply first: with a byte-level BPE no token covers more than
+        ``tokenizer.max_token_bytes`` (L) bytes, so a prompt of B UTF-8 bytes has at least
+        ceil(B / L) tokens (a lower bound, so it never refuses a prompt that fits); when that is
+        already the context or more, it is refused without tokenizing.  Otherwise it is tokenized
+        with the GIL released (``encode_nogil``) and its exact count decides."""
         param, llm = req.prompt_param, self.llm
+        ctx = llm.max_model_len
+
+        def too_long(n: int, how: str = "") -> P.APIError:
+            return P.APIError(400, f"'{param}': the prompt has {n} tokens{how}; this model's context is {ctx} "
+                                   f"tokens (prompt + completion), so a prompt may have at most {ctx - 1}",
+                              param, "context_length_exceeded")
+
         if isinstance(req.prompt, str):
-            if llm.tokenizer is None:
+            tok = llm.tokenizer
+            if tok is None:
                 raise P.bad(param, "this model has no tokenizer (a shape preset?): send the prompt as token ids "
                                    "to /v1/completions")
-            ids = llm.tokenizer.encode(req.prompt)
+            least = tok.min_tokens(req.prompt) if hasattr(tok, "min_tokens") else 0
+            if least >= ctx:
+                raise too_long(least, f" or more (it is {utf8_len(req.prompt)} bytes of UTF-8 and no token "
+                                      f"covers more than {tok.max_token_bytes})")
+            if hasattr(tok, "encode_nogil"):
+                n, ids = tok.encode_nogil(req.prompt, limit=ctx)
+            else:                                  # another tokenizer: plain encode (on this worker thread)
+                ids = tok.encode(req.prompt)
+                n = len(ids)
+            if n >= ctx:
+                raise too_long(n)
         else:
+            if len(req.prompt) >= ctx:
+                raise too_long(len(req.prompt))
             ids = list(req.prompt)
-        ctx = llm.max_model_len
-        if len(ids) >= ctx:
-            raise P.APIError(400, f"'{param}': the prompt has {len(ids)} tokens; this model's context is {ctx} "
-                                  f"tokens (prompt + completion), so a prompt may have at most {ctx - 1}",
-                             param, "context_length_exceeded")
         try:
             llm.encode(ids)                        # the engine's own checks: empty, vocabulary range
         except WorkbenchError as e:
@@ -505,7 +660,8 @@ class _ClientGone(Exception):
     """The client disconnected before its request body was read."""
 
 
-async def _read_json(request: Request, limit: int):
+async def _read_body(request: Request, limit: int) -> bytearray:
+    """The request body (413 over ``limit`` bytes); parsing is :func:`protocol.load_json`'s, off the loop."""
     too_big = P.APIError(413, f"the request body is larger than this server's limit of {limit} bytes "
                               "(--max-body-bytes)", None, "request_too_large")
     size = request.headers.get("content-length")
@@ -521,10 +677,12 @@ async def _read_json(request: Request, limit: int):
         raise _ClientGone() from None
     if seen > limit or (size is not None and size.isdigit() and int(size) > limit):
         raise too_big
-    try:
-        return json.loads(buf)
-    except ValueError as e:
-        raise P.APIError(400, f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+    return buf
+
+
+def _parse_body(raw: bytearray, parse) -> P.CompletionRequest:
+    """Decode, parse and validate a request body (for a worker thread)."""
+    return parse(P.load_json(raw))
 
 
 def _priority(request: Request) -> int:
@@ -549,13 +707,14 @@ def create_app(aengine, config: ServerConfig | None = None, source: str | None =
 
     async def complete(request: Request, parse) -> _Completion:
         try:
-            body = await _read_json(request, srv.config.max_body_bytes)
+            raw = await _read_body(request, srv.config.max_body_bytes)
         except _ClientGone:                        # left mid-body: nothing to answer (499 on /metrics)
             return _Dropped()
-        req = parse(body)
+        P.check_content_type(request.headers.get("content-type"))
+        req = await srv.off_loop(_parse_body, raw, parse)      # up to 1 MiB of JSON: not on the loop
         srv.check_model(req.model)
         priority = _priority(request)
-        ids = srv.tokenize(req)
+        ids = await srv.off_loop(srv.tokenize, req)
         try:
             params = SamplingParams(max_tokens=srv.max_tokens(req, len(ids)), **req.sampling)
         except ConfigError as e:                   # a value the wire checks let through
@@ -584,8 +743,9 @@ def create_app(aengine, config: ServerConfig | None = None, source: str | None =
 
     async def health(request: Request):
         alive = engine_alive(aengine)
+        last_error, history = srv.errors.report(alive)
         body = {"status": "ok" if alive else "engine thread is not running", "engine_alive": alive,
-                "model": srv.name, "last_error": aengine.last_error, **aengine.stats()}
+                "model": srv.name, "last_error": last_error, "engine_error": history, **aengine.stats()}
         if srv.guard is not None:
             body["slo_guard"] = srv.guard.snapshot().get("state")
         return JSONResponse(body, status_code=200 if alive else 503)
@@ -599,11 +759,16 @@ def create_app(aengine, config: ServerConfig | None = None, source: str | None =
         return JSONResponse(await run_in_threadpool(kv_pool_report, aengine, srv.name))
 
     async def api_error(request: Request, exc: P.APIError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
+        return _json_response(exc.status, exc.body(), exc.headers)
 
     async def http_error(request: Request, exc: HTTPException):
-        return JSONResponse(P.APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                                       None, None).body(), status_code=exc.status_code, headers=exc.headers)
+        return _json_response(exc.status_code, P.APIError(exc.status_code, f"{request.method} {request.url.path}: "
+                                                          f"{exc.detail}", None, None).body(), exc.headers)
+
+    async def unexpected(request: Request, exc: Exception):
+        """Any other exception: a 500 in OpenAI's shape (Starlette's own would be plain text), logged."""
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return _json_response(500, internal_error(exc).body())
 
     started = P.now_s()
     routes = [Route("/v1/completions", completions, methods=["POST"]),
@@ -613,7 +778,8 @@ def create_app(aengine, config: ServerConfig | None = None, source: str | None =
               Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"]),
               Route(KV_POOL_PATH, kv_pool, methods=["GET"])]
-    app = Starlette(routes=routes, exception_handlers={P.APIError: api_error, HTTPException: http_error})
+    app = Starlette(routes=routes, exception_handlers={P.APIError: api_error, HTTPException: http_error,
+                                                      Exception: unexpected})
     app.state.server = srv
     known = {r.path for r in routes if "{" not in r.path}
     return _Outer(app, srv, known)
@@ -627,31 +793,50 @@ class _Outer:
         self.app, self.srv, self.known = app, srv, known_paths
         self.state = app.state
         key = srv.config.api_key
-        self._expected = f"Bearer {key}".encode() if key else None
+        self._key = key.encode() if key else None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         srv, status = self.srv, [499]             # 499 (as nginx logs it): the client left before any answer
+        done = False                              # the whole response was sent
 
         async def send_with_info(msg) -> None:
+            nonlocal done
             if msg["type"] == "http.response.start":
                 status[0] = msg["status"]
                 msg = {**msg, "headers": [*msg.get("headers", []), (b"x-model-info", srv.info_header)]}
+            elif msg["type"] == "http.response.body" and not msg.get("more_body", False):
+                done = True
             await send(msg)
 
         path = scope["path"]
         try:
-            if self._expected is not None and path.startswith("/v1") and not self._authorized(scope):
+            if self._key is not None and path.startswith("/v1") and not self._authorized(scope):
                 err = P.APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", None,
                                  "invalid_api_key")
                 await _send_json(send_with_info, 401, err.body(), [(b"www-authenticate", b"Bearer")])
             else:
                 await self.app(scope, receive, send_with_info)
+        except Exception as e:  # noqa: BLE001 - never a plain-text 500 (nor a traceback per request from uvicorn)
+            if status[0] == 499:                  # nothing answered yet (the failure was outside Starlette)
+                log.error("%s %s failed", scope.get("method"), path, exc_info=e)
+                try:
+                    await _send_json(send_with_info, 500, internal_error(e).body())
+                except OSError:
+                    pass
+            elif not done:                        # cut off mid-response (logged where it was answered)
+                raise
+            # else: answered (Starlette's handler for unexpected exceptions sent the 500 and logged it)
         finally:
             label = path if path in self.known else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
             srv.metrics.http_response(label, status[0])
 
     def _authorized(self, scope) -> bool:
+        """``Authorization: Bearer <key>``; the scheme is case-insensitive (RFC 7235), and may be
+        followed by more than one space."""
         got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        return hmac.compare_digest(got, self._expected)
+        parts = got.split(None, 1)
+        ok_scheme = len(parts) == 2 and parts[0].lower() == b"bearer"
+        cred = parts[1].strip() if ok_scheme else b""
+        return hmac.compare_digest(cred, self._key) and ok_scheme
