@@ -31,17 +31,23 @@ def _engine(random_llm, **sched):
                      kv=PagedKVConfig(block_size=4, num_blocks=64))
 
 
-def test_a_failed_step_ends_only_its_requests(random_llm, alone):
-    eng = _engine(random_llm)
+def fail_step(eng, step: int, message: str) -> dict:
+    """Make the forward of engine step ``step`` raise; returns {"ids": the requests in it} once it has."""
     execute, in_step = eng.runner.execute, {}
 
     def flaky(scheduled):
-        if eng.scheduler.step_no == 4:
+        if eng.scheduler.step_no == step:
             in_step["ids"] = {s.seq.request_id for s in scheduled}
-            raise RuntimeError("injected forward failure")
+            raise RuntimeError(message)
         return execute(scheduled)
 
     eng.runner.execute = flaky
+    return in_step
+
+
+def test_a_failed_step_ends_only_its_requests(random_llm, alone):
+    eng = _engine(random_llm)
+    in_step = fail_step(eng, 4, "injected forward failure")
     outs = eng.generate(PROMPTS, GREEDY)
     failed = {o.request_id for o in outs if o.finish_reason == "error"}
     assert failed == in_step["ids"] and failed, "exactly the requests of the failed step"
@@ -101,16 +107,7 @@ def test_under_load_the_async_engine_isolates_and_keeps_serving(random_llm, alon
     """Streams through the engine thread: one step fails mid-run; the requests outside it
     finish with their exact tokens, the server-side engine stays alive."""
     eng = _engine(random_llm)
-    execute = eng.runner.execute
-    boom = {"step": None}
-
-    def flaky(scheduled):
-        if eng.scheduler.step_no == 6:
-            boom["step"] = {s.seq.request_id for s in scheduled}
-            raise RuntimeError("injected")
-        return execute(scheduled)
-
-    eng.runner.execute = flaky
+    boom = fail_step(eng, 6, "injected")
 
     async def run():
         with AsyncEngine(eng) as ae:
@@ -125,7 +122,7 @@ def test_under_load_the_async_engine_isolates_and_keeps_serving(random_llm, alon
 
     results = asyncio.run(run())
     failed = {rid for rid, _, _, last in results if last.finish_reason == "error"}
-    assert failed == boom["step"] and failed
+    assert failed == boom["ids"] and failed
     for rid, p, toks, last in results:
         if rid not in failed:
             assert last.finish_reason == "length" and toks == alone[p], rid

@@ -196,8 +196,7 @@ def _sides(cfg: "BenchConfig", llm: LLM, names: list[str], prompts: list[list[in
         elif name == "llama.cpp":
             side = _llamacpp_side(cfg, llm)
             if side.get("available"):
-                run = side["run"]
-                sides[name], described[name] = (lambda r: lambda p: r(p))(run), side["description"]
+                sides[name], described[name] = side["run"], side["description"]
             else:
                 skipped[name] = side["reason"]
         elif name == "reference":

@@ -221,41 +221,11 @@ class LLM:
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Add every prompt (all arrive now), step until all are done.  One at a time in the
         reference configuration, so a later request's TTFT includes the time it waited."""
-        eng = self.engine
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        plist = params if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ConfigError(f"got {len(prompts)} prompts but {len(plist)} SamplingParams")
-        now = eng.clock()
-        rids: list[str] = []
-        bar = None
-        try:
-            for p, sp in zip(prompts, plist):
-                rids.append(eng.add_request(p, sp, arrival_time=now))
-            pending = set(rids)
-            if use_tqdm:
-                from tqdm.auto import tqdm
-                bar = tqdm(total=len(rids), desc="generate", unit="req")
-            while pending:
-                events = eng.step()
-                for ev in events:
-                    if ev.finished and ev.request_id in pending:
-                        pending.discard(ev.request_id)
-                        if bar is not None:
-                            bar.update()
-                self._route(events)          # open streams of this LLM get theirs
-        except BaseException:                # bad input, a failed step, ^C: nothing of this call stays queued
-            eng.forget(rids, "generate() failed or was interrupted")
-            self._route(eng.drain_events())
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
-        outs = [eng.release(r) for r in rids]
+        outs = self.engine.generate(prompts, params, use_tqdm=use_tqdm,
+                                    on_events=self._route)    # open streams of this LLM get theirs
         failed = next((o for o in outs if o.finish_reason == "error"), None)
         if failed is not None:
-            _raise_failed(eng, failed.request_id, failed.error)
+            _raise_failed(self.engine, failed.request_id, failed.error)
         return outs
 
     @contextmanager

@@ -47,6 +47,25 @@ def uses_kernel(ops, op: str) -> bool:
     return ops is not None and ops.backends.get(op, "eager") != "eager"
 
 
+def attend_sequences(cache, attn, q, start: int, tables, context) -> torch.Tensor:
+    """Attention for a cache that holds whole sequences (each query row's sequence is row b),
+    with this step's K/V already written: the decode kernel on ``cache.kv_storage`` through the
+    block tables ``tables()`` when the module's backend has one, else the context ``context()``
+    (K, V [B, nkv, S, hd]) to the prefill kernel (from position 0, no window) or the reference."""
+    from .model import reference_attention
+
+    T = q.shape[2]
+    ops = attention_ops(attn)
+    if T == 1 and uses_kernel(ops, "attention_decode"):
+        kc, vc = cache.kv_storage(attn.layer_idx)
+        lens = torch.full((q.shape[0],), start + 1, device=q.device, dtype=torch.int32)
+        return ops.attention_decode(q[:, :, 0], kc, vc, tables(), lens, sliding_window=attn.window)[:, :, None]
+    K, V = context()
+    if start == 0 and attn.window is None and uses_kernel(ops, "attention_prefill"):
+        return ops.attention_prefill(q, K, V, causal=T > 1)
+    return reference_attention(q, K, V, start, attn.window)
+
+
 class KVCache:
     """Contiguous KV cache of the reference engine.
 
@@ -76,24 +95,13 @@ class KVCache:
 
     # ---- the attention interface ---------------------------------------------------------
     def attend(self, attn, q, k, v, start: int, written: bool = False) -> torch.Tensor:
-        from .model import reference_attention
-
-        layer, T = attn.layer_idx, q.shape[2]
-        end = start + T
-        if written:
-            K, V = self.k[layer][:, :, :end], self.v[layer][:, :, :end]
-        else:
-            K, V = self.update(layer, k, v, start)
-        ops = attention_ops(attn)
-        if T == 1 and uses_kernel(ops, "attention_decode"):
-            B = q.shape[0]
-            kc, vc = self.kv_storage(layer)                       # one block of max_len per sequence
-            tables = torch.arange(B, device=q.device, dtype=torch.int32)[:, None]
-            lens = torch.full((B,), end, device=q.device, dtype=torch.int32)
-            return ops.attention_decode(q[:, :, 0], kc, vc, tables, lens, sliding_window=attn.window)[:, :, None]
-        if start == 0 and attn.window is None and uses_kernel(ops, "attention_prefill"):
-            return ops.attention_prefill(q, K, V, causal=T > 1)
-        return reference_attention(q, K, V, start, attn.window)
+        layer, end = attn.layer_idx, start + q.shape[2]
+        if not written:
+            self.update(layer, k, v, start)
+        B = q.shape[0]
+        return attend_sequences(self, attn, q, start,   # one block of max_len per sequence
+                                lambda: torch.arange(B, device=q.device, dtype=torch.int32)[:, None],
+                                lambda: (self.k[layer][:, :, :end], self.v[layer][:, :, :end]))
 
     def kv_storage(self, layer: int):
         """A layer's k/v as paged storage [B, max_len, nkv, hd] (views): row b is block b."""

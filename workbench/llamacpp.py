@@ -363,6 +363,21 @@ def export_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, dtype
 
 # ---- measurement -----------------------------------------------------------------------------
 
+def _greedy_run(llm, prompt: list[int], n_tokens: int) -> tuple[list[int], float, float]:
+    """One greedy run of a loaded ``llama_cpp.Llama`` from an empty KV cache (every run
+    prefills), streamed token by token: (token ids, TTFT s, decode tokens/s)."""
+    llm.reset()
+    ids, times = [], []
+    start = time.perf_counter()
+    for tok in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, typical_p=1.0, temp=0.0,
+                            repeat_penalty=1.0, reset=True):
+        times.append(time.perf_counter())
+        ids.append(int(tok))
+        if len(ids) >= n_tokens:
+            break
+    return ids, times[0] - start, (len(times) - 1) / (times[-1] - times[0])
+
+
 def llamacpp_decode_rate(gguf_path: str | os.PathLike, prompt_ids: Sequence[int], n_tokens: int, threads: int,
                          runs: int = 3, warmup: int = 1) -> dict:
     """Greedy-decode ``n_tokens`` after ``prompt_ids`` with llama-cpp-python, streaming token by
@@ -394,16 +409,7 @@ def llamacpp_decode_rate(gguf_path: str | os.PathLike, prompt_ids: Sequence[int]
         raise ConfigError(f"llamacpp_decode_rate: prompt token id {bad[0]} is outside the vocabulary [0, {n_vocab})")
 
     def one_run() -> tuple[list[int], float, float]:
-        llm.reset()                     # no KV-prefix reuse between runs: every run prefills
-        ids, times = [], []
-        start = time.perf_counter()
-        for tok in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, typical_p=1.0, temp=0.0,
-                                repeat_penalty=1.0, reset=True):
-            times.append(time.perf_counter())
-            ids.append(int(tok))
-            if len(ids) >= n_tokens:
-                break
-        return ids, times[0] - start, (len(times) - 1) / (times[-1] - times[0])
+        return _greedy_run(llm, prompt, n_tokens)
 
     try:
         for _ in range(warmup):
@@ -505,16 +511,7 @@ def llamacpp_side(model_source, llm, n_tokens: int, threads: int, cache_dir: str
                             n_ctx=llm.max_model_len, n_batch=min(512, llm.max_model_len), verbose=False)
 
     def run(prompt_ids):
-        model.reset()
-        ids, times = [], []
-        start = time.perf_counter()
-        for tok in model.generate([int(t) for t in prompt_ids], top_k=1, top_p=1.0, min_p=0.0, typical_p=1.0,
-                                  temp=0.0, repeat_penalty=1.0, reset=True):
-            times.append(time.perf_counter())
-            ids.append(int(tok))
-            if len(ids) >= n_tokens:
-                break
-        return ids, times[0] - start, (len(times) - 1) / (times[-1] - times[0])
+        return _greedy_run(model, [int(t) for t in prompt_ids], n_tokens)
 
     version = getattr(llama_cpp, "__version__", "unknown")
     return {"available": True, "run": run,

@@ -99,6 +99,9 @@ class PagedKVPool:
         # the bookkeeping cost of paging and prefix caching, measured directly.
         self.manager_seconds = 0.0
         self.admissions: dict[str, dict] = {}   # live seq id -> allocation, restored blocks, evictions
+        # The block manager as an engine's scheduler drives it, with this pool's lifecycle around
+        # every call (offload restores, copy-on-write copies, listeners, timing).
+        self.blocks = PoolBlocks(self)
 
     def _notify(self, event: str, seq_id: str) -> None:
         for fn in self.listeners:
@@ -153,12 +156,6 @@ class PagedKVPool:
             cache[dst] = cache[src]
 
     # ---- one sequence's life: allocate -> (append_slot, forward, commit)* -> free ------------
-    @property
-    def blocks(self) -> "PoolBlocks":
-        """The block manager as an engine's scheduler drives it, with this pool's lifecycle
-        around every call (offload restores, copy-on-write copies, listeners, timing)."""
-        return PoolBlocks(self)
-
     def begin(self, seq_id: str, token_ids: list[int]) -> tuple["PagedSequenceCache", object]:
         """Allocate the prompt's blocks (reusing cached prefix blocks); returns the sequence's
         cache view, positioned after the reused tokens, and the block manager's allocation.
@@ -298,24 +295,14 @@ class PagedSequenceCache:
     def attend(self, attn, q, k, v, start: int, written: bool = False) -> torch.Tensor:
         """Write this step's k/v into the pool and attend over the sequence's blocks: in place
         with a decode kernel, else gathered to a contiguous context (the reference)."""
-        from ..kv_cache import attention_ops, uses_kernel
-        from ..model import reference_attention
+        from ..kv_cache import attend_sequences
 
-        layer, T = attn.layer_idx, q.shape[2]
-        end = start + T
+        layer, end = attn.layer_idx, start + q.shape[2]
         self._prepare(start, end)
         if not written:
             self._write(layer, k, v)
-        ops = attention_ops(attn)
-        if T == 1 and uses_kernel(ops, "attention_decode"):
-            kc, vc = self.kv_storage(layer)
-            lens = torch.tensor([end], device=q.device, dtype=torch.int32)
-            return ops.attention_decode(q[:, :, 0], kc, vc, self._blocks.to(torch.int32)[None], lens,
-                                        sliding_window=attn.window)[:, :, None]
-        K, V = self._context(layer, end)
-        if start == 0 and attn.window is None and uses_kernel(ops, "attention_prefill"):
-            return ops.attention_prefill(q, K, V, causal=T > 1)
-        return reference_attention(q, K, V, start, attn.window)
+        return attend_sequences(self, attn, q, start, lambda: self._blocks.to(torch.int32)[None],
+                                lambda: self._context(layer, end))
 
     def kv_storage(self, layer: int):
         return self.pool.k_cache[layer], self.pool.v_cache[layer]

@@ -25,14 +25,13 @@ import asyncio
 import itertools
 import threading
 import time
-import traceback
 from collections import deque
 from typing import AsyncIterator, Callable
 
 from ..engine_types import StreamEvent
 from ..errors import ConfigError
 from ..sampling import SamplingParams
-from .engine import LLMEngine
+from .engine import LLMEngine, describe_error as _describe
 
 
 class AsyncEngine:
@@ -281,6 +280,3 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001
                 pass
 
-
-def _describe(e: BaseException) -> str:
-    return "".join(traceback.format_exception_only(type(e), e)).strip()

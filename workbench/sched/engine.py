@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import traceback
 from collections import deque
 from dataclasses import asdict, dataclass
 
@@ -339,7 +340,7 @@ class LLMEngine:
             try:
                 logits = self.runner.execute(out.scheduled)
             except Exception as e:  # noqa: BLE001 - the step's requests end, the engine goes on
-                step_failed = f"engine step {out.step} failed: {_describe(e)}"
+                step_failed = f"engine step {out.step} failed: {describe_error(e)}"
                 self.last_step_error = e
             else:
                 rows = self._split_logits(out.scheduled, logits)
@@ -443,7 +444,7 @@ class LLMEngine:
                 else:
                     tokens[i] = int(sample(logits[i], s.params, s.state["gen"]))
             except Exception as e:  # noqa: BLE001
-                errors[s.request_id] = f"sampling failed: {_describe(e)}"
+                errors[s.request_id] = f"sampling failed: {describe_error(e)}"
         return tokens, errors
 
     @staticmethod
@@ -462,8 +463,10 @@ class LLMEngine:
 
     # ---- convenience ---------------------------------------------------------------------------
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 priorities: list[int] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Submit every prompt now and run until all finish (continuous batching)."""
+                 priorities: list[int] | None = None, use_tqdm: bool = False, on_events=None) -> list[RequestOutput]:
+        """Submit every prompt now and run until all finish (continuous batching).  ``on_events``:
+        called with each step's events (other consumers' requests may be among them).  On an
+        error nothing of this call stays queued."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         plist = params if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
@@ -480,11 +483,14 @@ class LLMEngine:
                 bar = tqdm(total=len(rids), desc="generate", unit="req")
             pending = set(rids)
             while pending:
-                for ev in self.step():
+                events = self.step()
+                for ev in events:
                     if ev.finished and ev.request_id in pending:
                         pending.discard(ev.request_id)
                         if bar is not None:
                             bar.update()
+                if on_events is not None:
+                    on_events(events)
         except BaseException:
             self.forget(rids, "generate() failed or was interrupted")
             raise
@@ -557,7 +563,6 @@ def _check_fast_paths(kv_mode: str, model, cuda_graphs: bool, runner) -> None:
                           f"{kv_mode} KV is not implemented on that path yet (use kv='contiguous', the LLM default)")
 
 
-def _describe(e: BaseException) -> str:
-    import traceback
-
+def describe_error(e: BaseException) -> str:
+    """``TypeName: message`` of an exception, one line (what a request's error says)."""
     return "".join(traceback.format_exception_only(type(e), e)).strip()
