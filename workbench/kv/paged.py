@@ -27,7 +27,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ConfigError, WorkbenchError
-from .block_manager import AllocStatus, BlockManager
+from .block_manager import AllocStatus, Allocation, BlockManager
 from .layout import KVLayout
 from .offload import DiskOffload, HostOffload
 
@@ -192,6 +192,8 @@ class PoolBlocks:
 
     * ``allocate``: blocks the offload tier holds are restored first (their KV copied in), then
       the allocation; what it did is kept in ``pool.admissions``; listeners get ``"begin"``.
+    * ``fork``: the child shares the parent's blocks (parallel sampling); ``pool.admissions``
+      records it as an allocation whose whole prompt was reused; listeners get ``"begin"``.
     * ``append_slot``: copy-on-write copies are done before anything writes.
     * ``commit``: listeners get ``"step"``.   * ``free``: listeners get ``"end"`` first.
     * every call is timed into ``pool.manager_seconds`` (the bookkeeping cost of paging).
@@ -218,6 +220,18 @@ class PoolBlocks:
                                    "evictions": m.stats.evictions - evictions}
         pool._notify("begin", seq_id)
         return alloc
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        pool = self.pool
+        m = pool.manager
+        t0 = time.perf_counter()
+        m.fork(parent_id, child_id)
+        pool.manager_seconds += time.perf_counter() - t0
+        n = m.num_tokens(child_id)
+        # not in m.stats: a fork is no prefix-cache hit, and the hit rate should not count it
+        pool.admissions[child_id] = {"allocation": Allocation(child_id, m.block_table(child_id), n, n, None, n),
+                                     "restored_blocks": 0, "evictions": 0, "fork_of": parent_id}
+        pool._notify("begin", child_id)
 
     def append_slot(self, seq_id: str, token_id: int):
         pool = self.pool

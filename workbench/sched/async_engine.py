@@ -96,10 +96,17 @@ class AsyncEngine:
 
     # ---- requests (any thread) -------------------------------------------------------------------
     def submit(self, prompt, params: SamplingParams, on_event: Callable[[StreamEvent], None], priority: int = 0,
-               request_id: str | None = None) -> str:
+               request_id: str | None = None, fork_of: str | None = None) -> str:
         """Queue a request; ``on_event`` is called on the engine thread for each of its events.
         Raises WorkbenchError (in the caller's thread) for invalid input, a request id in use, or
-        when the engine thread is not running any more (before start(), requests wait for it)."""
+        when the engine thread is not running any more (before start(), requests wait for it).
+
+        ``fork_of``: another sample of that request's prompt (parallel sampling; see
+        :meth:`LLMEngine.add_request`), submitted after it.  The engine thread may take the
+        parent in before the fork and run it, even to its end and release: a fork whose parent
+        is no longer a live request that has not sampled yet is queued as any request (it
+        computes the prompt itself) rather than failing on that race.  A fork whose prompt
+        differs from its live parent's ends with an error event (ConfigError's message)."""
         self.engine.llm.encode(prompt)                 # validate now: the caller can answer 400
         arrival = self.engine.clock()
         with self._cv:
@@ -109,7 +116,7 @@ class AsyncEngine:
             if rid in self._callbacks or rid in self.engine.seqs:
                 raise ConfigError(f"request id {rid!r} is already in use")
             self._callbacks[rid] = on_event
-            self._inbox.append(("add", rid, prompt, params, priority, arrival))
+            self._inbox.append(("add", rid, prompt, params, priority, arrival, fork_of))
             self._cv.notify()
         return rid
 
@@ -218,9 +225,14 @@ class AsyncEngine:
     def _apply(self, item) -> None:
         eng = self.engine
         if item[0] == "add":
-            _, rid, prompt, params, priority, arrival = item
+            _, rid, prompt, params, priority, arrival, *fork = item   # submit adds fork_of; an item without it
+            fork_of = fork[0] if fork else None                         # (built by hand) is a plain request
+            parent = eng.seqs.get(fork_of)
+            if parent is None or parent.finished or parent.num_generated:
+                fork_of = None               # too late to share the parent's prompt: compute it (docstring of submit)
             try:
-                eng.add_request(prompt, params, request_id=rid, priority=priority, arrival_time=arrival)
+                eng.add_request(prompt, params, request_id=rid, priority=priority, arrival_time=arrival,
+                                fork_of=fork_of)
             except Exception as e:  # noqa: BLE001 - validated already; report anything else to its caller
                 # the id may belong to a request this one must not touch: answer the caller only
                 self._deliver(StreamEvent(rid, 0, -1, "", eng.clock(), 0.0, True, "error", str(e)), release=False)

@@ -11,16 +11,29 @@ sequence (contiguous: the reference; tiered), static decode buffers (compile, CU
     while eng.has_unfinished():
         for ev in eng.step(): ...                  # StreamEvents (what LLM.stream yields)
     eng.step_records                               # per step: batch, tokens, scheduler vs model time
+    # parallel sampling (n > 1): more samples of one prompt, computed once on the paged pool
+    first = eng.add_request(prompt, SamplingParams(temperature=0.8, seed=1))
+    others = [eng.add_request(prompt, SamplingParams(temperature=0.8, seed=s), fork_of=first) for s in (2, 3)]
 
 One :meth:`step` = schedule (pure Python) → swap copies → one batched forward → sampling →
 stop checks.  Every request ends with output or an explicit reason ("rejected", "abort",
 "error"), and its blocks go back to the pool.  The scheduler decides; a runner
 (:mod:`workbench.sched.model_runner`) does the tensor work; both can be replaced (a fake runner
 drives the property tests).
+
+Forks (``add_request(..., fork_of=parent)``, parallel sampling): on the paged pool a fork is
+held until the step that samples its parent's first token, samples its own first token from the
+same logits row, and then runs on the parent's prompt blocks (shared; copy-on-write on the
+partly filled last one), so the prompt is computed once for all samples.  Whenever that cannot
+happen (no room in ``max_num_seqs``, the parent ends or is preempted first, the fork wants
+prompt logprobs the parent does not compute) it is released into the waiting queue and computes
+its prompt itself.  Per-sequence KV (contiguous, tiered) has nothing to share: forks queue as
+any request.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 import traceback
@@ -40,7 +53,7 @@ from ..sampling import SamplingParams, sample, token_logprobs
 from .config import SchedulerConfig
 from .model_runner import ContiguousRunner, ModelRunner, StaticRunner
 from .scheduler import Scheduler
-from .sequence import Sequence
+from .sequence import Sequence, SeqStatus
 
 
 @dataclass
@@ -133,6 +146,7 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.step_records: deque[StepRecord] = deque(maxlen=history)
         self._events: list[StreamEvent] = []     # events produced outside step() (rejections, aborts)
+        self._held: dict[str, list[Sequence]] = {}   # parent id -> forks waiting for its prompt (paged KV)
         self._ids = itertools.count()
         self.num_finished = 0
         self.last_step_error: BaseException | None = None   # the last exception a step's requests ended on
@@ -212,10 +226,20 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0, arrival_time: float | None = None, output: RequestOutput | None = None) -> str:
+                    priority: int = 0, arrival_time: float | None = None, output: RequestOutput | None = None,
+                    fork_of: str | None = None) -> str:
         """Queue a request; returns its id.  Bad input raises (ConfigError); a full queue ends
         the request with finish_reason "rejected" (its event comes with the next step).
-        ``output``: a RequestOutput to fill (the caller keeps a reference); default a new one."""
+        ``output``: a RequestOutput to fill (the caller keeps a reference); default a new one.
+
+        ``fork_of``: another sample of that request's prompt (parallel sampling, ``n > 1``:
+        submit the first sample, then the others naming it).  The parent must be unfinished,
+        have the same prompt tokens and not have computed its prompt yet (forks are declared
+        with it); else ConfigError.  On the paged pool the fork's prompt is not computed: it
+        samples its first token from the parent's last prompt row (its own params and seed)
+        and shares the parent's blocks, ``output.num_cached_tokens`` = the prompt length (see
+        the module doc for when it is released to compute its prompt itself).  With contiguous
+        or tiered KV it is queued as any request."""
         params = params or SamplingParams()
         text, ids = self.loaded.encode(prompt)
         rid = request_id or (output.request_id if output is not None and output.request_id else None) \
@@ -224,6 +248,7 @@ class LLMEngine:
             raise ConfigError(f"request id {rid!r} is already in use")
         if not isinstance(priority, int):
             raise ConfigError(f"priority must be an integer, got {priority!r}")
+        parent = None if fork_of is None else self._fork_parent(rid, fork_of, list(ids))
         now = self.clock() if arrival_time is None else arrival_time
         max_new = min(params.max_tokens, self.max_model_len - len(ids))
         seq = Sequence(rid, list(ids), len(ids), params, priority, now, max_new)
@@ -243,10 +268,33 @@ class LLMEngine:
         seq.state["proc"] = OutputProcessor(out, params, self.tokenizer, self.eos_token_ids, max_new)
         seq.state["gen"] = params.generator(self.device)
         self.seqs[rid] = seq
+        if parent is not None and self.kv_mode == "paged" and params.prompt_logprobs in (
+                None, parent.params.prompt_logprobs):   # else only computing its prompt gives its prompt logprobs
+            self.scheduler.hold(seq)
+            seq.state["fork_of"] = parent.request_id
+            self._held.setdefault(parent.request_id, []).append(seq)
+            return rid
         reason = self.scheduler.add(seq)
         if reason is not None:
             self._end(seq, "rejected", reason)
         return rid
+
+    def _fork_parent(self, rid: str, fork_of: str, ids: list[int]) -> Sequence:
+        """The request a fork shares its prompt with (a held fork's own parent when ``fork_of``
+        names a held fork), or ConfigError saying why it cannot be forked."""
+        parent = self.seqs.get(fork_of)
+        if parent is not None and parent.status is SeqStatus.HELD:
+            parent = self.seqs[parent.state["fork_of"]]
+        if parent is None or parent.finished:
+            raise ConfigError(f"request {rid!r}: fork_of={fork_of!r} names no unfinished request; submit the first "
+                              "sample before the samples that fork it")
+        if parent.tokens[:parent.prompt_len] != ids:
+            raise ConfigError(f"request {rid!r} cannot fork {fork_of!r}: their prompts differ ({len(ids)} vs "
+                              f"{parent.prompt_len} tokens); a fork is another sample of the same prompt")
+        if parent.num_generated:
+            raise ConfigError(f"request {rid!r} cannot fork {fork_of!r}: it has computed its prompt already (its "
+                              "first token is sampled); forks are submitted with their parent, before it runs")
+        return parent
 
     def abort(self, request_id: str, reason: str = "aborted by the caller") -> bool:
         """End a request now (e.g. its client disconnected); its blocks go back to the pool."""
@@ -281,6 +329,10 @@ class LLMEngine:
         return events
 
     def _end(self, seq: Sequence, finish: str, error: str | None) -> None:
+        if seq.status is SeqStatus.HELD:
+            self._unhold(seq)
+        else:
+            self._release_forks(seq)
         self.scheduler.finish(seq)
         self.runner.drop_swap(seq.request_id)
         now = self.clock()
@@ -290,8 +342,28 @@ class LLMEngine:
                                         now - seq.arrival_time, True, finish, error))
         self.num_finished += 1
 
+    def _unhold(self, child: Sequence) -> None:
+        """Take a held fork off its parent's list (it is adopted, released or ended)."""
+        parent_id = child.state.pop("fork_of")
+        held = self._held[parent_id]
+        held.remove(child)
+        if not held:
+            del self._held[parent_id]
+
+    def _release_forks(self, parent: Sequence) -> None:
+        """The forks held for ``parent`` will not share its prompt (it ended or was preempted
+        first): they join the waiting queue and compute their prompt themselves."""
+        for child in list(self._held.get(parent.request_id, ())):
+            self._unhold(child)
+            self.scheduler.queue_held(child)
+
+    @property
+    def num_held(self) -> int:
+        """Forks waiting for their parent's prompt (queued nowhere in the scheduler)."""
+        return sum(map(len, self._held.values()))
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._events)
+        return self.scheduler.num_unfinished > 0 or bool(self._events) or bool(self._held)
 
     def get_output(self, request_id: str) -> RequestOutput:
         return self.seqs[request_id].output
@@ -318,6 +390,8 @@ class LLMEngine:
         t0 = self.clock()
         out = self.scheduler.schedule(t0)
         t1 = self.clock()
+        for seq in out.preempted + [s.seq for s in out.swapped_out]:
+            self._release_forks(seq)
         for seq, reason in out.rejected:
             self._end(seq, "rejected", reason)
         for s in out.swapped_out:
@@ -347,7 +421,7 @@ class LLMEngine:
                 tokens, errors = self._sample([s.seq for s in out.scheduled if s.samples], rows)
         t2 = self.clock()
         finished = 0
-        sampled = iter(tokens)
+        sampled = iter(enumerate(tokens))
         for s in out.scheduled:
             seq = s.seq
             if step_failed is not None:       # only the requests of this step: waiting ones are untouched
@@ -358,7 +432,7 @@ class LLMEngine:
             self.scheduler.manager.commit(seq.request_id, seq.num_computed)
             if not s.samples:
                 continue
-            token = next(sampled)
+            row, token = next(sampled)
             if token is None:                 # its sampling failed: it ends alone, with the reason
                 self._end(seq, "error", errors[seq.request_id])
                 finished += 1
@@ -370,6 +444,8 @@ class LLMEngine:
                 seq.output.logprobs.append(ev.logprobs)
             seq.output.num_preemptions = seq.num_preemptions
             events.append(ev)
+            if seq.request_id in self._held:   # its prompt is computed: its held forks start (before it may end)
+                finished += self._fork(seq, rows[row], t1, t2, events)
             if ev.finished:
                 self.scheduler.finish(seq)
                 self.num_finished += 1
@@ -386,6 +462,46 @@ class LLMEngine:
             tuple(s.seq.request_id for s in out.scheduled), tuple(s.num_tokens for s in out.scheduled),
             tuple(s.start < s.seq.prompt_len for s in out.scheduled)))
         return events
+
+    def _fork(self, parent: Sequence, row: torch.Tensor, t1: float, now: float, events: list[StreamEvent]) -> int:
+        """The step sampled ``parent``'s first token from ``row`` (its last prompt position): each
+        fork held for it samples its own first token from the same row and runs on the parent's
+        blocks, as many as ``max_num_seqs`` leaves room for; the others are released to the
+        waiting queue before they draw anything (so a seeded one computes what it would have
+        alone).  Returns how many forks finished with their first token."""
+        held = list(self._held[parent.request_id])
+        room = max(0, self.config.max_num_seqs - len(self.scheduler.running))
+        for child in held[room:]:
+            self._unhold(child)
+            self.scheduler.queue_held(child)
+        forks = held[:room]
+        if not forks:
+            return 0
+        tokens, errors = self._sample(forks, row.repeat(len(forks), 1))
+        finished = 0
+        for child, token in zip(forks, tokens):
+            if token is None:
+                self._end(child, "error", errors[child.request_id])
+                finished += 1
+                continue
+            self._unhold(child)
+            self.scheduler.adopt_fork(parent, child, now)
+            out = child.output
+            out.num_cached_tokens = child.prompt_len
+            out.metrics.first_scheduled_time = t1
+            if child.params.prompt_logprobs is not None:   # the same k as the parent's (else it was not held)
+                out.prompt_logprobs = copy.deepcopy(parent.output.prompt_logprobs)
+            child.tokens.append(token)
+            ev = child.state["proc"].push(token, now)
+            if child.params.logprobs is not None:
+                ev.logprobs = token_logprobs(row[None], [token], child.params.logprobs)[0]
+                out.logprobs.append(ev.logprobs)
+            events.append(ev)
+            if ev.finished:
+                self.scheduler.finish(child)
+                self.num_finished += 1
+                finished += 1
+        return finished
 
     def _split_logits(self, scheduled, logits: torch.Tensor) -> torch.Tensor:
         """The runner's rows (``ScheduledSeq.logit_rows`` per sequence, in order) -> the rows that
@@ -502,8 +618,9 @@ class LLMEngine:
     def stats(self) -> dict:
         """A snapshot for metrics endpoints and live views."""
         m, sch = self.pool.manager, self.scheduler
-        return {"running": len(sch.running), "waiting": len(sch.waiting), "swapped": len(sch.swapped),
-                "kv_used_blocks": m.num_used_blocks, "kv_total_blocks": m.num_blocks,
+        held = self.num_held   # forks waiting for their parent's prompt: queued as far as a caller can tell
+        return {"running": len(sch.running), "waiting": len(sch.waiting) + held, "held": held,
+                "swapped": len(sch.swapped), "kv_used_blocks": m.num_used_blocks, "kv_total_blocks": m.num_blocks,
                 "kv_usage": m.num_used_blocks / m.num_blocks, "prefix_hit_rate": m.stats.hit_rate,
                 "preemptions": sch.num_preemptions, "rejected": sch.num_rejected, "finished": self.num_finished,
                 "steps": sch.step_no, "engine": self.fast_paths()}

@@ -118,8 +118,34 @@ class Scheduler:
         self.waiting.append(seq)
         return None
 
+    def hold(self, seq: Sequence) -> None:
+        """Number a forked sample (another sample of a queued request's prompt) on arrival, as
+        :meth:`add` would, but queue it nowhere: the engine holds it until the parent's prompt is
+        computed, then it is adopted (:meth:`adopt_fork`) or queued (:meth:`queue_held`).  Its
+        wait counts from arrival either way, for aging."""
+        self._seq_no += 1
+        seq.seq_no, seq.status = self._seq_no, SeqStatus.HELD
+        seq.wait_since = seq.arrival_time
+
+    def queue_held(self, seq: Sequence) -> None:
+        """A held fork joins the waiting queue and computes its prompt itself (with prefix caching
+        it hits the parent's committed blocks).  No ``max_queue_len`` check: it was accepted on
+        arrival, with its parent."""
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def adopt_fork(self, parent: Sequence, child: Sequence, now: float) -> None:
+        """A held fork starts running on its parent's KV: its block table is the parent's (shared;
+        the partly filled last block is copied on the first write), its prompt counts as
+        computed.  The parent must have computed exactly its prompt, and the caller checks that
+        ``max_num_seqs`` leaves room."""
+        self.manager.fork(parent.request_id, child.request_id)
+        child.num_computed = parent.num_computed
+        self._start_running(child, now)
+
     def finish(self, seq: Sequence) -> None:
-        """Remove a sequence from whichever queue holds it and give its blocks back."""
+        """Remove a sequence from whichever queue holds it and give its blocks back (a held fork
+        has neither)."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
             self.manager.free(seq.request_id)

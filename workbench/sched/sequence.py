@@ -19,6 +19,7 @@ class SeqStatus(enum.Enum):
     WAITING = "waiting"      # not admitted yet, or preempted by recompute (its KV was dropped)
     RUNNING = "running"      # holds blocks in the pool
     SWAPPED = "swapped"      # preempted by swapping: its KV waits in host memory
+    HELD = "held"            # a fork (another sample of a prompt) waiting for its parent's prompt; no queue holds it
     FINISHED = "finished"
 
 
