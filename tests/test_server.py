@@ -406,7 +406,7 @@ def err(r, status: int, *words: str) -> dict:
     ("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature", ["'temperature'", "number"]),
     ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, "top_p", ["'top_p'", "out of range"]),
     ("/v1/completions", {"prompt": PROMPT, "bogus": 1}, "bogus", ["'bogus'", "unknown field"]),
-    ("/v1/completions", {"prompt": PROMPT, "n": 2}, "n", ["'n'", "one choice"]),
+    ("/v1/completions", {"prompt": PROMPT, "n": 17}, "n", ["'n'", "out of range"]),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens", ["'max_tokens'"]),
     ("/v1/completions", {"prompt": PROMPT, "stream": "yes"}, "stream", ["'stream'"]),
     ("/v1/chat/completions", {"messages": []}, "messages", ["'messages'", "non-empty"]),
@@ -877,7 +877,7 @@ def test_400_when_prompt_plus_max_tokens_never_fits_the_pool(bundled_llm):
 
 def test_engine_rejection_other_than_queue_full_is_not_retryable():
     from workbench.engine_types import StreamEvent
-    from workbench.serve.app import _ending_error
+    from workbench.serve.completion import ending_error as _ending_error
 
     def ending(error):
         return _ending_error(StreamEvent("r", 0, -1, "", 0.0, 0.0, True, "rejected", error))

@@ -20,6 +20,8 @@ class StreamEvent:
     finish_reason: str | None = None   # "stop", "length"; batched engine also "abort", "rejected", "error"
     error: str | None = None           # why, for "rejected" / "error" / "abort"
     logprobs: dict | None = None       # with SamplingParams.logprobs: {"logprob", "top": {token id: logprob}}
+    # with SamplingParams.prompt_logprobs, on the first token's event: the request's prompt_logprobs
+    prompt_logprobs: list | None = None
 
 
 @dataclass

@@ -49,7 +49,10 @@ class OutputProcessor:
             text, self.emitted = d.text[self.emitted:release], release
         if finish:
             self.finish(finish, now)
-        return StreamEvent(out.request_id, i, token, text, now, now - m.arrival_time, finish is not None, finish)
+        ev = StreamEvent(out.request_id, i, token, text, now, now - m.arrival_time, finish is not None, finish)
+        if i == 0:
+            ev.prompt_logprobs = out.prompt_logprobs
+        return ev
 
     def finish(self, reason: str, now: float, error: str | None = None) -> None:
         out = self.out

@@ -101,6 +101,35 @@ class Tokenizer:
     def token_to_str(self, token_id: int) -> str:
         return self.decode([token_id], skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token ``token_id`` stands for.  With a byte-level vocabulary (GPT-2's byte
+        symbols) these are exact, also for a token that ends inside a UTF-8 character (whose
+        :meth:`token_to_str` shows U+FFFD); otherwise the UTF-8 of :meth:`token_to_str`."""
+        piece = self._tok.id_to_token(token_id)
+        table = self._byte_symbols
+        if table and piece is not None and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return self.token_to_str(token_id).encode("utf-8", "surrogatepass")
+
+    @functools.cached_property
+    def _byte_symbols(self) -> dict[str, int] | None:
+        """Byte-level symbol -> byte (GPT-2's table), when the decoder is byte-level; else None."""
+        try:
+            decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        except Exception:  # noqa: BLE001 - an unexpected layout: no exact bytes
+            return None
+        steps = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
+        if not any(d.get("type") == "ByteLevel" for d in steps):
+            return None
+        keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                *range(ord("\xae"), ord("\xff") + 1)]
+        table, extra = {chr(b): b for b in keep}, 0
+        for b in range(256):
+            if b not in keep:
+                table[chr(256 + extra)] = b
+                extra += 1
+        return table
+
 
 def utf8_len(text: str) -> int:
     """UTF-8 length of ``text`` (O(1) for ASCII text; lone surrogates count 3 bytes)."""

@@ -15,8 +15,8 @@ against the KV pool (prompt + ``max_tokens`` must fit it: a request that never c
 Parsing, tokenizing and checking run on worker threads (:data:`PREP_THREADS` at once), never on
 the event loop, which relays every open stream: a 1 MiB prompt must not stall them (tokenizing
 one takes ~0.6 s; ``Tokenizer.encode_nogil`` does it with the GIL released).  Then
-:class:`_Completion` submits it to the engine and relays the engine's events (their text is
-detokenized on the engine thread).  A request the engine ends before any token ("rejected": queue full -> 429 with
+:class:`~.completion.Completion` submits its choices to the engine (``n`` samples of each prompt, forked
+from one prefill) and relays the engine's events (their text is detokenized on the engine thread).  A request the engine ends before any token ("rejected": queue full -> 429 with
 ``Retry-After``; rejected for any other reason, e.g. too big for the KV pool -> 400, which clients
 do not retry, since retrying cannot help; "error" -> 500) is answered
 with that HTTP status even when streaming, because the stream's headers are sent with the first
@@ -49,13 +49,11 @@ and their time held.
 from __future__ import annotations
 
 import asyncio
-import functools
 import hmac
 import json
 import logging
 import os
 import time
-import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -73,6 +71,8 @@ from ..kv.inspect import KV_POOL_OBJECT, KV_POOL_PATH, pool_report_from_thread
 from ..sampling import SamplingParams
 from ..tokenizer import utf8_len
 from . import protocol as P
+from .chat_template import ChatTemplate, TemplateError
+from .completion import Completion, PromptPlan, engine_alive, internal_error, send_json
 from .guard import GuardHook, check_guard
 from .metrics import ServerMetrics
 
@@ -85,9 +85,6 @@ log = logging.getLogger("workbench.serve")
 # threads at once starves the engine thread of the GIL (measured: a 0.3 s GIL-holding tokenization on
 # each of 2 threads gave a stream 90-320 ms gaps; on 1 thread, 50-90 ms; alone 10-20 ms).
 PREP_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
-# A token-id prompt longer than this is handed to the engine (which checks the ids again, in Python)
-# from a worker thread; shorter ones from the event loop (checking takes microseconds; a thread hop more).
-INLINE_SUBMIT_IDS = 4096
 
 
 @dataclass
@@ -122,13 +119,8 @@ class ServerConfig:
             check_guard(self.guard)
 
 
-def engine_alive(aengine) -> bool:
-    """Whether the engine thread runs (AsyncEngine has no public flag for this yet)."""
-    thread = getattr(aengine, "_thread", None)
-    return thread is not None and thread.is_alive()
-
-
-def model_info(aengine, name: str, source: str | None = None, guard: GuardHook | None = None) -> dict:
+def model_info(aengine, name: str, source: str | None = None, guard: GuardHook | None = None,
+               chat_template: ChatTemplate | None = None) -> dict:
     """The engine configuration that serves requests (the ``x-model-info`` header, as a dict)."""
     eng = aengine.engine
     llm, pool, cfg = eng.llm, eng.pool, eng.config
@@ -141,15 +133,13 @@ def model_info(aengine, name: str, source: str | None = None, guard: GuardHook |
             "scheduler": {k: getattr(cfg, k) for k in ("max_num_seqs", "max_num_batched_tokens", "chunked_prefill",
                                                         "micro_batch_window_s", "preemption_mode",
                                                         "priority_preemption", "max_queue_len")},
-            "chat_template": P.CHAT_TEMPLATE_NAME}
+            "chat_template": chat_template.origin if chat_template is not None else P.CHAT_TEMPLATE_NAME}
     if hasattr(eng, "fast_paths"):    # KV layout, static decode / compile / CUDA graphs, sampling backend
         info["engine"] = eng.fast_paths()
     choice = getattr(llm, "thread_choice", None)
     if choice is not None:   # torch intra-op threads and why (workbench.measure.threads)
         info["threads"] = choice.threads
         info["threads_policy"] = choice.policy
-    if folder is not None and _has_chat_template(folder):
-        info["tokenizer_chat_template"] = "present, not applied yet"
     try:
         from .. import backends                    # another layer; may be absent or still changing
     except Exception as e:  # noqa: BLE001 - the header must not take the server down
@@ -197,17 +187,11 @@ def kv_pool_report(aengine, name: str) -> dict:
                        "engine": aengine.stats(), "snapshot": snapshot}}
 
 
-def _has_chat_template(folder: Path) -> bool:
-    cfg = folder / "tokenizer_config.json"
-    try:
-        return (folder / "chat_template.jinja").is_file() or (
-            cfg.is_file() and bool(json.loads(cfg.read_text()).get("chat_template")))
-    except (OSError, ValueError):
-        return False
+class _Dropped:
+    """The answer to a client that went away before it was answered: nothing is sent."""
 
-
-# ---- one completion ------------------------------------------------------------------------------
-_GONE, _DEAD = object(), object()   # queue sentinels: the client disconnected / the engine thread died
+    async def __call__(self, scope, receive, send) -> None:
+        return None
 
 
 async def _wait_disconnect(receive) -> None:
@@ -216,196 +200,8 @@ async def _wait_disconnect(receive) -> None:
         pass
 
 
-class _Dropped:
-    """The answer to a client that went away before it was answered: nothing is sent."""
-
-    async def __call__(self, scope, receive, send) -> None:
-        return None
-
-
-def internal_error(exc: BaseException) -> P.APIError:
-    """The 500 for an unexpected exception: its type only (the details go to the log)."""
-    return P.APIError(500, f"internal server error ({type(exc).__name__}); the server's log has the details", None,
-                      "internal_error")
-
-
 def _json_response(status: int, obj: dict, headers: dict | None = None) -> Response:
     return Response(P.json_bytes(obj), status_code=status, headers=headers or None, media_type="application/json")
-
-
-async def _send_json(send, status: int, obj: dict, headers: list | None = None) -> None:
-    body = P.json_bytes(obj)
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *(headers or [])]})
-    await send({"type": "http.response.body", "body": body})
-
-
-def _ending_error(ev) -> P.APIError:
-    """An engine ending other than stop / length, as the HTTP error it becomes."""
-    if ev.finish_reason == "rejected":
-        if (ev.error or "").startswith("queue full"):   # the scheduler's reason when max_queue_len is reached
-            return P.APIError(429, f"rejected by the engine: {ev.error}", None, "engine_rejected",
-                              {"Retry-After": "1"})
-        # anything else (the request outgrew the KV pool) fails the same way every time: not retryable
-        return P.APIError(400, f"rejected by the engine: {ev.error}", None, "context_length_exceeded")
-    if ev.finish_reason == "abort":
-        return P.APIError(503, f"aborted by the engine: {ev.error}", None, "aborted")
-    return P.APIError(500, f"engine error: {ev.error}", None, "engine_error")
-
-
-class _Completion:
-    """An ASGI response that runs one request on the engine and relays its events as JSON or SSE.
-    Whatever happens, the engine request ends: if the client goes away (or anything here
-    fails) before the engine's final event, the request is aborted and its blocks are freed."""
-
-    def __init__(self, srv: "_State", req: P.CompletionRequest, ids: list[int], params: SamplingParams,
-                 priority: int, probe: bool = False) -> None:
-        self.srv, self.req, self.ids, self.params, self.priority = srv, req, ids, params, priority
-        self.rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        self.created = P.now_s()
-        self.ended = False
-        self.probe = probe            # admitted by the SLO guard as a half-open probe
-        self.first_token = False      # its first token arrived (its TTFT went to the guard)
-        self.headers = [(b"x-request-id", self.rid.encode())]
-
-    async def __call__(self, scope, receive, send) -> None:
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        watcher = loop.create_task(self._watch_disconnect(receive, q))
-        started = finished = False                # the response's headers / its last part were sent
-
-        async def tracked(msg) -> None:
-            nonlocal started, finished
-            started = started or msg["type"] == "http.response.start"
-            finished = finished or (msg["type"] == "http.response.body" and not msg.get("more_body", False))
-            await send(msg)
-
-        try:
-            submit = functools.partial(self.srv.aengine.submit, self.ids, self.params,
-                                       lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev), self.priority, self.rid)
-            try:
-                if len(self.ids) > INLINE_SUBMIT_IDS:   # the engine checks every id again, in Python
-                    await run_in_threadpool(submit)     # (a cancel waits for the thread: abort comes after)
-                else:
-                    submit()
-            except WorkbenchError as e:            # validated already; anything left is still the client's
-                self.ended = True
-                return await _send_json(tracked, 400, P.bad(self.req.prompt_param, str(e)).body(), self.headers)
-            await (self._stream(q, tracked) if self.req.stream else self._whole(q, tracked))
-        except OSError:
-            pass                                   # the client went away while we were sending
-        except Exception as e:  # noqa: BLE001 - a bug here: answer in OpenAI's shape, log it, free the request
-            log.error("%s %s failed while answering %s", scope.get("method"), scope.get("path"), self.rid,
-                      exc_info=e)
-            err = internal_error(e)
-            try:
-                if not started:
-                    await _send_json(send, 500, err.body(), self.headers)
-                elif self.req.stream and not finished:   # the stream's headers are out: end it with an error event
-                    await send({"type": "http.response.body", "body": P.sse(err.body()) + P.SSE_DONE,
-                                "more_body": False})
-            except OSError:
-                pass
-        finally:
-            watcher.cancel()
-            if not self.ended:
-                self.srv.aengine.abort(self.rid)
-                self.srv.metrics.ended(self.rid, "abort", len(self.ids))
-            if self.probe and not self.first_token and self.srv.guard is not None:
-                self.srv.guard_call(self.srv.guard.failed_probe)
-
-    @staticmethod
-    async def _watch_disconnect(receive, q: asyncio.Queue) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        q.put_nowait(_GONE)
-
-    async def _next(self, q: asyncio.Queue):
-        """The next engine event, _GONE, or _DEAD (checked every second while waiting)."""
-        while True:
-            try:
-                item = await asyncio.wait_for(q.get(), timeout=1.0)
-            except asyncio.TimeoutError:
-                if not engine_alive(self.srv.aengine):
-                    return _DEAD
-                continue
-            if item is not _GONE and item is not _DEAD:
-                self.srv.metrics.observe(item, len(self.ids))
-                self.srv.errors.event(item)
-                if item.token_id >= 0 and not self.first_token:
-                    self.first_token = True
-                    if self.srv.guard is not None:
-                        self.srv.guard_call(self.srv.guard.record, item.since_arrival, self.probe)
-                if item.finished:
-                    self.ended = True
-            return item
-
-    def _dead(self) -> P.APIError:
-        self.ended = True                          # nothing left to abort
-        self.srv.metrics.ended(self.rid, "error", len(self.ids))
-        last = self.srv.aengine.last_error
-        return P.APIError(500, "the engine thread is not running" + (f" (last error: {last})" if last else ""),
-                          None, "engine_dead")
-
-    async def _whole(self, q: asyncio.Queue, send) -> None:
-        parts, n = [], 0
-        while True:
-            ev = await self._next(q)
-            if ev is _GONE:
-                return
-            if ev is _DEAD:
-                err = self._dead()
-                return await _send_json(send, err.status, err.body(), self.headers)
-            if ev.token_id >= 0:
-                n += 1
-                parts.append(ev.text)
-            if ev.finished:
-                break
-        if ev.finish_reason not in ("stop", "length"):
-            err = _ending_error(ev)
-            return await _send_json(send, err.status, err.body(), self.headers + err.raw_headers())
-        body = P.response(self.req, self.rid, self.created, self.srv.name, "".join(parts), ev.finish_reason,
-                          len(self.ids), n)
-        await _send_json(send, 200, body, self.headers)
-
-    async def _stream(self, q: asyncio.Queue, send) -> None:
-        ev = await self._next(q)
-        if ev is _GONE:
-            return
-        if ev is _DEAD or (ev.finished and ev.token_id < 0):   # ended before any token: a plain HTTP error
-            err = self._dead() if ev is _DEAD else _ending_error(ev)
-            return await _send_json(send, err.status, err.body(), self.headers + err.raw_headers())
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-            (b"x-accel-buffering", b"no"), *self.headers]})
-
-        async def emit(data: bytes) -> None:
-            await send({"type": "http.response.body", "body": data, "more_body": True})
-
-        req, rid, created, name = self.req, self.rid, self.created, self.srv.name
-        if req.kind == "chat":
-            await emit(P.sse(P.chunk(req, rid, created, name, None, role=True)))
-        n = 0
-        while True:
-            if ev is _GONE:
-                return
-            if ev is _DEAD:
-                await emit(P.sse(self._dead().body()))
-                break
-            if ev.token_id >= 0:   # one chunk per token, "" while the text is held back (UTF-8, stop strings)
-                n += 1
-                await emit(P.sse(P.chunk(req, rid, created, name, ev.text)))
-            if ev.finished:
-                if ev.finish_reason in ("stop", "length"):
-                    await emit(P.sse(P.chunk(req, rid, created, name, None, ev.finish_reason)))
-                    if req.include_usage:
-                        await emit(P.sse(P.usage_chunk(req, rid, created, name, len(self.ids), n)))
-                else:
-                    await emit(P.sse(_ending_error(ev).body()))
-                break
-            ev = await self._next(q)
-        await send({"type": "http.response.body", "body": P.SSE_DONE, "more_body": False})
 
 
 # ---- engine errors, as /health tells them -------------------------------------------------------------
@@ -475,14 +271,17 @@ class _State:
         self.metrics = ServerMetrics()
         self.errors = EngineErrors(aengine)
         getattr(llm.tokenizer, "max_token_bytes", None)    # worked out now (it reads the vocabulary), not per request
+        folder = Path(llm.tokenizer.path).parent if llm.tokenizer is not None else None
+        self.chat_template = ChatTemplate.from_folder(folder) if folder is not None else None
         self._prep: anyio.CapacityLimiter | None = None    # made on the event loop, at first use
         self.guard = GuardHook(config.guard) if config.guard is not None else None
-        self.info = model_info(aengine, self.name, None if source in (None, "bundled") else source, self.guard)
+        self.info = model_info(aengine, self.name, None if source in (None, "bundled") else source, self.guard,
+                               self.chat_template)
         self.info_header = json.dumps(self.info, separators=(",", ":")).encode()   # ASCII: json escapes the rest
 
     def refresh_model_info(self) -> dict:
         """Recompute ``x-model-info`` (e.g. after switching op backends in a notebook)."""
-        self.info = model_info(self.aengine, self.name, self.info.get("path"), self.guard)
+        self.info = model_info(self.aengine, self.name, self.info.get("path"), self.guard, self.chat_template)
         self.info_header = json.dumps(self.info, separators=(",", ":")).encode()
         return self.info
 
@@ -576,16 +375,37 @@ class _State:
             raise P.APIError(404, f"model {model!r} does not exist; this server serves {self.name!r} "
                                   "(see GET /v1/models)", "model", "model_not_found")
 
-    def tokenize(self, req: P.CompletionRequest) -> list[int]:
-        """The prompt's token ids, checked against the context, vocabulary and KV pool.  Blocking
-        (a long prompt takes up to ~0.6 s to tokenize): run it with :meth:`off_loop`.
+    def prepare(self, req: P.CompletionRequest) -> list[PromptPlan]:
+        """Each prompt checked and tokenized, with what to generate for it.  Blocking (a long
+        prompt takes up to ~0.6 s to tokenize): run it with :meth:`off_loop`.  A chat request is
+        rendered with the model's own template here when it has one."""
+        if req.kind == "chat" and self.chat_template is not None:
+            try:
+                req.prompts = [self.chat_template.render(req.messages)]
+            except TemplateError as e:
+                raise P.bad("messages", str(e)) from None
+            req.add_special_tokens = False      # the template writes its own special tokens
+        plans = []
+        for i, prompt in enumerate(req.prompts):
+            ids = self.tokenize(req, i)
+            max_tokens, echo_only = self.max_tokens(req, len(ids), i)
+            text = prompt if isinstance(prompt, str) else self._decode(ids)
+            plans.append(PromptPlan(ids, max_tokens, echo_only, text if req.echo else None))
+        return plans
+
+    def _decode(self, ids: list[int]) -> str:
+        tok = self.llm.tokenizer
+        return tok.decode(ids, skip_special_tokens=False) if tok is not None else ""
+
+    def tokenize(self, req: P.CompletionRequest, i: int = 0) -> list[int]:
+        """Prompt ``i``'s token ids, checked against the context, vocabulary and KV pool.
 
         A text prompt is measured cheaply first: with a byte-level BPE no token covers more than
         ``tokenizer.max_token_bytes`` (L) bytes, so a prompt of B UTF-8 bytes has at least
         ceil(B / L) tokens (a lower bound, so it never refuses a prompt that fits); when that is
         already the context or more, it is refused without tokenizing.  Otherwise it is tokenized
         with the GIL released (``encode_nogil``) and its exact count decides."""
-        param, llm = req.prompt_param, self.llm
+        param, llm, prompt = req.prompt_param(i), self.llm, req.prompts[i]
         ctx = llm.max_model_len
 
         def too_long(n: int, how: str = "") -> P.APIError:
@@ -593,26 +413,27 @@ class _State:
                                    f"tokens (prompt + completion), so a prompt may have at most {ctx - 1}",
                               param, "context_length_exceeded")
 
-        if isinstance(req.prompt, str):
+        if isinstance(prompt, str):
             tok = llm.tokenizer
             if tok is None:
                 raise P.bad(param, "this model has no tokenizer (a shape preset?): send the prompt as token ids "
                                    "to /v1/completions")
-            least = tok.min_tokens(req.prompt) if hasattr(tok, "min_tokens") else 0
+            least = tok.min_tokens(prompt) if hasattr(tok, "min_tokens") else 0
             if least >= ctx:
-                raise too_long(least, f" or more (it is {utf8_len(req.prompt)} bytes of UTF-8 and no token "
+                raise too_long(least, f" or more (it is {utf8_len(prompt)} bytes of UTF-8 and no token "
                                       f"covers more than {tok.max_token_bytes})")
+            special = req.add_special_tokens
             if hasattr(tok, "encode_nogil"):
-                n, ids = tok.encode_nogil(req.prompt, limit=ctx)
+                n, ids = tok.encode_nogil(prompt, add_special_tokens=special, limit=ctx)
             else:                                  # another tokenizer: plain encode (on this worker thread)
-                ids = tok.encode(req.prompt)
+                ids = tok.encode(prompt, add_special_tokens=special)
                 n = len(ids)
             if n >= ctx:
                 raise too_long(n)
         else:
-            if len(req.prompt) >= ctx:
-                raise too_long(len(req.prompt))
-            ids = list(req.prompt)
+            if len(prompt) >= ctx:
+                raise too_long(len(prompt))
+            ids = list(prompt)
         try:
             llm.encode(ids)                        # the engine's own checks: empty, vocabulary range
         except WorkbenchError as e:
@@ -625,22 +446,26 @@ class _State:
                         "context_length_exceeded")
         return ids
 
-    def max_tokens(self, req: P.CompletionRequest, prompt_tokens: int) -> int:
+    def max_tokens(self, req: P.CompletionRequest, prompt_tokens: int, i: int = 0) -> tuple[int, bool]:
+        """(tokens the engine generates for prompt ``i``, whether only the prompt is returned:
+        ``max_tokens: 0`` with ``echo``, for which the engine still samples one token, dropped)."""
         ctx = self.llm.max_model_len
         cap, room, param = self.config.max_tokens_cap or ctx, ctx - prompt_tokens, req.max_tokens_param
         m = self.aengine.engine.pool.manager
         pool_room = m.num_blocks * m.block_size - prompt_tokens      # tokens the KV pool can hold after the prompt
         if req.max_tokens is None:
             want = self.config.default_max_tokens if req.kind == "completion" else cap
-            return self._fits_pool(param, prompt_tokens, max(1, min(want, cap, room, pool_room)), False)
-        if req.max_tokens > cap:
+            return self._fits_pool(param, prompt_tokens, max(1, min(want, cap, room, pool_room)), False), False
+        asked = max(req.max_tokens, 1)
+        if asked > cap:
             raise P.bad(param, f"{req.max_tokens} is over this server's cap of {cap} (--max-tokens-cap)")
-        if req.max_tokens > room:
+        if asked > room:
+            where = f" (prompt {i})" if len(req.prompts) > 1 else ""
             raise P.APIError(400, f"'{param}': this model's context is {ctx} tokens; you asked for "
-                                  f"{prompt_tokens + req.max_tokens} ({prompt_tokens} in the prompt, {req.max_tokens} "
-                                  f"to generate): lower {param} or shorten the prompt", param,
+                                  f"{prompt_tokens + req.max_tokens}{where} ({prompt_tokens} in the prompt, "
+                                  f"{req.max_tokens} to generate): lower {param} or shorten the prompt", param,
                              "context_length_exceeded")
-        return self._fits_pool(param, prompt_tokens, req.max_tokens, True)
+        return self._fits_pool(param, prompt_tokens, asked, True), req.max_tokens == 0
 
     def _fits_pool(self, param: str, prompt_tokens: int, max_tokens: int, asked: bool) -> int:
         """``max_tokens``, or a 400 when prompt + max_tokens can never fit the KV pool (the engine
@@ -705,7 +530,7 @@ def create_app(aengine, config: ServerConfig | None = None, source: str | None =
         config = replace(config, guard=guard)
     srv = _State(aengine, config, source)
 
-    async def complete(request: Request, parse) -> _Completion:
+    async def complete(request: Request, parse) -> Completion:
         try:
             raw = await _read_body(request, srv.config.max_body_bytes)
         except _ClientGone:                        # left mid-body: nothing to answer (499 on /metrics)
@@ -714,15 +539,15 @@ def create_app(aengine, config: ServerConfig | None = None, source: str | None =
         req = await srv.off_loop(_parse_body, raw, parse)      # up to 1 MiB of JSON: not on the loop
         srv.check_model(req.model)
         priority = _priority(request)
-        ids = await srv.off_loop(srv.tokenize, req)
+        plans = await srv.off_loop(srv.prepare, req)
         try:
-            params = SamplingParams(max_tokens=srv.max_tokens(req, len(ids)), **req.sampling)
-        except ConfigError as e:                   # a value the wire checks let through
+            SamplingParams(**req.sampling)         # a value the wire checks let through: said before the guard
+        except ConfigError as e:
             raise P.APIError(400, str(e), None, "invalid_value") from None
         probe = await srv.admit(priority, request.receive)   # last: only valid requests reach the guard
         if probe is None:                          # the client left while the guard's queue held it
             return _Dropped()
-        return _Completion(srv, req, ids, params, priority, probe)
+        return Completion(srv, req, plans, req.sampling, priority, probe)
 
     async def completions(request: Request):
         return await complete(request, P.parse_completion)
@@ -815,14 +640,14 @@ class _Outer:
             if self._key is not None and path.startswith("/v1") and not self._authorized(scope):
                 err = P.APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", None,
                                  "invalid_api_key")
-                await _send_json(send_with_info, 401, err.body(), [(b"www-authenticate", b"Bearer")])
+                await send_json(send_with_info, 401, err.body(), [(b"www-authenticate", b"Bearer")])
             else:
                 await self.app(scope, receive, send_with_info)
         except Exception as e:  # noqa: BLE001 - never a plain-text 500 (nor a traceback per request from uvicorn)
             if status[0] == 499:                  # nothing answered yet (the failure was outside Starlette)
                 log.error("%s %s failed", scope.get("method"), path, exc_info=e)
                 try:
-                    await _send_json(send_with_info, 500, internal_error(e).body())
+                    await send_json(send_with_info, 500, internal_error(e).body())
                 except OSError:
                     pass
             elif not done:                        # cut off mid-response (logged where it was answered)

@@ -10,24 +10,40 @@ Server-Sent Event.
 
 Supported: ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature`` [0, 2],
 ``top_p`` (0, 1], ``top_k`` (extension; 0 or -1 = off), ``seed``, ``stop`` (a string or a
-list), ``ignore_eos`` (vLLM's extension), ``n`` = 1, ``stream`` + ``stream_options.include_usage``,
-``prompt`` as text or token ids (completions), ``messages`` (chat).  ``user``, ``metadata``,
-``store`` and ``service_tier`` are accepted and ignored.  Features we do not have (logprobs,
-echo, suffix, best_of > 1, penalties, logit_bias, tools, JSON response formats) are refused
-with a 400 when set to anything but their neutral value - never silently ignored - and so is
-any field we do not know.
+list), ``ignore_eos`` (vLLM's extension), ``n`` (1 to :data:`MAX_N` samples of each prompt; they
+share the prompt's KV blocks), ``stream`` + ``stream_options`` (``include_usage``, and vLLM's
+``continuous_usage_stats``: usage on every chunk).  Completions: ``prompt`` as text, token ids, or
+a batch of either (choices are numbered prompt by prompt, ``n`` per prompt), ``echo`` (the prompt
+before the completion; with ``max_tokens: 0``, the prompt alone), ``logprobs`` (0 to
+:data:`MAX_LOGPROBS`: each token's log-probability and the top-k, for the echoed prompt tokens
+too), ``best_of`` equal to ``n``.  Chat: ``messages``, ``logprobs`` + ``top_logprobs``.
+``user``, ``metadata``, ``store`` and ``service_tier`` are accepted and ignored.  Features we do
+not have (suffix, penalties, logit_bias, tools, JSON response formats) are refused with a 400
+when set to anything but their neutral value - never silently ignored - and so is any field we
+do not know.
 
-Chat template.  The bundled model was trained on plain prose and has no chat template, so
-messages are rendered with a fixed, simple one (:func:`render_chat`)::
+With ``seed`` and ``n`` > 1, sample ``j`` of each prompt uses seed ``seed + j`` (the same seed
+would give ``n`` equal samples).
+
+Log-probabilities (completions, the legacy shape): ``{"tokens", "token_logprobs",
+"top_logprobs", "text_offset"}``, one entry per token; a prompt's first token has ``null``
+(nothing precedes it); each ``top_logprobs`` entry holds the top-k *and* the chosen token, as
+vLLM does (so ``logprobs: 0`` still names the token).  Chat: ``{"content": [{"token",
+"logprob", "bytes", "top_logprobs": [top-k]}]}`` as OpenAI.  Token strings are each token
+decoded alone (a token that ends inside a UTF-8 character shows U+FFFD; ``bytes`` has its
+real bytes).
+
+Chat template.  A ``chat_template`` in the model folder (``tokenizer_config.json`` or
+``chat_template.jinja``) is applied as transformers applies it (:mod:`.chat_template`).  The
+bundled model was trained on plain prose and has none, so its messages are rendered with a
+fixed, simple one (:func:`render_chat`)::
 
     System: You are terse.
     User: What is a list?
     Assistant:
 
 one ``Role: content`` line per message (``developer`` is shown as ``System``), then
-``Assistant:`` for the model to continue.  A ``chat_template`` in a model folder's
-``tokenizer_config.json`` is not applied yet (the server says so at start and in
-``x-model-info``).
+``Assistant:`` for the model to continue.
 """
 
 from __future__ import annotations
@@ -195,20 +211,41 @@ def load_json(raw: bytes):
     return body
 
 
+MAX_N = 16                 # samples per prompt
+MAX_CHOICES = 256          # prompts x n in one request
+MAX_LOGPROBS = 20          # top-k log-probabilities per token (the engine's limit)
+
+
 @dataclass
 class CompletionRequest:
     kind: str                      # "completion" or "chat"
     model: str | None              # None: the client did not name one (the served model answers)
-    prompt: str | list[int]        # text or token ids; chat: the rendered template
-    max_tokens: int | None         # None: not given (the server picks a default)
+    prompts: list                  # each text or token ids; chat: one, the rendered conversation
+    max_tokens: int | None         # None: not given (the server picks a default); 0: echo only
     sampling: dict                 # SamplingParams keyword arguments other than max_tokens
     stream: bool = False
     include_usage: bool = False
     max_tokens_param: str = "max_tokens"   # the field that gave max_tokens (for error messages)
+    n: int = 1                     # samples per prompt
+    echo: bool = False             # completions: the prompt comes back before the completion
+    logprobs: int | None = None    # top-k log-probabilities per token (None: none asked)
+    continuous_usage: bool = False  # usage on every stream chunk
+    messages: list | None = None   # chat: [{"role", "content"[, "name"]}] as validated
+    add_special_tokens: bool = True   # False for a prompt rendered by the model's chat template
 
     @property
-    def prompt_param(self) -> str:
-        return "messages" if self.kind == "chat" else "prompt"
+    def prompt(self):
+        """The first (for chat: the only) prompt."""
+        return self.prompts[0]
+
+    def prompt_param(self, i: int = 0) -> str:
+        if self.kind == "chat":
+            return "messages"
+        return f"prompt[{i}]" if len(self.prompts) > 1 else "prompt"
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
 
 
 # ---- validation -----------------------------------------------------------------------------------
@@ -256,6 +293,15 @@ def _number(body: dict, name: str, lo: float, hi: float, lo_open: bool = False, 
     return v
 
 
+def _flag(body: dict, name: str) -> bool:
+    v = body.get(name)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise bad(name, "must be true or false", "invalid_type")
+    return v
+
+
 def _sampling(body: dict) -> dict:
     out = {}
     t = _number(body, "temperature", 0, 2)
@@ -277,43 +323,49 @@ def _sampling(body: dict) -> dict:
             raise bad("stop", "must be a non-empty string or a list of non-empty strings", "invalid_type")
         out["stop"] = stops
     if body.get("ignore_eos") is not None:
-        if not isinstance(body["ignore_eos"], bool):
-            raise bad("ignore_eos", "must be true or false", "invalid_type")
-        out["ignore_eos"] = body["ignore_eos"]
+        out["ignore_eos"] = _flag(body, "ignore_eos")
     return out
 
 
-def _common(body: dict, kind: str, prompt, max_tokens_fields: tuple[str, ...]) -> CompletionRequest:
+def sample_seed(seed: int | None, j: int) -> int | None:
+    """The seed of sample ``j`` of a prompt: ``seed + j`` (kept in torch's seed range)."""
+    if seed is None:
+        return None
+    s = seed + j
+    return s - 2**64 if s > 2**64 - 1 else s
+
+
+def _common(body: dict, kind: str, prompts: list, max_tokens_fields: tuple[str, ...],
+            logprobs: int | None, echo: bool = False) -> CompletionRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model", "must be a string (a name from GET /v1/models)", "invalid_type")
-    n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise bad("n", f"{json.dumps(n)} is not supported: this server returns one choice per request (n=1); "
-                       "send several requests instead", "unsupported")
+    n = _number(body, "n", 1, MAX_N, integer=True) or 1
+    if len(prompts) * n > MAX_CHOICES:
+        raise bad("n", f"{len(prompts)} prompts x n={n} is {len(prompts) * n} choices; this server answers at most "
+                       f"{MAX_CHOICES} in one request: send several requests", "unsupported")
     max_tokens, max_tokens_param = None, max_tokens_fields[0]
     for name in max_tokens_fields:           # chat: max_completion_tokens wins over the older max_tokens
-        v = _number(body, name, 1, 2**31 - 1, integer=True)
+        v = _number(body, name, 0 if echo else 1, 2**31 - 1, integer=True)
         if v is not None:
             max_tokens, max_tokens_param = v, name
             break
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise bad("stream", "must be true or false", "invalid_type")
-    include_usage = False
+    stream = _flag(body, "stream")
+    include_usage = continuous = False
     opts = body.get("stream_options")
     if opts is not None:
         if not stream:
             raise bad("stream_options", "is only allowed with \"stream\": true")
         if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
-            raise bad("stream_options", "must be an object like {\"include_usage\": true}", "invalid_type")
+            raise bad("stream_options", "must be an object like {\"include_usage\": true} (keys: include_usage, "
+                                        "continuous_usage_stats)", "invalid_type")
+        for key in ("include_usage", "continuous_usage_stats"):
+            if opts.get(key) is not None and not isinstance(opts[key], bool):
+                raise bad(f"stream_options.{key}", "must be true or false", "invalid_type")
         include_usage = opts.get("include_usage") is True
-        if opts.get("continuous_usage_stats"):
-            raise bad("stream_options", "continuous_usage_stats is not supported", "unsupported")
-    return CompletionRequest(kind, model, prompt, max_tokens, _sampling(body), stream, include_usage,
-                             max_tokens_param)
+        continuous = opts.get("continuous_usage_stats") is True
+    return CompletionRequest(kind, model, prompts, max_tokens, _sampling(body), stream, include_usage,
+                             max_tokens_param, n, echo, logprobs, continuous)
 
 
 def _need_object(body) -> dict:
@@ -322,36 +374,55 @@ def _need_object(body) -> dict:
     return body
 
 
+def _one_prompt(prompt, param: str):
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad(param, "is empty: give at least one character (or token id)")
+    elif isinstance(prompt, list):
+        if not prompt:
+            raise bad(param, "is an empty list: give at least one token id")
+        if not all(_is_int(t) for t in prompt):
+            raise bad(param, "a token-id prompt must be a list of integers", "invalid_type")
+    else:
+        raise bad(param, "must be a string or a list of token ids", "invalid_type")
+    return prompt
+
+
+def _prompts(body: dict) -> list:
+    """``prompt``: a string, token ids, or a batch (a list of strings / of token-id lists)."""
+    if "prompt" not in body or body["prompt"] is None:
+        raise bad("prompt", "is required: a string, a list of token ids, or a list of either (a batch)",
+                  "missing_required_parameter")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_CHOICES:
+            raise bad("prompt", f"a batch of {len(prompt)} prompts; this server answers at most {MAX_CHOICES} "
+                                "in one request", "unsupported")
+        return [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [_one_prompt(prompt, "prompt")]
+
+
 def parse_completion(body) -> CompletionRequest:
     """Validate a ``POST /v1/completions`` body."""
     body = _need_object(body)
     _check_known(body, _COMPLETION, "/v1/completions")
-    _refuse_unless_neutral(body, {"echo": lambda v: v is False, "suffix": lambda v: v == "",
-                                  "best_of": lambda v: v == 1, "logprobs": lambda v: v is False or v == 0,
-                                  "presence_penalty": lambda v: v == 0, "frequency_penalty": lambda v: v == 0,
-                                  "logit_bias": lambda v: v == {}})
-    if "prompt" not in body or body["prompt"] is None:
-        raise bad("prompt", "is required: a string, or a list of token ids", "missing_required_parameter")
-    prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]                   # a batch of one prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad("prompt", f"got a batch of {len(prompt)} prompts; this server takes one prompt per request",
-                  "unsupported")
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad("prompt", "is empty: give at least one character (or token id)")
-    elif isinstance(prompt, list):
-        if not prompt:
-            raise bad("prompt", "is an empty list: give at least one token id")
-        if not all(_is_int(t) for t in prompt):
-            raise bad("prompt", "a token-id prompt must be a list of integers", "invalid_type")
-    else:
-        raise bad("prompt", "must be a string or a list of token ids", "invalid_type")
-    return _common(body, "completion", prompt, ("max_tokens",))
+    _refuse_unless_neutral(body, {"suffix": lambda v: v == "", "presence_penalty": lambda v: v == 0,
+                                  "frequency_penalty": lambda v: v == 0, "logit_bias": lambda v: v == {}})
+    prompts = _prompts(body)
+    echo = _flag(body, "echo")
+    lp = body.get("logprobs")
+    if lp is False:                          # some clients send false for "none"
+        lp = None
+    logprobs = _number({"logprobs": lp}, "logprobs", 0, MAX_LOGPROBS, integer=True)
+    req = _common(body, "completion", prompts, ("max_tokens",), logprobs, echo)
+    best_of = body.get("best_of")
+    if best_of is not None and best_of not in (1, req.n):
+        raise bad("best_of", f"{json.dumps(best_of)} is not supported: best_of must equal n (this server returns "
+                             "every sample it draws)", "unsupported")
+    return req
 
 
-def _message_text(i: int, m) -> tuple[str, str]:
+def _message(i: int, m) -> dict:
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise bad(where, "must be an object with 'role' and 'content'", "invalid_type")
@@ -373,21 +444,28 @@ def _message_text(i: int, m) -> tuple[str, str]:
     extra = set(m) - {"role", "content", "name"}
     if extra:
         raise bad(f"{where}.{sorted(extra)[0]}", "is not supported (tool calls and refusals are not)", "unsupported")
-    return role, content
+    out = {"role": role, "content": content}
+    if m.get("name") is not None:
+        if not isinstance(m["name"], str):
+            raise bad(f"{where}.name", "must be a string", "invalid_type")
+        out["name"] = m["name"]
+    return out
 
 
-def render_chat(messages: list[tuple[str, str]]) -> str:
-    """The plain chat template: ``Role: content`` lines, then ``Assistant:``."""
-    lines = [f"{CHAT_ROLES[role]}: {content}" for role, content in messages]
+def render_chat(messages: list) -> str:
+    """The plain chat template: ``Role: content`` lines, then ``Assistant:``.  ``messages``:
+    (role, content) pairs or ``{"role", "content"}`` objects."""
+    pairs = [(m["role"], m["content"]) if isinstance(m, dict) else m for m in messages]
+    lines = [f"{CHAT_ROLES[role]}: {content}" for role, content in pairs]
     return "\n".join(lines + ["Assistant:"])
 
 
 def parse_chat(body) -> CompletionRequest:
-    """Validate a ``POST /v1/chat/completions`` body; the prompt is the rendered template."""
+    """Validate a ``POST /v1/chat/completions`` body; the prompt is the plain template's
+    rendering (the server renders it again with the model's own template when it has one)."""
     body = _need_object(body)
     _check_known(body, _CHAT, "/v1/chat/completions")
-    _refuse_unless_neutral(body, {"logprobs": lambda v: v is False, "top_logprobs": lambda v: v == 0,
-                                  "presence_penalty": lambda v: v == 0, "frequency_penalty": lambda v: v == 0,
+    _refuse_unless_neutral(body, {"presence_penalty": lambda v: v == 0, "frequency_penalty": lambda v: v == 0,
                                   "logit_bias": lambda v: v == {}, "tools": lambda v: v == [],
                                   "functions": lambda v: v == [], "tool_choice": lambda v: v == "none",
                                   "function_call": lambda v: v == "none",
@@ -397,8 +475,15 @@ def parse_chat(body) -> CompletionRequest:
         raise bad("messages", "is required: a list of {\"role\", \"content\"} objects", "missing_required_parameter")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "must be a non-empty list of {\"role\", \"content\"} objects", "invalid_type")
-    prompt = render_chat([_message_text(i, m) for i, m in enumerate(msgs)])
-    return _common(body, "chat", prompt, ("max_completion_tokens", "max_tokens"))
+    messages = [_message(i, m) for i, m in enumerate(msgs)]
+    top = _number(body, "top_logprobs", 0, MAX_LOGPROBS, integer=True)
+    want = _flag(body, "logprobs")
+    if top is not None and not want:
+        raise bad("top_logprobs", "needs \"logprobs\": true")
+    req = _common(body, "chat", [render_chat(messages)], ("max_completion_tokens", "max_tokens"),
+                  (top or 0) if want else None)
+    req.messages = messages
+    return req
 
 
 # ---- responses -----------------------------------------------------------------------------------
@@ -412,28 +497,35 @@ def _head(req: CompletionRequest, rid: str, created: int, model: str, chunk: boo
     return {"id": rid, "object": obj, "created": created, "model": model}
 
 
-def response(req: CompletionRequest, rid: str, created: int, model: str, text: str, finish: str,
+def completion_choice(req: CompletionRequest, index: int, text: str, finish: str | None,
+                      logprobs: dict | None = None) -> dict:
+    """One choice of a whole response (chat: the assistant's message)."""
+    if req.kind == "chat":
+        return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                "logprobs": logprobs}
+    return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+
+
+def response(req: CompletionRequest, rid: str, created: int, model: str, choices: list[dict],
              prompt_tokens: int, completion_tokens: int) -> dict:
     """A whole (non-streamed) completion."""
-    if req.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                  "logprobs": None}
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-    return {**_head(req, rid, created, model, False), "choices": [choice],
+    return {**_head(req, rid, created, model, False), "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def chunk(req: CompletionRequest, rid: str, created: int, model: str, text: str | None, finish: str | None = None,
-          role: bool = False) -> dict:
-    """One stream chunk: a token's text (possibly ""), or the last one (text None, finish set)."""
+          role: bool = False, index: int = 0, logprobs: dict | None = None, usage_now: dict | None = None) -> dict:
+    """One stream chunk of choice ``index``: a token's text (possibly ""), or its last one
+    (text None, finish set).  ``usage_now``: the usage so far (``continuous_usage_stats``)."""
     if req.kind == "chat":
         delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
     obj = {**_head(req, rid, created, model, True), "choices": [choice]}
-    if req.include_usage:
+    if usage_now is not None:
+        obj["usage"] = usage_now
+    elif req.include_usage:
         obj["usage"] = None                 # as OpenAI: null on every chunk but the usage one
     return obj
 
@@ -441,6 +533,42 @@ def chunk(req: CompletionRequest, rid: str, created: int, model: str, text: str 
 def usage_chunk(req: CompletionRequest, rid: str, created: int, model: str, prompt_tokens: int,
                 completion_tokens: int) -> dict:
     return {**_head(req, rid, created, model, True), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def completion_logprobs(entries: list, name, offset: int = 0, width=None) -> dict:
+    """The legacy completions shape for ``entries`` (per token ``{"token_id", "logprob", "top"}``;
+    ``"logprob": None`` for a prompt's first token, which has no log-probability).
+    ``name(token_id)``: the token's text; ``offset``: where the first token starts in the choice's
+    text; ``width(token_id)``: how many characters of that text the token adds (default: its
+    name's length; 0 for a special token such as BOS that the text does not show).  Each
+    ``top_logprobs`` entry holds the top-k and the chosen token (vLLM's convention)."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for e in entries:
+        s = name(e["token_id"])
+        tokens.append(s)
+        offsets.append(offset)
+        offset += len(s) if width is None else width(e["token_id"])
+        if e.get("logprob") is None:
+            lps.append(None)
+            tops.append(None)
+            continue
+        lps.append(e["logprob"])
+        top = {}
+        for tid, lp in sorted({**e["top"], e["token_id"]: e["logprob"]}.items(), key=lambda kv: -kv[1]):
+            top.setdefault(name(tid), lp)     # two ids that print the same: the likelier one
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(entries: list, name, raw) -> dict:
+    """OpenAI's chat shape: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``;
+    ``raw(token_id)``: the token's bytes."""
+    def one(tid: int, lp: float) -> dict:
+        return {"token": name(tid), "logprob": lp, "bytes": list(raw(tid))}
+
+    return {"content": [{**one(e["token_id"], e["logprob"]),
+                         "top_logprobs": [one(t, lp) for t, lp in sorted(e["top"].items(), key=lambda kv: -kv[1])]}
+                        for e in entries]}
 
 
 def sse(obj: dict) -> bytes:
