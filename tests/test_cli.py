@@ -173,3 +173,14 @@ def test_generate_with_triton_backends_gives_the_eager_tokens():
     assert eager.returncode == 0 and fused.returncode == 0, fused.stderr
     assert "Triton interpreter" in fused.stderr
     assert json.loads(fused.stdout)[0]["token_ids"] == json.loads(eager.stdout)[0]["token_ids"]
+
+
+@pytest.mark.parametrize("flags", [["--temperature", "1e-38"], ["--top-p", "1e-46", "--seed", "3"]])
+def test_generate_with_vanishing_temperature_or_top_p_is_greedy(flags):
+    """Once a traceback ("probability tensor contains either inf, nan or element < 0"): values
+    validation accepts must sample; below the engine's floor they are greedy."""
+    base = CLI + ["generate", "--threads", "1", "--max-tokens", "4", "--json", "The list type"]
+    r = subprocess.run(base + flags, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    greedy = subprocess.run(base + ["--temperature", "0"], capture_output=True, text=True, timeout=600)
+    assert json.loads(r.stdout)[0]["token_ids"] == json.loads(greedy.stdout)[0]["token_ids"]

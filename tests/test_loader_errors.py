@@ -718,3 +718,21 @@ def test_default_gpu_dtype_reads_every_accepted_torch_dtype(name, want):
 
     assert default_dtype(torch.device("cuda"), name) is want      # a pure function: no GPU needed
     assert default_dtype(torch.device("cpu"), name) is torch.float32
+
+
+def test_cli_refuses_non_finite_weights_unless_told(good, capsys):
+    """The opt-out reaches the command line: exit 2 with the one-line reason, then
+    ``--no-check-finite`` loads and generates."""
+    from workbench.cli import main
+
+    import shutil
+
+    shutil.copy(Path(workbench.BUNDLED_MODEL) / "tokenizer.json", good)     # the CLI loads the folder's tokenizer
+    rewrite_tensors(good, _poison("model.norm.weight", float("nan")))
+    args = ["generate", "--model", str(good), "--device", "cpu", "--threads", "1", "--token-ids", "1 2 3",
+            "--max-tokens", "2", "--json"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "non-finite" in err and "--no-check-finite" in err and "Traceback" not in err
+    assert main(args + ["--no-check-finite"]) == 0
+    assert len(json.loads(capsys.readouterr().out)[0]["token_ids"]) == 2

@@ -355,4 +355,4 @@ def _check_finite(state: dict[str, torch.Tensor], plan: dict[str, Path]) -> None
             raise CheckpointError(
                 f"{plan[name]}: tensor '{name}' holds {count} non-finite value(s) ({kinds}; first at flat index "
                 f"{first}): the checkpoint is corrupt or was saved from a diverged run; pass "
-                "check_finite=False to load it anyway")
+                "check_finite=False (the CLI: --no-check-finite) to load it anyway")

@@ -18,6 +18,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: float32 on CPU, "
                                                  "the checkpoint's dtype on GPU)")
+    p.add_argument("--no-check-finite", dest="check_finite", action="store_false",
+                   help="load weights that hold NaN / Inf (refused by default: one pass over the tensors)")
     p.add_argument("--threads", default=None,
                    help="torch intra-op threads on a CPU: N, or auto (default: measured on the loaded model, the "
                         "fewest threads within 15%% of the fastest decode step; env WORKBENCH_THREADS)")
@@ -77,7 +79,8 @@ def cmd_generate(args) -> int:
     from .engine import LLM, RequestOutput
     from .sampling import SamplingParams
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+              check_finite=args.check_finite)
     _apply_backend(llm, args.backend, llm.device.type)
     if args.compile or args.cuda_graphs:     # after the backends: the static step is compiled / captured with them
         llm = LLM(llm.model, tokenizer=llm.tokenizer, max_model_len=args.max_model_len, compile=args.compile,
@@ -256,7 +259,7 @@ def cmd_sched_bench(args) -> int:
                            batch_invariant={"auto": None, "on": True, "off": False}[args.batch_invariant])
     from .engine import LLM
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, check_finite=args.check_finite)
     _apply_backend(llm, args.backend, llm.device.type)
     res = run_sched_bench(llm, cfg, experiments=args.experiments, progress=not args.json and not args.quiet)
     print(json.dumps(res, indent=2) if args.json else format_sched_bench(res))
@@ -332,7 +335,8 @@ def cmd_serve(args) -> int:
     from .sched import LLMEngine
 
     _check_serve_kv_args(args)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+              check_finite=args.check_finite)
     _apply_backend(llm, args.backend, llm.device.type)
     tiers = basis = None
     if args.tiers:

@@ -123,15 +123,17 @@ class LLM:
     ``static_decode`` / ``compile`` / ``cuda_graphs``: decode steps on static buffers (eager), ``torch.compile``'d (on a CPU,
     inductor's C++ for the whole step) and/or captured as CUDA graphs per batch-size bucket
     (:class:`~workbench.sched.model_runner.StaticRunner`; contiguous KV only).
+    ``check_finite``: the loader refuses NaN / Inf weights unless this is False.
     """
 
     def __init__(self, model: str | CausalLM | None = None, tokenizer=None, device=None, dtype=None,
                  max_model_len: int | None = None, kv: "PagedKVConfig | None" = None,
                  tiers: "TierConfig | None" = None, tier_basis=None, threads: int | str | None = None,
                  scheduler: SchedulerConfig | None = None, batch_invariant: bool | None = None,
-                 compile: bool = False, cuda_graphs: bool = False, static_decode: bool = False) -> None:
+                 compile: bool = False, cuda_graphs: bool = False, static_decode: bool = False,
+                 check_finite: bool = True) -> None:
         self.loaded = LoadedModel.load(model, tokenizer=tokenizer, device=device, dtype=dtype,
-                                       max_model_len=max_model_len, threads=threads)
+                                       max_model_len=max_model_len, threads=threads, check_finite=check_finite)
         if kv is not None and tiers is not None:
             raise ConfigError("LLM: give kv= (paged pool) or tiers= (tiered cache), not both")
         self.engine = LLMEngine(self.loaded, kv=kv if kv is not None or tiers is not None else "contiguous",

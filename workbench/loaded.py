@@ -33,18 +33,20 @@ class LoadedModel:
 
     @classmethod
     def load(cls, model: str | CausalLM | None = None, tokenizer=None, device=None, dtype=None,
-             max_model_len: int | None = None, threads: int | str | None = None) -> "LoadedModel":
+             max_model_len: int | None = None, threads: int | str | None = None,
+             check_finite: bool = True) -> "LoadedModel":
         """``model``: a path, ``"preset:<name>"``, None for the bundled model, or a loaded CausalLM;
         ``tokenizer``: a folder / tokenizer.json, a :class:`Tokenizer`, or None for the model
         folder's (presets have none: prompts are token-id lists).  ``threads``: see
-        :mod:`workbench.measure.threads` (measured on this model unless given)."""
+        :mod:`workbench.measure.threads` (measured on this model unless given).  ``check_finite``:
+        refuse NaN / Inf weights (one pass over the tensors; False skips it)."""
         from .measure.threads import apply_thread_policy, parse_threads
 
         parse_threads(threads, where="LLM(threads=...)")    # bad input fails before a model loads
         if isinstance(model, CausalLM):
             net, source = model, None
         else:
-            net = load_model(model, device=device, dtype=dtype)
+            net = load_model(model, device=device, dtype=dtype, check_finite=check_finite)
             source = BUNDLED_MODEL if model in (None, "bundled") else model
         choice = apply_thread_policy(net, threads)     # torch's intra-op threads (process-wide)
         if isinstance(tokenizer, Tokenizer):
@@ -86,3 +88,4 @@ class LoadedModel:
             raise ConfigError(f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
                               "(leave room for at least one generated token)")
         return prompt, ids
+
