@@ -92,6 +92,27 @@ def test_echo_logprobs_equal_the_engines(http, bundled_llm, prompt):
     assert offsets == sorted(offsets) and offsets[-1] == len(text)    # the generated token starts after the prompt
 
 
+@pytest.mark.parametrize("prompt", ["héllo → wörld 日本語 🙂 ok", [0, 621, 641, 665]])
+def test_text_offsets_index_the_text(http, bundled_llm, prompt):
+    """Each token starts at its offset: tokens that split a UTF-8 character start at that
+    character; a special token (BOS) that the text skips adds nothing."""
+    body = ok(http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True,
+                                                 "logprobs": 0, "ignore_eos": True}))
+    (choice,) = body["choices"]
+    text, lp = choice["text"], choice["logprobs"]
+    tok = bundled_llm.tokenizer
+    ids = bundled_llm.encode(prompt)[1] if isinstance(prompt, str) else prompt
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and max(lp["text_offset"]) < len(text)
+    checked = 0
+    for t, off in zip(lp["tokens"], lp["text_offset"]):
+        if "\ufffd" not in t and t != "<|endoftext|>":
+            assert text[off:off + len(t)] == t, (t, off, text)
+            checked += 1
+    assert checked >= len(ids) // 2
+    if not isinstance(prompt, str):
+        assert text.startswith(tok.decode(prompt)) and lp["text_offset"][:2] == [0, 0]
+
+
 def test_echo_with_max_tokens_zero_returns_the_prompt_alone(http, bundled_llm):
     body = ok(http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 0}))
     ref = run(bundled_llm, PROMPT, temperature=0, max_tokens=1, prompt_logprobs=0)
@@ -171,6 +192,18 @@ def test_n_samples_compute_the_prompt_once(srv, http, bundled_llm):
     prefill = sum(r.prefill_tokens for r in eng.step_records if r.step > mark)
     assert prefill == len(prompt), prefill
     assert eng.pool.manager.stats.cow_copies - cows == 3        # each fork copied the shared partial block
+
+
+def test_continuous_usage_needs_include_usage_and_echo_counts_no_token(http):
+    """As vLLM: continuous_usage_stats without include_usage adds nothing; the echoed prompt's
+    chunk counts no completion token yet."""
+    chunks = sse_chunks(http, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "stream_options": {
+        "continuous_usage_stats": True}})
+    assert all("usage" not in c for c in chunks)
+    chunks = sse_chunks(http, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "echo": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}})
+    assert chunks[0]["choices"][0]["text"] == PROMPT and chunks[0]["usage"]["completion_tokens"] == 0
+    assert chunks[1]["usage"]["completion_tokens"] == 1
 
 
 def test_streamed_n_and_continuous_usage(http, bundled_llm):
@@ -270,6 +303,24 @@ def test_chat_template_from_a_folder(tmp_path):
     (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}")
     with pytest.raises(TemplateError, match="does not parse"):
         ChatTemplate.from_folder(tmp_path)
+
+
+def test_chat_template_features_transformers_templates_use():
+    """``{% generation %}`` (assistant masks), ``tojson`` with its keywords, text parts as a list."""
+    t = ChatTemplate("{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
+                     "{% endgeneration %}{% elif m['content'] is string %}{{ m['content'] }}{% else %}"
+                     "{% for p in m['content'] %}<{{ p['text'] }}>{% endfor %}{% endif %}|{% endfor %}"
+                     "{{ {'b': 1, 'a': [1, 2]} | tojson(separators=(',', ':'), sort_keys=true) }}", {}, "t")
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]},
+            {"role": "assistant", "content": "ok"}]
+    assert t.render(msgs) == '<x><y>|ok|{"a":[1,2],"b":1}'
+
+
+def test_text_parts_render_joined_in_the_plain_template(http, bundled_llm):
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "a list?"}]}]
+    body = ok(http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 3, "temperature": 0}))
+    ref = run(bundled_llm, render_chat([("user", "What is a list?")]), temperature=0, max_tokens=3)
+    assert body["choices"][0]["message"]["content"] == ref.text
 
 
 def test_server_applies_the_checkpoints_template(srv, http, bundled_llm):

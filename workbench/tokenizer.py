@@ -111,6 +111,18 @@ class Tokenizer:
             return bytes(table[c] for c in piece)
         return self.token_to_str(token_id).encode("utf-8", "surrogatepass")
 
+    def shown_bytes(self, token_id: int) -> bytes:
+        """The bytes token ``token_id`` adds to decoded text: :meth:`token_bytes`, or nothing for a
+        special token (BOS, EOS, ...), which decoding skips."""
+        return b"" if token_id in self._special_ids else self.token_bytes(token_id)
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        try:
+            return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        except AttributeError:                  # an old tokenizers without the call
+            return frozenset()
+
     @functools.cached_property
     def _byte_symbols(self) -> dict[str, int] | None:
         """Byte-level symbol -> byte (GPT-2's table), when the decoder is byte-level; else None."""

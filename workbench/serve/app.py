@@ -395,7 +395,7 @@ class _State:
 
     def _decode(self, ids: list[int]) -> str:
         tok = self.llm.tokenizer
-        return tok.decode(ids, skip_special_tokens=False) if tok is not None else ""
+        return tok.decode(ids) if tok is not None else ""      # as generated text: special tokens skipped
 
     def tokenize(self, req: P.CompletionRequest, i: int = 0) -> list[int]:
         """Prompt ``i``'s token ids, checked against the context, vocabulary and KV pool.

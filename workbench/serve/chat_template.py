@@ -6,7 +6,9 @@ A model folder may carry a Jinja chat template: ``chat_template`` in ``tokenizer
 ``PreTrainedTokenizerBase.apply_chat_template`` renders it: a sandboxed Jinja environment with
 ``trim_blocks`` and ``lstrip_blocks``, the variables ``messages``, ``add_generation_prompt``
 (true: the prompt ends where the assistant's answer begins) and the tokenizer's special tokens
-(``bos_token``, ``eos_token``, ...), and the helpers ``raise_exception`` and ``strftime_now``.
+(``bos_token``, ``eos_token``, ...), the helpers ``raise_exception`` and ``strftime_now``,
+``tojson`` with its keyword arguments, and the ``{% generation %}`` tag (its body).  Text parts
+of a message (``"content": [{"type": "text", ...}]``) reach the template as the list they are.
 The rendered text already holds any BOS the template writes, so it is tokenized without the
 tokenizer's own special tokens (``add_special_tokens=False``), again as transformers does.
 
@@ -36,6 +38,21 @@ def _token_text(v) -> str | None:
     return v if isinstance(v, str) else None
 
 
+def _generation_extension():
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        """``{% generation %}...{% endgeneration %}``: transformers marks the assistant's tokens
+        with it (for training masks); rendering a prompt, it is its body."""
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return Generation
+
+
 class ChatTemplate:
     def __init__(self, source: str, special: dict[str, str], origin: str) -> None:
         from jinja2.exceptions import TemplateError as JinjaError
@@ -44,9 +61,14 @@ class ChatTemplate:
         def raise_exception(message):
             raise TemplateError(str(message))
 
+        _Generation = _generation_extension()
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
+                                            extensions=["jinja2.ext.loopcontrols", _Generation])
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:

@@ -92,7 +92,7 @@ class Choice:
     finish: str | None = None
     ended: bool = False
     echoed: bool = False       # stream: the prompt's chunk was sent
-    text_offset: int = 0       # completions' logprobs: where the next token starts in the choice's text
+    offsets: P.TextOffsets | None = None   # completions' logprobs: where each token starts in the text
 
     @property
     def usage(self) -> dict:
@@ -133,7 +133,9 @@ class Completion:
         tok = srv.llm.tokenizer
         self._name = tok.token_to_str if tok is not None else (lambda t: f"token_id:{t}")
         self._raw = tok.token_bytes if tok is not None else (lambda t: f"token_id:{t}".encode())
-        self._width = (lambda t: len(tok.decode([t]))) if tok is not None else (lambda t: 0)
+        shown = tok.shown_bytes if tok is not None else (lambda t: b"")
+        for c in self.choices:
+            c.offsets = P.TextOffsets(shown)
 
     # ---- submitting and aborting
     def _submit_all(self, on_event) -> None:
@@ -229,11 +231,16 @@ class Completion:
                           None, "engine_dead")
 
     # ---- what each token adds to its choice
-    def _take(self, c: Choice, ev) -> tuple[str, list]:
-        """Record token event ``ev`` of ``c``; returns (its text, its log-probability entries)."""
+    @staticmethod
+    def _take_prompt(c: Choice, ev) -> None:
+        """The prompt's log-probabilities, which come with the first token's event."""
         if ev.prompt_logprobs is not None:
             c.prompt_entries = [e if e is not None else {"token_id": t, "logprob": None}
                                 for e, t in zip(ev.prompt_logprobs, c.plan.ids)]
+
+    def _take(self, c: Choice, ev) -> tuple[str, list]:
+        """Record token event ``ev`` of ``c``; returns (its text, its log-probability entries)."""
+        self._take_prompt(c, ev)
         if c.plan.echo_only:                       # the prompt alone: the generated token is not returned
             return "", []
         c.tokens += 1
@@ -248,9 +255,7 @@ class Completion:
             return None
         if self.req.kind == "chat":
             return P.chat_logprobs(entries, self._name, self._raw)
-        out = P.completion_logprobs(entries, self._name, c.text_offset, self._width)
-        c.text_offset += sum(self._width(e["token_id"]) for e in entries)
-        return out
+        return P.completion_logprobs(entries, self._name, [c.offsets.next(e["token_id"]) for e in entries])
 
     def _echo(self, c: Choice) -> tuple[str, list]:
         """The echoed prompt's text and log-probability entries ("" and [] without echo)."""
@@ -316,11 +321,12 @@ class Completion:
                 await emit(P.sse(self._dead().body()))
                 break
             if ev.token_id >= 0:   # one chunk per token, "" while the text is held back (UTF-8, stop strings)
-                text, entries = self._take(c, ev)
-                if req.echo and not c.echoed:
+                if req.echo and not c.echoed:      # the prompt first (its usage counts no token yet)
                     c.echoed = True
+                    self._take_prompt(c, ev)
                     echo_text, echo_entries = self._echo(c)
                     await emit(self._chunk(c, echo_text, logprobs=self._format_logprobs(c, echo_entries)))
+                text, entries = self._take(c, ev)
                 if not c.plan.echo_only:
                     await emit(self._chunk(c, text, logprobs=self._format_logprobs(c, entries)))
             if ev.finished:

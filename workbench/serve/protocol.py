@@ -12,7 +12,7 @@ Supported: ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature``
 ``top_p`` (0, 1], ``top_k`` (extension; 0 or -1 = off), ``seed``, ``stop`` (a string or a
 list), ``ignore_eos`` (vLLM's extension), ``n`` (1 to :data:`MAX_N` samples of each prompt; they
 share the prompt's KV blocks), ``stream`` + ``stream_options`` (``include_usage``, and vLLM's
-``continuous_usage_stats``: usage on every chunk).  Completions: ``prompt`` as text, token ids, or
+``continuous_usage_stats``, which with ``include_usage`` puts usage on every chunk).  Completions: ``prompt`` as text, token ids, or
 a batch of either (choices are numbered prompt by prompt, ``n`` per prompt), ``echo`` (the prompt
 before the completion; with ``max_tokens: 0``, the prompt alone), ``logprobs`` (0 to
 :data:`MAX_LOGPROBS`: each token's log-probability and the top-k, for the echoed prompt tokens
@@ -363,7 +363,7 @@ def _common(body: dict, kind: str, prompts: list, max_tokens_fields: tuple[str, 
             if opts.get(key) is not None and not isinstance(opts[key], bool):
                 raise bad(f"stream_options.{key}", "must be true or false", "invalid_type")
         include_usage = opts.get("include_usage") is True
-        continuous = opts.get("continuous_usage_stats") is True
+        continuous = include_usage and opts.get("continuous_usage_stats") is True   # as vLLM: both
     return CompletionRequest(kind, model, prompts, max_tokens, _sampling(body), stream, include_usage,
                              max_tokens_param, n, echo, logprobs, continuous)
 
@@ -438,13 +438,12 @@ def _message(i: int, m) -> dict:
                 raise bad(f"{where}.content[{j}]", f"only text parts are supported, got {json.dumps(kind)}",
                           "unsupported")
             texts.append(part["text"])
-        content = "".join(texts)
-    if not isinstance(content, str):
+    elif not isinstance(content, str):
         raise bad(f"{where}.content", "must be a string or a list of text parts", "invalid_type")
     extra = set(m) - {"role", "content", "name"}
     if extra:
         raise bad(f"{where}.{sorted(extra)[0]}", "is not supported (tool calls and refusals are not)", "unsupported")
-    out = {"role": role, "content": content}
+    out = {"role": role, "content": content}     # text parts stay a list: a model's template may loop over them
     if m.get("name") is not None:
         if not isinstance(m["name"], str):
             raise bad(f"{where}.name", "must be a string", "invalid_type")
@@ -456,7 +455,8 @@ def render_chat(messages: list) -> str:
     """The plain chat template: ``Role: content`` lines, then ``Assistant:``.  ``messages``:
     (role, content) pairs or ``{"role", "content"}`` objects."""
     pairs = [(m["role"], m["content"]) if isinstance(m, dict) else m for m in messages]
-    lines = [f"{CHAT_ROLES[role]}: {content}" for role, content in pairs]
+    lines = [f"{CHAT_ROLES[role]}: {content if isinstance(content, str) else ''.join(p['text'] for p in content)}"
+             for role, content in pairs]
     return "\n".join(lines + ["Assistant:"])
 
 
@@ -535,19 +535,15 @@ def usage_chunk(req: CompletionRequest, rid: str, created: int, model: str, prom
     return {**_head(req, rid, created, model, True), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def completion_logprobs(entries: list, name, offset: int = 0, width=None) -> dict:
+def completion_logprobs(entries: list, name, offsets: list[int]) -> dict:
     """The legacy completions shape for ``entries`` (per token ``{"token_id", "logprob", "top"}``;
     ``"logprob": None`` for a prompt's first token, which has no log-probability).
-    ``name(token_id)``: the token's text; ``offset``: where the first token starts in the choice's
-    text; ``width(token_id)``: how many characters of that text the token adds (default: its
-    name's length; 0 for a special token such as BOS that the text does not show).  Each
-    ``top_logprobs`` entry holds the top-k and the chosen token (vLLM's convention)."""
-    tokens, lps, tops, offsets = [], [], [], []
+    ``name(token_id)``: the token's text; ``offsets``: where each token starts in the choice's
+    text (:class:`TextOffsets`).  Each ``top_logprobs`` entry holds the top-k and the chosen
+    token (vLLM's convention)."""
+    tokens, lps, tops = [], [], []
     for e in entries:
-        s = name(e["token_id"])
-        tokens.append(s)
-        offsets.append(offset)
-        offset += len(s) if width is None else width(e["token_id"])
+        tokens.append(name(e["token_id"]))
         if e.get("logprob") is None:
             lps.append(None)
             tops.append(None)
@@ -557,7 +553,25 @@ def completion_logprobs(entries: list, name, offset: int = 0, width=None) -> dic
         for tid, lp in sorted({**e["top"], e["token_id"]: e["logprob"]}.items(), key=lambda kv: -kv[1]):
             top.setdefault(name(tid), lp)     # two ids that print the same: the likelier one
         tops.append(top)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": list(offsets)}
+
+
+class TextOffsets:
+    """Where each token of a choice starts in its text, in characters.  Tokens are pieces of
+    bytes (``shown(token_id)``: the bytes a token adds to the text, b"" for a special token the
+    text skips); a token that starts inside a multi-byte UTF-8 character starts at that
+    character.  Decoding each token alone would count such a piece as one U+FFFD and drift."""
+
+    def __init__(self, shown) -> None:
+        self.shown = shown
+        self.chars = 0              # characters begun so far (UTF-8 lead bytes seen)
+
+    def next(self, token_id: int) -> int:
+        b = self.shown(token_id)
+        inside = bool(b) and (b[0] & 0xC0) == 0x80 and self.chars > 0
+        at = self.chars - inside
+        self.chars += sum((x & 0xC0) != 0x80 for x in b)
+        return at
 
 
 def chat_logprobs(entries: list, name, raw) -> dict:
