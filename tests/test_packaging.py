@@ -46,7 +46,7 @@ def test_environment_yml_mirrors_pyproject():
     names += [d.split(">")[0].strip() for d in project["optional-dependencies"]["dev"]]
     missing = [n for n in names if n not in env]
     assert not missing, f"environment.yml lacks {missing}"
-    assert "-e .[dev]" in env
+    assert "-e .[dev,real-clients]" in env
     assert project["scripts"]["workbench"] == "workbench.cli:main"
     for needed in ("torch", "triton", "safetensors", "tokenizers", "jupyterlab", "ipywidgets", "anywidget",
                    "plotly", "pandas", "papermill", "tqdm"):

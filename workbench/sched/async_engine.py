@@ -231,8 +231,8 @@ class AsyncEngine:
             if parent is None or parent.finished or parent.num_generated:
                 fork_of = None               # too late to share the parent's prompt: compute it (docstring of submit)
             try:
-                eng.add_request(prompt, params, request_id=rid, priority=priority, arrival_time=arrival,
-                                fork_of=fork_of)
+                extra = {"fork_of": fork_of} if fork_of else {}     # a wrapped add_request may not know forks
+                eng.add_request(prompt, params, request_id=rid, priority=priority, arrival_time=arrival, **extra)
             except Exception as e:  # noqa: BLE001 - validated already; report anything else to its caller
                 # the id may belong to a request this one must not touch: answer the caller only
                 self._deliver(StreamEvent(rid, 0, -1, "", eng.clock(), 0.0, True, "error", str(e)), release=False)

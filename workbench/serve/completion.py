@@ -140,7 +140,8 @@ class Completion:
     # ---- submitting and aborting
     def _submit_all(self, on_event) -> None:
         for c in self.choices:
-            self.srv.aengine.submit(c.plan.ids, c.params, on_event, self.priority, c.rid, fork_of=c.fork_of)
+            fork = {"fork_of": c.fork_of} if c.fork_of else {}     # only forks need the engine's fork support
+            self.srv.aengine.submit(c.plan.ids, c.params, on_event, self.priority, c.rid, **fork)
 
     def _open(self) -> list[Choice]:
         return [c for c in self.choices if not c.ended]
