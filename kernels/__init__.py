@@ -12,7 +12,7 @@ Each op lives in one file with fixed names (the Liger / Triton-tutorial shape)::
     <op>(...)          host wrapper: checks shapes / strides / dtypes (ValueError / TypeError
                        naming the argument), allocates, launches
     <op>_ref(...)      plain-torch reference: tests, benchmarks and the ``eager`` backend of
-                       :mod:`workbench.backends` all import this one
+                       :mod:`workbench.transforms.backends` all import this one
 
 =====================  ======================================================================
 file                   ops
@@ -30,7 +30,7 @@ file                   ops
                        helpers shared by the tests, the benchmark and the notebook
 =====================  ======================================================================
 
-The ``attention_*`` wrappers are what :mod:`workbench.backends` calls for its ops of the same
+The ``attention_*`` wrappers are what :mod:`workbench.transforms.backends` calls for its ops of the same
 name; the attention files name their kernels ``_flash_prefill_kernel`` / ``_paged_decode_*``.
 
 Kernels run on a CPU under the Triton interpreter (``TRITON_INTERPRET=1``) at small sizes.
@@ -45,7 +45,7 @@ import importlib.util
 import os
 
 # kernel file -> (host wrappers, their references).  The one list of what this library holds;
-# the benchmark and the notebook read it (workbench.backends names its entry points itself).
+# the benchmark and the notebook read it (workbench.transforms.backends names its entry points itself).
 KERNELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "rmsnorm": (("rmsnorm", "add_rmsnorm"), ("rmsnorm_ref", "add_rmsnorm_ref")),
     "rope": (("rope", "rope_kv_write"), ("rope_ref", "rope_kv_write_ref")),
@@ -57,7 +57,7 @@ KERNELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 # Kernel launches made through the host wrappers, by wrapper name (read by
-# workbench.cuda_graphs.count_launches; a dict increment per launch costs nothing measurable).
+# workbench.transforms.cuda_graphs.count_launches; a dict increment per launch costs nothing measurable).
 LAUNCHES: dict[str, int] = {}
 
 

@@ -24,7 +24,7 @@ bottom-right.  Two entry points share one kernel:
   engine needs: the earlier chunks' K/V are already in the pool and are not copied out.
 
 ``attention_prefill`` and ``attention_prefill_paged`` are the entry points of
-``workbench.backends`` (op ``attention_prefill``): model-shaped / no host sync.
+``workbench.transforms.backends`` (op ``attention_prefill``): model-shaped / no host sync.
 
 Choice: one kernel with a ``PAGED`` compile-time switch rather than two kernels, because the
 only difference is how a key's row address is computed; the tiling, masks and online softmax
@@ -315,7 +315,7 @@ def flash_prefill_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
-    """The model-shaped entry point (``workbench.backends``, op ``attention_prefill``): a batch of
+    """The model-shaped entry point (``workbench.transforms.backends``, op ``attention_prefill``): a batch of
     B equal-length prompts, queries = keys.  q [B, nh, T, hd], k/v [B, nkv, T, hd] -> [B, nh, T, hd].
 
     Packs to the varlen layout (a view when the inputs are [B, T, heads, hd] transposed, as the
@@ -338,7 +338,7 @@ def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
 def attention_prefill_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                             max_seqlen_q: int, sliding_window: int | None = None) -> torch.Tensor:
-    """The chunk-aware entry point of ``workbench.backends`` (op ``attention_prefill``): causal
+    """The chunk-aware entry point of ``workbench.transforms.backends`` (op ``attention_prefill``): causal
     :func:`flash_prefill_paged` without any device->host copy (the offsets, lengths and block
     ids are not validated: the caller made them).  q [total_q, nh, hd] packed sequence after
     sequence (``cu_seqlens_q`` [B+1] int32), k_cache/v_cache [num_blocks, block_size, nkv, hd],

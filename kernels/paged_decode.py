@@ -276,7 +276,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
-    """The entry point of ``workbench.backends`` (op ``attention_decode``): :func:`paged_decode`
+    """The entry point of ``workbench.transforms.backends`` (op ``attention_decode``): :func:`paged_decode`
     without any device->host copy, so it can run inside a CUDA graph.  The split count is chosen
     from the block tables' capacity (``max_blocks * block_size``, known on the host; at most the
     window) instead of the largest length, and the lengths / block ids are not validated (the

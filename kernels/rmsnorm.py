@@ -4,7 +4,7 @@ Math (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization")::
 
     y = w * x / sqrt(mean(x^2) + eps)                         per row of N elements
 
-Reference semantics (``workbench.model.RMSNorm``, as Hugging Face's Llama): the statistics in
+Reference semantics (``workbench.model.decoder.RMSNorm``, as Hugging Face's Llama): the statistics in
 float32, the normalised row rounded to the input dtype *before* the weight multiply::
 
     y = weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)
@@ -128,7 +128,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The reference: exactly ``workbench.model.RMSNorm.forward``."""
+    """The reference: exactly ``workbench.model.decoder.RMSNorm.forward``."""
     dtype = x.dtype
     xf = x.float()                                                # read e MN, write 4 MN
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # pow r4 w4, mean r4, mul r4 w4

@@ -210,7 +210,7 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
 
 def rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference: ``workbench.model.apply_rope`` (in the input dtype) per token's row."""
+    """The reference: ``workbench.model.decoder.apply_rope`` (in the input dtype) per token's row."""
     c, s = cos[positions][:, None, :], sin[positions][:, None, :]     # [N, 1, D]
 
     def rot(x):

@@ -9,7 +9,7 @@ with ``g_i`` independent standard Gumbel noise,
 exactly, so a sample is an argmax -- the same single pass as greedy decoding, with the noise
 added.  Greedy (``T = 0``) is the argmax of the logits themselves.
 
-Which tokens are allowed (top-k, then top-p, the order of :func:`workbench.sampling.sample`) is
+Which tokens are allowed (top-k, then top-p, the order of :func:`workbench.engine.sampling.sample`) is
 one threshold per row on the *raw* logits: token i is allowed when ``l_i >= thr``.  The
 threshold needs an order statistic (the k-th largest logit) and, for top-p, a cumulative sum of
 sorted probabilities -- not something a single streaming pass can give.  It is computed on the
@@ -294,7 +294,7 @@ def greedy_tokens_ref(logits: torch.Tensor) -> torch.Tensor:
 
 def sample_tokens_ref(logits: torch.Tensor, temperature: PerRow = 1.0, top_k: PerRow = 0, top_p: PerRow = 1.0,
                       generator: torch.Generator | None = None, gumbel: torch.Tensor | None = None) -> torch.Tensor:
-    """The reference, row by row in plain torch: the masking of :func:`workbench.sampling.sample`
+    """The reference, row by row in plain torch: the masking of :func:`workbench.engine.sampling.sample`
     (temperature, then top-k by ``masked_fill(s < kth)``, then top-p by the sorted cumulative sum),
     then the Gumbel-max draw ``argmax(l * (1/T) + g)`` over the allowed tokens -- the same noise as
     :func:`sample_tokens` for the same generator state, so the two agree token for token."""

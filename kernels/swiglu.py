@@ -7,7 +7,7 @@ Math (Shazeer 2020, "GLU Variants Improve Transformer"; silu = x * sigmoid(x), E
 The input is either two tensors ``gate, up`` [..., I], or one tensor [..., 2I] holding
 ``[gate | up]`` (the output of a merged gate_up projection, one GEMM instead of two).
 
-Reference semantics (``workbench.model.MLP``): ``F.silu(gate) * up`` in the input dtype (silu
+Reference semantics (``workbench.model.decoder.MLP``): ``F.silu(gate) * up`` in the input dtype (silu
 rounded to the dtype, then the product rounded).  The kernel computes in fp32 and rounds once.
 
 Bytes (M rows, I columns, e bytes per element)::
@@ -87,6 +87,6 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
 
 
 def swiglu_ref(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
-    """The reference: exactly ``workbench.model.MLP``'s ``F.silu(gate) * up``."""
+    """The reference: exactly ``workbench.model.decoder.MLP``'s ``F.silu(gate) * up``."""
     g, u = _split("swiglu_ref", gate, up)
     return torch.nn.functional.silu(g) * u          # silu: read e, write e; mul: read 2e, write e

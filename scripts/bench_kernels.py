@@ -5,7 +5,7 @@
     PYTHONPATH=. python scripts/bench_kernels.py --help
 
 Runs from a plain checkout (no install).  Prints a table last and appends every row to
-runs/kernel_bench.csv (--csv); see workbench/kernel_bench.py for the formulas and columns.
+runs/kernel_bench.csv (--csv); see workbench/bench/kernels.py for the formulas and columns.
 """
 
 import sys
@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workbench.kernel_bench import main  # noqa: E402
+from workbench.bench.kernels import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

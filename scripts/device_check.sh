@@ -105,7 +105,7 @@ step() {   # step NAME CAP_S command...: stdout -> $WORK/NAME.out, stderr -> $WO
   [ "$status" = ok ] || tail -n 3 "$WORK/$name.log" | cut -c1-300
 }
 
-WB=("$PY" -m workbench.cli)
+WB=("$PY" -m workbench.cli.main)
 echo "device check: $DEV, $PY, tables -> $DIR"
 step tests 100 "$PY" -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"
 step kernels_bench 140 "${WB[@]}" kernels-bench --device "$DEV" --size "$SIZE" --csv "$WORK/kernel_bench.csv" --quiet

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 import workbench  # noqa: E402
 from workbench import LLMEngine, SamplingParams, SchedulerConfig  # noqa: E402
-from workbench.backends import OPS, available_backends, using_backends  # noqa: E402
+from workbench.transforms.backends import OPS, available_backends, using_backends  # noqa: E402
 from workbench.data import heldout_prompts  # noqa: E402
 from workbench.kv.paged import PagedKVConfig  # noqa: E402
 from workbench.measure.agreement import agreement, divergence_margin  # noqa: E402

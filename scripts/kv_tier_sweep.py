@@ -4,7 +4,7 @@
 
 No command line: edit the parameters below (or call ``main(...)`` from Python).  What it does:
 
-1. split the held-out corpus by whole documents (workbench.kv.tier_eval.heldout_split):
+1. split the held-out corpus by whole documents (workbench.bench.tier_eval.heldout_split):
    calibration documents fit the PCA bases (post- and pre-RoPE), evaluation documents are scored;
 2. print the explained key variance per rank (mean over layers and KV heads);
 3. check on the real model that one-pass evaluation equals step-by-step decoding;
@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT))
 import workbench as wb  # noqa: E402
 from workbench.kv.pca import fit_pca_from_model  # noqa: E402
 from workbench.kv.tier_config import TierConfig  # noqa: E402
-from workbench.kv.tier_eval import (best_under, check_sequential, heldout_split, pareto_front,  # noqa: E402
-                                    pareto_figure, sweep)
+from workbench.bench.tier_eval import best_under, check_sequential, heldout_split, pareto_front, sweep  # noqa: E402
+from workbench.lab.kv_view import pareto_figure  # noqa: E402
 
 # ---- parameters -----------------------------------------------------------------------------
 DEVICE = "cpu"

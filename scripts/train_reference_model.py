@@ -37,9 +37,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from workbench.config import ModelConfig  # noqa: E402
-from workbench.loader import load_model, save_model  # noqa: E402
-from workbench.model import CausalLM, init_weights  # noqa: E402
+from workbench.model.config import ModelConfig  # noqa: E402
+from workbench.model.loader import load_model, save_model  # noqa: E402
+from workbench.model.decoder import CausalLM, init_weights  # noqa: E402
 
 SOURCES_IN_DEB = "usr/share/doc/python3.11/html/_sources"
 EOS = "<|endoftext|>"

@@ -28,8 +28,8 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, tor
 os.environ["WORKBENCH_THREADS"] = str(torch.get_num_threads())
 
 import workbench  # noqa: E402
-from workbench.config import ModelConfig  # noqa: E402
-from workbench.model import CausalLM, init_weights  # noqa: E402
+from workbench.model.config import ModelConfig  # noqa: E402
+from workbench.model.decoder import CausalLM, init_weights  # noqa: E402
 
 BUNDLED_READY = (workbench.BUNDLED_MODEL / "model.safetensors").is_file()
 

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from workbench.errors import ConfigError
-from workbench.sampling import SamplingParams
-from workbench.sched import AsyncEngine, LLMEngine, SchedulerConfig
+from workbench.engine.sampling import SamplingParams
+from workbench.sched import SchedulerConfig
+from workbench.engine import AsyncEngine, LLMEngine
 
 PROMPT = "The list type"
 

@@ -1,4 +1,4 @@
-"""Per-op backends (``workbench.backends``): each op switched alone, the registry's errors, the
+"""Per-op backends (``workbench.transforms.backends``): each op switched alone, the registry's errors, the
 CLI's spec parser, and the engines with every Triton op on giving the eager greedy tokens.
 
 Runs on the CPU under the Triton interpreter (set before the kernel modules are imported).
@@ -23,13 +23,13 @@ pytest.importorskip("triton", reason="triton is not installed (the kernels need 
 
 import workbench  # noqa: E402
 import workbench_kernels  # noqa: E402
-from workbench.backends import (  # noqa: E402
+from workbench.transforms.backends import (  # noqa: E402
     BACKENDS, OPS, BackendMLP, apply_backends, available_backends, current_backends, describe_backends,
     parse_backend_spec, remove_backends, resolve_ops, using_backends)
-from workbench.config import ModelConfig  # noqa: E402
+from workbench.model.config import ModelConfig  # noqa: E402
 from workbench.errors import ConfigError  # noqa: E402
 from workbench.kv.paged import PagedKVConfig  # noqa: E402
-from workbench.model import MLP, CausalLM, init_weights  # noqa: E402
+from workbench.model.decoder import MLP, CausalLM, init_weights  # noqa: E402
 from workbench_kernels.flash_prefill import flash_prefill_paged_ref  # noqa: E402
 from workbench_kernels.paged_decode import paged_decode_ref as paged_decode_kernel_ref  # noqa: E402
 
@@ -296,7 +296,7 @@ def test_batched_engine_with_all_triton_ops_gives_the_eager_greedy_tokens(bundle
     """The batched engine's steps go through the model's own DecoderLayer.forward, so every
     kernel runs there (the fused residual add + RMSNorm, RoPE fused with the paged K/V write,
     paged decode attention, paged flash prefill), and the tokens stay eager's."""
-    from workbench.sched import LLMEngine
+    from workbench.engine import LLMEngine
 
     llm, params, eager = bundled
     with using_backends(llm.model, parse_backend_spec("triton")):

@@ -24,11 +24,12 @@ pytest.importorskip("triton", reason="triton is not installed (the kernels need 
 
 import workbench  # noqa: E402
 import workbench_kernels  # noqa: E402
-from workbench.backends import current_backends, using_backends  # noqa: E402
-from workbench.config import ModelConfig  # noqa: E402
+from workbench.transforms.backends import current_backends, using_backends  # noqa: E402
+from workbench.model.config import ModelConfig  # noqa: E402
 from workbench.kv.paged import PagedKVConfig  # noqa: E402
-from workbench.model import CausalLM, init_weights  # noqa: E402
-from workbench.sched import LLMEngine, SchedulerConfig  # noqa: E402
+from workbench.model.decoder import CausalLM, init_weights  # noqa: E402
+from workbench.sched import SchedulerConfig
+from workbench.engine import LLMEngine  # noqa: E402
 
 from conftest import BUNDLED_READY  # noqa: E402
 

@@ -10,7 +10,8 @@ import pytest
 
 from workbench import SamplingParams
 from workbench.kv.paged import PagedKVConfig
-from workbench.sched import AsyncEngine, LLMEngine, SchedulerConfig
+from workbench.sched import SchedulerConfig
+from workbench.engine import AsyncEngine, LLMEngine
 
 PROMPTS = ["The list data type has some more methods.", "To create a new virtual environment,",
            "The :mod:`logging` module", "A function is", "When an exception is raised, the",

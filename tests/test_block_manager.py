@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from workbench.errors import WorkbenchError
-from workbench.config import ModelConfig
+from workbench.model.config import ModelConfig
 from workbench.errors import ConfigError
 from workbench.kv import AllocStatus, BlockManager, KVLayout, MissReason
 

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from workbench.cli import main
+from workbench.cli.main import main
 
-CLI = [sys.executable, "-m", "workbench.cli"]
+CLI = [sys.executable, "-m", "workbench.cli.main"]
 
 
 @pytest.mark.parametrize("sub", [[], ["generate"], ["bench"], ["run-notebooks"], ["info"]])

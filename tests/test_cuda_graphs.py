@@ -1,4 +1,4 @@
-"""Static-buffer decode (``workbench.cuda_graphs``): on a CPU, ``capture()`` says in one line that
+"""Static-buffer decode (``workbench.transforms.cuda_graphs``): on a CPU, ``capture()`` says in one line that
 graphs need CUDA and the same static path runs eagerly; it must give the reference engine's
 greedy tokens, with eager and with Triton ops, and batch sequences into buckets exactly.
 Launch counting (``launches_per_decode_step``) is checked against the model's structure.
@@ -18,11 +18,11 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed (the kernels need it, also on CPU)")
 
 import workbench  # noqa: E402
-from workbench.backends import OPS, apply_backends, current_backends, parse_backend_spec  # noqa: E402
-from workbench.config import ModelConfig  # noqa: E402
-from workbench.cuda_graphs import NO_CUDA, GraphedDecoder, launches_per_decode_step  # noqa: E402
+from workbench.transforms.backends import OPS, apply_backends, current_backends, parse_backend_spec  # noqa: E402
+from workbench.model.config import ModelConfig  # noqa: E402
+from workbench.transforms.cuda_graphs import NO_CUDA, GraphedDecoder, launches_per_decode_step  # noqa: E402
 from workbench.errors import ConfigError, WorkbenchError  # noqa: E402
-from workbench.model import CausalLM, init_weights  # noqa: E402
+from workbench.model.decoder import CausalLM, init_weights  # noqa: E402
 from workbench_kernels._testing import assert_close  # noqa: E402
 
 from conftest import BUNDLED_READY  # noqa: E402

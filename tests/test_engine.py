@@ -9,7 +9,7 @@ import torch
 
 import workbench
 from workbench import SamplingParams, WorkbenchError
-from workbench.sampling import sample
+from workbench.engine.sampling import sample
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPT = "The list data type has some more methods."

@@ -11,8 +11,8 @@ import pytest
 from workbench import LLMEngine, SamplingParams, SchedulerConfig
 from workbench.errors import WorkbenchError
 from workbench.kv.paged import PagedKVConfig
-from workbench.sched import AsyncEngine
-from workbench.sched import engine as engine_module
+from workbench.engine import AsyncEngine
+from workbench.engine import core as engine_module
 
 PROMPTS = ["The list type", "A function is", "Python's for statement", "To create a virtual environment",
            "The logging module", "When an exception is raised", "Classes provide a means", "The with statement"]
@@ -130,7 +130,7 @@ def test_under_load_the_async_engine_isolates_and_keeps_serving(random_llm, alon
 
 
 def test_generate_cli_with_a_vanishing_temperature(capsys):
-    from workbench.cli import main
+    from workbench.cli.main import main
 
     assert main(["generate", "--model", "preset:tiny", "--device", "cpu", "--token-ids", "1 2 3",
                  "--temperature", "1e-45", "--max-tokens", "4", "--quiet"]) == 0

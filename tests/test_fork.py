@@ -14,8 +14,9 @@ from workbench import SamplingParams
 from workbench.errors import ConfigError
 from workbench.kv.inspect import KVInspector
 from workbench.kv.paged import PagedKVConfig
-from workbench.sched import AsyncEngine, LLMEngine, SchedulerConfig
-from workbench.sched import engine as engine_module
+from workbench.sched import SchedulerConfig
+from workbench.engine import AsyncEngine, LLMEngine
+from workbench.engine import core as engine_module
 
 PROMPT = "The list data type has some more methods."
 BLOCK = 4

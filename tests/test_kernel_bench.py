@@ -39,7 +39,7 @@ def bench_run(tmp_path_factory):
     out_csv, out_json = tmp / "runs" / "kernel_bench.csv", tmp / "kb.json"
     proc = _run(f"""
         import sys
-        from workbench import kernel_bench as kb
+        from workbench.bench import kernels as kb
         kb.SIZES["small"].update({TINY!r})
         args = ["--device", "cpu", "--size", "small", "--repeats", "2", "--warmup", "1", "--quiet",
                 "--csv", {str(out_csv)!r}]
@@ -51,7 +51,7 @@ def bench_run(tmp_path_factory):
 
 
 def test_every_section_op_and_provider_has_a_complete_row(bench_run):
-    from workbench.kernel_bench import OPS, ROW_FIELDS
+    from workbench.bench.kernels import OPS, ROW_FIELDS
 
     _, rows, _ = bench_run
     assert all(list(r) == ROW_FIELDS for r in rows)
@@ -122,7 +122,7 @@ def test_decode_rows_state_the_model_bytes_and_launches(bench_run):
 
 
 def test_csv_is_appended_with_one_header(bench_run):
-    from workbench.kernel_bench import ROW_FIELDS, check_csv
+    from workbench.bench.kernels import ROW_FIELDS, check_csv
 
     _, rows, path = bench_run
     with open(path, newline="") as f:
@@ -141,7 +141,7 @@ def test_csv_is_appended_with_one_header(bench_run):
 def test_a_failing_provider_is_recorded_and_the_run_goes_on(tmp_path):
     proc = _run(f"""
         import json
-        from workbench import kernel_bench as kb
+        from workbench.bench import kernels as kb
         kb.SIZES["small"].update({TINY!r})
         real = kb.make_case
 
@@ -174,7 +174,7 @@ def test_a_failing_provider_is_recorded_and_the_run_goes_on(tmp_path):
 
 def test_config_rejects_bad_values():
     from workbench.errors import ConfigError
-    from workbench.kernel_bench import KernelBenchConfig
+    from workbench.bench.kernels import KernelBenchConfig
 
     for bad in (dict(size="huge"), dict(ops=("gelu",)), dict(sections=("warp",)), dict(repeats=0),
                 dict(compile="maybe"), dict(overrides={"nope": 1})):

@@ -31,9 +31,9 @@ pytest.importorskip("triton", reason="triton is not installed (the kernels need 
 import torch.nn.functional as F  # noqa: E402
 
 __import__("workbench")  # registers the workbench_kernels import name
-from workbench.config import ModelConfig  # noqa: E402
+from workbench.model.config import ModelConfig  # noqa: E402
 from workbench.kv.paged import PagedKVConfig, PagedKVPool  # noqa: E402
-from workbench.model import CausalLM, init_weights  # noqa: E402
+from workbench.model.decoder import CausalLM, init_weights  # noqa: E402
 from workbench_kernels.flash_prefill import (  # noqa: E402
     _flash_prefill_kernel, flash_prefill, flash_prefill_paged, flash_prefill_paged_ref, flash_prefill_ref,
     prefill_cost)
@@ -323,7 +323,7 @@ def test_cost_formulas():
 # ---- against the model, through the real paged pool -------------------------------------------------
 
 class _CapturingF:
-    """Stands in for torch.nn.functional inside workbench.model: records every SDPA call."""
+    """Stands in for torch.nn.functional inside workbench.model.decoder: records every SDPA call."""
 
     def __init__(self):
         self.calls = []
@@ -350,7 +350,7 @@ def test_kernels_equal_model_attention_over_paged_pool(monkeypatch, window):
                        torch.device(DEVICE), torch.float32, default_tokens=0)
     row = lambda x: torch.tensor([x], device=DEVICE)  # noqa: E731  [1, T] token ids
     spy = _CapturingF()
-    monkeypatch.setattr("workbench.model.F", spy)
+    monkeypatch.setattr("workbench.model.decoder.F", spy)
     L, prompts = cfg.num_hidden_layers, {"a": [5, 9, 2, 33, 14, 7, 21, 3, 8, 40, 11], "b": [17, 4, 29, 6, 1]}
     caches = {}
     with torch.no_grad():

@@ -1,7 +1,7 @@
 """Every Triton kernel compiles for Hopper (sm_90) and Ampere (sm_80), checked without a GPU.
 
 The other kernel tests run under the Triton interpreter, which accepts some code the real
-compiler rejects; here ``workbench.kernel_aot`` runs the real pipeline (TTIR -> PTX -> ptxas ->
+compiler rejects; here ``workbench.transforms.kernel_aot`` runs the real pipeline (TTIR -> PTX -> ptxas ->
 cubin) for both targets at the representative sizes, launching each kernel through its host
 wrapper on meta tensors (see that module).  Compilation needs a process where
 ``TRITON_INTERPRET`` is not 1 (other test modules set it in this process), so it runs in
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 TARGETS = ("sm_90", "sm_80")
 # kernel file -> its launchable kernels (a kernel added to a file without a case in
-# workbench.kernel_aot shows up there as an error row, so this list is a floor, not the set)
+# workbench.transforms.kernel_aot shows up there as an error row, so this list is a floor, not the set)
 KERNELS = {
     "rmsnorm": {"_rmsnorm_fwd_kernel"},
     "rope": {"_rope_fwd_kernel"},
@@ -45,7 +45,7 @@ def _aot(args: list[str], tmp: Path, interpret: bool = False) -> list[dict]:
     env.pop("TRITON_INTERPRET", None)
     if interpret:       # the module must notice and compile in a clean child process itself
         env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "workbench.kernel_aot", "--json", *args], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "workbench.transforms.kernel_aot", "--json", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     if proc.returncode == 2 and "ptxas" in proc.stderr:
         pytest.skip(f"no ptxas in this triton install: {proc.stderr.strip().splitlines()[-1]}")
@@ -140,7 +140,7 @@ def test_format_and_cli_options():
     """The table and the argparse hook, without compiling anything."""
     import argparse
 
-    from workbench.kernel_aot import add_arguments, format_aot
+    from workbench.transforms.kernel_aot import add_arguments, format_aot
 
     args = add_arguments(argparse.ArgumentParser()).parse_args([])
     assert (args.targets, args.dtypes, args.configs, args.json) == ("90,80", "bfloat16", "all", False)
@@ -162,7 +162,7 @@ def test_launch_knobs_are_feature_detected():
     from dataclasses import dataclass
     from types import SimpleNamespace
 
-    from workbench.kernel_aot import _launch_knobs
+    from workbench.transforms.kernel_aot import _launch_knobs
 
     @dataclass
     class Old:                      # triton 3.6 - 3.8's options

@@ -37,8 +37,8 @@ pytest.importorskip("triton", reason="triton is not installed (the kernels need 
 
 __import__("workbench")  # registers the workbench_kernels import name
 import workbench_kernels  # noqa: E402
-from workbench.config import ModelConfig  # noqa: E402
-from workbench.model import RotaryEmbedding  # noqa: E402
+from workbench.model.config import ModelConfig  # noqa: E402
+from workbench.model.decoder import RotaryEmbedding  # noqa: E402
 from workbench_kernels._testing import assert_close, assert_lowp_close  # noqa: E402
 from workbench_kernels.rmsnorm import _rmsnorm_fwd_kernel, add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref  # noqa: E402
 from workbench_kernels.rope import rope, rope_kv_write, rope_kv_write_ref, rope_ref  # noqa: E402

@@ -7,7 +7,7 @@ at small awkward shapes under the Triton interpreter on a CPU.
   row-strided slice.  Tie rule: the lowest index, as ``torch.argmax``.
 * Sampling is compared with ``sample_tokens_ref`` token for token: the same generator gives both
   the same Gumbel noise, and the reference masks top-k / top-p its own way (row by row, as
-  ``workbench.sampling.sample`` does), so the kernel's host-side thresholds are checked too.
+  ``workbench.engine.sampling.sample`` does), so the kernel's host-side thresholds are checked too.
 * The distribution: many draws in one batched call against ``softmax(logits / T)`` restricted to
   the top-k (or the nucleus); the bound is stated where it is used.
 """

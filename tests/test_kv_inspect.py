@@ -14,8 +14,8 @@ from workbench import SamplingParams
 from workbench.kv import PagedKVConfig, TierConfig, fit_pca_from_model
 from workbench.kv.inspect import KVInspector, pool_report, report, tier_frame, tier_report
 from workbench.kv.tier_config import resident_bytes, zone_counts
-from workbench.kv.view import (KVBlockMapView, block_map_figure, format_report, text_block_map, zone_runs)
-from workbench.model import CausalLM
+from workbench.lab.kv_view import (KVBlockMapView, block_map_figure, format_report, text_block_map, zone_runs)
+from workbench.model.decoder import CausalLM
 
 torch.set_num_threads(1)
 

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 import workbench
-from workbench.config import ModelConfig
+from workbench.model.config import ModelConfig
 from workbench.errors import CheckpointError, WorkbenchError
-from workbench.llamacpp import (cached_gguf, export_gguf, gguf_tensor_name, llamacpp_decode_rate, llamacpp_row,
+from workbench.bench.llamacpp import (cached_gguf, export_gguf, gguf_tensor_name, llamacpp_decode_rate, llamacpp_row,
                                 llamacpp_unavailable_reason, permute_qk)
-from workbench.loader import save_model
-from workbench.model import CausalLM, init_weights, rope_inv_freq
+from workbench.model.loader import save_model
+from workbench.model.decoder import CausalLM, init_weights, rope_inv_freq
 
 BUNDLED_READY = (workbench.BUNDLED_MODEL / "model.safetensors").is_file()
 needs_bundled = pytest.mark.skipif(not BUNDLED_READY, reason="bundled model weights not present")
@@ -141,7 +141,7 @@ def test_preset_has_no_checkpoint(monkeypatch):
 @needs_gguf
 @needs_bundled
 def test_export_bundled_model_reads_back(tmp_path):
-    cfg = workbench.loader.read_config(workbench.BUNDLED_MODEL)
+    cfg = workbench.model.loader.read_config(workbench.BUNDLED_MODEL)
     path = export_gguf(workbench.BUNDLED_MODEL, tmp_path / "ref.gguf")
     assert path == tmp_path / "ref.gguf" and [p.name for p in tmp_path.iterdir()] == ["ref.gguf"]
     reader = gguf.GGUFReader(str(path))

@@ -13,8 +13,9 @@ import pytest
 pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from workbench.load import GuardedTarget, HTTPTarget, LoadConfig, SLOConfig, SLOGuard, run_load_sync  # noqa: E402
-from workbench.load.views import parse_prometheus_text, pick_metrics  # noqa: E402
+from workbench.load import HTTPTarget, LoadConfig, run_load_sync
+from workbench.serve.slo import GuardedTarget, SLOConfig, SLOGuard  # noqa: E402
+from workbench.lab.load_views import parse_prometheus_text, pick_metrics  # noqa: E402
 
 PROMPTS = ["The list type", "A dictionary maps keys", "Python is"]
 
@@ -146,7 +147,7 @@ def test_slo_guard_in_front_of_the_server_sheds_without_sending(server):
 def test_cli_against_the_server_json(server, capsys):
     import argparse
 
-    from workbench.load.cli import add_parser
+    from workbench.cli.load import add_parser
 
     ap = argparse.ArgumentParser(prog="workbench")
     add_parser(ap.add_subparsers(dest="command", required=True))

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 import workbench  # noqa: E402
 from workbench import ModelConfig, WorkbenchError  # noqa: E402
 from workbench.errors import CheckpointError, ConfigError  # noqa: E402
-from workbench.model import CausalLM, init_weights  # noqa: E402
+from workbench.model.decoder import CausalLM, init_weights  # noqa: E402
 
 # Small enough to be instant; GQA 2:1, untied so that lm_head.weight is a real tensor.
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -445,8 +445,8 @@ import threading  # noqa: E402
 import time  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 
-from workbench.config import MAX_HIDDEN_LAYERS, MAX_POSITION_EMBEDDINGS  # noqa: E402
-from workbench.loader import read_safetensors_header  # noqa: E402
+from workbench.model.config import MAX_HIDDEN_LAYERS, MAX_POSITION_EMBEDDINGS  # noqa: E402
+from workbench.model.loader import read_safetensors_header  # noqa: E402
 
 
 @contextmanager
@@ -675,7 +675,7 @@ def test_quantization_config_is_refused_clearly(good):
 
 def test_expected_shapes_match_the_model():
     """The loader's header check computes shapes from the config; they must be the model's."""
-    from workbench.loader import expected_shapes
+    from workbench.model.loader import expected_shapes
 
     for over in ({}, dict(tie_word_embeddings=True), dict(architecture="Qwen2ForCausalLM", qkv_bias=True),
                  dict(qkv_bias=True, o_bias=True, mlp_bias=True), dict(head_dim=16)):
@@ -695,7 +695,7 @@ def test_cli_prints_one_line_for_a_bad_folder(good):
 
     edit_config(good, num_hidden_layers=1_000_000)
     with deadline(60):
-        r = subprocess.run([sys.executable, "-m", "workbench.cli", "info", "--model", str(good)],
+        r = subprocess.run([sys.executable, "-m", "workbench.cli.main", "info", "--model", str(good)],
                            capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
@@ -714,7 +714,7 @@ def test_sharded_index_with_bad_shard_names(good, weight_map, expect):
                                        ("torch.float16", torch.float16), ("bf16", torch.bfloat16),
                                        ("float64", torch.float32)])
 def test_default_gpu_dtype_reads_every_accepted_torch_dtype(name, want):
-    from workbench.loader import default_dtype
+    from workbench.model.loader import default_dtype
 
     assert default_dtype(torch.device("cuda"), name) is want      # a pure function: no GPU needed
     assert default_dtype(torch.device("cpu"), name) is torch.float32
@@ -723,7 +723,7 @@ def test_default_gpu_dtype_reads_every_accepted_torch_dtype(name, want):
 def test_cli_refuses_non_finite_weights_unless_told(good, capsys):
     """The opt-out reaches the command line: exit 2 with the one-line reason, then
     ``--no-check-finite`` loads and generates."""
-    from workbench.cli import main
+    from workbench.cli.main import main
 
     import shutil
 

@@ -208,7 +208,7 @@ def test_target_exceptions_and_early_ends_are_errors():
 def test_callable_target_accepts_engine_style_events_and_passes_priority_and_sampling():
     seen = []
 
-    class Ev:   # duck-typed like workbench.engine.StreamEvent
+    class Ev:   # duck-typed like workbench.engine.llm.StreamEvent
         def __init__(self, i, last):
             import time
             self.time, self.text, self.token_id, self.finished = time.perf_counter(), f"<{i}>", i, last
@@ -501,7 +501,7 @@ def test_http_target_config_errors():
 def test_dashboard_follows_a_run_throttled_and_static_figure():
     pytest.importorskip("plotly")
     pytest.importorskip("ipywidgets")
-    from workbench.load import LatencyDashboard
+    from workbench.lab.load_views import LatencyDashboard
 
     cfg = LoadConfig(mode="constant", stages=[(0.3, 60), (0.3, 60)], max_tokens=3, prompts=PROMPTS, tick_s=0.05)
     with VirtualTime() as vt:          # the run's and the dashboard's clock: redraw pacing is exact
@@ -531,8 +531,8 @@ def test_latency_vs_load_figure_and_prometheus_parsing():
     pytest.importorskip("plotly")
     import pandas as pd
 
-    from workbench.load import latency_vs_load_figure
-    from workbench.load.views import parse_prometheus_text, pick_metrics
+    from workbench.lab.load_views import latency_vs_load_figure
+    from workbench.lab.load_views import parse_prometheus_text, pick_metrics
 
     df = pd.DataFrame({"window_ms": [0, 0, 5, 5], "offered_qps": [1, 2, 1, 2],
                        "ttft_p50_ms": [10, 20, 12, 15], "ttft_p95_ms": [15, 40, 16, 22]})
@@ -552,7 +552,8 @@ def test_latency_vs_load_figure_and_prometheus_parsing():
 @pytest.fixture(scope="module")
 def engine_target():
     from workbench.load import EngineTarget
-    from workbench.sched import AsyncEngine, LLMEngine, SchedulerConfig
+    from workbench.sched import SchedulerConfig
+    from workbench.engine import AsyncEngine, LLMEngine
 
     eng = LLMEngine(None, device="cpu", scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=128))
     priorities = []
@@ -690,7 +691,7 @@ def test_engine_target_input_checks():
 def _cli(argv):
     import argparse
 
-    from workbench.load.cli import add_parser
+    from workbench.cli.load import add_parser
 
     ap = argparse.ArgumentParser(prog="workbench")
     add_parser(ap.add_subparsers(dest="command", required=True))
@@ -698,7 +699,7 @@ def _cli(argv):
 
 
 def test_cli_stage_and_prompt_parsing(tmp_path):
-    from workbench.load.cli import parse_duration, parse_stages, read_prompts
+    from workbench.cli.load import parse_duration, parse_stages, read_prompts
 
     assert parse_stages("10s:5,30s:20,10s:0") == [(10.0, 5.0), (30.0, 20.0), (10.0, 0.0)]
     assert parse_stages("500ms:2.5, 1m:1,2:0") == [(0.5, 2.5), (60.0, 1.0), (2.0, 0.0)]
@@ -721,7 +722,7 @@ def test_cli_stage_and_prompt_parsing(tmp_path):
 
 
 def test_cli_parser_and_argument_errors():
-    from workbench.load.cli import cmd_load, run_load_command
+    from workbench.cli.load import cmd_load, run_load_command
 
     args = _cli(["load", "--url", "http://127.0.0.1:1", "--mode", "closed", "--stages", "1s:2",
                  "--max-requests", "5", "--max-seconds", "3", "--priority", "2", "--slo-factor", "2", "--json"])

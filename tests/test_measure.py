@@ -11,7 +11,7 @@ import torch
 
 import workbench
 from workbench.errors import ConfigError
-from workbench.model import CausalLM, init_weights
+from workbench.model.decoder import CausalLM, init_weights
 from workbench.measure import compare as C
 from workbench.measure import threads as T
 from workbench.measure.probe import last_probe, noise_probe
@@ -248,7 +248,7 @@ def test_llm_reports_its_threads_in_every_request_row(random_llm, keep_threads):
 
 
 def test_batched_engine_rows_and_server_header_carry_the_threads(random_llm, keep_threads):
-    from workbench.sched import LLMEngine
+    from workbench.engine import LLMEngine
     from workbench.serve.app import model_info
 
     llm = workbench.LLM(random_llm.model, tokenizer=random_llm.tokenizer, threads=1)
@@ -265,7 +265,7 @@ def test_batched_engine_rows_and_server_header_carry_the_threads(random_llm, kee
 
 
 def test_cli_threads_flag_reaches_bench_json_and_bad_values_exit_2(capsys, monkeypatch, keep_threads):
-    from workbench.cli import main
+    from workbench.cli.main import main
 
     monkeypatch.setenv(T.ENV, "auto")      # restored afterwards: main() sets it from --threads
     rc = main(["bench", "--model", "preset:tiny", "--device", "cpu", "--prompt-tokens", "8", "--max-tokens", "4",

@@ -2,7 +2,7 @@
 every committed notebook is stripped of outputs and has a cell tagged ``parameters``.
 
 The notebooks turn their checks into asserts, so running them is a test.  Each writes a
-results sidecar (workbench.results) to the injected ``results_path``; the keys checked below
+results sidecar (workbench.lab.results) to the injected ``results_path``; the keys checked below
 are the ones the batch report relies on.
 """
 
@@ -49,8 +49,8 @@ def _default_parameters() -> dict:
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path, tmp_path):
     pytest.importorskip("papermill")
-    from workbench.results import load_results
-    from workbench.runner import execute_one, resolve_kernel
+    from workbench.lab.results import load_results
+    from workbench.lab.runner import execute_one, resolve_kernel
 
     params = _default_parameters()
     sidecar = tmp_path / f"{path.stem}.results.json"

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 
 import workbench  # noqa: E402
 from workbench import LLMEngine, SamplingParams, SchedulerConfig  # noqa: E402
-from workbench.engine import ReferenceLoop, reference_generate  # noqa: E402
+from workbench.engine.llm import ReferenceLoop, reference_generate  # noqa: E402
 from workbench.errors import ConfigError  # noqa: E402
 from workbench.kv.inspect import KVInspector  # noqa: E402
 from workbench.kv.paged import PagedKVConfig  # noqa: E402
@@ -117,7 +117,7 @@ def test_the_pool_lifecycle_runs_in_the_batched_engine(bundled_llm):
     assert eng.pool.manager_seconds > 0
     recs = {r["seq_id"]: r for r in insp.records}
     assert len(recs) == len(PROMPTS) and min(r["cached_tokens"] for r in recs.values() if r["seq_id"] != "req-0") > 0
-    from workbench.kv.view import KVBlockMapView
+    from workbench.lab.kv_view import KVBlockMapView
 
     view = KVBlockMapView().attach(eng)            # the live block map on the batched engine
     eng.generate(PROMPTS[:2], GREEDY)
@@ -158,7 +158,7 @@ def test_sampling_on_the_triton_kernel(random_llm):
     """``sampling=triton``: greedy tokens are the reference's; a seeded request is reproducible
     and drawn by the kernel (Gumbel-max, so not the reference sampler's draw)."""
     import workbench_kernels
-    from workbench.backends import using_backends
+    from workbench.transforms.backends import using_backends
 
     llm = _same_model(random_llm)
     prompts = ["The list", "A function is"]
@@ -244,7 +244,7 @@ def test_static_buffers_refuse_more_sequences_than_they_hold(random_llm):
     (["--tiers", "--kv", "contiguous"], "--kv does not apply"),
 ])
 def test_serve_refuses_options_its_kv_layout_does_not_read(argv, words, capsys):
-    from workbench.cli import main
+    from workbench.cli.main import main
 
     assert main(["serve", "--model", "preset:tiny", *argv]) == 2
     assert words in capsys.readouterr().err

@@ -33,7 +33,7 @@ def test_plain_checkout_import_of_kernels_package(tmp_path):
 
 
 def test_core_import_does_not_pull_notebook_dependencies():
-    out = _run("import sys, workbench, workbench.engine, workbench.bench, workbench.cli; "
+    out = _run("import sys, workbench, workbench.engine.llm, workbench.bench.vs_transformers, workbench.cli.main; "
                "print(sorted(m for m in ('plotly', 'papermill', 'ipywidgets', 'anywidget', 'jupyterlab') "
                "if m in sys.modules))")
     assert out == "[]"
@@ -47,7 +47,7 @@ def test_environment_yml_mirrors_pyproject():
     missing = [n for n in names if n not in env]
     assert not missing, f"environment.yml lacks {missing}"
     assert "-e .[dev,real-clients]" in env
-    assert project["scripts"]["workbench"] == "workbench.cli:main"
+    assert project["scripts"]["workbench"] == "workbench.cli.main:main"
     for needed in ("torch", "triton", "safetensors", "tokenizers", "jupyterlab", "ipywidgets", "anywidget",
                    "plotly", "pandas", "papermill", "tqdm"):
         assert any(n == needed for n in names), needed

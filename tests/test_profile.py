@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("pandas")
 
 import workbench  # noqa: E402
-from workbench.profile import COMPONENTS, describe_overhead, op_profile, profile_decode_step  # noqa: E402
+from workbench.bench.profile import COMPONENTS, describe_overhead, op_profile, profile_decode_step  # noqa: E402
 
 PROMPT = [3, 17, 42, 99, 7, 256, 1, 11]
 

@@ -11,9 +11,9 @@ nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("papermill")
 pd = pytest.importorskip("pandas")
 
-from workbench import runner  # noqa: E402
+from workbench.lab import runner  # noqa: E402
 from workbench.errors import ConfigError, WorkbenchError  # noqa: E402
-from workbench.results import load_results, save_results  # noqa: E402
+from workbench.lab.results import load_results, save_results  # noqa: E402
 
 
 def write_notebook(path, *sources, parameters="results_path = None"):
@@ -29,7 +29,7 @@ def write_notebook(path, *sources, parameters="results_path = None"):
 GOOD = """
 import pandas as pd
 import plotly.graph_objects as go
-from workbench.results import save_results
+from workbench.lab.results import save_results
 if results_path:
     save_results(results_path, {"x": x, "double": 2 * x, "label": "hello"},
                  tables={"squares": pd.DataFrame({"n": [1, 2, 3], "n2": [1, 4, 9]})},
@@ -77,7 +77,7 @@ def test_sweep_runs_every_point_and_records_a_failed_one(tmp_path):
     """A (window, rate)-style grid: one record and one sweep.csv row per point; the point that
     raises keeps its row with its error and the others still run."""
     src = """
-from workbench.results import save_results
+from workbench.lab.results import save_results
 if rate == 3:
     raise RuntimeError(f"point rate={rate} failed")
 if results_path:
@@ -101,7 +101,7 @@ if results_path:
 
 
 def test_sweep_figure_draws_metric_vs_last_parameter_per_group():
-    from workbench.results import sweep_figure
+    from workbench.lab.results import sweep_figure
 
     table = pd.DataFrame({"notebook": "n", "window_ms": [0, 0, 5, 5, 5], "rate": [4, 8, 4, 8, 16],
                           "status": ["ok", "ok", "ok", "ok", "failed"], "seconds": 1.0, "error": "",

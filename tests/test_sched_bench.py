@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from workbench.engine import LLM
+from workbench.engine.llm import LLM
 from workbench.errors import ConfigError
-from workbench.sampling import SamplingParams
-from workbench.sched import LLMEngine, SchedulerConfig, Trace, replay
-from workbench.sched.bench import SchedBenchConfig, format_sched_bench, run_sched_bench
+from workbench.engine.sampling import SamplingParams
+from workbench.sched import SchedulerConfig
+from workbench.engine import LLMEngine, Trace, replay
+from workbench.bench.sched import SchedBenchConfig, format_sched_bench, run_sched_bench
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +83,7 @@ def test_sched_bench_config_errors():
 
 
 def test_compare_runs_interleaves_replays_and_keeps_every_row(llm):
-    from workbench.sched.bench import compare_runs
+    from workbench.bench.sched import compare_runs
 
     cfg = SchedBenchConfig(token_budget=32)
     trace = _trace(llm, n=4)

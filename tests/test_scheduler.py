@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 
 from workbench import SamplingParams
 from workbench.kv.paged import PagedKVConfig
-from workbench.sched import LLMEngine, SchedulerConfig, SeqStatus
+from workbench.sched import SchedulerConfig, SeqStatus
+from workbench.engine import LLMEngine
 
 VOCAB = 11
 

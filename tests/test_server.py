@@ -3,7 +3,7 @@ port, driven by the official ``openai`` client and by ``httpx``.
 
 One module-scoped server (API key set, a scripted SLO guard that admits until told otherwise)
 serves most tests; small extra servers over the same loaded model cover the engine's queue
-limit (429) and a real :class:`~workbench.load.slo.SLOGuard`.
+limit (429) and a real :class:`~workbench.serve.slo.SLOGuard`.
 
 Where the outcome depends on the order of events across threads (a client leaving while its
 request runs or is held, requests batched together, a queue built behind a long request), the
@@ -31,8 +31,9 @@ openai = pytest.importorskip("openai")
 
 from workbench import SamplingParams  # noqa: E402
 from workbench.kv.paged import PagedKVConfig  # noqa: E402
-from workbench.load.slo import SLOConfig, SLOGuard  # noqa: E402
-from workbench.sched import LLMEngine, SchedulerConfig  # noqa: E402
+from workbench.serve.slo import SLOConfig, SLOGuard  # noqa: E402
+from workbench.sched import SchedulerConfig
+from workbench.engine import LLMEngine  # noqa: E402
 from workbench.serve import ServerConfig, start_server  # noqa: E402
 from workbench.serve.protocol import render_chat  # noqa: E402
 
@@ -876,7 +877,7 @@ def test_400_when_prompt_plus_max_tokens_never_fits_the_pool(bundled_llm):
 
 
 def test_engine_rejection_other_than_queue_full_is_not_retryable():
-    from workbench.engine_types import StreamEvent
+    from workbench.engine.types import StreamEvent
     from workbench.serve.completion import ending_error as _ending_error
 
     def ending(error):

@@ -20,7 +20,8 @@ openai = pytest.importorskip("openai")
 
 from workbench import SamplingParams  # noqa: E402
 from workbench.kv.paged import PagedKVConfig  # noqa: E402
-from workbench.sched import LLMEngine, SchedulerConfig  # noqa: E402
+from workbench.sched import SchedulerConfig
+from workbench.engine import LLMEngine  # noqa: E402
 from workbench.serve import ServerConfig, start_server  # noqa: E402
 from workbench.serve.chat_template import ChatTemplate, TemplateError  # noqa: E402
 from workbench.serve.protocol import MAX_LOGPROBS, MAX_N, render_chat  # noqa: E402
@@ -278,7 +279,7 @@ def test_refused_with_the_field_named(http, path, body, param):
 
 
 def test_max_logprobs_is_the_engines():
-    from workbench.sampling import MAX_LOGPROBS as ENGINE_MAX
+    from workbench.engine.sampling import MAX_LOGPROBS as ENGINE_MAX
 
     assert MAX_LOGPROBS == ENGINE_MAX
 

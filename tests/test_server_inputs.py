@@ -30,7 +30,8 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from workbench.kv.paged import PagedKVConfig  # noqa: E402
-from workbench.sched import LLMEngine, SchedulerConfig  # noqa: E402
+from workbench.sched import SchedulerConfig
+from workbench.engine import LLMEngine  # noqa: E402
 from workbench.serve import ServerConfig, start_server  # noqa: E402
 
 KEY = "inputs-key"

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from workbench.errors import ConfigError
-from workbench.load import FakeTarget, GuardedTarget, LoadConfig, LoadRun, SLOConfig, SLOGuard, run_load_sync
+from workbench.load import FakeTarget, LoadConfig, LoadRun, run_load_sync
+from workbench.serve.slo import GuardedTarget, SLOConfig, SLOGuard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # virtual_time, also under --import-mode=importlib
 from virtual_time import VirtualTime  # noqa: E402

@@ -21,7 +21,8 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
 from workbench.kv.paged import PagedKVConfig  # noqa: E402
-from workbench.sched import LLMEngine, SchedulerConfig  # noqa: E402
+from workbench.sched import SchedulerConfig
+from workbench.engine import LLMEngine  # noqa: E402
 from workbench.serve import ServerConfig, start_server  # noqa: E402
 
 SOAK_S = float(os.environ.get("WORKBENCH_SOAK_S", "20"))

@@ -14,14 +14,14 @@ import pandas as pd
 import pytest
 import torch
 
-from workbench.config import ModelConfig
+from workbench.model.config import ModelConfig
 from workbench.errors import ConfigError
 from workbench.kv.pca import PCABasis, collect_keys, fit_pca_basis, fit_pca_from_model, unrotate
 from workbench.kv.tier_config import TierConfig, resident_bytes, zone_counts, zone_masks
-from workbench.kv.tier_eval import best_under, evaluate_config, grid_configs, pareto_front, sweep
+from workbench.bench.tier_eval import best_under, evaluate_config, grid_configs, pareto_front, sweep
 from workbench.kv.tiers import TieredKVCache, is_tiered, tiered_attention
-from workbench.kv_cache import KVCache
-from workbench.model import Attention, CausalLM, RotaryEmbedding, apply_rope, init_weights
+from workbench.model.kv_cache import KVCache
+from workbench.model.decoder import Attention, CausalLM, RotaryEmbedding, apply_rope, init_weights
 
 torch.set_num_threads(1)
 
@@ -288,7 +288,7 @@ def test_engine_runs_tiered_requests_and_exposes_their_caches(random_llm):
     p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     prompt = list(range(5, 40))
     ref = random_llm.generate([prompt], p)[0].token_ids
-    model = workbench.model.CausalLM(random_llm.model.config)
+    model = workbench.model.decoder.CausalLM(random_llm.model.config)
     model.load_state_dict(random_llm.model.state_dict())
     all_hot = workbench.LLM(model.eval(), tokenizer=random_llm.tokenizer,
                             tiers=TierConfig(window=256, warm_tokens=0, chunk=1))

@@ -7,11 +7,34 @@ Public API (vLLM's vocabulary)::
     llm = workbench.LLM()                                                 # the bundled model
     outs = llm.generate(["Python is"], workbench.SamplingParams(temperature=0, max_tokens=20))
     workbench.summarize(outs)                                             # P50/P95/P99 + jitter
+
+The package is laid out as the stack, one folder per layer (lower layers never import higher
+ones; ``.importlinter`` states the order and CI checks it):
+
+* ``model/``      config, presets, checkpoint checks, loader, tokenizer, the decoder, the cache interface;
+* ``kv/``         the KV-cache layer: paged blocks, prefix cache, pool, offload, hot / warm / cold tiers;
+* ``prefetch/``   asynchronous weight and KV fetches (a place ready for that layer);
+* ``sched/``      the scheduler, pure Python (no torch);
+* ``transforms/`` transformations of the plain model: per-op kernel backends, CUDA graphs,
+  ahead-of-time kernel builds;
+* ``quant/``      quantization (a place ready for that layer);
+* ``engine/``     ``LLM`` and ``LLMEngine``: runners, sampling, outputs, metrics, the engine thread;
+* ``load/``       load generation against any target that streams tokens;
+* ``serve/``      the OpenAI-compatible server, with its SLO guard;
+* ``bench/``      every benchmark (vs transformers, kernels, scheduler, prefix cache, tiers, llama.cpp);
+* ``lab/``        notebooks' side: papermill runs, results, report, every plotly / ipywidgets view;
+* ``cli/``        ``workbench ...``, the only argparse;
+* ``measure/``    measuring on a noisy machine (threads, noise, A/B verdicts), used by every layer above.
+
+Names below are imported on first use: ``import workbench`` alone loads neither torch nor plotly.
 """
 
 import importlib.util as _ilu
 import sys as _sys
 from pathlib import Path as _Path
+
+from workbench._exports import lazy as _lazy
+from workbench.errors import WorkbenchError
 
 
 def _register_kernels_package() -> None:
@@ -29,16 +52,17 @@ def _register_kernels_package() -> None:
 
 _register_kernels_package()
 
-from .errors import WorkbenchError  # noqa: E402
-from .config import ModelConfig  # noqa: E402
-from .loader import BUNDLED_MODEL, load_model, save_model
-from .model import CausalLM
-from .sampling import SamplingParams
-from .engine import LLM, RequestOutput, StreamEvent
-from .sched import LLMEngine, SchedulerConfig
-from .metrics import RequestMetrics, summarize
-from .tokenizer import Tokenizer
-
-__all__ = ["WorkbenchError", "ModelConfig", "BUNDLED_MODEL", "load_model", "save_model", "CausalLM",
-           "SamplingParams", "LLM", "LLMEngine", "SchedulerConfig", "RequestOutput", "StreamEvent", "RequestMetrics", "summarize", "Tokenizer"]
+_EXPORTS = {
+    "ModelConfig": "workbench.model.config", "BUNDLED_MODEL": "workbench.model.loader",
+    "load_model": "workbench.model.loader", "save_model": "workbench.model.loader",
+    "CausalLM": "workbench.model.decoder", "Tokenizer": "workbench.model.tokenizer",
+    "SamplingParams": "workbench.engine.sampling", "LLM": "workbench.engine.llm",
+    "RequestOutput": "workbench.engine.types", "StreamEvent": "workbench.engine.types",
+    "LLMEngine": "workbench.engine.core", "AsyncEngine": "workbench.engine.async_engine",
+    "RequestMetrics": "workbench.engine.metrics", "summarize": "workbench.engine.metrics",
+    "SchedulerConfig": "workbench.sched.config", "PagedKVConfig": "workbench.kv.paged",
+    "TierConfig": "workbench.kv.tier_config",
+}
+__all__ = ["WorkbenchError", *_EXPORTS]
+__getattr__, __dir__ = _lazy(__name__, _EXPORTS)
 __version__ = "0.1.0"

@@ -11,7 +11,7 @@ import random
 from functools import lru_cache
 from pathlib import Path
 
-from .errors import WorkbenchError
+from workbench.errors import WorkbenchError
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 HELDOUT = DATA_DIR / "corpus" / "heldout.jsonl"

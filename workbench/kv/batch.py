@@ -4,20 +4,20 @@ The batched engine runs one forward per step over ``[1, N]`` tokens (prefill chu
 tokens of many sequences), so every position-wise module runs once for the whole batch, through
 the model's own ``DecoderLayer.forward``.  Attention is the one place that must know which
 token belongs to which sequence; these caches do that behind the interface of
-:mod:`workbench.kv_cache` (``attend(attn, q, k, v, start)`` with q ``[1, nh, N, hd]``)::
+:mod:`workbench.model.kv_cache` (``attend(attn, q, k, v, start)`` with q ``[1, nh, N, hd]``)::
 
     PagedBatchCache(pool, scheduled, ...)    K/V in the paged pool: tokens go to their slots, then
                                              decode rows and prefill chunks attend in two groups
     SequenceBatchCache([(cache, start, T)])  K/V in per-sequence caches (contiguous or tiered):
                                              each sequence's rows go to its own cache's attend
 
-Rows beyond the sequences' tokens (padding, see ``workbench.sched.model_runner``) get zeros.
+Rows beyond the sequences' tokens (padding, see ``workbench.engine.runners``) get zeros.
 
 **Batch invariance of the paged path** (``batch_invariant=True``): a sequence's result must not
 depend on what else is in the step.  Attention's reductions run over a length that depends on
 padding and chunking, so it is computed in float64 and rounded to the model's dtype: the
 reduction order then changes only bits far below float32's precision.  With the attention
-kernels of ``workbench.backends`` (``attn._wb_ops``) the groups call ``attention_decode`` /
+kernels of ``workbench.transforms.backends`` (``attn._wb_ops``) the groups call ``attention_decode`` /
 ``attention_prefill_paged`` on the pool's layer tensors instead (float32 inside; on a GPU the
 decode kernel's split count depends on the batch, so bitwise invariance is the eager path's).
 """
@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kv_cache import attention_ops, uses_kernel
-from .paged import PagedKVPool
+from workbench.model.kv_cache import attention_ops, uses_kernel
+from workbench.kv.paged import PagedKVPool
 
 
 class PagedBatchCache:
@@ -51,7 +51,7 @@ class PagedBatchCache:
         prefill = [sp for sp in spans if sp[2] > 1]
         self.groups = [_Group(self, g, one) for g, one in ((decode, True), (prefill, False)) if g]
 
-    # ---- the attention interface (workbench.kv_cache) ----------------------------------------
+    # ---- the attention interface (workbench.model.kv_cache) ----------------------------------------
     def kv_storage(self, layer: int):
         return self.pool.k_cache[layer], self.pool.v_cache[layer]
 
@@ -171,7 +171,7 @@ def attention_fp64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
 
 class SequenceBatchCache:
-    """One step over per-sequence caches (each with the :mod:`workbench.kv_cache` interface):
+    """One step over per-sequence caches (each with the :mod:`workbench.model.kv_cache` interface):
     ``items`` are ``(cache, start, num_tokens)`` in row order.  Each sequence's rows attend
     through its own cache, so a contiguous or tiered cache serves a batched step exactly as it
     serves a single request."""

@@ -37,9 +37,9 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
-from ..errors import WorkbenchError
-from .blocks import AllocStatus, Allocation, Block, KVStats, _as_token_ids, _Seq
-from .prefix_cache import MissReason, PrefixCache
+from workbench.errors import WorkbenchError
+from workbench.kv.blocks import AllocStatus, Allocation, Block, KVStats, _as_token_ids, _Seq
+from workbench.kv.prefix_cache import MissReason, PrefixCache
 
 __all__ = ["AllocStatus", "Allocation", "Block", "BlockManager", "KVStats", "MissReason"]
 

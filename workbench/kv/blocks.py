@@ -10,8 +10,8 @@ import enum
 import operator
 from dataclasses import dataclass, field
 
-from ..errors import WorkbenchError
-from .prefix_cache import MissReason
+from workbench.errors import WorkbenchError
+from workbench.kv.prefix_cache import MissReason
 
 
 @dataclass(slots=True, eq=False)

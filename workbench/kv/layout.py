@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from workbench.errors import ConfigError
 
 DTYPE_BYTES = {
     "float64": 8, "double": 8, "float32": 4, "float": 4, "fp32": 4,
@@ -53,7 +53,7 @@ class KVLayout:
 
     @classmethod
     def from_model_config(cls, cfg, block_size: int, dtype="bfloat16") -> "KVLayout":
-        """From a :class:`workbench.config.ModelConfig`; ``dtype`` a torch dtype or its name."""
+        """From a :class:`workbench.model.config.ModelConfig`; ``dtype`` a torch dtype or its name."""
         return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, dtype_bytes(dtype))
 
     @property

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import ConfigError
+from workbench.errors import ConfigError
 
 
 @dataclass

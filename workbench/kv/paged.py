@@ -10,7 +10,7 @@ A token at position p of a sequence lives at slot ``block_table[p // B] * B + p 
 with the *slot mapping* writes or reads any set of tokens.
 
 :class:`PagedSequenceCache` is one sequence's view with the cache interface of
-:mod:`workbench.kv_cache` (what the engine uses when it runs one sequence per step): ``attend``
+:mod:`workbench.model.kv_cache` (what the engine uses when it runs one sequence per step): ``attend``
 scatters the new keys/values into their slots and gathers the sequence's blocks back into a
 contiguous ``[1, nkv, S, hd]`` for the reference attention.  That gather copies the whole
 context every step; the paged decode-attention kernel reads the blocks in place instead.  A
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ModelConfig
-from ..errors import ConfigError, WorkbenchError
-from .block_manager import AllocStatus, Allocation, BlockManager
-from .layout import KVLayout
-from .offload import DiskOffload, HostOffload
+from workbench.model.config import ModelConfig
+from workbench.errors import ConfigError, WorkbenchError
+from workbench.kv.block_manager import AllocStatus, Allocation, BlockManager
+from workbench.kv.layout import KVLayout
+from workbench.kv.offload import DiskOffload, HostOffload
 
 
 @dataclass
@@ -305,11 +305,11 @@ class PagedSequenceCache:
         self._write(layer, k, v)
         return self._context(layer, end)
 
-    # ---- the attention interface (workbench.kv_cache) ----------------------------------------
+    # ---- the attention interface (workbench.model.kv_cache) ----------------------------------------
     def attend(self, attn, q, k, v, start: int, written: bool = False) -> torch.Tensor:
         """Write this step's k/v into the pool and attend over the sequence's blocks: in place
         with a decode kernel, else gathered to a contiguous context (the reference)."""
-        from ..kv_cache import attend_sequences
+        from workbench.model.kv_cache import attend_sequences
 
         layer, end = attn.layer_idx, start + q.shape[2]
         self._prepare(start, end)

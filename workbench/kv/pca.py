@@ -8,8 +8,8 @@ A visible, reusable step::
     basis.save("runs/pca_basis.safetensors"); PCABasis.load(...)
 
 Keys are recorded by a cache object with the model's ``update`` interface (:class:`KeyRecorder`),
-so ``workbench/model.py`` is untouched.  **Calibration text must not be evaluation text**:
-pass any list of token-id sequences; :func:`workbench.kv.tier_eval.heldout_split` gives the
+so ``workbench/model/decoder.py`` is untouched.  **Calibration text must not be evaluation text**:
+pass any list of token-id sequences; :func:`workbench.bench.tier_eval.heldout_split` gives the
 split we use (whole held-out documents for calibration, *other* whole documents for evaluation).
 
 Post- vs pre-RoPE.  RoPE rotates each pair of key dimensions by an angle proportional to the
@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig
-from ..errors import ConfigError, WorkbenchError
-from ..kv_cache import KVCache
-from ..model import CausalLM, RotaryEmbedding, rotate_half
+from workbench.model.config import ModelConfig
+from workbench.errors import ConfigError, WorkbenchError
+from workbench.model.kv_cache import KVCache
+from workbench.model.decoder import CausalLM, RotaryEmbedding, rotate_half
 
 KEY_SPACES = ("post_rope", "pre_rope")
 

@@ -2,7 +2,7 @@
 
 Pure Python (plus small boolean masks in torch): which token is in which zone for a query at
 absolute position ``p``, and how many bytes each zone keeps resident in fast memory.  The
-cache (:mod:`workbench.kv.tiers`) and the evaluation (:mod:`workbench.kv.tier_eval`) both use
+cache (:mod:`workbench.kv.tiers`) and the evaluation (:mod:`workbench.bench.tier_eval`) both use
 these functions, so the masks attention applies and the bytes we report cannot disagree.
 
 Zones, for a query at position ``p`` (the cache then holds ``S = p + 1`` tokens)::
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError
+from workbench.errors import ConfigError
 
 VALUE_FORMATS = ("full", "int8")
 COLD_MODES = ("mean", "drop")

@@ -51,11 +51,11 @@ from contextlib import contextmanager
 
 import torch
 
-from ..config import ModelConfig
-from ..errors import ConfigError
-from ..model import Attention, CausalLM, RotaryEmbedding, apply_rope
-from .pca import PCABasis, unrotate
-from .tier_config import (TierConfig, ZoneCounts, basis_bytes, fetch_bytes_per_token, full_bytes_per_token,
+from workbench.model.config import ModelConfig
+from workbench.errors import ConfigError
+from workbench.model.decoder import Attention, CausalLM, RotaryEmbedding, apply_rope
+from workbench.kv.pca import PCABasis, unrotate
+from workbench.kv.tier_config import (TierConfig, ZoneCounts, basis_bytes, fetch_bytes_per_token, full_bytes_per_token,
                           resident_bytes, zone_counts, zone_masks)
 
 NEG_INF = float("-inf")
@@ -140,14 +140,14 @@ class TieredKVCache:
             self.v_hat[layer][:, :, start:end] = (q.float() * s).to(self.dtype)
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
-    # ---- the attention interface (workbench.kv_cache) -----------------------------------
+    # ---- the attention interface (workbench.model.kv_cache) -----------------------------------
     def attend(self, attn, q, k, v, start: int, written: bool = False) -> torch.Tensor:
         """Write k/v in every representation; attend with the tiered policy when the module is
         switched to it (:func:`apply_tiered_attention`), else exactly over the full K/V."""
         K, V = self.update(attn.layer_idx, k, v, start)
         if getattr(attn, "_wb_tiered", False):
             return self.attend_tiered(attn.layer_idx, q, start)
-        from ..model import reference_attention
+        from workbench.model.decoder import reference_attention
 
         return reference_attention(q, K, V, start, attn.window)
 
@@ -255,7 +255,7 @@ class TieredKVCache:
 def apply_tiered_attention(model: CausalLM) -> CausalLM:
     """Make every layer's attention serve a :class:`TieredKVCache` with the tiered policy (in
     place; returns model).  A flag on each attention module, read by the cache: other caches
-    keep the exact path, and per-op backends (``workbench.backends``) compose with it."""
+    keep the exact path, and per-op backends (``workbench.transforms.backends``) compose with it."""
     if model.config.sliding_window is not None:
         raise ConfigError(f"tiered attention does not support sliding-window models "
                           f"(config field 'sliding_window' = {model.config.sliding_window})")

@@ -5,14 +5,13 @@ One concept per file:
 * ``target``    - the :class:`Target` protocol, :class:`TokenEvent`, :class:`HTTPTarget`
   (OpenAI-compatible SSE via httpx) and :class:`CallableTarget` (an in-process async generator);
 * ``fake``      - :class:`FakeTarget`, an asyncio "model" with a fixed capacity, for tests and demos;
-* ``engine``    - :class:`EngineTarget`, the batched engine in this process (no HTTP);
+* ``engine_target`` - :class:`EngineTarget`, the batched engine in this process (no HTTP);
 * ``arrivals``  - constant / Poisson arrival times and k6-style stages (pure functions of time);
 * ``generator`` - :class:`LoadConfig`, :class:`LoadRun`, :func:`run_load` / :func:`run_load_sync`;
 * ``result``    - :class:`RequestRecord`, :class:`LoadResult` (frame, summary, JSON);
-* ``slo``       - :class:`SLOGuard` (a latency circuit breaker) and :class:`GuardedTarget`;
-* ``views``     - :class:`LatencyDashboard`, :func:`scheduler_timeline` and
-  :func:`latency_vs_load_figure` (plotly, lazy);
-* ``cli``       - the ``workbench load`` subcommand (``add_parser(subparsers)``).
+
+The SLO guard (a serving policy) is :mod:`workbench.serve.slo`; the live views are
+:mod:`workbench.lab.load_views`; the ``workbench load`` command is :mod:`workbench.cli.load`.
 
 ::
 
@@ -24,22 +23,16 @@ Against the real engine, in process: ``EngineTarget.from_model(None, device="cpu
 Nothing here imports the engine, torch, plotly or httpx at import time.
 """
 
-from .arrivals import Schedule, Stage, arrival_offsets
-from .engine import EngineTarget
-from .fake import FakeTarget
-from .generator import LoadConfig, LoadRun, run_load, run_load_sync
-from .result import LoadResult, RequestRecord
-from .slo import Decision, GuardedTarget, SLOConfig, SLOGuard
-from .target import CallableTarget, HTTPTarget, Target, TokenEvent, parse_sse_chunk
+from workbench._exports import lazy
 
-__all__ = ["Schedule", "Stage", "arrival_offsets", "EngineTarget", "FakeTarget", "LoadConfig", "LoadRun", "run_load",
-           "run_load_sync", "LoadResult", "RequestRecord", "Decision", "GuardedTarget", "SLOConfig", "SLOGuard",
-           "CallableTarget", "HTTPTarget", "Target", "TokenEvent", "parse_sse_chunk", "LatencyDashboard",
-           "latency_vs_load_figure", "scheduler_timeline"]
-
-
-def __getattr__(name):   # the views need plotly: imported on first use only
-    if name in ("LatencyDashboard", "latency_vs_load_figure", "scheduler_timeline"):
-        from . import views
-        return getattr(views, name)
-    raise AttributeError(f"module 'workbench.load' has no attribute {name!r}")
+_EXPORTS = {
+    **{n: "workbench.load.arrivals" for n in ("Schedule", "Stage", "arrival_offsets")},
+    "EngineTarget": "workbench.load.engine_target",
+    "FakeTarget": "workbench.load.fake",
+    **{n: "workbench.load.generator" for n in ("LoadConfig", "LoadRun", "run_load", "run_load_sync")},
+    **{n: "workbench.load.result" for n in ("LoadResult", "RequestRecord")},
+    **{n: "workbench.load.target" for n in ("CallableTarget", "HTTPTarget", "Target", "TokenEvent",
+                                             "parse_sse_chunk")},
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy(__name__, _EXPORTS)

@@ -25,7 +25,7 @@ import random
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from ..errors import ConfigError
+from workbench.errors import ConfigError
 
 _EPS = 1e-9
 

@@ -24,8 +24,8 @@ import itertools
 import time
 from typing import AsyncIterator, Callable
 
-from ..errors import ConfigError
-from .target import Prompt, TokenEvent
+from workbench.errors import ConfigError
+from workbench.load.target import Prompt, TokenEvent
 
 
 class FakeTarget:

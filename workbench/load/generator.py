@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable, Sequence
 
-from ..errors import ConfigError
-from .arrivals import Schedule, Stage, arrival_offsets
-from .result import LoadResult, RequestRecord
-from .target import Prompt, TokenEvent
+from workbench.errors import ConfigError
+from workbench.load.arrivals import Schedule, Stage, arrival_offsets
+from workbench.load.result import LoadResult, RequestRecord
+from workbench.load.target import Prompt, TokenEvent
 
 MODES = ("constant", "poisson", "closed")
 Observer = Callable[["LoadRun", "RequestRecord | None"], None]
@@ -190,7 +190,7 @@ class LoadRun:
         if callable(p):
             return p
         if p is None:
-            from ..data import heldout_prompts
+            from workbench.data import heldout_prompts
 
             p = heldout_prompts(self.config.num_prompts, seed=self.config.seed)
         prompts = list(p)

@@ -1,7 +1,7 @@
 """What a load run records: one :class:`RequestRecord` per request, and their summary.
 
 Times in a record are seconds from the start of the run (``perf_counter`` based).  Latency
-definitions follow :mod:`workbench.metrics`, seen from the client:
+definitions follow :mod:`workbench.engine.metrics`, seen from the client:
 
 * **TTFT** = first token - send (queueing in the server counts; the generator's own lateness
   in sending is reported separately as ``send_lag_ms``, so coordinated omission is visible);
@@ -182,7 +182,7 @@ class LoadResult:
 
     @classmethod
     def from_json(cls, text_or_path: str | Path) -> "LoadResult":
-        from ..errors import WorkbenchError
+        from workbench.errors import WorkbenchError
 
         src = str(text_or_path)
         text = Path(src).read_text() if not src.lstrip().startswith("{") else src

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Protocol, runtime_checkable
 
-from ..errors import ConfigError
+from workbench.errors import ConfigError
 
 Prompt = str | list[int]
 

@@ -202,7 +202,7 @@ def _fmt(v: float) -> str:
 
 def _default_noise() -> float:
     """The last :func:`~workbench.measure.probe.noise_probe` of this process; a probe now if none ran."""
-    from .probe import last_probe, noise_probe
+    from workbench.measure.probe import last_probe, noise_probe
 
     probe = last_probe() or noise_probe()
     return probe.threshold

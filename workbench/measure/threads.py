@@ -35,8 +35,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..errors import ConfigError
-from .probe import available_cores
+from workbench.errors import ConfigError
+from workbench.measure.probe import available_cores
 
 ENV = "WORKBENCH_THREADS"
 _CACHE: dict[tuple, "ThreadChoice"] = {}

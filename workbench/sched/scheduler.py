@@ -34,9 +34,9 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..kv.block_manager import AllocStatus, BlockManager
-from .config import SchedulerConfig
-from .sequence import Sequence, SeqStatus
+from workbench.kv.block_manager import AllocStatus, BlockManager
+from workbench.sched.config import SchedulerConfig
+from workbench.sched.sequence import Sequence, SeqStatus
 
 
 @dataclass

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from ..engine_types import RequestOutput
-from ..sampling import SamplingParams
+if TYPE_CHECKING:       # names only: the scheduler is pure Python and imports nothing of the engine
+    from workbench.engine.sampling import SamplingParams
+    from workbench.engine.types import RequestOutput
 
 
 class SeqStatus(enum.Enum):

@@ -8,9 +8,11 @@
   completions (JSON or SSE), models, health, metrics, the live KV pool (``GET /v1/workbench/kv``),
   ``x-model-info`` / ``x-priority`` headers, API key, body and token limits, abort on client
   disconnect;
-* ``guard``: the SLO-guard hook (:class:`workbench.load.slo.SLOGuard` or any object with
+* ``guard``: the SLO-guard hook (:class:`workbench.serve.slo.SLOGuard` or any object with
   ``admit(now=None, priority=0)`` and ``record(ttft_s)``): sheds with 503 + ``Retry-After``,
   learns from each request's TTFT, and shows its state on ``/metrics``;
+* ``slo``: :class:`SLOGuard`, a latency circuit breaker on P95 TTFT against an EWMA baseline,
+  and :class:`GuardedTarget` (the guard in front of any load target);
 * ``server``: uvicorn on a background thread (:func:`start_server` -> :class:`ServerHandle`) or in
   the foreground (:func:`serve`, what the CLI runs).
 
@@ -21,15 +23,19 @@
         client = openai.OpenAI(base_url=srv.base_url, api_key="unused")
         client.completions.create(model="bundled", prompt="The list type", max_tokens=8)
 
-    from workbench.load.slo import SLOConfig, SLOGuard
+    from workbench.serve.slo import SLOConfig, SLOGuard
     start_server(device="cpu", guard=SLOGuard(SLOConfig(factor=3.0, cooldown_s=10)))
 
-Needs ``starlette`` and ``uvicorn`` (imported only when this package is).
+Needs ``starlette`` and ``uvicorn`` (imported on first use of the app or the server).
 """
 
-from .app import ServerConfig, create_app, model_info
-from .guard import GuardHook, check_guard
-from .server import ServerHandle, build_engine, serve, start_server
+from workbench._exports import lazy
 
-__all__ = ["ServerConfig", "create_app", "model_info", "GuardHook", "check_guard", "ServerHandle", "build_engine",
-           "serve", "start_server"]
+_EXPORTS = {
+    **{n: "workbench.serve.app" for n in ("ServerConfig", "create_app", "model_info")},
+    **{n: "workbench.serve.guard" for n in ("GuardHook", "check_guard")},
+    **{n: "workbench.serve.server" for n in ("ServerHandle", "build_engine", "serve", "start_server")},
+    **{n: "workbench.serve.slo" for n in ("SLOConfig", "SLOGuard", "GuardedTarget", "Decision")},
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy(__name__, _EXPORTS)

@@ -9,7 +9,7 @@ A request's path through the server: the body is read (at most ``max_body_bytes`
 its Content-Type checked (JSON or none, else 415), parsed and validated (:mod:`.protocol`: 400
 naming the field; too deeply nested, not UTF-8, lone surrogates: 400 too), its model name checked
 (404), its prompt measured against the context - first from its byte length alone (a lower bound
-on its tokens, :attr:`~workbench.tokenizer.Tokenizer.max_token_bytes`), then tokenized - and
+on its tokens, :attr:`~workbench.model.tokenizer.Tokenizer.max_token_bytes`), then tokenized - and
 against the KV pool (prompt + ``max_tokens`` must fit it: a request that never can is a 400
 ``context_length_exceeded`` at once, not a failure later) and the ``max_tokens`` cap (400).
 Parsing, tokenizing and checking run on worker threads (:data:`PREP_THREADS` at once), never on
@@ -35,7 +35,7 @@ Every response carries ``x-model-info``: one line of JSON describing the engine 
 completions.  ``x-priority: <int>`` (higher first) sets the request's scheduling priority.  With an
 API key, ``/v1/*`` needs ``Authorization: Bearer <key>`` (the scheme in any case, RFC 7235).
 
-An optional SLO guard (:mod:`.guard`; e.g. :class:`workbench.load.slo.SLOGuard`) is asked
+An optional SLO guard (:mod:`.guard`; e.g. :class:`workbench.serve.slo.SLOGuard`) is asked
 before each valid request reaches the engine: when it sheds, the answer is ``503`` with its
 reason and ``Retry-After``; every first token's TTFT is fed back to it, and its state is on
 ``/metrics``.  With the guard's queue policy (``SLOConfig(policy="queue")``) a deferred request
@@ -66,15 +66,15 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from ..errors import ConfigError, WorkbenchError
-from ..kv.inspect import KV_POOL_OBJECT, KV_POOL_PATH, pool_report_from_thread
-from ..sampling import SamplingParams
-from ..tokenizer import utf8_len
-from . import protocol as P
-from .chat_template import ChatTemplate, TemplateError
-from .completion import Completion, PromptPlan, engine_alive, internal_error, send_json
-from .guard import GuardHook, check_guard
-from .metrics import ServerMetrics
+from workbench.errors import ConfigError, WorkbenchError
+from workbench.kv.inspect import KV_POOL_OBJECT, KV_POOL_PATH, pool_report_from_thread
+from workbench.engine.sampling import SamplingParams
+from workbench.model.tokenizer import utf8_len
+from workbench.serve import protocol as P
+from workbench.serve.chat_template import ChatTemplate, TemplateError
+from workbench.serve.completion import Completion, PromptPlan, engine_alive, internal_error, send_json
+from workbench.serve.guard import GuardHook, check_guard
+from workbench.serve.metrics import ServerMetrics
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 log = logging.getLogger("workbench.serve")
@@ -141,9 +141,9 @@ def model_info(aengine, name: str, source: str | None = None, guard: GuardHook |
         info["threads"] = choice.threads
         info["threads_policy"] = choice.policy
     try:
-        from .. import backends                    # another layer; may be absent or still changing
+        from workbench.transforms import backends         # another layer; may be absent or still changing
     except Exception as e:  # noqa: BLE001 - the header must not take the server down
-        info["backends_error"] = f"cannot import workbench.backends: {type(e).__name__}: {e}"
+        info["backends_error"] = f"cannot import workbench.transforms.backends: {type(e).__name__}: {e}"
     else:
         describe = (getattr(backends, "describe_backends", None) if hasattr(backends, "describe_backends")
                     else getattr(backends, "current_backends", None))

@@ -22,7 +22,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from ..errors import WorkbenchError
+from workbench.errors import WorkbenchError
 
 
 class TemplateError(WorkbenchError):

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 from starlette.concurrency import run_in_threadpool
 
-from ..errors import WorkbenchError
-from ..sampling import SamplingParams
-from . import protocol as P
+from workbench.errors import WorkbenchError
+from workbench.engine.sampling import SamplingParams
+from workbench.serve import protocol as P
 
 log = logging.getLogger("workbench.serve")
 

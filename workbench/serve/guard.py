@@ -1,5 +1,5 @@
 """The server's side of an SLO guard (a latency circuit breaker such as
-:class:`workbench.load.slo.SLOGuard`): ask it before a request reaches the engine, tell it each
+:class:`workbench.serve.slo.SLOGuard`): ask it before a request reaches the engine, tell it each
 request's time to first token.
 
 The guard is duck-typed, so a scripted one works as well as the real one::
@@ -21,7 +21,7 @@ holds the request, sleeping ``retry_after`` and asking ``admit`` again, until it
 reaches the engine.  It calls ``record(ttft)`` once per admitted request, when its
 first token arrives, with the TTFT measured from arrival at the engine (queueing included: that
 is where a full KV pool shows).  A request admitted as a probe that ends before its first
-token is recorded as ``math.inf`` (a failed probe), as :class:`~workbench.load.slo.GuardedTarget`
+token is recorded as ``math.inf`` (a failed probe), as :class:`~workbench.serve.slo.GuardedTarget`
 does.
 """
 
@@ -31,7 +31,7 @@ import inspect
 import math
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from workbench.errors import ConfigError
 
 
 @dataclass
@@ -48,7 +48,7 @@ def check_guard(guard) -> None:
     if missing:
         raise ConfigError(f"SLO guard {type(guard).__name__}: needs callable {' and '.join(missing)} "
                           "(admit(now=None, priority=0) -> decision, record(ttft_s)); "
-                          "see workbench.load.slo.SLOGuard")
+                          "see workbench.serve.slo.SLOGuard")
 
 
 class GuardHook:

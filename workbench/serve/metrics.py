@@ -109,7 +109,7 @@ class ServerMetrics:
         self.slo_holding = 0                                               # held right now
 
     def observe(self, ev, prompt_tokens: int = 0) -> None:
-        """Record one :class:`~workbench.engine_types.StreamEvent` of a request."""
+        """Record one :class:`~workbench.engine.types.StreamEvent` of a request."""
         with self._lock:
             if ev.token_id >= 0:
                 self.generation_tokens += 1

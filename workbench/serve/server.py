@@ -20,15 +20,15 @@ import threading
 import time
 from dataclasses import replace
 
-from ..errors import ConfigError, WorkbenchError
-from .app import ServerConfig, create_app
+from workbench.errors import ConfigError, WorkbenchError
+from workbench.serve.app import ServerConfig, create_app
 
 
 def build_engine(model=None, device=None, dtype=None, scheduler=None, kv=None, max_model_len: int | None = None):
     """An AsyncEngine (not started) over a new LLMEngine: ``model`` is a folder, ``preset:<name>``,
     None for the bundled model, or a loaded :class:`~workbench.LLM`; ``scheduler`` a
     :class:`~workbench.sched.SchedulerConfig`; ``kv`` a :class:`~workbench.kv.PagedKVConfig`."""
-    from ..sched import AsyncEngine, LLMEngine
+    from workbench.engine import AsyncEngine, LLMEngine
 
     return AsyncEngine(LLMEngine(model, device=device, dtype=dtype, kv=kv, scheduler=scheduler,
                                  max_model_len=max_model_len))
@@ -36,8 +36,8 @@ def build_engine(model=None, device=None, dtype=None, scheduler=None, kv=None, m
 
 def _as_async_engine(engine, engine_kwargs: dict):
     """(AsyncEngine, whether we own it, the model's source for naming)."""
-    from ..engine import LLM
-    from ..sched import AsyncEngine, LLMEngine
+    from workbench.engine.llm import LLM
+    from workbench.engine import AsyncEngine, LLMEngine
 
     if isinstance(engine, AsyncEngine):
         _no_kwargs(engine_kwargs, "an AsyncEngine")
@@ -141,7 +141,7 @@ def start_server(engine=None, config: ServerConfig | None = None, *, host: str |
                  guard=None, startup_timeout: float = 60.0, **engine_kwargs) -> ServerHandle:
     """Serve ``engine`` (see the module docstring) on a background thread; returns when it accepts
     connections.  ``host``/``port``/``model_name``/``api_key``/``guard`` (an SLO guard, e.g.
-    :class:`workbench.load.slo.SLOGuard`) override ``config``; the default port here is 0 (a free
+    :class:`workbench.serve.slo.SLOGuard`) override ``config``; the default port here is 0 (a free
     one: read ``handle.port``)."""
     over = {k: v for k, v in dict(host=host, port=port, model_name=model_name, api_key=api_key,
                                   guard=guard).items() if v is not None}

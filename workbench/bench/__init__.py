@@ -1,0 +1,28 @@
+"""Every benchmark: tables of ratios side by side in one run, quality next to speed.
+
+* ``vs_transformers``: the engine's configurations against transformers' ``generate`` (``workbench bench``);
+* ``kernels``: each Triton kernel against its torch reference (``workbench kernels-bench``);
+* ``sched``: throughput, chunked prefill, micro-batch window, overhead (``workbench sched-bench``);
+* ``prefix``: cross-request prefix reuse (``workbench prefix-bench``);
+* ``tier_eval``: perplexity / KL / top-1 of the tiered KV cache, sweeps and the Pareto front;
+* ``profile``: where a decode step's time goes;
+* ``llamacpp``: the optional llama.cpp side (GGUF export, its decode rate).
+"""
+
+from workbench._exports import lazy
+
+_EXPORTS = {
+    "BenchConfig": "workbench.bench.vs_transformers",
+    "run_bench": "workbench.bench.vs_transformers",
+    "format_bench": "workbench.bench.vs_transformers",
+    "SchedBenchConfig": "workbench.bench.sched",
+    "run_sched_bench": "workbench.bench.sched",
+    "format_sched_bench": "workbench.bench.sched",
+    "PrefixBenchConfig": "workbench.bench.prefix",
+    "run_prefix_bench": "workbench.bench.prefix",
+    "format_prefix_bench": "workbench.bench.prefix",
+    "KernelBenchConfig": "workbench.bench.kernels",
+    "run_kernel_bench": "workbench.bench.kernels",
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy(__name__, _EXPORTS)

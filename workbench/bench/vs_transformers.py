@@ -1,0 +1,373 @@
+"""The workbench engine against Hugging Face ``transformers.generate``, same process, same run.
+
+Every side gets the same weights, the same prompts (token ids), greedy decoding and the same
+number of new tokens (EOS ignored), after a warm-up; repeats are interleaved (each side in
+turn, the order rotated) so that drift in machine speed hits all.  The sides are engine
+configurations (:data:`CONFIGS`: the reference configuration, the bare loop, static / compiled
+/ graphed decode, optionally llama.cpp) and transformers.  Each token's time is taken when its id
+reaches the host (for transformers through a streamer, which receives ``next_tokens.cpu()``),
+so TTFT and decode tokens/s are measured the same way on both sides.  Greedy token agreement
+is reported next to the speed: a faster engine that emits different tokens is not a win.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from workbench.engine.llm import LLM
+from workbench.errors import WorkbenchError
+from workbench.model.loader import BUNDLED_MODEL
+from workbench.engine.sampling import SamplingParams
+
+DEFAULT_PROMPT_TOKENS = 64
+
+
+def cpu_name() -> str:
+    """The CPU's model name (from /proc/cpuinfo on Linux) and its core count."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} cores"
+
+
+def device_name(device) -> str:
+    """The GPU's name on CUDA, else :func:`cpu_name`."""
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+
+
+@dataclass
+class BenchConfig:
+    model: str | None = None      # folder, preset:<name>, or None for the bundled model
+    device: str | None = None
+    dtype: str | None = None
+    prompt_tokens: int = DEFAULT_PROMPT_TOKENS
+    max_tokens: int = 64
+    num_prompts: int = 3
+    repeats: int = 3
+    warmup: int = 1
+    seed: int = 0
+    backend: str | None = None    # per-op backends of the workbench side (workbench.transforms.backends spec)
+    threads: int | str | None = None  # torch intra-op threads for both sides (None: the engine measures)
+    configs: str = "reference,loop"   # engine configurations measured (bench.CONFIGS; "all": every one)
+
+    def __post_init__(self) -> None:
+        parse_configs(self.configs)
+        for name in ("prompt_tokens", "max_tokens", "num_prompts", "repeats"):
+            if getattr(self, name) < 1:
+                raise WorkbenchError(f"bench: {name} must be >= 1, got {getattr(self, name)}")
+        if self.max_tokens < 2:
+            raise WorkbenchError("bench: max_tokens must be >= 2 to measure decoding")
+
+
+def bench_prompts(llm: LLM, n: int, length: int, seed: int) -> list[list[int]]:
+    """Prompts of exactly ``length`` tokens: windows of held-out text when the bundled tokenizer
+    is available, else seeded random token ids (fine for speed: latency ignores token values)."""
+    from workbench.data import heldout_token_windows
+
+    if llm.tokenizer is not None:
+        windows = heldout_token_windows(llm.tokenizer, n, length, seed=seed)
+        if windows:
+            return windows
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, llm.model.config.vocab_size, (n, length), generator=gen).tolist()
+
+
+def hf_model_like(llm: LLM, source: str | None):
+    """A transformers model with the same weights as ``llm.model``."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # bench shows its own progress
+    model = llm.model
+    folder = BUNDLED_MODEL if source in (None, "bundled") else source
+    dtype = model.lm_head.weight.dtype
+    if not str(folder).startswith("preset:"):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+    else:  # random-weight preset: build the HF twin from our config and copy our weights
+        cfg_dict = model.config.to_hf()
+        cls = getattr(transformers, model.config.architecture)
+        config = transformers.AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
+        with torch.device(model.device):  # built in place (its RoPE buffers must be real tensors)
+            hf = cls(config).to(dtype)
+        missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
+        if unexpected or any(not k.endswith("lm_head.weight") for k in missing):
+            raise WorkbenchError(f"bench: cannot copy weights into {model.config.architecture}: "
+                                 f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return hf.to(model.device).eval()
+
+
+class _TimingStreamer:
+    """transformers streamer that timestamps each generated token (the first put() is the prompt)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.tokens: list[int] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+        self.tokens.extend(int(t) for t in value.reshape(-1).tolist())
+
+    def end(self) -> None:
+        pass
+
+
+# ---- the configurations measured against transformers.generate -----------------------------------------
+CONFIGS = {
+    "reference": "the engine's reference configuration (LLM(): one sequence at a time, contiguous cache)",
+    "loop": "the bare decode loop, no engine (workbench.engine.llm.ReferenceLoop): the LLM front's per-token cost "
+            "is reference minus loop",
+    "static": "the engine, decode steps on static buffers (eager; what CUDA graphs capture)",
+    "compile": "the engine, static decode steps through torch.compile (inductor: C++ on a CPU)",
+    "cuda-graphs": "the engine, static decode steps captured as CUDA graphs (CUDA only)",
+    "compile+graphs": "the engine, torch.compile'd static decode captured as CUDA graphs (CUDA only)",
+    "llama.cpp": "llama-cpp-python on an f32 GGUF of the same weights (optional: shown when installed)",
+}
+ENGINE_OPTIONS = {"reference": {}, "static": {"static_decode": True}, "compile": {"compile": True},
+                  "cuda-graphs": {"cuda_graphs": True}, "compile+graphs": {"compile": True, "cuda_graphs": True}}
+
+
+def parse_configs(text: str | None) -> list[str]:
+    """``"reference,loop,compile"`` -> the list (``all``: every configuration this device can run)."""
+    names = [c.strip() for c in (text or "reference").split(",") if c.strip()]
+    if names == ["all"]:
+        names = [c for c in CONFIGS if "graphs" not in c or torch.cuda.is_available()]
+    bad = [c for c in names if c not in CONFIGS]
+    if bad:
+        raise WorkbenchError(f"bench: unknown configuration {bad[0]!r}; choose from {', '.join(CONFIGS)} or all")
+    if "reference" not in names:
+        names.insert(0, "reference")      # every other row is compared with it
+    return list(dict.fromkeys(names))
+
+
+def _run_engine(llm: LLM, prompt: list[int], n: int) -> tuple[list[int], float, float]:
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    out = llm.generate([prompt], params)[0]
+    m = out.metrics
+    return out.token_ids, m.ttft, m.decode_tokens_per_s
+
+
+def _run_loop(model, prompt: list[int], n: int) -> tuple[list[int], float, float]:
+    from workbench.engine.llm import ReferenceLoop
+
+    start = time.perf_counter()
+    loop = ReferenceLoop(model, prompt, n)
+    tokens, times = [], []
+    for _ in range(n):
+        tokens.append(loop.step())
+        times.append(time.perf_counter())
+    return tokens, times[0] - start, (n - 1) / (times[-1] - times[0])
+
+
+@torch.inference_mode()
+def _run_hf(hf, prompt: list[int], n: int) -> tuple[list[int], float, float]:
+    ids = torch.tensor([prompt], device=hf.device)
+    streamer = _TimingStreamer()
+    start = time.perf_counter()
+    hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                streamer=streamer, pad_token_id=0, eos_token_id=None)
+    t = streamer.times
+    return streamer.tokens, t[0] - start, (len(t) - 1) / (t[-1] - t[0])
+
+
+def _sides(cfg: "BenchConfig", llm: LLM, names: list[str], prompts: list[list[int]]) -> tuple[dict, dict]:
+    """name -> fn(prompt) -> (tokens, ttft s, decode tok/s); name -> a one-line description."""
+    sides, described, skipped = {}, {}, {}
+    ctx = cfg.prompt_tokens + cfg.max_tokens + 1        # the static buffers hold exactly what a request needs
+    static_model = None                                 # static decode swaps in backend modules: on a copy, so the
+    for name in names:                                  # reference and loop rows time the plain model
+        if name == "loop":
+            sides[name] = lambda p: _run_loop(llm.model, p, cfg.max_tokens)
+            described[name] = "bare loop"
+        elif name == "llama.cpp":
+            side = _llamacpp_side(cfg, llm)
+            if side.get("available"):
+                sides[name], described[name] = side["run"], side["description"]
+            else:
+                skipped[name] = side["reason"]
+        elif name == "reference":
+            sides[name], described[name] = (lambda p: _run_engine(llm, p, cfg.max_tokens)), llm.engine.describe()
+        else:
+            if static_model is None:
+                import copy
+
+                static_model = copy.deepcopy(llm.model)
+            try:
+                eng = LLM(static_model, tokenizer=llm.tokenizer, max_model_len=ctx, **ENGINE_OPTIONS[name])
+            except WorkbenchError as e:
+                skipped[name] = str(e)
+                continue
+            sides[name] = (lambda e: lambda p: _run_engine(e, p, cfg.max_tokens))(eng)
+            described[name] = eng.engine.describe() + f" (max_model_len {ctx})"
+    return sides, {"described": described, "skipped": skipped}
+
+
+def _llamacpp_side(cfg: "BenchConfig", llm: LLM) -> dict:
+    """llama.cpp as one more side, when llama-cpp-python is installed (never a dependency)."""
+    try:
+        from workbench.bench.llamacpp import llamacpp_side
+    except ImportError as e:
+        return {"available": False, "reason": f"workbench.bench.llamacpp unavailable ({e})"}
+    return llamacpp_side(cfg.model, llm, cfg.max_tokens, threads=torch.get_num_threads())
+
+
+def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
+    """Returns a JSON-ready dict: per configuration median TTFT (ms) and decode tokens/s, their
+    ratios to transformers with verdicts, greedy token agreement with the reference (and the
+    logit margin at the first divergence), the environment, and every raw measurement."""
+    import transformers
+    from tqdm.auto import tqdm
+
+    from workbench.measure.agreement import agreement, divergence_margin
+    from workbench.measure.compare import compare_samples
+    from workbench.measure.probe import noise_probe
+
+    names = parse_configs(cfg.configs)
+    torch.manual_seed(cfg.seed)
+    llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, threads=cfg.threads)
+    threads = torch.get_num_threads()   # the engine's choice; process-wide, so transformers runs with it too
+    probe = noise_probe()               # the noise floor of this run's verdicts
+    if cfg.backend:
+        from workbench.transforms.backends import apply_backends, parse_backend_spec
+        apply_backends(llm.model, parse_backend_spec(cfg.backend))
+    hf = hf_model_like(llm, cfg.model)
+    prompts = bench_prompts(llm, cfg.num_prompts, cfg.prompt_tokens, cfg.seed)
+    ours, info = _sides(cfg, llm, names, prompts)
+    sides = {**ours, "transformers": lambda p: _run_hf(hf, p, cfg.max_tokens)}
+    for _ in range(cfg.warmup):          # also where compile / capture happen
+        for fn in sides.values():
+            fn(prompts[0])
+    raw = {k: [] for k in sides}
+    tokens = {k: [] for k in sides}
+    steps = cfg.repeats * len(prompts) * len(sides)
+    bar = tqdm(total=steps, desc="bench", unit="run", disable=not progress)
+    order = list(sides)
+    for r in range(cfg.repeats):
+        for i, p in enumerate(prompts):
+            for side in order:
+                if torch.get_num_threads() != threads:
+                    raise WorkbenchError(f"bench: torch threads changed from {threads} to "
+                                         f"{torch.get_num_threads()} during the run")
+                toks, ttft, dtps = sides[side](p)
+                raw[side].append({"repeat": r, "prompt": i, "ttft_ms": ttft * 1e3, "decode_tokens_per_s": dtps})
+                if r == 0:
+                    tokens[side].append(toks)
+                bar.update()
+            order = order[1:] + order[:1]          # rotate, so no side always follows the same one
+    bar.close()
+    res = {side: _stats(rows) for side, rows in raw.items()}
+    hf_rates = [x["decode_tokens_per_s"] for x in raw["transformers"]]
+    configs = {}
+    for name in ours:
+        rates = [x["decode_tokens_per_s"] for x in raw[name]]
+        cmp = compare_samples(rates, hf_rates, names=(name, "transformers.generate"), metric="decode tokens/s",
+                              lower_is_better=False, better_word="faster")
+        agree = agreement(tokens["reference"], tokens[name])
+        margins = [divergence_margin(llm.model, p, a, b) for p, a, b in zip(prompts, tokens["reference"], tokens[name])]
+        configs[name] = {**res[name], "description": info["described"][name],
+                         "decode_vs_transformers": res[name]["decode_tokens_per_s_p50"]
+                         / res["transformers"]["decode_tokens_per_s_p50"],
+                         "decode_verdict": cmp.verdict, "decode_winner": cmp.winner,
+                         "token_agreement_vs_reference": agree["rate"],
+                         "token_agreement_vs_transformers": agreement(tokens["transformers"], tokens[name])["rate"],
+                         "first_divergence": [m for m in margins if m is not None]}
+    names_cmp = ("workbench", "transformers.generate")
+    ref_rates = [x["decode_tokens_per_s"] for x in raw["reference"]]
+    decode_cmp = compare_samples(ref_rates, hf_rates, names=names_cmp, metric="decode tokens/s",
+                                 lower_is_better=False, better_word="faster")
+    ttft_cmp = compare_samples([x["ttft_ms"] for x in raw["reference"]], [x["ttft_ms"] for x in raw["transformers"]],
+                               names=names_cmp, metric="TTFT", unit="ms")
+    fastest = max(configs, key=lambda c: configs[c]["decode_tokens_per_s_p50"] if c != "llama.cpp" else -1)
+    out = {
+        "model": cfg.model or "bundled", "device": str(llm.device), "device_name": device_name(llm.device),
+        "dtype": str(llm.model.lm_head.weight.dtype).removeprefix("torch."), "threads": threads,
+        "threads_policy": llm.thread_choice.as_dict(), "noise": probe.as_dict(),
+        "torch": torch.__version__, "transformers": transformers.__version__, "config": asdict(cfg),
+        "workbench": res["reference"], "transformers_generate": res["transformers"],
+        "decode_speedup": res["reference"]["decode_tokens_per_s_p50"] / res["transformers"]["decode_tokens_per_s_p50"],
+        "ttft_ratio": res["reference"]["ttft_ms_p50"] / res["transformers"]["ttft_ms_p50"],
+        "decode_verdict": decode_cmp.verdict, "ttft_verdict": ttft_cmp.verdict,
+        "decode_winner": decode_cmp.winner, "ttft_winner": ttft_cmp.winner,
+        "greedy_token_agreement": agreement(tokens["reference"], tokens["transformers"])["rate"],
+        "configs": configs, "skipped": info["skipped"], "fastest": fastest,
+        "backends": _backends_row(llm.model),
+        "raw": raw,
+    }
+    if "loop" in configs:                # what the LLM front + engine add to each token, vs the bare loop
+        cmp = compare_samples([1e3 / x for x in ref_rates], [1e3 / x["decode_tokens_per_s"] for x in raw["loop"]],
+                              names=("engine (reference)", "bare loop"), metric="ms per decode token", unit="ms")
+        ms_ref = 1e3 / res["reference"]["decode_tokens_per_s_p50"]
+        ms_loop = 1e3 / res["loop"]["decode_tokens_per_s_p50"]
+        out["front_overhead"] = {"engine_ms_per_token": ms_ref, "loop_ms_per_token": ms_loop,
+                                 "overhead_ms_per_token": ms_ref - ms_loop,
+                                 "overhead_pct": 100 * (ms_ref - ms_loop) / ms_loop, "verdict": cmp.verdict}
+    return out
+
+
+def _stats(rows: list[dict]) -> dict:
+    return {"ttft_ms_p50": statistics.median(x["ttft_ms"] for x in rows),
+            "decode_tokens_per_s_p50": statistics.median(x["decode_tokens_per_s"] for x in rows),
+            "ttft_ms_jitter": statistics.pstdev(x["ttft_ms"] for x in rows),
+            "decode_tokens_per_s_min": min(x["decode_tokens_per_s"] for x in rows),
+            "decode_tokens_per_s_max": max(x["decode_tokens_per_s"] for x in rows)}
+
+
+def _backends_row(model) -> dict:
+    """The per-op backends of the measured model, as every benchmark row records them."""
+    from workbench.transforms.backends import describe_backends
+
+    return describe_backends(model)
+
+
+def format_bench(res: dict) -> str:
+    h = res["transformers_generate"]
+    lines = [f"model {res['model']} on {res['device']} ({res['device_name']}), {res['dtype']}, "
+             f"{res['threads']} threads; prompt {res['config']['prompt_tokens']} tokens, "
+             f"{res['config']['max_tokens']} new tokens, {res['config']['num_prompts']} prompts x "
+             f"{res['config']['repeats']} repeats; workbench backends: {res['backends']['backends']}"
+             + (" (Triton interpreter)" if res["backends"].get("triton_interpreter") else ""),
+             f"{'engine':<24}{'TTFT p50 ms':>14}{'TTFT jitter':>13}{'decode tok/s p50':>18}{'min..max':>18}"
+             f"{'vs HF':>8}{'agree':>8}"]
+    rows = [(name, c, f"{c['decode_vs_transformers']:.2f}x", f"{c['token_agreement_vs_reference']:.0%}")
+            for name, c in res["configs"].items()] + [("transformers.generate", h, "1.00x", "")]
+    for name, r, ratio, agree in rows:
+        lines.append(f"{name:<24}{r['ttft_ms_p50']:>14.2f}{r['ttft_ms_jitter']:>13.2f}"
+                     f"{r['decode_tokens_per_s_p50']:>18.1f}"
+                     f"{r['decode_tokens_per_s_min']:>9.1f}..{r['decode_tokens_per_s_max']:<8.1f}{ratio:>8}{agree:>8}")
+    lines.append(f"decode speed-up (reference configuration / transformers): {res['decode_speedup']:.2f}x "
+                 f"({res['decode_verdict']}); TTFT ratio: {res['ttft_ratio']:.2f} ({res['ttft_verdict']}); "
+                 f"greedy token agreement: {res['greedy_token_agreement']:.1%}")
+    for name, c in res["configs"].items():
+        if name != "reference":
+            lines.append(f"  {name}: {c['description']}; {c['decode_verdict']}")
+            for d in c["first_divergence"]:
+                lines.append(f"    first divergence at token {d['position']}: margin {d['margin']:.2e} "
+                             f"(reference top-2 gap {d['top2_gap']:.2e})")
+    for name, why in res.get("skipped", {}).items():
+        lines.append(f"  {name}: not measured ({why})")
+    fo = res.get("front_overhead")
+    if fo:
+        lines.append(f"LLM front + engine per decode token: {fo['engine_ms_per_token']:.3f} ms vs the bare loop "
+                     f"{fo['loop_ms_per_token']:.3f} ms: {fo['overhead_ms_per_token']:+.3f} ms "
+                     f"({fo['overhead_pct']:+.0f}%; {fo['verdict']})")
+    lines.append(f"fastest configuration: {res['fastest']} ({res['configs'][res['fastest']]['decode_vs_transformers']:.2f}x "
+                 "transformers)")
+    pol = res.get("threads_policy") or {}
+    if pol.get("step_ms"):
+        steps = ", ".join(f"{t}: {ms:.2f} ms" for t, ms in pol["step_ms"].items())
+        lines.append(f"threads: {res['threads']} ({pol['policy']}; decode step by thread count {steps})")
+    return "\n".join(lines)

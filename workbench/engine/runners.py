@@ -1,0 +1,258 @@
+"""The model side of the engine: one forward over every scheduled token of a step.
+
+Both runners call the model itself, ``model(tokens, ..., cache=...)``, so every step goes
+through ``DecoderLayer.forward`` and whatever transformations the model carries (per-op
+backends and the fused add + RMSNorm, tiered attention, later quantized layers).  They differ
+only in the cache they hand it (the interface of :mod:`workbench.model.kv_cache`):
+
+* :class:`ModelRunner` - the paged pool.  All tokens of a step (prefill chunks and decode
+  tokens of many sequences) are packed into one ``[1, N]`` row with their positions; a
+  :class:`~workbench.kv.batch.PagedBatchCache` writes each token's K/V to its slot and lets
+  every sequence attend over its own blocks.
+* :class:`ContiguousRunner` - one cache per sequence: a contiguous
+  :class:`~workbench.model.kv_cache.KVCache` (the reference), or a
+  :class:`~workbench.kv.tiers.TieredKVCache` with tiers.  With one sequence per step (the
+  reference configuration) a step is exactly ``model(ids, start, cache, logits_to_keep=1)``;
+  a packed step goes through a :class:`~workbench.kv.batch.SequenceBatchCache`.
+
+**Batch invariance.**  Continuous batching must not change what a request generates: the
+same greedy tokens alone, in a batch, with chunked prefill or after preemption.  Two things
+break that on a CPU in float32 (measured in the scheduler notebook):
+
+* a matrix multiply with few rows (M < 16) takes a different kernel than with many, so the
+  same row gets a different rounding - fixed here by padding packed steps to at least
+  ``MIN_ROWS`` rows, which keeps every row on the same kernel;
+* attention's reductions run over a length that depends on padding and chunking - fixed in
+  the paged batch by computing attention in float64 (:mod:`workbench.kv.batch`); per-sequence
+  caches attend each sequence alone, so their reductions do not depend on the batch.
+
+Both cost time, so ``batch_invariant=False`` switches them off (plain SDPA, no padding) for
+speed studies; on a GPU in bf16 it is off by default.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workbench.errors import ConfigError
+from workbench.kv.batch import PagedBatchCache, SequenceBatchCache
+from workbench.kv.paged import PagedKVPool, PagedSequenceCache
+from workbench.model.decoder import CausalLM
+from workbench.sched.scheduler import ScheduledSeq, SwapIn, SwapOut
+
+MIN_ROWS = 16
+
+
+def default_batch_invariant(model: CausalLM, batch_invariant: bool | None) -> bool:
+    if batch_invariant is not None:
+        return batch_invariant
+    return model.device.type == "cpu" and model.lm_head.weight.dtype == torch.float32
+
+
+class _Packed:
+    """The step's tokens in one row: ids and positions (padded), and the rows whose logits are
+    wanted (``ScheduledSeq.logit_rows`` per sequence, in order; padded too, for batch invariance)."""
+
+    def __init__(self, scheduled: list[ScheduledSeq], pad_to: int, device) -> None:
+        tokens, positions, last = [], [], []
+        for s in scheduled:
+            end = s.start + s.num_tokens
+            tokens += s.seq.tokens[s.start:end]
+            positions += range(s.start, end)
+            k = s.logit_rows                       # the chunk's last k rows (k = 1: the row that samples)
+            last += range(len(tokens) - k, len(tokens))
+        self.num_tokens, self.num_logits = len(tokens), len(last)
+        self.max_position = max(positions, default=0)
+        pad = max(0, pad_to - len(tokens))
+        self.rows = len(tokens) + pad
+        self.ids = torch.tensor([tokens + [0] * pad], device=device)
+        self.positions = torch.tensor(positions + [0] * pad, device=device)
+        if last and len(last) < pad_to:                  # the LM head is a matmul too
+            last += [last[0]] * (pad_to - len(last))
+        self.logits_rows = torch.tensor(last, dtype=torch.long, device=device)
+
+
+def _direct(model: CausalLM, s: ScheduledSeq, cache, device) -> torch.Tensor:
+    """One sequence's chunk as the reference call ``model(ids, start, cache, logits_to_keep=k)``:
+    logits of its last ``s.logit_rows`` positions."""
+    ids = torch.tensor([s.seq.tokens[s.start:s.start + s.num_tokens]], device=device)
+    k = s.logit_rows
+    logits = model(ids, s.start, cache, logits_to_keep=max(k, 1))[0]
+    return logits[logits.shape[0] - k:]
+
+
+class ModelRunner:
+    """Packed steps over the paged pool (and swap copies for preemption by swapping).  ``direct``
+    (one sequence per step, the LLM front's default): a step is ``model(ids, start,
+    PagedSequenceCache, logits_to_keep=1)``, the reference call over the sequence's blocks -
+    nothing to pad, no batch to be invariant to."""
+
+    def __init__(self, model: CausalLM, pool: PagedKVPool, batch_invariant: bool | None = None,
+                 direct: bool = False) -> None:
+        self.model, self.pool, self.direct = model, pool, direct
+        cfg = model.config
+        self.nkv, self.hd = cfg.num_key_value_heads, cfg.head_dim
+        self.window = cfg.sliding_window
+        self.device = model.device
+        self.batch_invariant = default_batch_invariant(model, batch_invariant)
+        self.swap_space: dict[str, torch.Tensor] = {}   # seq id -> KV [L, 2, n, nkv, hd] on the host
+
+    # ---- preemption by swapping ------------------------------------------------------------
+    def _gather(self, block_table: list[int], start: int, end: int, layer: int):
+        B = self.pool.block_size
+        slots = torch.tensor([block_table[p // B] * B + p % B for p in range(start, end)], dtype=torch.long,
+                             device=self.device)                 # long even when empty: an index, not floats
+        k = self.pool.k_cache[layer].view(-1, self.nkv, self.hd)
+        v = self.pool.v_cache[layer].view(-1, self.nkv, self.hd)
+        return slots, k, v
+
+    def swap_out(self, s: SwapOut) -> None:
+        layers = []
+        for layer in range(len(self.pool.k_cache)):
+            slots, k, v = self._gather(s.block_table, 0, s.num_tokens, layer)
+            layers.append(torch.stack((k[slots], v[slots])))
+        pin = self.device.type == "cuda"
+        host = torch.stack(layers).to("cpu")
+        self.swap_space[s.seq.request_id] = host.pin_memory() if pin else host
+
+    def swap_in(self, s: SwapIn) -> None:
+        saved = self.swap_space.pop(s.seq.request_id).to(self.device)
+        table = self.pool.manager.block_table(s.seq.request_id)
+        for layer in range(len(self.pool.k_cache)):
+            slots, k, v = self._gather(table, s.num_cached, s.num_tokens, layer)
+            k[slots] = saved[layer, 0, s.num_cached:s.num_tokens]
+            v[slots] = saved[layer, 1, s.num_cached:s.num_tokens]
+
+    def drop_swap(self, request_id: str) -> None:
+        self.swap_space.pop(request_id, None)
+
+    # ---- the forward ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """Run the step; returns logits [k, vocab] for the sequences that sample (in order)."""
+        if self.direct and len(scheduled) == 1:
+            s = scheduled[0]
+            return _direct(self.model, s, PagedSequenceCache(self.pool, s.seq.request_id, s.start), self.device)
+        p = _Packed(scheduled, MIN_ROWS if self.batch_invariant else 0, self.device)
+        cache = PagedBatchCache(self.pool, [(s.seq.request_id, s.start, s.num_tokens) for s in scheduled],
+                                p.rows, self.batch_invariant, self.window)
+        logits = self.model(p.ids, cache=cache, positions=p.positions, logits_rows=p.logits_rows,
+                            max_position=p.max_position)
+        return logits[:p.num_logits]
+
+
+class ContiguousRunner:
+    """Steps over one cache per sequence, made by ``make_cache(max_len)`` when a sequence is
+    first scheduled and dropped when its blocks are freed (it finished, was aborted or was
+    preempted by recompute).  ``pool``: the engine's block accounting (no tensors), whose
+    listeners tell this runner when a sequence ends.  ``direct``: one sequence per step runs
+    the reference call ``model(ids, start, cache, logits_to_keep=1)`` (the reference
+    configuration); otherwise steps are packed (padded for batch invariance)."""
+
+    def __init__(self, model: CausalLM, pool: PagedKVPool, make_cache, direct: bool = True,
+                 batch_invariant: bool | None = None, keep_last: bool = False) -> None:
+        self.model, self.pool, self.make_cache, self.direct = model, pool, make_cache, direct
+        self.device = model.device
+        self.batch_invariant = default_batch_invariant(model, batch_invariant)
+        self.caches: dict[str, object] = {}   # live sequence id -> its cache
+        self.keep_last = keep_last            # keep the last ended sequence's cache (tiered: inspectors read it)
+        self.last_cache = None
+        pool.listeners.append(self._on_pool_event)
+
+    def _on_pool_event(self, event: str, seq_id: str) -> None:
+        if event == "end" and seq_id in self.caches:
+            cache = self.caches.pop(seq_id)
+            if self.keep_last:
+                self.last_cache = cache
+
+    def swap_out(self, s: SwapOut) -> None:
+        raise ConfigError("per-sequence KV caches are not swapped; use preemption_mode='recompute'")
+
+    swap_in = swap_out
+
+    def drop_swap(self, request_id: str) -> None:
+        pass
+
+    def _cache(self, s: ScheduledSeq):
+        rid = s.seq.request_id
+        cache = self.caches.get(rid)
+        if cache is None:
+            cache = self.caches[rid] = self.make_cache(s.seq.prompt_len + s.seq.max_new)
+        return cache
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        caches = [self._cache(s) for s in scheduled]
+        if self.direct and len(scheduled) == 1:
+            return _direct(self.model, scheduled[0], caches[0], self.device)
+        p = _Packed(scheduled, MIN_ROWS if self.batch_invariant else 0, self.device)
+        batch = SequenceBatchCache([(c, s.start, s.num_tokens) for c, s in zip(caches, scheduled)])
+        logits = self.model(p.ids, cache=batch, positions=p.positions, logits_rows=p.logits_rows,
+                            max_position=p.max_position)
+        for c, s in zip(caches, scheduled):
+            c.length = s.start + s.num_tokens
+        return logits[:p.num_logits]
+
+
+class StaticRunner(ContiguousRunner):
+    """Decode steps on static buffers (:class:`~workbench.transforms.cuda_graphs.GraphedDecoder`): one
+    contiguous cache row per running sequence, rows kept packed (a sequence that ends hands its
+    row to the last one).  ``compile``: the static step is ``torch.compile``'d (on a CPU,
+    inductor's C++); ``cuda_graphs``: captured once per batch-size bucket and replayed.
+    Prefill chunks run eagerly on their sequence's row; all decode rows of a step go in one
+    static call.  Attention there spans the whole row with a mask, so the reduction length
+    differs from the reference: greedy tokens agree, they are not bitwise guaranteed.
+
+    Cost: the buffers hold ``max_seqs + 1`` rows of ``max_len`` tokens and every decode step
+    attends over whole rows, so both grow with the engine's ``max_model_len`` (set it to what
+    requests need: ``LLM(..., max_model_len=...)``, ``--max-model-len``).  The batch-size buckets
+    are fixed here: more running sequences than ``max_seqs`` is refused."""
+
+    def __init__(self, model: CausalLM, pool: PagedKVPool, max_len: int, max_seqs: int,
+                 compile: bool = False, cuda_graphs: bool = False) -> None:
+        from workbench.transforms.cuda_graphs import GraphedDecoder
+
+        buckets = sorted({min(1 << i, max_seqs) for i in range(max_seqs.bit_length() + 1)})
+        self.max_seqs = max_seqs
+        self.decoder = GraphedDecoder(model, max_len, tuple(buckets))
+        if compile:
+            self.decoder.compile()
+        if cuda_graphs:
+            self.decoder.capture(strict=True)
+        super().__init__(model, pool, make_cache=None, direct=True, batch_invariant=False)
+        self.rows: dict[str, int] = {}        # live sequence id -> its cache row (0..n-1)
+
+    def _on_pool_event(self, event: str, seq_id: str) -> None:
+        if event != "end" or seq_id not in self.rows:
+            return
+        row, last = self.rows.pop(seq_id), len(self.rows)
+        if row != last:                       # keep rows packed: the last sequence moves into the gap
+            moved = next(r for r, i in self.rows.items() if i == last)
+            self.decoder.move_row(last, row)
+            self.rows[moved] = row
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        dec = self.decoder
+        for s in scheduled:
+            if s.seq.request_id not in self.rows:
+                self.rows[s.seq.request_id] = len(self.rows)
+        logits: dict[str, torch.Tensor] = {}
+        tokens: list = [None] * len(self.rows)
+        positions = [0] * len(self.rows)
+        for s in scheduled:
+            rid, row = s.seq.request_id, self.rows[s.seq.request_id]
+            if s.num_tokens == 1 and s.start > 0:
+                tokens[row], positions[row] = s.seq.tokens[s.start], s.start
+            else:
+                out = dec.prefill(row, s.seq.tokens[s.start:s.start + s.num_tokens], s.start)
+                logits[rid] = out[None]
+        if any(t is not None for t in tokens):
+            step = dec.decode(tokens, positions)
+            for rid, row in self.rows.items():
+                if tokens[row] is not None:
+                    logits[rid] = step[row:row + 1]
+        wanted = [logits[s.seq.request_id] for s in scheduled if s.samples]
+        if not wanted:
+            return torch.zeros(0, self.model.config.vocab_size, device=self.device)
+        return torch.cat(wanted)

@@ -1,0 +1,422 @@
+"""Looking at the KV cache: a text block map and report, a block-map figure, a live block map.
+
+Inputs are the plain reports of :mod:`workbench.kv.inspect`; plotly and ipywidgets are imported
+inside the functions that draw, so the text helpers (used by the CLI) need neither.  ::
+
+    print(format_report(report(llm, insp)))            # text: pool, hit rate, miss reasons, block map
+    block_map_figure(llm.kv_pool.manager.block_states())   # static go.Figure, one cell per block
+    view = KVBlockMapView()
+    view.run(llm, prompts, params)                      # live heatmap while the requests run
+    view.static_figure()                                # a plain go.Figure of the same state, for reports
+
+Paged mode draws one cell per *physical* block (free / owned / shared / cached), ``cols`` blocks
+per row.  Tiered mode draws one row per layer and one cell per token position (``cell_tokens``
+positions per cell: the cell shows its most frequent zone) coloured hot / warm / cold / fetched /
+dropped, as the last query sees the cache (see :func:`workbench.kv.inspect.tier_report`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from workbench.kv.inspect import CHARS, PAGED_STATES, TIER_ZONES, live_sequences, tier_report
+
+COLORS = {"free": "#e6e6e6", "owned": "#4c78a8", "shared": "#f58518", "cached": "#54a24b",
+          "hot": "#d62728", "warm": "#ffbf00", "cold": "#1f77b4", "fetched": "#9467bd", "dropped": "#bdbdbd"}
+
+
+# ---- text ---------------------------------------------------------------------------------------
+def text_block_map(states, width: int = 64) -> str:
+    """One character per block (``. free  o owned  S shared  c cached``; tier zones ``H w C F x``),
+    ``width`` per line, each line prefixed with its first block id (``width=0``: one bare line).
+    ``states`` may also be such a string already (the inspector's ``record["block_map"]``)."""
+    s = states if isinstance(states, str) else "".join(CHARS.get(x, "?") for x in states)
+    if not width:
+        return s
+    pad = len(str(max(len(s) - 1, 0)))
+    return "\n".join(f"{i:>{pad}}  {s[i:i + width]}" for i in range(0, len(s), width))
+
+
+def zone_runs(names) -> list[tuple[str, int, int]]:
+    """Run-length encoding of a per-position zone list: [(zone, start, end), ...]."""
+    runs: list[tuple[str, int, int]] = []
+    for i, z in enumerate(names):
+        if runs and runs[-1][0] == z:
+            runs[-1] = (z, runs[-1][1], i + 1)
+        else:
+            runs.append((z, i, i + 1))
+    return runs
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def _num(x, fmt=".2f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def format_pool_report(rep: dict, width: int = 64, max_rows: int = 20) -> str:
+    b, pc, by = rep["blocks"], rep["prefix_cache"], rep["bytes"]
+    lines = [f"paged KV pool: {rep['num_blocks']} blocks x {rep['block_size']} tokens; {by['per_block']:,} B per block "
+             f"({by['per_token']:,} B per token), {by['pool_tensors']:,} B of tensors",
+             "blocks now: " + ", ".join(f"{b[s]} {s}" for s in PAGED_STATES),
+             f"prefix cache: {'on (' + pc['eviction'] + ' eviction)' if pc['enabled'] else 'off'}; hit rate "
+             f"{_pct(pc['hit_rate'])} ({pc['hit_tokens']:,} / {pc['prompt_tokens']:,} prompt tokens over "
+             f"{pc['requests']} requests); full hits {pc['full_hits']}, partial hits {pc['partial_hits']}",
+             "miss reasons: " + (", ".join(f"{k} {v}" for k, v in sorted(pc["miss_reasons"].items())) or "none"),
+             f"evictions {pc['evictions']}, copy-on-write copies {pc['cow_copies']}, "
+             f"blocks restored from the offload tier {pc['restored_blocks']}"]
+    off = rep.get("offload")
+    if off:
+        s = off["stats"]
+        lines.append(f"offload tier ({off['kind']}): {off['blocks_held']} / {off['capacity_blocks']} blocks held, "
+                     f"{off['bytes_held']:,} B; {s['puts']} spilled ({s['bytes_out']:,} B in {s['seconds_out'] * 1e3:.2f} ms), "
+                     f"{s['gets']} restored ({s['bytes_in']:,} B in {s['seconds_in'] * 1e3:.2f} ms)")
+    lines.append(f"bookkeeping: {rep['manager_seconds'] * 1e3:.2f} ms in the block manager")
+    legend = "  ".join(f"{CHARS[s]} {s}" for s in PAGED_STATES)
+    lines += [f"block map now ({legend}):", text_block_map(rep["block_states"], width)]
+    if rep["sequences"]:
+        lines.append("live sequences: " + "; ".join(f"{s['seq_id']} {s['tokens']} tokens in {s['num_blocks']} blocks"
+                                                      for s in rep["sequences"]))
+    fin = rep.get("finished") or []
+    if fin:
+        lines.append(f"finished requests (last {min(len(fin), max_rows)} of {len(fin)} kept):")
+        lines.append(f"{'request':<12}{'prompt':>7}{'cached':>8}{'reuse':>8}  {'miss reason':<20}{'blocks':>7}"
+                     f"{'shared':>7}{'restored':>9}")
+        for r in list(fin)[-max_rows:]:
+            lines.append(f"{r['seq_id']:<12}{r.get('prompt_tokens', '-'):>7}{r.get('cached_tokens', '-'):>8}"
+                         f"{_pct(r.get('reuse_ratio')):>8}  {str(r.get('miss_reason') or 'full hit'):<20}"
+                         f"{r['num_blocks']:>7}{r['shared_blocks']:>7}{r.get('restored_blocks', '-'):>9}")
+        last = list(fin)[-1]
+        if last.get("block_map"):
+            lines += [f"block map as {last['seq_id']} ended (before its blocks were released):",
+                      text_block_map(last["block_map"], width)]
+    return "\n".join(lines)
+
+
+def format_tier_report(rep: dict) -> str:
+    z, by = rep["zones"], rep["bytes"]
+    red = f"{by['reduction']:.2f}x less" if by["reduction"] else "-"
+    lines = [f"tiered KV cache {rep['config_name']}: {rep['length']} tokens, batch {rep['batch_size']}, "
+             f"{rep['num_layers']} layers x {rep['num_kv_heads']} KV heads",
+             f"zones for the last query (every layer): hot {z['hot']}, warm {z['warm']}, cold {z['cold']} "
+             f"({z['cold_chunks']} chunks), dropped {z['dropped']}; offloaded (full precision only in the offload "
+             f"tier) {z['offloaded']}",
+             f"bytes (at {by['element_bytes']} B per element): resident {by['resident']:,} vs full cache {by['full']:,} "
+             f"({red}; PCA basis {by['basis']:,}); fetched at the last step {by['fetched_last_step']:,.0f} B "
+             f"({by['fetched_tokens_last_step']:.0f} token-heads over all layers)"]
+    hdr = (f"{'layer':>5}{'hot':>6}{'warm':>6}{'cold':>6}{'dropped':>8}{'offloaded':>10}{'fetched/head':>13}"
+           f"{'|k| hot':>14}{'|k| warm':>14}{'|k| cold':>14}{'warm err':>9}")
+    lines += ["key norms: mean / max over tokens (cold: chunk means) and heads", hdr]
+    for r in rep["layers"]:
+        kn = r.get("key_norms", {})
+        cell = lambda k: f"{_num(kn.get(k, {}).get('mean'))}/{_num(kn.get(k, {}).get('max'))}"  # noqa: E731
+        lines.append(f"{r['layer']:>5}{r['hot']:>6}{r['warm']:>6}{r['cold']:>6}{r['dropped']:>8}{r['offloaded']:>10}"
+                     f"{_num(r.get('fetched', 0), '.1f') + '/' + str(r.get('fetched_max_head', 0)):>13}"
+                     f"{cell('hot'):>14}{cell('warm'):>14}{cell('cold'):>14}{_pct(kn.get('warm_rel_error')):>9}")
+    if rep.get("zone_map"):
+        lines.append("zone map per layer, [start, end) positions (fetched: by at least one KV head):")
+        for i, names in enumerate(rep["zone_map"]):
+            lines.append(f"  layer {i}: " + " ".join(f"{z}[{a},{b})" for z, a, b in zone_runs(names)))
+    return "\n".join(lines)
+
+
+def format_server_header(rep: dict) -> str:
+    """The first line of a pool report a server sent (:func:`workbench.kv.inspect.fetch_pool_report`):
+    model, engine thread and queue, and how stable the snapshot is."""
+    srv = rep.get("server") or {}
+    eng, snap = srv.get("engine") or {}, srv.get("snapshot") or {}
+    alive = "engine running" if srv.get("engine_alive") else "engine thread NOT running" + (
+        f" (last error: {srv['last_error']})" if srv.get("last_error") else "")
+    queue = ", ".join(f"{eng[k]} {k}" for k in ("running", "waiting", "swapped", "finished") if k in eng)
+    how = ("stable snapshot" if snap.get("stable") else "snapshot taken while the pool changed (not stable)") + (
+        f" after {snap['attempts']} read(s)" if snap.get("attempts") else "")
+    return (f"server: model {srv.get('model', '?')}; {alive}" + (f" at step {eng['steps']}" if "steps" in eng else "")
+            + (f"; {queue}" if queue else "") + f"; {how}")
+
+
+def format_report(rep: dict, width: int = 64) -> str:
+    """Readable text for any report of :mod:`workbench.kv.inspect` (a server's pool report:
+    :func:`format_server_header`, then the pool)."""
+    if rep["mode"] == "paged":
+        text = format_pool_report(rep, width)
+        return format_server_header(rep) + "\n" + text if "server" in rep else text
+    if rep["mode"] == "contiguous":
+        return (f"{rep['message']}\nKV bytes per token {rep['kv_bytes_per_token']:,}; a full context of "
+                f"{rep['max_model_len']} tokens takes {rep['bytes_full_context']:,} B")
+    if "layers" in rep:
+        return format_tier_report(rep)
+    parts = [format_tier_report(r) for r in rep["active"].values()]
+    if rep.get("last"):
+        parts.append("last finished request:\n" + format_tier_report(rep["last"]))
+    return "\n\n".join(parts) or f"tiered engine ({rep['config_name']}): no request has run yet"
+
+
+# ---- figures ------------------------------------------------------------------------------------
+def _decode(states):
+    """A string of :data:`CHARS` (an inspector record's ``block_map``) -> state names."""
+    if isinstance(states, str):
+        by_char = {c: name for name, c in CHARS.items()}
+        return [by_char[c] for c in states]
+    return states
+
+
+def block_map_grid(states, names, cols: int | None = None, hover=None):
+    """(z, text) for a heatmap: ``states`` 1-D (wrapped ``cols`` per row; padding cells None) or
+    2-D (rows given); z holds the index of each state in ``names``."""
+    states = _decode(states)
+    if states and isinstance(states[0], (list, tuple)):
+        z = [[names.index(s) for s in row] for row in states]
+        text = hover or [[s for s in row] for row in states]
+        return z, text
+    n = len(states)
+    cols = cols or max(1, min(n, 32))
+    rows = -(-n // cols) if n else 0
+    z = [[names.index(states[r * cols + c]) if r * cols + c < n else None for c in range(cols)] for r in range(rows)]
+    hv = hover or [f"block {i}: {s}" for i, s in enumerate(states)]
+    text = [[hv[r * cols + c] if r * cols + c < n else "" for c in range(cols)] for r in range(rows)]
+    return z, text
+
+
+def discrete_colorscale(names) -> list:
+    """Plotly colorscale with one flat band per state (z = index into ``names``)."""
+    k, out = len(names), []
+    for i, s in enumerate(names):
+        out += [[i / k, COLORS[s]], [(i + 1) / k, COLORS[s]]]
+    return out
+
+
+def _heatmap_kwargs(names, z, text, y_labels=None, x=None):
+    gap = 1 if z and len(z[0]) <= 128 else 0        # cell borders, unless the cells are too thin for them
+    return dict(z=z, text=text, y=y_labels, x=x, hovertemplate="%{text}<extra></extra>", xgap=gap, ygap=1,
+                colorscale=discrete_colorscale(names), zmin=-0.5, zmax=len(names) - 0.5,
+                colorbar=dict(tickvals=list(range(len(names))), ticktext=list(names), title="state"))
+
+
+def block_map_figure(states, names=None, cols: int | None = None, hover=None, title: str | None = None,
+                     row_labels=None, height: int | None = None, x=None):
+    """Static heatmap of block (or token-zone) states with a discrete colour legend.
+
+    ``states``: state names, 1-D (one per physical block, ``cols`` per row), 2-D (rows given:
+    steps, or layers x positions), or a string of :data:`~workbench.kv.inspect.CHARS` (an
+    inspector record's ``block_map``).  ``x``: column coordinates (first token of each cell)."""
+    import plotly.graph_objects as go
+
+    states = _decode(states)
+    two_d = bool(states) and isinstance(states[0], (list, tuple))
+    names = list(names or (TIER_ZONES if two_d else PAGED_STATES))
+    z, text = block_map_grid(states, names, cols, hover)
+    if row_labels is None and not two_d and z:
+        row_labels = [f"{r * len(z[0])}" for r in range(len(z))]     # first block id of each row
+    blocks = set(names) <= set(PAGED_STATES)
+    x_title = ("block id" if two_d else "block id - row start") if blocks else "token position"
+    fig = go.Figure(go.Heatmap(**_heatmap_kwargs(names, z, text, row_labels, x)))
+    fig.update_layout(title=title or f"KV block map ({len(states)} {'rows' if two_d else 'blocks'})",
+                      height=height or max(220, 90 + 22 * len(z)), margin=dict(l=70, r=20, t=50, b=40),
+                      xaxis=dict(showgrid=False, zeroline=False, title=x_title), plot_bgcolor="white",
+                      yaxis=dict(autorange="reversed", type="category"))
+    return fig
+
+
+# ---- the live view ------------------------------------------------------------------------------
+class KVBlockMapView:
+    """A live heatmap of the KV cache while requests run (paged: physical blocks; tiered: layers
+    x positions), redrawn at most ``max_hz`` times a second inside ``fig.batch_update()``::
+
+        view = KVBlockMapView(max_hz=10)
+        outs = view.run(llm, prompts, SamplingParams(temperature=0, max_tokens=16))
+        view.static_figure()       # a plain go.Figure: saved FigureWidget state is stale
+
+    ``attach(llm)`` subscribes to a paged pool's listeners (redraws on its begin / step / end
+    events, also when someone else drives the engine); a tiered engine has no listeners, so
+    :meth:`run` redraws between tokens, or call :meth:`refresh`.  The widget is built when the
+    view is first displayed; until then nothing is drawn (``static_figure`` always works).
+    """
+
+    def __init__(self, max_hz: float = 10.0, cols: int = 32, cell_tokens: int = 1, title: str | None = None,
+                 height: int | None = None) -> None:
+        if not 0 < max_hz <= 60:
+            raise ValueError(f"KVBlockMapView: max_hz must be in (0, 60], got {max_hz}")
+        if cell_tokens < 1:
+            raise ValueError(f"KVBlockMapView: cell_tokens must be >= 1, got {cell_tokens}")
+        self.min_interval, self.cols, self.cell_tokens = 1.0 / max_hz, cols, cell_tokens
+        self.title, self.height = title, height
+        self.llm = self.pool = None
+        self.fig = self.label = self.widget = None
+        self.updates, self.update_seconds, self.events = 0, 0.0, 0
+        self._last = 0.0
+
+    # ---- state --------------------------------------------------------------------------------
+    def attach(self, llm) -> "KVBlockMapView":
+        self.detach()
+        self.llm = llm
+        if llm.kv_pool is not None:
+            self.pool = llm.kv_pool
+            self.pool.listeners.append(self._on_event)
+        elif llm.tiers is None:
+            raise ValueError("KVBlockMapView needs a paged (LLM(kv=...)) or tiered (LLM(tiers=...)) engine; "
+                             "the contiguous reference cache has no blocks to draw")
+        return self
+
+    def detach(self) -> None:
+        if self.pool is not None and self._on_event in self.pool.listeners:
+            self.pool.listeners.remove(self._on_event)
+        self.pool = None
+
+    def _on_event(self, event: str, seq_id: str) -> None:
+        self.events += 1
+        if self.fig is not None and time.perf_counter() - self._last >= self.min_interval:
+            self._redraw()
+
+    def snapshot(self) -> dict:
+        """What is drawn now: states (1-D paged, 2-D tiered), state names, hover text, title."""
+        if self.llm is None:
+            raise ValueError("KVBlockMapView: attach(llm) or run(llm, ...) first")
+        if self.llm.kv_pool is not None:
+            return self._paged_snapshot(self.llm.kv_pool.manager)
+        cache = next(reversed(self.llm.active_caches.values()), None) if self.llm.active_caches else self.llm.last_cache
+        return self._tier_snapshot(cache)
+
+    def _paged_snapshot(self, m) -> dict:
+        states = m.block_states()
+        owners: dict[int, list[str]] = {}
+        for sid in live_sequences(m):
+            for b in m.block_table(sid):
+                owners.setdefault(b, []).append(sid)
+        hover = [f"block {i}: {s}" + (f"<br>used by {', '.join(owners[i])}" if i in owners else
+                                      "<br>committed prefix, no user (reusable; evicted last-used first)"
+                                      if s == "cached" else "") for i, s in enumerate(states)]
+        c = Counter(states)
+        title = self.title or ("KV pool: " + ", ".join(f"{c[s]} {s}" for s in PAGED_STATES)
+                               + f" (of {len(states)} blocks x {m.block_size} tokens)")
+        return {"mode": "paged", "states": states, "names": list(PAGED_STATES), "hover": hover, "title": title,
+                "row_labels": None, "x": None}
+
+    def _tier_snapshot(self, cache) -> dict:
+        if cache is None or not cache.length:
+            return {"mode": "tiered", "states": [], "names": list(TIER_ZONES), "hover": None,
+                    "title": "tiered KV cache: no request yet", "row_labels": None, "x": None}
+        rep = tier_report(cache)
+        k = self.cell_tokens
+        states, hover = [], []
+        for layer, (names, heads) in enumerate(zip(rep["zone_map"], rep["fetched_heads"])):
+            srow, hrow = [], []
+            for a in range(0, len(names), k):
+                cnt = Counter(names[a:a + k])
+                srow.append(cnt.most_common(1)[0][0])
+                where = f"position {a}" if k == 1 else f"positions [{a}, {min(a + k, len(names))})"
+                what = (names[a] + (f" by {heads[a]} of {rep['num_kv_heads']} KV heads" if names[a] == "fetched" else "")
+                        if k == 1 else ", ".join(f"{z} {n}" for z, n in cnt.most_common()))
+                hrow.append(f"layer {layer}, {where}: {what}")
+            states.append(srow)
+            hover.append(hrow)
+        z = rep["zones"]
+        title = self.title or (f"Tiered KV cache, {rep['length']} tokens: hot {z['hot']}, warm {z['warm']}, "
+                               f"cold {z['cold']}, dropped {z['dropped']}; resident "
+                               f"{rep['bytes']['resident'] / max(rep['bytes']['full'], 1):.0%} of full")
+        return {"mode": "tiered", "states": states, "names": list(TIER_ZONES), "hover": hover, "title": title,
+                "row_labels": [f"layer {i}" for i in range(len(states))], "x": list(range(0, rep["length"], k))}
+
+    # ---- drawing ------------------------------------------------------------------------------
+    def static_figure(self):
+        """A plain ``go.Figure`` of the current state (safe to save in reports)."""
+        s = self.snapshot()
+        return block_map_figure(s["states"], s["names"], self.cols, s["hover"], s["title"], s["row_labels"],
+                                self.height, s["x"])
+
+    def _build(self) -> None:
+        import ipywidgets as widgets
+        import plotly.graph_objects as go
+
+        self.fig = go.FigureWidget(self.static_figure() if self.llm is not None else go.Figure(go.Heatmap()))
+        self.label = widgets.HTML(value="")
+        self.widget = widgets.VBox([self.label, self.fig])
+
+    def _redraw(self) -> None:
+        t0 = time.perf_counter()
+        s = self.snapshot()
+        z, text = block_map_grid(s["states"], s["names"], self.cols, s["hover"])
+        labels = (s["row_labels"] or [f"{r * len(z[0])}" for r in range(len(z))]) if z else None
+        with self.fig.batch_update():
+            self.fig.data[0].update(**_heatmap_kwargs(s["names"], z, text, labels, s["x"]))
+            self.fig.layout.title = s["title"]
+        self.updates += 1
+        self.update_seconds += time.perf_counter() - t0
+        self.label.value = (f"redraws: {self.updates} ({self.update_seconds * 1e3:.0f} ms), "
+                            f"pool events seen: {self.events}")
+        self._last = time.perf_counter()
+
+    def refresh(self) -> None:
+        if self.fig is not None:
+            self._redraw()
+
+    def display(self) -> "KVBlockMapView":
+        from IPython.display import display
+
+        if self.fig is None:
+            self._build()
+        display(self.widget)
+        return self
+
+    def _repr_mimebundle_(self, **kwargs):
+        if self.fig is None:
+            self._build()
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    def run(self, llm, prompts, params=None, display: bool = True, interleave: bool = False):
+        """Run the prompt(s) while the view updates.  A str or a list of token ids is one prompt
+        (returns its RequestOutput); a list of prompts returns a list.  ``interleave=True``
+        advances the requests' streams in turn, one token each (all of them hold blocks at
+        once, so a shared prefix shows up as *shared* blocks); otherwise one after another."""
+        from workbench.engine.llm import RequestOutput
+
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        plist = [prompts] if single else list(prompts)
+        if self.llm is not llm:
+            self.attach(llm)
+        if display:
+            self.display()
+        outs = [RequestOutput(request_id="", prompt=None, prompt_token_ids=[]) for _ in plist]
+        streams = [llm.stream(p, params, output=o) for p, o in zip(plist, outs)]
+        groups = [streams] if interleave else [[s] for s in streams]
+        together = llm.batching(len(plist) if interleave else 1)
+        together.__enter__()
+        try:
+            for group in groups:
+                live = list(group)
+                while live:
+                    for st in list(live):
+                        if next(st, None) is None:      # finished (a stream's last event has finished=True)
+                            live.remove(st)
+                        elif self.pool is None and self.fig is not None and \
+                                time.perf_counter() - self._last >= self.min_interval:
+                            self._redraw()              # tiered: no pool events, redraw between tokens
+                self.refresh()                          # the finished requests' blocks are released now
+        finally:
+            for st in streams:                          # on an error: every request gives its blocks back
+                st.close()
+            together.__exit__(None, None, None)
+        return outs[0] if single else outs
+
+
+def pareto_figure(df, x: str = "reduction", y: str = "rel_ppl", max_rel_ppl: float | None = 0.02,
+                  title: str = "Tiered KV cache: memory reduction vs perplexity increase"):
+    """Plotly scatter of every config, the Pareto front as a line, the quality threshold dashed."""
+    import plotly.graph_objects as go
+
+    ok = df[df["error"].isna()] if "error" in df else df
+    from workbench.bench.tier_eval import pareto_front
+
+    front = pareto_front(df, x, y)
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=ok[x], y=100 * ok[y], mode="markers", name="configs", text=ok["name"],
+                             hovertemplate="%{text}<br>reduction %{x:.2f}x<br>ppl %{y:+.2f}%<extra></extra>"))
+    fig.add_trace(go.Scatter(x=front[x], y=100 * front[y], mode="lines+markers", name="Pareto front",
+                             text=front["name"], hovertemplate="%{text}<extra></extra>"))
+    if max_rel_ppl is not None:
+        fig.add_hline(y=100 * max_rel_ppl, line_dash="dash", annotation_text=f"+{100 * max_rel_ppl:g}% ppl")
+    fig.update_layout(title=title, xaxis_title="KV memory reduction vs full cache (x)",
+                      yaxis_title="perplexity change (%)", height=420)
+    return fig

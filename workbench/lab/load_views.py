@@ -1,0 +1,458 @@
+"""Live and static views of a load run (plotly / ipywidgets imported lazily, inside).
+
+* :class:`LatencyDashboard` - a FigureWidget with four rows, live while a run goes:
+  TTFT P50/P95/P99 over a rolling window (and the SLO guard's threshold); inter-token
+  latency P50/P95/P99 over the same window (gaps of finished requests); load: requests in
+  flight (client side), queue length / running / batch size (when the target exposes them)
+  and requests rejected so far; KV usage and the SLO guard's state.  Redrawn at most
+  ``max_hz`` times a second inside ``batch_update()``; ``static_figure()`` for reports
+  (a saved FigureWidget's state is stale).
+* :func:`scheduler_timeline` - per engine step (``LLMEngine.steps_frame()``): prefill vs decode
+  tokens as stacked bars, the step's time split (scheduler / model / after sampling), and which
+  requests were in the batch, each marked prefilling or decoding (with its token count).
+* :func:`latency_vs_load_figure` - P50/P95 TTFT against offered load, one line per setting
+  (for example per micro-batch window) from a sweep table.
+* :func:`parse_prometheus_text`, :func:`http_metrics_fn` - read a server's ``/metrics``.
+
+Target metrics come from ``metrics_fn() -> dict`` (the in-process engine, ``FakeTarget.metrics``,
+``GuardedTarget.metrics`` or :func:`http_metrics_fn`).  It is polled on a background thread
+at ``metrics_hz``, so a slow HTTP poll never stalls the load generator's event loop.  Keys are
+matched by suffix, so ``queue_len`` (the in-process engine), ``workbench_queue_length`` (the
+workbench server's ``/metrics``) and vLLM's ``vllm:num_requests_waiting`` all land on the
+queue-length line.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+import numpy as np
+
+from workbench.errors import ConfigError
+
+# series name -> metric-name suffixes that feed it (first match wins)
+ALIASES = {
+    "queue_len": ("queue_len", "queue_length", "num_requests_waiting", "waiting"),
+    "running": ("running", "running_requests", "num_requests_running"),
+    "batch_size": ("batch_size",),
+    "kv_usage": ("kv_usage", "kv_usage_ratio", "kv_cache_usage_perc", "gpu_cache_usage_perc"),
+}
+STATE_LEVEL = {"closed": 0, "half_open": 1, "open": 2}
+SERIES = ("t", "ttft_p50", "ttft_p95", "ttft_p99", "threshold", "itl_p50", "itl_p95", "itl_p99", "in_flight",
+          "queue_len", "running", "batch_size", "kv_usage", "rejected", "slo_state")
+# the dashboard's traces, in order: (series, legend name, subplot row, line style)
+TRACES = (("ttft_p50", "TTFT P50", 1, None), ("ttft_p95", "TTFT P95", 1, None), ("ttft_p99", "TTFT P99", 1, None),
+          ("threshold", "SLO threshold", 1, dict(dash="dash", color="gray")),
+          ("itl_p50", "ITL P50", 2, None), ("itl_p95", "ITL P95", 2, None), ("itl_p99", "ITL P99", 2, None),
+          ("in_flight", "in flight (client)", 3, None), ("queue_len", "queue length", 3, None),
+          ("running", "running", 3, None), ("batch_size", "batch size", 3, dict(dash="dot")),
+          ("rejected", "rejected (total)", 3, dict(color="firebrick")),
+          ("kv_usage", "KV usage %", 4, None), ("slo_state", "SLO state", 4, None))
+
+
+def pick_metrics(m: dict) -> dict:
+    """Map a metrics dict onto the dashboard's series (None where absent)."""
+    out = {}
+    for series, names in ALIASES.items():
+        out[series] = None
+        for name in names:
+            hit = next((v for k, v in m.items() if str(k).split("{")[0].endswith(name)), None)
+            if hit is not None:
+                out[series] = float(hit)
+                break
+    if out["kv_usage"] is not None and out["kv_usage"] <= 1.0:
+        out["kv_usage"] *= 100.0          # fractions -> percent
+    return out
+
+
+class LatencyDashboard:
+    """Live latency / load / SLO view of a :class:`~workbench.load.generator.LoadRun`::
+
+        run = LoadRun(target, cfg)
+        dash = LatencyDashboard(metrics_fn=target.metrics, guard=guard).attach(run)
+        dash.display(); result = run.run()      # or: await run.arun()
+        dash.static_figure()
+
+    Or feed it by hand: ``dash.update(t=..., record=..., in_flight=..., rejected=...)``.
+    ``clock`` paces the redraws (at most ``max_hz``): the run's clock, ``time.perf_counter`` by
+    default (a virtual-time run passes its loop's ``loop.time``).
+    """
+
+    def __init__(self, window_s: float = 10.0, max_hz: float = 10.0, metrics_fn: Callable[[], dict] | None = None,
+                 metrics_hz: float = 3.0, guard=None, title: str = "Load (live)", height: int = 820,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        import ipywidgets as widgets
+        import plotly.graph_objects as go
+
+        if not 0 < max_hz <= 10:
+            raise ConfigError(f"LatencyDashboard: max_hz={max_hz!r} must be in (0, 10]")
+        if not 0 < metrics_hz <= 10:
+            raise ConfigError(f"LatencyDashboard: metrics_hz={metrics_hz!r} must be in (0, 10]")
+        if not window_s > 0:
+            raise ConfigError(f"LatencyDashboard: window_s={window_s!r} must be > 0 seconds")
+        self.window_s, self.min_interval, self.metrics_interval = window_s, 1.0 / max_hz, 1.0 / metrics_hz
+        self.metrics_fn, self.guard, self.title, self.height = metrics_fn, guard, title, height
+        self.clock = clock                      # paces redraws (max_hz) and inline polls: the run's clock
+        self.fig = go.FigureWidget(self._figure(go))
+        self.label = widgets.HTML(value="<b>waiting for the run to start...</b>")
+        self.widget = widgets.VBox([self.label, self.fig])
+        self.data = {k: [] for k in SERIES}
+        self._ttfts: deque = deque()            # (end time, ttft ms) of ok requests in the window
+        self._itls: deque = deque()             # (token time, gap ms) of ok requests' tokens
+        self._latest: dict = {}                 # last polled target metrics
+        self.metrics_error: str | None = None
+        self._last_draw = -math.inf
+        self._last_poll = -math.inf
+        self._poller: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.redraws = 0
+        self.redraw_seconds = 0.0
+        self.status: dict = {}
+
+    # ---- figure ---------------------------------------------------------------------------------
+    def _figure(self, go, data: dict | None = None):
+        from plotly.subplots import make_subplots
+
+        d = data or {k: [] for k in SERIES}
+        fig = make_subplots(rows=4, cols=1, shared_xaxes=True, vertical_spacing=0.06,
+                            specs=[[{}], [{}], [{}], [{"secondary_y": True}]],
+                            subplot_titles=(f"TTFT over the last {self.window_s:g} s (ms)",
+                                            f"inter-token latency over the last {self.window_s:g} s (ms)",
+                                            "load: requests", "KV usage and SLO guard"))
+        t = d["t"]
+        for key, name, row, style in TRACES:
+            kw = dict(line=dict(shape="hv"), fill="tozeroy", opacity=0.3) if key == "slo_state" else {}
+            fig.add_trace(go.Scatter(x=t, y=d[key], mode="lines", name=name, legendgroup=str(row),
+                                     **({"line": style} if style else {}), **kw),
+                          row=row, col=1, secondary_y=key == "slo_state")
+        for row in (1, 2, 3):
+            fig.update_yaxes(rangemode="tozero", row=row, col=1)
+        fig.update_yaxes(title_text="%", range=[0, 105], row=4, col=1)
+        fig.update_yaxes(range=[-0.1, 2.3], tickvals=[0, 1, 2], ticktext=["closed", "half-open", "open"],
+                         row=4, col=1, secondary_y=True)
+        fig.update_xaxes(title_text="seconds since the start", row=4, col=1)
+        fig.update_layout(title=self.title, height=self.height, margin=dict(l=60, r=60, t=70, b=40),
+                          legend=dict(orientation="v", x=1.08))
+        return fig
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    def display(self) -> "LatencyDashboard":
+        from IPython.display import display
+        display(self.widget)
+        return self
+
+    # ---- target metrics (background poller) -------------------------------------------------------
+    def _poll_once(self) -> None:
+        try:
+            self._latest = pick_metrics(self.metrics_fn() or {})
+            self.metrics_error = None
+        except Exception as e:        # a server that stopped answering: shown, not fatal
+            self.metrics_error = f"metrics_fn failed: {type(e).__name__}: {e}"
+
+    def _poll_loop(self) -> None:
+        while not self._stop.wait(self.metrics_interval):
+            self._poll_once()
+
+    def start_polling(self) -> None:
+        if self.metrics_fn is not None and self._poller is None:
+            self._stop.clear()
+            self._poll_once()
+            self._poller = threading.Thread(target=self._poll_loop, name="dashboard-metrics", daemon=True)
+            self._poller.start()
+
+    def stop_polling(self) -> None:
+        self._stop.set()
+        if self._poller is not None:
+            self._poller.join(timeout=2 * self.metrics_interval + 1)
+            self._poller = None
+
+    # ---- feeding --------------------------------------------------------------------------------
+    def attach(self, run) -> "LatencyDashboard":
+        """Observe a LoadRun: every finished request and every tick update the view.  Without a
+        ``metrics_fn`` / ``guard`` of its own, the dashboard polls ``run.target.metrics()`` and
+        shows the guard of a :class:`~workbench.serve.slo.GuardedTarget`."""
+        if self.metrics_fn is None and callable(getattr(run.target, "metrics", None)):
+            self.metrics_fn = run.target.metrics
+        if self.guard is None and getattr(run.target, "guard", None) is not None:
+            self.guard = run.target.guard
+        run.add_observer(self)
+        self.start_polling()
+        return self
+
+    def __call__(self, run, record) -> None:
+        c = run.counts
+        self.status = {"elapsed": run.elapsed(), "stage": run.stage_name, "target": run.target_value(),
+                       "mode": run.config.mode, "sent": run.sent, **c, "in_flight": run.in_flight}
+        self.update(t=run.elapsed(), record=record, in_flight=run.in_flight, rejected=c.get("rejected", 0),
+                    force=run.done)
+        if run.done:
+            self.stop_polling()
+
+    def update(self, t: float, record=None, in_flight: int | None = None, rejected: int | None = None,
+               metrics: dict | None = None, force: bool = False) -> None:
+        """Add a finished request (a RequestRecord) and/or a sample at time ``t`` (s since the
+        start); redraws when ``max_hz`` allows or ``force``.  ``metrics``: target metrics now
+        (otherwise the latest polled ones, or a poll now if polling is not running)."""
+        if record is not None and record.status == "ok" and record.ttft is not None:
+            self._ttfts.append((record.end if record.end is not None else t, record.ttft * 1e3))
+            tt = record.token_times
+            self._itls.extend((b, (b - a) * 1e3) for a, b in zip(tt, tt[1:]))
+        now = self.clock()
+        if not force and now - self._last_draw < self.min_interval:
+            return
+        if metrics is not None:
+            self._latest = pick_metrics(metrics)
+        elif self.metrics_fn is not None and self._poller is None and now - self._last_poll >= self.metrics_interval:
+            self._last_poll = now
+            self._poll_once()
+        self._sample(t, in_flight, rejected)
+        self._redraw()
+        self._last_draw = self.clock()
+
+    def _sample(self, t: float, in_flight, rejected) -> None:
+        cut = t - self.window_s            # token times of different requests arrive out of order: filter all
+        self._ttfts = deque(x for x in self._ttfts if x[0] >= cut)
+        self._itls = deque(x for x in self._itls if x[0] >= cut)
+        vals = [v for _, v in self._ttfts]
+        p50, p95, p99 = np.percentile(vals, [50, 95, 99]) if vals else (None, None, None)
+        gaps = [v for _, v in self._itls]            # finished requests' gaps, by when the later token came
+        i50, i95, i99 = np.percentile(gaps, [50, 95, 99]) if gaps else (None, None, None)
+        snap = self.guard.snapshot() if self.guard is not None else {}
+        thr = snap.get("threshold_s")
+        d, m = self.data, self._latest
+        for k, v in (("t", t), ("ttft_p50", p50), ("ttft_p95", p95), ("ttft_p99", p99),
+                     ("threshold", None if thr is None else thr * 1e3), ("itl_p50", i50), ("itl_p95", i95),
+                     ("itl_p99", i99), ("in_flight", in_flight),
+                     ("queue_len", m.get("queue_len")), ("running", m.get("running")),
+                     ("batch_size", m.get("batch_size")), ("kv_usage", m.get("kv_usage")),
+                     ("rejected", rejected), ("slo_state", STATE_LEVEL.get(snap.get("state")))):
+            d[k].append(None if v is None else float(v))
+        self.status["slo"] = snap
+
+    def _redraw(self) -> None:
+        t0 = time.perf_counter()
+        self.redraws += 1
+        with self.fig.batch_update():
+            for tr, (k, *_) in zip(self.fig.data, TRACES):
+                tr.x, tr.y = self.data["t"], self.data[k]
+        self.label.value = self._status_html()
+        self.redraw_seconds += time.perf_counter() - t0
+
+    def _status_html(self) -> str:
+        s = self.status
+        parts = []
+        if "elapsed" in s:
+            unit = "users" if s.get("mode") == "closed" else "req/s"
+            parts.append(f"<b>{s['elapsed']:.1f} s</b> stage <b>{html.escape(str(s['stage']))}</b> "
+                         f"(target {s['target']:.3g} {unit})")
+            parts.append(f"sent {s['sent']} &middot; ok {s.get('ok', 0)} &middot; errors {s.get('error', 0)} "
+                         f"&middot; <span style='color:firebrick'>rejected {s.get('rejected', 0)}</span> "
+                         f"&middot; cancelled {s.get('cancelled', 0)} &middot; in flight {s['in_flight']}")
+        p95 = self.data["ttft_p95"][-1] if self.data["ttft_p95"] else None
+        if p95 is not None:
+            parts.append(f"TTFT P95 {p95:.1f} ms")
+        slo = s.get("slo") or {}
+        if slo:
+            color = {"closed": "#186a1e", "half_open": "#b8860b", "open": "firebrick"}[slo["state"]]
+            parts.append(f"SLO <b style='color:{color}'>{slo['state'].upper()}</b> (trips {slo['trips']})")
+        if self.metrics_error:
+            parts.append(f"<span style='color:firebrick'>{html.escape(self.metrics_error)}</span>")
+        return " &nbsp;|&nbsp; ".join(parts) or "<b>waiting...</b>"
+
+    def static_figure(self):
+        """A plain ``go.Figure`` of everything recorded so far (safe to save in reports)."""
+        import plotly.graph_objects as go
+
+        return go.Figure(self._figure(go, self.data))
+
+
+TIMELINE_COLUMNS = ("step", "start", "schedule_s", "model_s", "post_s", "num_seqs", "prefill_tokens",
+                    "decode_tokens", "request_ids")
+
+
+def scheduler_timeline(frame, x: str = "step", max_requests: int = 64, title: str = "Scheduler timeline"):
+    """A static plotly figure of an engine's steps, from ``LLMEngine.steps_frame()`` (or any
+    table with its columns).  Three rows sharing the x axis:
+
+    1. tokens computed per step: prefill and decode as stacked bars (their heights add up to
+       the frame's ``prefill_tokens`` / ``decode_tokens``);
+    2. the step's time in ms, stacked: ``schedule_s`` (pure-Python scheduler), ``model_s``
+       (swaps + forward + sampling) and ``post_s`` (detokenization, stop checks);
+    3. batch composition: one marker per (step, request) for the requests computed in the step
+       (the first ``max_requests`` requests to appear, by first step; the rest are counted in
+       the title).  With the frame's ``request_tokens`` column (tokens each request computed in
+       the step) the markers are split into a "prefilling" and a "decoding" trace, coloured as
+       the token bars, with the token count in ``customdata`` and on hover; ``request_prefill``
+       (per request: a prefill chunk?) says which, else a request computing more than one token
+       counts as prefilling.  Rows without them (an older frame) keep one "in batch" trace.
+
+    ``x="step"``: one bar per step; ``x="time"``: bars placed at the step's start (seconds from
+    the first step) with the step's duration as their width, so idle gaps show.  Needs no
+    display: save it with ``write_html`` / ``to_json`` or show it in a notebook."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    if x not in ("step", "time"):
+        raise ConfigError(f"scheduler_timeline: x={x!r} must be 'step' or 'time'")
+    if getattr(frame, "empty", False) and len(getattr(frame, "columns", ())) == 0:
+        raise ConfigError("scheduler_timeline: the frame has no steps (run some requests through the engine first)")
+    missing = [c for c in TIMELINE_COLUMNS if c not in getattr(frame, "columns", ())]
+    if missing:
+        raise ConfigError(f"scheduler_timeline: column(s) {missing} missing; pass LLMEngine.steps_frame() "
+                          f"(got columns {list(getattr(frame, 'columns', []))})")
+    if len(frame) == 0:
+        raise ConfigError("scheduler_timeline: the frame has no steps (run some requests through the engine first)")
+    if not (isinstance(max_requests, int) and max_requests >= 0):
+        raise ConfigError(f"scheduler_timeline: max_requests={max_requests!r} must be an integer >= 0")
+    f = frame.reset_index(drop=True)
+    dur = (f["schedule_s"] + f["model_s"] + f["post_s"]).to_numpy(dtype=float)
+    if x == "time" and len(f):
+        t0 = float(f["start"].iloc[0])
+        xs = (f["start"].to_numpy(dtype=float) - t0) + dur / 2
+        width, x_title = dur, "seconds since the first step"
+    else:
+        xs, width, x_title = f["step"].to_numpy(), None, "engine step"
+    steps = f["step"].tolist()
+    ids = [tuple(r) for r in f["request_ids"]]
+    order: dict = {}
+    for batch in ids:
+        for rid in batch:
+            order.setdefault(rid, len(order))
+    shown = {rid for rid, k in order.items() if k < max_requests}
+    hidden = len(order) - len(shown)
+    split = _request_split(f, ids)           # per step: ((tokens, prefill?), ...) per request, or None
+    hover = []
+    for s, n, b, sp in zip(steps, f["num_seqs"], ids, split):
+        names = [str(r) if sp is None else f"{r} ({'P' if sp[i][1] else 'D'} {sp[i][0]})"
+                 for i, r in enumerate(b[:8])]
+        hover.append(f"step {s}<br>{n} seqs: " + ", ".join(names) + (" ..." if len(b) > 8 else ""))
+
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06, row_heights=[0.35, 0.3, 0.35],
+                        subplot_titles=("tokens per step", "time per step (ms)",
+                                        "requests in the batch" + (f" (first {max_requests}; {hidden} more not "
+                                                                   "shown)" if hidden else "")))
+    bar = lambda name, y, color: go.Bar(x=xs, y=y, width=width, name=name, marker_color=color,  # noqa: E731
+                                        hovertext=hover, hovertemplate="%{hovertext}<br>" + name + ": %{y}"
+                                        "<extra></extra>")
+    fig.add_trace(bar("prefill tokens", f["prefill_tokens"].tolist(), "#1f77b4"), row=1, col=1)
+    fig.add_trace(bar("decode tokens", f["decode_tokens"].tolist(), "#ff7f0e"), row=1, col=1)
+    for col, name, color in (("schedule_s", "scheduler", "#d62728"), ("model_s", "model", "#2ca02c"),
+                             ("post_s", "after sampling", "#9467bd")):
+        fig.add_trace(bar(name, (f[col].to_numpy(dtype=float) * 1e3).tolist(), color), row=2, col=1)
+    cells: dict[str, tuple[list, list, list]] = {"prefilling": ([], [], []), "decoding": ([], [], []),
+                                                 "in batch": ([], [], [])}
+    for xv, batch, sp in zip(xs, ids, split):
+        for i, rid in enumerate(batch):
+            if rid in shown:
+                kind = "in batch" if sp is None else ("prefilling" if sp[i][1] else "decoding")
+                px, py, pt = cells[kind]
+                px.append(xv)
+                py.append(str(rid))
+                pt.append(None if sp is None else sp[i][0])
+    kinds = (["prefilling", "decoding"] if "request_tokens" in f.columns else []) + (
+        ["in batch"] if "request_tokens" not in f.columns or cells["in batch"][0] else [])
+    for kind in kinds:
+        px, py, pt = cells[kind]
+        color, what = {"prefilling": ("#1f77b4", "prefill chunk of %{customdata} tokens"),
+                       "decoding": ("#ff7f0e", "decoding (%{customdata} tokens)"),
+                       "in batch": (None, "in the batch")}[kind]
+        marker = dict(size=5 if kind == "in batch" else 6, symbol="square", **({"color": color} if color else {}))
+        fig.add_trace(go.Scatter(x=px, y=py, mode="markers", name=kind, marker=marker,
+                                 customdata=pt if kind != "in batch" else None,
+                                 hovertemplate="%{y} at %{x}: " + what + "<extra></extra>"), row=3, col=1)
+    fig.update_yaxes(categoryorder="array", categoryarray=sorted(shown, key=order.get), autorange="reversed",
+                     row=3, col=1)
+    fig.update_layout(barmode="stack", bargap=0.1 if x == "step" else 0, title=title, height=720,
+                      margin=dict(l=70, r=20, t=70, b=40))
+    fig.update_xaxes(title_text=x_title, row=3, col=1)
+    if len(f):
+        total = dur.sum()
+        share = f["schedule_s"].sum() / total if total > 0 else math.nan
+        fig.update_layout(title=f"{title}: {len(f)} steps, {int(f['prefill_tokens'].sum())} prefill + "
+                                f"{int(f['decode_tokens'].sum())} decode tokens, scheduler {share:.1%} of step time")
+    return fig
+
+
+def _request_split(f, ids: list[tuple]) -> list:
+    """Per step: ``((tokens, is_prefill), ...)`` for its requests, from the frame's
+    ``request_tokens`` (and ``request_prefill``) columns; None for a step without them (a frame
+    from an older engine, or rows of one concatenated with such a frame)."""
+    def seq(v):
+        return tuple(v) if isinstance(v, (tuple, list, np.ndarray)) else None
+
+    toks = list(f["request_tokens"]) if "request_tokens" in f.columns else [None] * len(ids)
+    pre = list(f["request_prefill"]) if "request_prefill" in f.columns else [None] * len(ids)
+    out = []
+    for b, t, p in zip(ids, toks, pre):
+        t, p = seq(t), seq(p)
+        if t is None or len(t) != len(b):
+            out.append(None)
+            continue
+        flags = p if p is not None and len(p) == len(b) else tuple(int(n) > 1 for n in t)
+        out.append(tuple((int(n), bool(q)) for n, q in zip(t, flags)))
+    return out
+
+
+def latency_vs_load_figure(df, x: str = "offered_qps", ys=("ttft_p50_ms", "ttft_p95_ms"),
+                           group: str | None = "window_ms", title: str = "TTFT vs offered load"):
+    """Static figure for a sweep table: ``x`` (offered QPS) against each ``ys`` column (P50 solid,
+    P95 dashed, ...), one colour per value of ``group`` (for example the micro-batch window).
+    ``df``: one row per (setting, load) - e.g. the ``all`` rows of LoadResult.summary() with a
+    ``window_ms`` column added."""
+    import plotly.graph_objects as go
+
+    missing = [c for c in (x, *ys, *([group] if group else [])) if c not in df.columns]
+    if missing:
+        raise ConfigError(f"latency_vs_load_figure: column(s) {missing} not in the table; it has {list(df.columns)}")
+    groups = [(None, df)] if group is None else list(df.groupby(group, sort=True))
+    dashes = ("solid", "dash", "dot", "dashdot")
+    fig = go.Figure()
+    for gi, (gval, sub) in enumerate(groups):
+        sub = sub.sort_values(x)
+        color = f"hsl({(gi * 137) % 360},60%,45%)"
+        for yi, y in enumerate(ys):
+            label = y.replace("_ms", "").replace("_", " ").upper()
+            name = label if gval is None else f"{group}={gval}: {label}"
+            fig.add_trace(go.Scatter(x=sub[x], y=sub[y], mode="lines+markers", name=name,
+                                     line=dict(color=color, dash=dashes[yi % len(dashes)]),
+                                     hovertemplate=f"{name}<br>{x}=%{{x:.3g}}: %{{y:.1f}} ms<extra></extra>"))
+    fig.update_layout(title=title, xaxis_title=x.replace("_", " "), yaxis_title="ms", yaxis_rangemode="tozero",
+                      height=400, margin=dict(l=60, r=20, t=50, b=40))
+    return fig
+
+
+# ---- a server's /metrics ------------------------------------------------------------------------
+def parse_prometheus_text(text: str) -> dict[str, float]:
+    """Prometheus exposition text -> {series: value}; labelled series keep their labels in the
+    key (``name{a="b"}``).  Comments and unparsable lines are skipped."""
+    out = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        head, _, rest = line.rpartition("}") if "}" in line else ("", "", line)
+        name, value = (head + "}", rest.split()) if head else (rest.split()[0], rest.split()[1:])
+        try:
+            out[name.strip()] = float(value[0])
+        except (IndexError, ValueError):
+            continue
+    return out
+
+
+def http_metrics_fn(url: str, timeout: float = 0.5) -> Callable[[], dict]:
+    """A ``metrics_fn`` that GETs a Prometheus ``/metrics`` URL (blocking; the dashboard calls
+    it from its poller thread)."""
+    def fetch() -> dict:
+        import httpx
+
+        r = httpx.get(url, timeout=timeout)
+        r.raise_for_status()
+        return parse_prometheus_text(r.text)
+    return fetch

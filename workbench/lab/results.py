@@ -1,0 +1,283 @@
+"""The results sidecar a notebook writes for the batch runner (scrapbook is unmaintained).
+
+The runner injects ``results_path`` into each notebook; the notebook ends with::
+
+    if results_path:
+        save_results(results_path, {"ttft_ms_p50": 12.3, "model": "bundled"},
+                     tables={"summary": df}, figures={"itl": fig})
+
+The file is JSON, one object::
+
+    {"format": "workbench-results/1",
+     "metrics": {name: number | str | bool | null, ...},           # scalars only
+     "tables":  {name: {"columns": [...], "index": [...], "data": [[...]], "index_name": ...}},
+     "figures": {name: <plotly figure JSON>}}
+
+:func:`load_results` reads it back with tables as DataFrames and figures as plotly dicts
+(``plotly.io.from_json(json.dumps(d))`` or :func:`figure_html` turns one into a figure).
+:func:`collect_results` and :func:`write_report` turn a batch run's sidecars into one table
+and one offline HTML page (used by :mod:`workbench.lab.runner`).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import numbers
+import sys
+from pathlib import Path
+
+from workbench.errors import WorkbenchError
+
+FORMAT = "workbench-results/1"
+
+
+def _scalar(name: str, value):
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        v = float(value)
+        return v if math.isfinite(v) else None       # JSON has no NaN / inf
+    if hasattr(value, "item") and tuple(getattr(value, "shape", (0,))) == ():
+        return _scalar(name, value.item())            # numpy / torch 0-d values
+    raise WorkbenchError(f"save_results: metric {name!r} is a {type(value).__name__}; metrics must be scalars "
+                         "(number, str, bool, None); put tables in tables= and figures in figures=")
+
+
+def _table_json(name: str, df) -> dict:
+    import pandas as pd
+
+    if isinstance(df, pd.Series):
+        df = df.to_frame()
+    if not isinstance(df, pd.DataFrame):
+        raise WorkbenchError(f"save_results: table {name!r} is a {type(df).__name__}, expected a pandas DataFrame")
+    d = json.loads(df.to_json(orient="split", default_handler=str))
+    d["index_name"] = df.index.name
+    return d
+
+
+def _figure_json(name: str, fig) -> dict:
+    if isinstance(fig, dict):
+        return fig
+    if hasattr(fig, "to_json"):                        # plotly Figure / FigureWidget
+        return json.loads(fig.to_json())
+    raise WorkbenchError(f"save_results: figure {name!r} is a {type(fig).__name__}, expected a plotly figure")
+
+
+def save_results(path: str | Path, metrics: dict, tables: dict | None = None, figures: dict | None = None) -> Path:
+    """Write a notebook's results sidecar (see the module docstring for the format)."""
+    if path is None:
+        raise WorkbenchError("save_results: path is None (the runner injects results_path; "
+                             "guard the call with `if results_path:` when running by hand)")
+    if not isinstance(metrics, dict):
+        raise WorkbenchError(f"save_results: metrics must be a dict of scalars, got {type(metrics).__name__}")
+    doc = {"format": FORMAT,
+           "metrics": {str(k): _scalar(str(k), v) for k, v in metrics.items()},
+           "tables": {str(k): _table_json(str(k), v) for k, v in (tables or {}).items()},
+           "figures": {str(k): _figure_json(str(k), v) for k, v in (figures or {}).items()}}
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(doc))
+    tmp.replace(p)                                     # a reader never sees half a file
+    return p
+
+
+def load_results(path: str | Path) -> dict:
+    """Read a sidecar: {"metrics": dict, "tables": {name: DataFrame}, "figures": {name: dict}}."""
+    import pandas as pd
+
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise WorkbenchError(f"{p}: results sidecar not found (did the notebook call save_results?)") from None
+    except json.JSONDecodeError as e:
+        raise WorkbenchError(f"{p}: results sidecar is not valid JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise WorkbenchError(f"{p}: not a workbench results file (expected \"format\": \"{FORMAT}\")")
+    tables = {}
+    for name, t in doc.get("tables", {}).items():
+        df = pd.DataFrame(t["data"], columns=t["columns"], index=t["index"])
+        df.index.name = t.get("index_name")
+        tables[name] = df
+    return {"metrics": doc.get("metrics", {}), "tables": tables, "figures": doc.get("figures", {})}
+
+
+def figure_html(fig_json: dict, div_id: str | None = None) -> str:
+    """A ``<div>`` for one figure, without plotly.js (the page includes it once)."""
+    import plotly.io as pio
+
+    fig = pio.from_json(json.dumps(fig_json), skip_invalid=True)
+    return fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id)
+
+
+# ---- a run's results: one table and one HTML page ---------------------------------------------
+def collect_results(records: list[dict]) -> dict:
+    """Read the sidecars of a run's notebooks (``records`` as made by the runner).
+
+    Returns {"metrics": DataFrame[notebook, metric, value], "notebooks": {name: loaded sidecar}};
+    an unreadable sidecar is noted in its record's ``error`` rather than stopping the report.
+    """
+    import pandas as pd
+
+    rows, loaded = [], {}
+    for rec in records:
+        path = rec.get("results")
+        if not path:
+            continue
+        try:
+            res = load_results(path)
+        except WorkbenchError as e:
+            rec["error"] = f"{rec.get('error') or ''} {e}".strip()
+            continue
+        loaded[rec["name"]] = res
+        rows += [{"notebook": rec["name"], "metric": k, "value": v} for k, v in res["metrics"].items()]
+    out = {"metrics": pd.DataFrame(rows, columns=["notebook", "metric", "value"]), "notebooks": loaded}
+    if any(rec.get("point") for rec in records):
+        out["sweep"] = sweep_frame(records, loaded)
+    return out
+
+
+def sweep_frame(records: list[dict], loaded: dict) -> "pandas.DataFrame":  # noqa: F821
+    """One row per sweep point: notebook, the point's parameters, status, seconds, error, and
+    every metric its sidecar holds (empty for a failed point, which keeps its row)."""
+    import pandas as pd
+
+    rows = []
+    for rec in records:
+        metrics = loaded.get(rec["name"], {}).get("metrics", {})
+        rows.append({"notebook": rec.get("notebook", rec["name"]), **(rec.get("point") or {}),
+                     "status": rec["status"], "seconds": rec["seconds"], "error": rec.get("error") or "",
+                     **{k: v for k, v in metrics.items() if isinstance(v, (int, float, bool, str)) or v is None}})
+    return pd.DataFrame(rows)
+
+
+def environment(parameters: dict | None = None) -> dict:
+    """What a report states about the machine: date, python, torch, device."""
+    import os
+    import platform
+    from datetime import datetime, timezone
+
+    env = {"date (UTC)": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+           "python": f"{platform.python_version()} ({sys.executable})", "platform": platform.platform(),
+           "processor": platform.processor() or platform.machine(), "cpu cores": os.cpu_count()}
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+        env["torch threads"] = torch.get_num_threads()
+        env["cuda"] = (f"{torch.cuda.get_device_name(0)} (x{torch.cuda.device_count()})"
+                       if torch.cuda.is_available() else "not available")
+    except ImportError:
+        env["torch"] = "not installed"
+    env["device (notebook parameter)"] = (parameters or {}).get("device", "notebook default")
+    return env
+
+
+_CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
+table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
+th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}.ok{color:#186a1e}.failed{color:#b00020}
+h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:2em}pre{white-space:pre-wrap}"""
+
+
+def _esc(s) -> str:
+    return html.escape("" if s is None else str(s))
+
+
+def _kv_table(d: dict) -> str:
+    return "<table>" + "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in d.items()) + "</table>"
+
+
+def sweep_figure(table, params: list[str], metrics: list[str] | None = None):
+    """Latency vs load for a sweep: x = the last swept parameter (e.g. the request rate), one
+    line per combination of the others (e.g. the window), one panel per metric (default: every
+    metric whose name has ``p95``).  Failed points are left out of the lines (they keep their
+    table row).  None when nothing numeric can be drawn."""
+    import pandas as pd
+    from plotly.subplots import make_subplots
+
+    if not params:
+        return None
+    x, groups = params[-1], params[:-1]
+    ok = table[table["status"] == "ok"] if "status" in table else table
+    known = set(params) | {"notebook", "status", "seconds", "error"}
+    numeric = [c for c in ok.columns if c not in known and pd.api.types.is_numeric_dtype(ok[c])]
+    metrics = [m for m in (metrics or [c for c in numeric if "p95" in c.lower()] or numeric[:1]) if m in numeric]
+    if ok.empty or not metrics or not pd.api.types.is_numeric_dtype(ok[x]):
+        return None
+    fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=metrics)
+    keyed = ok.groupby(groups) if groups else [((), ok)]
+    for key, part in keyed:
+        key = key if isinstance(key, tuple) else (key,)
+        name = ", ".join(f"{g}={v}" for g, v in zip(groups, key)) or "all"
+        part = part.sort_values(x)
+        for i, m in enumerate(metrics):
+            fig.add_scatter(x=part[x], y=part[m], mode="lines+markers", name=name, legendgroup=name,
+                            showlegend=i == 0, row=1, col=i + 1)
+    fig.update_xaxes(title_text=x)
+    fig.update_layout(title=f"sweep: {', '.join(metrics)} vs {x}", height=380)
+    return fig
+
+
+def write_report(path: str | Path, records: list[dict], results: dict, parameters: dict | None = None,
+                 started=None, kernel: str | None = None, sweep: dict | None = None) -> Path:
+    """One self-contained HTML page: environment, notebook summary (status, seconds, links),
+    metrics table, and each notebook's tables and figures (plotly.js inlined once)."""
+    path = Path(path)
+    title = f"Workbench notebook run {path.parent.name}"
+    parts = [f"<h1>{_esc(title)}</h1>", "<h2>Environment</h2>", _kv_table(environment(parameters))]
+    parts.append("<p>Parameters given to every notebook: "
+                 f"<code>{_esc(json.dumps(parameters or {}))}</code>; kernel <code>{_esc(kernel)}</code>"
+                 + (f"; started {started:%Y-%m-%d %H:%M:%S} UTC" if started else "") + ".</p>")
+
+    parts.append("<h2>Notebooks</h2><table><tr><th>notebook</th><th>status</th><th>seconds</th>"
+                 "<th>results</th><th>error</th></tr>")
+    for rec in records:
+        link = Path(rec["output"]).name
+        has = f"<a href='#nb-{_esc(rec['name'])}'>yes</a>" if rec["name"] in results["notebooks"] else "no"
+        parts.append(f"<tr><td><a href='{_esc(link)}'>{_esc(rec['name'])}</a></td>"
+                     f"<td class='{_esc(rec['status'])}'>{_esc(rec['status'])}</td><td>{rec['seconds']:.1f}</td>"
+                     f"<td>{has}</td>"
+                     f"<td style='text-align:left'><pre>{_esc(rec.get('error') or '')}</pre></td></tr>")
+    parts.append("</table>")
+
+    n_figures = 0
+    if "sweep" in results:
+        parts.append(f"<h2>Sweep</h2><p>Grid <code>{_esc(json.dumps(sweep or {}))}</code>: one row per point "
+                     "(a failed point keeps its row and its error).</p>")
+        parts.append(results["sweep"].to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep=""))
+        try:
+            fig = sweep_figure(results["sweep"], list(sweep or {}))
+        except ImportError:
+            fig = None
+        if fig is not None:
+            parts.append(fig.to_html(full_html=False, include_plotlyjs=False, div_id="fig-sweep"))
+            n_figures += 1
+    metrics = results["metrics"]
+    parts.append("<h2>Metrics</h2>")
+    parts.append(metrics.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep="")
+                 if len(metrics) else "<p>No notebook wrote metrics.</p>")
+
+    for name, res in results["notebooks"].items():
+        parts.append(f"<h2 id='nb-{_esc(name)}'>{_esc(name)}</h2>")
+        for tname, df in res["tables"].items():
+            parts.append(f"<h3>{_esc(tname)}</h3>" + df.to_html(float_format=lambda v: f"{v:.4g}", na_rep=""))
+        for fname, fig in res["figures"].items():
+            parts.append(f"<h3>{_esc(fname)}</h3>")
+            try:
+                parts.append(figure_html(fig, div_id=f"fig-{name}-{fname}"))
+                n_figures += 1
+            except ImportError:
+                parts.append("<p>(plotly is not installed: figure not rendered)</p>")
+
+    head = f"<meta charset='utf-8'><title>{_esc(title)}</title><style>{_CSS}</style>"
+    if n_figures:
+        from plotly.offline import get_plotlyjs
+        head += f"<script type='text/javascript'>{get_plotlyjs()}</script>"
+    path.write_text(f"<!DOCTYPE html>\n<html><head>{head}</head><body>\n" + "\n".join(parts) + "\n</body></html>\n",
+                    encoding="utf-8")
+    return path

@@ -1,0 +1,234 @@
+"""Run notebooks in batch with papermill, collect their results, write an HTML report.
+
+::
+
+    res = run_notebooks()                                  # every notebooks/*.ipynb, defaults
+    res = run_notebooks(["00_tour"], parameters={"model": "/path/to/model", "mode": "full"})
+    res["report"]                                          # runs/<UTC timestamp>/report.html
+
+Each notebook runs in a fresh kernel with its folder as the working directory; its executed
+copy goes to the run folder, and the runner injects ``results_path`` (a JSON sidecar in the
+run folder, see :mod:`workbench.lab.results`) next to the given parameters.  A notebook that
+fails is recorded (status, error, seconds) and the run goes on; a kernel that fails to start
+(a port race between kernels starting together) is retried once.  Then every sidecar is
+collected into ``results.csv`` (one row per notebook and metric) and ``report.html``, which
+works offline: plotly.js is inlined once for all figures.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from workbench.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOKS = ROOT / "notebooks"
+RUNS = ROOT / "runs"
+KERNEL_NAME = "python3"
+FALLBACK_KERNEL = "workbench-python"
+
+# Messages of a kernel that did not come up (nothing was executed): worth one retry.
+_START_ERRORS = re.compile(r"address already in use|kernel died before replying|kinfo|didn't respond|"
+                           r"did not respond|failed to start|startup|zmqerror", re.I)
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+# ---- what to run, where, with which kernel ----------------------------------------------------
+def resolve_notebooks(notebooks=None) -> list[Path]:
+    """Paths, or names under notebooks/ (with or without ``.ipynb``); default: all, sorted."""
+    if not notebooks:
+        found = sorted(NOTEBOOKS.glob("*.ipynb"))
+        if not found:
+            raise ConfigError(f"{NOTEBOOKS}: no notebooks (*.ipynb) to run")
+        return found
+    if isinstance(notebooks, (str, Path)):
+        notebooks = [notebooks]
+    out = []
+    for nb in notebooks:
+        p = Path(nb).expanduser()
+        candidates = [p, NOTEBOOKS / p, NOTEBOOKS / f"{p}.ipynb"]
+        hit = next((c for c in candidates if c.is_file() and c.suffix == ".ipynb"), None)
+        if hit is None:
+            have = ", ".join(x.stem for x in sorted(NOTEBOOKS.glob("*.ipynb"))) or "none"
+            raise ConfigError(f"notebook {str(nb)!r} not found (give a path to a .ipynb file or a name in "
+                              f"{NOTEBOOKS}: {have})")
+        out.append(hit.resolve())
+    return out
+
+
+def new_run_dir(out_dir=None) -> Path:
+    if out_dir is not None:
+        d = Path(out_dir).expanduser().resolve()
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    d, k = RUNS / stamp, 1
+    while d.exists():
+        k += 1
+        d = RUNS / f"{stamp}-{k}"
+    d.mkdir(parents=True)
+    return d
+
+
+def resolve_kernel(kernel_name: str | None = None) -> str:
+    """The kernel to run: ``kernel_name`` if given, else ``python3`` when that kernelspec runs
+    this interpreter (jupyter_client maps a bare ``python`` to ``sys.executable``), else a
+    kernelspec for ``sys.executable`` written under runs/.jupyter and put on JUPYTER_PATH, so
+    the notebooks always see the same environment (and the same ``workbench``) as the runner."""
+    if kernel_name:
+        return kernel_name
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    bare = {"python", f"python{sys.version_info[0]}", "python%d.%d" % sys.version_info[:2]}
+    try:
+        exe = KernelSpecManager().get_kernel_spec(KERNEL_NAME).argv[0]
+        # Same bin/ folder = same environment (python and python3 are both links in a venv).
+        if exe in bare or _same_dir(exe, sys.executable):
+            return KERNEL_NAME
+    except NoSuchKernel:
+        pass
+    base = RUNS / ".jupyter"
+    spec_dir = base / "kernels" / FALLBACK_KERNEL
+    spec_dir.mkdir(parents=True, exist_ok=True)
+    (spec_dir / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": f"Python ({sys.executable})", "language": "python"}, indent=1))
+    paths = os.environ.get("JUPYTER_PATH", "")
+    if str(base) not in paths.split(os.pathsep):
+        os.environ["JUPYTER_PATH"] = os.pathsep.join(p for p in (str(base), paths) if p)
+    return FALLBACK_KERNEL
+
+
+def _same_dir(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(os.path.dirname(a), os.path.dirname(b))
+    except OSError:
+        return False
+
+
+# ---- one notebook ------------------------------------------------------------------------------
+def _strip_widget_state(path: Path) -> None:
+    """Belt and braces for store_widget_state=False: no widget bundle in saved notebooks."""
+    import nbformat
+
+    nb = nbformat.read(str(path), as_version=4)
+    if "widgets" in nb.metadata:
+        del nb.metadata["widgets"]
+        nbformat.write(nb, str(path))
+
+
+def execute_one(nb: Path, output: Path, parameters: dict, timeout: int | None, kernel_name: str,
+                attempts: int = 2) -> dict:
+    """Execute one notebook with papermill; never raises for a notebook's own failure."""
+    import papermill as pm
+    from papermill.exceptions import PapermillExecutionError
+
+    rec = {"name": nb.stem, "status": "ok", "seconds": 0.0, "output": str(output), "error": None,
+           "source": str(nb), "attempts": 0}
+    t0 = time.perf_counter()
+    for attempt in range(1, attempts + 1):
+        rec["attempts"] = attempt
+        try:
+            pm.execute_notebook(str(nb), str(output), parameters=parameters, kernel_name=kernel_name,
+                                progress_bar=False, log_output=False, cwd=str(nb.parent),
+                                execution_timeout=timeout, store_widget_state=False)
+            rec["status"], rec["error"] = "ok", None
+            break
+        except PapermillExecutionError as e:       # a cell raised: the notebook's own failure
+            rec["status"] = "failed"
+            rec["error"] = f"cell {e.exec_count}: {e.ename}: {_ANSI.sub('', str(e.evalue))}"
+            break
+        except Exception as e:  # noqa: BLE001 - a failed notebook must not stop the run
+            rec["status"] = "failed"
+            rec["error"] = f"{type(e).__name__}: {_ANSI.sub('', str(e))}".strip()
+            if attempt < attempts and _START_ERRORS.search(f"{type(e).__name__} {e}"):
+                time.sleep(1.0)
+                continue
+            break
+    rec["seconds"] = time.perf_counter() - t0
+    if output.is_file():
+        try:
+            _strip_widget_state(output)
+        except Exception:  # noqa: BLE001 - a half-written output is still worth keeping
+            pass
+    return rec
+
+
+# ---- the run -----------------------------------------------------------------------------------
+def sweep_points(sweep: dict | None) -> list[dict]:
+    """The grid of a sweep: ``{"window_ms": [0, 5], "rate": [4, 8]}`` -> 4 points, in order."""
+    if not sweep:
+        return [{}]
+    for k, values in sweep.items():
+        if not isinstance(values, (list, tuple)) or not values:
+            raise ConfigError(f"sweep parameter {k!r}: expected a non-empty list of values, got {values!r}")
+    keys = list(sweep)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(sweep[k] for k in keys))]
+
+
+def point_label(point: dict) -> str:
+    """A file-name-safe label of a sweep point: ``window_ms-5_rate-4``."""
+    return "_".join(f"{k}-{re.sub(r'[^A-Za-z0-9.+-]+', '', str(v)) or 'x'}" for k, v in point.items())
+
+
+def run_notebooks(notebooks=None, parameters: dict | None = None, out_dir=None, timeout: int | None = 900,
+                  progress: bool = True, kernel_name: str | None = None, sweep: dict | None = None) -> dict:
+    """Execute notebooks one after another; returns {"run_dir", "report", "results_csv",
+    "notebooks": [{"name", "status", "seconds", "output", "error", "point", ...}]}.
+
+    ``parameters`` go to every notebook (plus its own ``results_path``); ``timeout`` is per
+    cell, in seconds (None: no limit).  ``sweep`` (``{name: [values]}``) runs every notebook
+    once per point of the grid, the point's values overriding ``parameters``; each point is
+    its own record (a failed point is recorded and the sweep goes on), and ``sweep.csv`` holds
+    one row per point with its parameters, status and metrics.
+    """
+    from tqdm.auto import tqdm
+
+    paths = resolve_notebooks(notebooks)
+    parameters = dict(parameters or {})
+    if "results_path" in parameters:
+        raise ConfigError("run_notebooks: results_path is set by the runner for each notebook; do not pass it")
+    run_dir = new_run_dir(out_dir)
+    kernel = resolve_kernel(kernel_name)
+    started = datetime.now(timezone.utc)
+
+    points = sweep_points(sweep)
+    if sweep and "results_path" in sweep:
+        raise ConfigError("run_notebooks: results_path cannot be swept")
+    records, seen = [], set()
+    bar = tqdm(total=len(paths) * len(points), desc="notebooks", unit="nb", disable=not progress, file=sys.stderr)
+    for nb in paths:
+        for point in points:
+            stem = nb.stem + (f"__{point_label(point)}" if point else "")
+            stem = stem if stem not in seen else f"{stem}-{len(seen)}"
+            seen.add(stem)
+            bar.set_postfix_str(stem)
+            sidecar = run_dir / f"{stem}.results.json"
+            rec = execute_one(nb, run_dir / f"{stem}.ipynb", {**parameters, **point, "results_path": str(sidecar)},
+                              timeout, kernel)
+            rec["name"], rec["notebook"], rec["point"] = stem, nb.stem, dict(point)
+            rec["results"] = str(sidecar) if sidecar.is_file() else None
+            records.append(rec)
+            bar.update()
+    bar.close()
+
+    from workbench.lab.results import collect_results, write_report
+
+    results = collect_results(records)
+    csv = run_dir / "results.csv"
+    results["metrics"].to_csv(csv, index=False)
+    out = {"run_dir": str(run_dir), "results_csv": str(csv), "notebooks": records}
+    if sweep:
+        out["sweep_csv"] = str(run_dir / "sweep.csv")
+        results["sweep"].to_csv(out["sweep_csv"], index=False)
+    (run_dir / "summary.json").write_text(json.dumps(records, indent=2, default=str))
+    out["report"] = str(write_report(run_dir / "report.html", records, results, parameters=parameters,
+                                     started=started, kernel=kernel, sweep=sweep))
+    return out

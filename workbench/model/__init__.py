@@ -1,0 +1,27 @@
+"""The model layer: what a checkpoint is and how it computes.
+
+* ``config``: :class:`ModelConfig` from a Hugging Face ``config.json`` (types and bounds checked);
+* ``presets``: shapes of known models (random weights) for sizing and benchmarks;
+* ``checkpoint``: the checks before anything is allocated (files, safetensors headers, sizes, NaN / Inf);
+* ``loader``: :func:`load_model` / :func:`save_model` (safetensors only);
+* ``tokenizer``: :class:`Tokenizer` (HF ``tokenizers``), incremental detokenization;
+* ``decoder``: the Llama / Qwen2 / Mistral decoder (:class:`CausalLM`); attention hands q / k / v
+  to the cache;
+* ``kv_cache``: the one cache interface ``cache.attend(attn, q, k, v, start)`` and the contiguous
+  :class:`KVCache`, the reference every other cache is checked against.
+"""
+
+from workbench._exports import lazy
+
+_EXPORTS = {
+    "ModelConfig": "workbench.model.config",
+    "BUNDLED_MODEL": "workbench.model.loader",
+    "load_model": "workbench.model.loader",
+    "save_model": "workbench.model.loader",
+    "CausalLM": "workbench.model.decoder",
+    "init_weights": "workbench.model.decoder",
+    "Tokenizer": "workbench.model.tokenizer",
+    "KVCache": "workbench.model.kv_cache",
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy(__name__, _EXPORTS)

@@ -1,0 +1,358 @@
+"""The checkpoint checks the loader runs before it allocates (see :mod:`workbench.model.loader`):
+regular files only, safetensors headers read without tensor data, the parameter count against
+the bytes the files hold, every tensor's name and shape against the config, quantized
+checkpoints named as such, and one cheap pass for NaN / Inf weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import stat
+import struct
+from pathlib import Path
+
+import torch
+
+from workbench.model.config import ModelConfig
+from workbench.errors import CheckpointError
+
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+# Bits per element of every dtype the safetensors format defines.  Any of them passes the header
+# check (packed int32 weights and their scales are valid files; a later issue loads them); only
+# _ST_DTYPES load as weights today.
+_ST_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32, "I16": 16, "I8": 8, "U64": 64,
+            "U32": 32, "U16": 16, "U8": 8, "BOOL": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "C64": 64,
+            "F6_E2M3": 6, "F6_E3M2": 6, "F4": 4}
+_ST_ITEMSIZE = {k: v // 8 for k, v in _ST_BITS.items() if v % 8 == 0}
+# dtypes that in a Llama-family checkpoint mean packed / quantized weights or their scales.
+_QUANTIZED_DTYPES = ("I32", "I16", "I8", "U32", "U16", "U8", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3",
+                     "F6_E3M2", "F4")
+# Tensor-name suffixes of GPTQ / AWQ / bitsandbytes / compressed-tensors / FP8 checkpoints.
+_QUANTIZED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx", ".weight_scale", ".weight_scale_inv",
+                       ".input_scale", ".weight_packed", ".weight_zero_point", ".weight_shape", ".SCB",
+                       ".absmax", ".quant_map", ".quant_state")
+_QUANTIZED_HINT = "quantized checkpoints are not loaded yet; use a float16 / bfloat16 / float32 checkpoint"
+# Buffers some exporters write that are recomputed here.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# The safetensors reader refuses headers above 100 MB; JSON side files are a few kB to a few MB.
+_MAX_HEADER_BYTES = 100_000_000
+_MAX_JSON_BYTES = 64 * 2**20
+# A config whose parameters need more than this many bytes each would not fit the files even
+# at 4 bits per weight: refused before anything is built.
+_MIN_BYTES_PER_PARAMETER = 0.5
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def regular_file(path: Path, what: str = "file") -> os.stat_result:
+    """``os.stat`` of ``path`` (symlinks followed), or a one-line CheckpointError when it is missing,
+    unreadable or not a regular file.  Checked before ``open``: opening a FIFO would block."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        broken = " (a broken symbolic link)" if path.is_symlink() else ""
+        raise CheckpointError(f"{path}: {what} not found{broken}") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read {what} ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((k for test, k in _FILE_KINDS if test(st.st_mode)), "a special file")
+        raise CheckpointError(f"{path}: not a regular file ({kind}); expected a {what}")
+    return st
+
+
+def _read_json(path: Path, what: str):
+    """Parse a small JSON side file (config.json, the shard index), refusing huge or odd ones."""
+    st = regular_file(path, what)
+    if st.st_size > _MAX_JSON_BYTES:
+        raise CheckpointError(f"{path}: {st.st_size:,} bytes is too large for a {what} "
+                              f"(limit {_MAX_JSON_BYTES:,})")
+    try:
+        return json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read {what} ({e.strerror or e})") from None
+
+
+def read_safetensors_header(path: Path) -> dict[str, dict]:
+    """Parse and check one safetensors header: ``{name: {dtype, shape, data_offsets}}``.
+
+    Reads the 8-byte length and the JSON header only (never tensor data); refuses a path that is
+    not a regular file, a truncated file, a malformed entry and a dtype the format does not define.
+    """
+    size = regular_file(path, "safetensors file").st_size
+    try:
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: file is {size} bytes, too short for a safetensors header "
+                                      "(truncated download?)")
+            (n,) = struct.unpack("<Q", head)
+            if 8 + n > size:
+                raise CheckpointError(f"{path}: header claims {n} bytes but the file has only {size} bytes "
+                                      "(truncated download?)")
+            if n > _MAX_HEADER_BYTES:
+                raise CheckpointError(f"{path}: header claims {n:,} bytes, more than the {_MAX_HEADER_BYTES:,} "
+                                      "the safetensors format allows (corrupt file?)")
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read safetensors file ({e.strerror or e})") from None
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        raise CheckpointError(f"{path}: safetensors header is not valid JSON (corrupt file?)") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object (corrupt file?)")
+    header.pop("__metadata__", None)
+    data_size = size - 8 - n
+    for name, info in header.items():
+        try:
+            dtype, shape, (begin, end) = info["dtype"], list(info["shape"]), info["data_offsets"]
+            ok = (isinstance(dtype, str) and all(type(d) is int and d >= 0 for d in shape)
+                  and type(begin) is int and type(end) is int and 0 <= begin <= end)
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise CheckpointError(f"{path}: safetensors header entry for tensor '{name}' is malformed "
+                                  f"(expected dtype, shape and data_offsets [begin, end]; got {info!r})")
+        if end > data_size:
+            raise CheckpointError(f"{path}: tensor '{name}' ends at data byte {end} but the file holds only "
+                                  f"{data_size} data bytes (truncated download?)")
+        bits = _ST_BITS.get(dtype)
+        if bits is None:
+            raise CheckpointError(f"{path}: tensor '{name}' has unknown dtype {dtype!r}; safetensors defines "
+                                  f"{', '.join(_ST_BITS)} (corrupt file?)")
+        if (end - begin) * 8 != math.prod(shape) * bits:
+            raise CheckpointError(f"{path}: tensor '{name}' ({dtype}, shape {tuple(shape)}) needs "
+                                  f"{math.prod(shape) * bits / 8:g} bytes but its data_offsets span {end - begin} "
+                                  "(corrupt file?)")
+    return header
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The safetensors files of a folder: from ``model.safetensors.index.json`` or by glob.
+    Each is checked to be a regular file (a directory or FIFO so named is refused, unopened)."""
+    index = folder / "model.safetensors.index.json"
+    if os.path.lexists(index):
+        raw = _read_json(index, "safetensors index")
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: not a valid safetensors index (expected an object with a "
+                                  "'weight_map' of tensor name -> shard file name)")
+        for shard in set(weight_map.values()):
+            p = Path(shard)
+            if p.is_absolute() or ".." in p.parts:
+                raise CheckpointError(f"{index}: shard '{shard}' is outside the model folder")
+        files = sorted({folder / f for f in weight_map.values()})
+        for f in files:
+            if not os.path.lexists(f):
+                raise CheckpointError(f"{index}: lists shard '{f.name}' which is missing from {folder}")
+            regular_file(f, "safetensors file")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    for f in files:
+        regular_file(f, "safetensors file")
+    if not files:
+        pickled = sorted(p.name for p in folder.glob("*") if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        hint = (f" (found {', '.join(pickled)}: pickled checkpoints are never loaded; convert them to "
+                "safetensors first)") if pickled else ""
+        raise CheckpointError(f"{folder}: no *.safetensors weights found{hint}")
+    return files
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """``{tensor name: (shape, what sets each dim)}`` of the checkpoint a config describes, in
+    model order, computed from the config alone (no model is built).  ``lm_head.weight`` is left
+    out when the embeddings are tied.  test_loader_errors checks this against :class:`CausalLM`."""
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    H = f"'hidden_size' ({h})"
+    I = f"'intermediate_size' ({i})"
+    V = f"'vocab_size' ({v})"
+    Q = f"'num_attention_heads' × 'head_dim' ({cfg.num_attention_heads} × {cfg.head_dim} = {cfg.q_size})"
+    KV = f"'num_key_value_heads' × 'head_dim' ({cfg.num_key_value_heads} × {cfg.head_dim} = {cfg.kv_size})"
+    out: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {
+        "model.embed_tokens.weight": ((v, h), (V, H))}
+    for n in range(cfg.num_hidden_layers):
+        p = f"model.layers.{n}."
+        layer = {
+            "input_layernorm.weight": ((h,), (H,)),
+            "self_attn.q_proj.weight": ((cfg.q_size, h), (Q, H)),
+            "self_attn.k_proj.weight": ((cfg.kv_size, h), (KV, H)),
+            "self_attn.v_proj.weight": ((cfg.kv_size, h), (KV, H)),
+            "self_attn.o_proj.weight": ((h, cfg.q_size), (H, Q)),
+            "post_attention_layernorm.weight": ((h,), (H,)),
+            "mlp.gate_proj.weight": ((i, h), (I, H)),
+            "mlp.up_proj.weight": ((i, h), (I, H)),
+            "mlp.down_proj.weight": ((h, i), (H, I)),
+        }
+        if cfg.qkv_bias:
+            layer.update({"self_attn.q_proj.bias": ((cfg.q_size,), (Q,)),
+                          "self_attn.k_proj.bias": ((cfg.kv_size,), (KV,)),
+                          "self_attn.v_proj.bias": ((cfg.kv_size,), (KV,))})
+        if cfg.o_bias:
+            layer["self_attn.o_proj.bias"] = ((h,), (H,))
+        if cfg.mlp_bias:
+            layer.update({"mlp.gate_proj.bias": ((i,), (I,)), "mlp.up_proj.bias": ((i,), (I,)),
+                          "mlp.down_proj.bias": ((h,), (H,))})
+        out.update({p + k: val for k, val in layer.items()})
+    out["model.norm.weight"] = ((h,), (H,))
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = ((v, h), (V, H))
+    return out
+
+
+def _files_desc(paths) -> str:
+    names = sorted({p.name for p in paths})
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def check_quantization(cfg: ModelConfig, folder: Path) -> None:
+    """Refuse a config.json that declares a quantized checkpoint (GPTQ, AWQ, FP8...): clearly,
+    before the packed tensors fail the shape checks with a less helpful message."""
+    q = cfg.extra.get("quantization_config")
+    if q:
+        method = q.get("quant_method", "?") if isinstance(q, dict) else q
+        raise CheckpointError(f"{folder / 'config.json'}: field 'quantization_config' (quant_method "
+                              f"{method!r}) declares a quantized checkpoint; {_QUANTIZED_HINT}")
+
+
+def check_size(cfg: ModelConfig, files: list[Path], folder: Path) -> None:
+    """Refuse a config whose parameter count needs far more bytes than the files hold (from the
+    file sizes alone, before anything is built from the config)."""
+    total = sum(f.stat().st_size for f in files)
+    n = cfg.num_parameters()
+    need = math.ceil(n * _MIN_BYTES_PER_PARAMETER)
+    if need > total:
+        raise CheckpointError(
+            f"{folder / 'config.json'}: describes {n:,} parameters (at least {need:,} bytes even at 4 bits "
+            f"per weight) but the checkpoint files ({_files_desc(files)}) hold only {total:,} bytes; "
+            "config.json does not match these weights")
+
+
+def check_headers(cfg: ModelConfig, headers: dict[Path, dict[str, dict]], folder: Path) -> dict[str, Path]:
+    """Check the tensors listed in the safetensors headers against the config, naming the config
+    field, its value, the file and the tensor on a mismatch.  Returns ``{tensor: file}`` of the
+    tensors to read (ignored buffers and a tied ``lm_head.weight`` left out), in model order."""
+    config = folder / "config.json"
+    expected = expected_shapes(cfg)
+    tied = cfg.tie_word_embeddings
+    where: dict[str, Path] = {}
+    for path, header in headers.items():
+        for name in header:
+            if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                continue
+            if name in where:
+                raise CheckpointError(f"{path}: tensor '{name}' is also in {where[name]}; a tensor must be "
+                                      "stored once")
+            where[name] = path
+
+    # 1. layers: the model.layers.N present must be exactly 0 .. num_hidden_layers - 1
+    n = cfg.num_hidden_layers
+    layers: dict[int, str] = {}
+    for name in where:
+        m = _LAYER.match(name)
+        if m:
+            layers.setdefault(int(m.group(1)), name)
+    if layers:
+        held = (f"{len(layers)} layer{'s' if len(layers) > 1 else ''} "
+                f"(model.layers.{min(layers)} … model.layers.{max(layers)})")
+        extra = sorted(k for k in layers if k >= n)
+        if extra:
+            name = layers[extra[0]]
+            raise CheckpointError(
+                f"{config}: field 'num_hidden_layers' is {n} but {where[name]} holds tensor '{name}' "
+                f"(unexpected: the checkpoint has tensors for {held})")
+        absent = [k for k in range(min(n, max(layers) + 2)) if k not in layers]
+        if absent:
+            files = {where[name] for name in layers.values()}
+            verb = "holds" if len(files) == 1 else "hold"
+            raise CheckpointError(
+                f"{config}: field 'num_hidden_layers' is {n} but {_files_desc(files)} {verb} tensors for "
+                f"{held}: tensors 'model.layers.{absent[0]}.*' are missing")
+
+    # 2. names the config does not expect
+    for name, path in where.items():
+        if name not in expected:
+            info = headers[path][name]
+            hint = ""
+            if name.endswith(_QUANTIZED_SUFFIXES) or info["dtype"] in _QUANTIZED_DTYPES:
+                hint = f"; it looks like a quantized checkpoint ({info['dtype']}): {_QUANTIZED_HINT}"
+            raise CheckpointError(f"{path}: unexpected tensor '{name}' for a {cfg.architecture} with this "
+                                  f"config.json{hint}")
+
+    # 3. shapes, in model order: the first mismatch names the config field behind the dimension
+    for name, (shape, fields) in expected.items():
+        path = where.get(name)
+        if path is None:
+            continue
+        got = tuple(headers[path][name]["shape"])
+        if got == shape:
+            continue
+        if len(got) == len(shape):
+            dim = next(d for d in range(len(shape)) if got[d] != shape[d])
+            raise CheckpointError(
+                f"{config}: field {fields[dim]} does not match tensor '{name}' in {path}: its dim {dim} is "
+                f"{got[dim]} (shape {got}, expected {shape} from config.json)")
+        raise CheckpointError(f"{path}: tensor '{name}' has shape {got}, expected {shape} from config.json")
+
+    # 4. dtypes: float weights only today
+    for name, path in where.items():
+        dtype = headers[path][name]["dtype"]
+        if dtype not in _ST_DTYPES:
+            hint = f"; {_QUANTIZED_HINT}" if dtype in _QUANTIZED_DTYPES else ""
+            raise CheckpointError(f"{path}: tensor '{name}' has dtype {dtype}; expected a float type "
+                                  f"({', '.join(_ST_DTYPES)}){hint}")
+
+    # 5. nothing missing
+    missing = [k for k in expected if k not in where]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"{folder}: tensor(s) missing from the checkpoint: {shown}")
+    return {k: where[k] for k in expected}
+
+
+def read_tensors(plan: dict[str, Path]) -> dict[str, torch.Tensor]:
+    """Read the planned tensors (``{name: file}``, from :func:`check_headers`), file by file."""
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[str]] = {}
+    for name, path in plan.items():
+        by_file.setdefault(path, []).append(name)
+    state: dict[str, torch.Tensor] = {}
+    for path, names in by_file.items():
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in names:
+                    state[name] = f.get_tensor(name)
+        except Exception as e:  # SafetensorError and friends: name the file, not a Rust error
+            raise CheckpointError(f"{path}: cannot read safetensors file ({type(e).__name__}: {e})") from None
+    return {name: state[name] for name in plan}
+
+
+def _check_finite(state: dict[str, torch.Tensor], plan: dict[str, Path]) -> None:
+    """Refuse NaN / Inf weights, naming the first bad tensor (in model order).
+
+    One cheap pass per tensor (about 1 ms for the bundled model's 6.5M weights): a sum is finite
+    iff no element is NaN or Inf, unless the sum overflows; only then (never for sane weights)
+    is every element tested.  float16 sums in float32 (65504 is too easy to reach)."""
+    for name, t in state.items():
+        if not t.is_floating_point():
+            continue
+        total = t.sum(dtype=torch.float32) if t.dtype == torch.float16 else t.sum()
+        if torch.isfinite(total):
+            continue
+        bad = ~torch.isfinite(t)
+        count = int(bad.sum())
+        if count:
+            first = int(bad.reshape(-1).nonzero()[0])
+            kinds = "NaN" if torch.isnan(t).any() else "Inf"
+            if kinds == "NaN" and torch.isinf(t).any():
+                kinds = "NaN and Inf"
+            raise CheckpointError(
+                f"{plan[name]}: tensor '{name}' holds {count} non-finite value(s) ({kinds}; first at flat index "
+                f"{first}): the checkpoint is corrupt or was saved from a diverged run; pass "
+                "check_finite=False (the CLI: --no-check-finite) to load it anyway")

@@ -1,0 +1,424 @@
+"""Per-op backends, applied to a plain model as a transformation (``model.py`` is untouched).
+
+::
+
+    apply_backends(model, {"rmsnorm": "triton", "rope": "triton"})   # in place; returns model
+    current_backends(model)    # {"rmsnorm": "triton", "rope": "triton", "swiglu": "eager", ...}
+    with using_backends(model, swiglu="compile"): ...                 # undone on exit
+    remove_backends(model)     # the reference modules again
+    apply_backends(model, parse_backend_spec("triton,attention_prefill=eager"))   # the CLI's --backend text
+    describe_backends(model)   # {"backend": "mixed", "backends": "rmsnorm=triton ...", ...}: benchmark rows, headers
+
+Backends: ``eager`` (the plain-torch reference, the ``*_ref`` functions of ``workbench_kernels``:
+bitwise the reference model), ``triton`` (the fused kernels), ``compile`` (``torch.compile`` of
+the eager op).  Ops not named keep their current backend (``eager`` on a fresh model).
+
+What the transformation swaps (module classes only: parameters, names, state dict unchanged)::
+
+    RMSNorm       -> BackendRMSNorm        ops.rmsnorm
+    DecoderLayer  -> BackendDecoderLayer   post-attention norm fused with the residual add (ops.add_rmsnorm)
+    Attention     -> BackendAttention      ops.rope; with rope=triton the KV-cache write is fused in
+                                           (ops.rope_kv_write); ops.attention_prefill / attention_decode
+    MLP           -> BackendMLP            ops.swiglu
+
+The batched engine (``workbench.engine.runners``) reads the same ``_wb_ops`` of the attention
+modules and calls ``attention_prefill_paged`` / ``attention_decode`` on the paged pool itself.
+
+Adding a backend is one :func:`register` line naming ``"module:function"`` per entry point; the
+module is imported only when the backend is chosen.  Contracts of the attention entry points
+(what :class:`BackendAttention` and the batched runner pass; scale 1/sqrt(hd), GQA when
+nh > nkv; none of them may copy from the device to the host)::
+
+    attention_prefill(q [B, nh, T, hd], k, v [B, nkv, T, hd], causal: bool) -> [B, nh, T, hd]
+        queries = keys, from position 0
+    attention_prefill_paged(q [n, nh, hd] (packed sequence after sequence), k_cache, v_cache
+                     [num_blocks, block_size, nkv, hd], block_tables [B, max_blocks] int32,
+                     cu_seqlens_q [B+1] int32 (sequence b's queries are rows cu[b] .. cu[b+1]-1),
+                     seq_lens [B] int32 (keys per sequence, this chunk's K/V already written),
+                     max_seqlen_q: int (the longest query run), sliding_window: int | None = None)
+                     -> [n, nh, hd]
+        causal, aligned bottom-right: sequence b's queries are the last q_len_b of its seq_lens[b]
+        positions (a prefill chunk attends to its cached prefix); with a window, query position p
+        sees keys j with p - window < j <= p
+    attention_decode(q [B, nh, hd], k_cache, v_cache [num_blocks, block_size, nkv, hd] (any strides,
+                     last dim contiguous; the contiguous cache arrives as one block of max_len per
+                     sequence), block_tables [B, max_blocks] int32, seq_lens [B] int32,
+                     sliding_window: int | None = None) -> [B, nh, hd]
+        one new token per sequence at position seq_lens[b] - 1; with a window it sees the last
+        ``sliding_window`` positions only
+
+``compile`` registers nothing: it is ``torch.compile`` of each ``eager`` entry point, so every
+entry point an op's ``eager`` backend has, its ``compile`` backend has too.
+"""
+
+from __future__ import annotations
+
+import importlib
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from workbench.errors import ConfigError, WorkbenchError
+from workbench.model.decoder import MLP, Attention, CausalLM, DecoderLayer, RMSNorm, reference_attention
+
+# op -> its entry points (what the modules call)
+OPS: dict[str, tuple[str, ...]] = {
+    "rmsnorm": ("rmsnorm", "add_rmsnorm"),
+    "rope": ("rope", "rope_kv_write"),
+    "swiglu": ("swiglu",),
+    "attention_prefill": ("attention_prefill", "attention_prefill_paged"),
+    "attention_decode": ("attention_decode",),
+    "sampling": ("greedy_tokens", "sample_tokens"),
+}
+BACKENDS = ("eager", "triton", "compile")
+_IMPLS: dict[tuple[str, str], dict[str, str | Callable]] = {}
+
+
+def register(op: str, backend: str, **entry_points: str | Callable) -> None:
+    """Register ``backend`` for ``op``: each entry point a callable or ``"module:function"``."""
+    if op not in OPS:
+        raise ConfigError(f"register: unknown op {op!r}; ops: {', '.join(OPS)}")
+    if set(entry_points) != set(OPS[op]):
+        raise ConfigError(f"register {op}={backend}: give exactly the entry points {', '.join(OPS[op])}")
+    if backend not in BACKENDS:
+        raise ConfigError(f"register: unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
+    _IMPLS[(op, backend)] = dict(entry_points)
+
+
+_K = "workbench_kernels."
+register("rmsnorm", "eager", rmsnorm=_K + "rmsnorm:rmsnorm_ref", add_rmsnorm=_K + "rmsnorm:add_rmsnorm_ref")
+register("rmsnorm", "triton", rmsnorm=_K + "rmsnorm:rmsnorm", add_rmsnorm=_K + "rmsnorm:add_rmsnorm")
+register("rope", "eager", rope=_K + "rope:rope_ref", rope_kv_write=_K + "rope:rope_kv_write_ref")
+register("rope", "triton", rope=_K + "rope:rope", rope_kv_write=_K + "rope:rope_kv_write")
+register("swiglu", "eager", swiglu=_K + "swiglu:swiglu_ref")
+register("swiglu", "triton", swiglu=_K + "swiglu:swiglu")
+# the eager attention entry points: the torch references next to the kernels they stand for
+register("attention_prefill", "eager", attention_prefill=_K + "flash_prefill:attention_prefill_ref",
+         attention_prefill_paged=_K + "flash_prefill:attention_prefill_paged_ref")
+register("attention_decode", "eager", attention_decode=_K + "paged_decode:attention_decode_ref")
+# Sampling is read by the engine (LLMEngine._sample), not by a module: "eager" there is the
+# reference sampler of workbench.engine.sampling; these entry points serve the other backends.
+register("sampling", "eager", greedy_tokens=_K + "sampling:greedy_tokens_ref", sample_tokens=_K + "sampling:sample_tokens_ref")
+register("sampling", "triton", greedy_tokens=_K + "sampling:greedy_tokens", sample_tokens=_K + "sampling:sample_tokens")
+# The attention kernels' model-shaped wrappers (packing to the varlen layout; no host sync in decode).
+register("attention_prefill", "triton", attention_prefill=_K + "flash_prefill:attention_prefill",
+         attention_prefill_paged=_K + "flash_prefill:attention_prefill_paged")
+register("attention_decode", "triton", attention_decode=_K + "paged_decode:attention_decode")
+# "compile" needs no registration: torch.compile of each eager entry point, made on first use.
+_COMPILED: dict[tuple[str, str], Callable] = {}
+
+
+class Ops:
+    """The resolved entry points of one backend choice: ``ops.rmsnorm(x, w, eps)`` ..."""
+
+    def __init__(self, backends: dict[str, str], fns: dict[str, Callable]) -> None:
+        self.backends = dict(backends)
+        for name, fn in fns.items():
+            setattr(self, name, fn)
+
+    def __repr__(self) -> str:
+        return f"Ops({format_backends(self.backends)})"
+
+
+def _kernel_file(target: str) -> str | None:
+    mod = target.split(":")[0]
+    return mod[len(_K):] if mod.startswith(_K) else None
+
+
+def _load(op: str, backend: str, target: str | Callable, device: torch.device | None) -> Callable:
+    if callable(target):
+        return target
+    mod_name, fn_name = target.split(":")
+    kfile = _kernel_file(target)
+    if kfile is not None:
+        import workbench_kernels
+
+        if not workbench_kernels.has_kernel_file(kfile):
+            raise WorkbenchError(f"{op}={backend} needs workbench_kernels.{kfile} (kernels/{kfile}.py), which this "
+                                 f"checkout does not have yet; choose one of: {', '.join(available_backends(op))}")
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise WorkbenchError(f"{op}={backend}: cannot import {mod_name} ({e})") from None
+    if backend == "triton" and device is not None and device.type == "cpu":
+        jitted = [n for n, v in vars(module).items() if type(v).__name__ == "JITFunction"]
+        if jitted:
+            raise WorkbenchError(f"{op}=triton on a CPU: {mod_name} was imported before TRITON_INTERPRET=1 was set, "
+                                 "so its kernels are compiled, not interpreted; set the variable before the first "
+                                 "import (restart the Python process / notebook kernel)")
+    try:
+        return getattr(module, fn_name)
+    except AttributeError:
+        raise WorkbenchError(f"{op}={backend}: {mod_name} has no function {fn_name!r}") from None
+
+
+def available_backends(op: str) -> list[str]:
+    """Backends of ``op`` that can be chosen in this checkout (a kernel file that has not landed
+    yet does not count)."""
+    import workbench_kernels
+
+    out = []
+    for b in BACKENDS:
+        impl = _IMPLS.get((op, "eager" if b == "compile" else b))
+        if impl is None:
+            continue
+        files = {_kernel_file(t) for t in impl.values() if isinstance(t, str)} - {None}
+        if all(workbench_kernels.has_kernel_file(f) for f in files):
+            out.append(b)
+    return out
+
+
+def _check_names(spec: dict) -> None:
+    for op, b in spec.items():
+        if op not in OPS:
+            raise ConfigError(f"unknown op {op!r}; ops: {', '.join(OPS)}")
+        if b not in BACKENDS:
+            raise ConfigError(f"unknown backend {b!r} for op {op!r}; backends: {', '.join(BACKENDS)}")
+        if b != "compile" and (op, b) not in _IMPLS:
+            raise ConfigError(f"op {op!r} has no {b!r} backend; registered: "
+                              f"{', '.join(sorted({k[1] for k in _IMPLS if k[0] == op} | {'compile'}))}")
+
+
+def resolve_ops(backends: dict[str, str] | None = None, device: torch.device | str | None = None) -> Ops:
+    """Entry points for a backend choice (ops not named: eager).  ``device``: where they will run
+    (``triton`` on a CPU needs ``TRITON_INTERPRET=1``)."""
+    chosen = {op: "eager" for op in OPS}
+    chosen.update(backends or {})
+    _check_names(chosen)
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cpu" and "triton" in chosen.values():
+        import workbench_kernels
+
+        if not workbench_kernels.interpreter_active():
+            ops = ", ".join(f"{o}=triton" for o, b in chosen.items() if b == "triton")
+            raise WorkbenchError(f"backend 'triton' on a CPU needs the Triton interpreter ({ops}): set "
+                                 "TRITON_INTERPRET=1 before starting Python, e.g. "
+                                 "`TRITON_INTERPRET=1 workbench generate --backend rmsnorm=triton`")
+    fns: dict[str, Callable] = {}
+    for op, backend in chosen.items():
+        for entry in OPS[op]:
+            if backend == "compile":
+                key = (op, entry)
+                if key not in _COMPILED:
+                    _COMPILED[key] = torch.compile(_load(op, "eager", _IMPLS[(op, "eager")][entry], device))
+                fns[entry] = _COMPILED[key]
+            else:
+                fns[entry] = _load(op, backend, _IMPLS[(op, backend)][entry], device)
+    return Ops(chosen, fns)
+
+
+def parse_backends(items: list[str] | None) -> dict[str, str]:
+    """``["rmsnorm=triton", "all=compile"]`` -> a backend dict (CLI ``--backend OP=BACKEND``).
+    ``all=B`` sets every op that has backend B in this checkout; later items override."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        op, sep, b = item.partition("=")
+        op, b = op.strip(), b.strip()
+        if not sep or not op or not b:
+            raise ConfigError(f"--backend {item!r}: expected OP=BACKEND, e.g. rmsnorm=triton (ops: "
+                              f"{', '.join(OPS)}, all; backends: {', '.join(BACKENDS)})")
+        if op == "all":
+            _check_names({"rmsnorm": b})
+            out.update({o: b for o in OPS if b in available_backends(o)})
+        else:
+            _check_names({op: b})
+            out[op] = b
+    return out
+
+
+def parse_backend_spec(text: str | None) -> dict[str, str]:
+    """The CLI's ``--backend`` value -> a backend dict for :func:`apply_backends`.
+
+    ``"triton"`` / ``"eager"`` / ``"compile"``: every op (``triton``: every op that has a Triton
+    kernel in this checkout); ``"rmsnorm=triton,swiglu=compile"``: the named ops, the others
+    unchanged; both mixed, later parts win: ``"triton,attention_prefill=eager"``.  Empty or None:
+    ``{}`` (nothing changes).  A bad part raises :class:`ConfigError` quoting it and the choices.
+    """
+    out: dict[str, str] = {}
+    for raw in (text or "").split(","):
+        part = raw.strip()
+        if not part:
+            continue
+        op, sep, b = (x.strip() for x in part.partition("="))
+        if not sep:
+            op, b = "all", op
+        where = f"backend spec {text!r}: part {part!r}"
+        if not op or not b:
+            raise ConfigError(f"{where}: expected BACKEND or OP=BACKEND (ops: {', '.join(OPS)}; "
+                              f"backends: {', '.join(BACKENDS)})")
+        if op != "all" and op not in OPS:
+            raise ConfigError(f"{where}: unknown op {op!r}; ops: {', '.join(OPS)}")
+        if b not in BACKENDS:
+            raise ConfigError(f"{where}: unknown backend {b!r}; backends: {', '.join(BACKENDS)}")
+        if op == "all":
+            out.update({o: b for o in OPS if b in available_backends(o)})
+        else:
+            if b not in available_backends(op):
+                raise ConfigError(f"{where}: op {op!r} has no {b!r} backend here; "
+                                  f"available: {', '.join(available_backends(op))}")
+            out[op] = b
+    return out
+
+
+def format_backends(backends: dict[str, str]) -> str:
+    """One line, e.g. for a benchmark row or an ``x-model-info`` header."""
+    return " ".join(f"{op}={b}" for op, b in backends.items())
+
+
+def describe_backends(model: CausalLM) -> dict:
+    """What a benchmark row / an ``x-model-info`` header records about the backends of ``model``:
+    ``{"backend": "triton" | "eager" | "compile" | "mixed", "backends": "rmsnorm=triton ...",
+    "ops": {op: backend}, "triton_interpreter": bool}`` (the interpreter flag says a Triton
+    timing is of the CPU interpreter, not of compiled kernels).  Plain values only (JSON-ready)."""
+    import workbench_kernels
+
+    ops = current_backends(model)
+    kinds = set(ops.values())
+    return {"backend": kinds.pop() if len(kinds) == 1 else "mixed", "backends": format_backends(ops),
+            "ops": ops, "triton_interpreter": "triton" in ops.values() and workbench_kernels.interpreter_active()}
+
+
+# ---- the modules ------------------------------------------------------------------------------
+class BackendRMSNorm(RMSNorm):
+    def forward(self, x):
+        return self._wb_ops.rmsnorm(x, self.weight, self.eps)
+
+    def forward_residual(self, x, residual):
+        """(norm(residual + x), residual + x) - the decoder layer's add and norm, fused."""
+        return self._wb_ops.add_rmsnorm(x, residual, self.weight, self.eps)
+
+
+class BackendDecoderLayer(DecoderLayer):
+    def forward(self, x, cos, sin, start, cache):
+        a = self.self_attn(self.input_layernorm(x), cos, sin, start, cache)
+        h, x = self.post_attention_layernorm.forward_residual(a, x)      # x = x + a; h = norm(x)
+        return x + self.mlp(h)
+
+
+class BackendMLP(MLP):
+    def forward(self, x):
+        return self.down_proj(self._wb_ops.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def _token_rows(B: int, T: int, device) -> torch.Tensor:
+    """Row of the layer's cos/sin [T, hd] for each of the B*T tokens (all rows share ``start``)."""
+    return torch.arange(T, device=device).repeat(B)
+
+
+class BackendAttention(Attention):
+    """Projections, then ``ops.rope`` (or, with ``rope=triton`` and a cache that exposes its
+    slots, ``ops.rope_kv_write``: rotation and the K/V write in one launch); the cache then
+    attends with the module's attention entry points (:mod:`workbench.model.kv_cache`)."""
+
+    def forward(self, x, cos, sin, start, cache):
+        ops = self._wb_ops
+        B, T, _ = x.shape
+        nh, nkv, hd = self.nh, self.nkv, self.hd
+        q = self.q_proj(x).view(B * T, nh, hd)                 # [tokens, heads, hd]
+        k = self.k_proj(x).view(B * T, nkv, hd)
+        v = self.v_proj(x).view(B * T, nkv, hd)
+        if getattr(cache, "static_decode", False):
+            return self._static_decode(q, k, v, cos, sin, cache, B)
+        rows = _token_rows(B, T, x.device)
+        written = False
+        if cache is not None and ops.backends["rope"] == "triton" and hasattr(cache, "write_slots"):
+            kc, vc = cache.kv_storage(self.layer_idx)
+            q, k = ops.rope_kv_write(q, k, v, cos, sin, rows, kc, vc, cache.write_slots(B, start, T))
+            written = True                                      # rope + K/V write in one kernel
+        else:
+            q, k = ops.rope(q, k, cos, sin, rows)
+        q = q.view(B, T, nh, hd).transpose(1, 2)                # [B, nh, T, hd]
+        K, V = (t.view(B, T, -1, hd).transpose(1, 2) for t in (k, v))
+        if cache is None:
+            if start == 0 and self.window is None and ops.backends["attention_prefill"] != "eager":
+                out = ops.attention_prefill(q, K, V, causal=T > 1)
+            else:
+                out = reference_attention(q, K, V, start, self.window)
+        else:
+            out = cache.attend(self, q, K, V, start, written=written)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, nh * hd))
+
+    def _static_decode(self, q, k, v, cos, sin, cache, B):
+        """CUDA-graph-safe decode (see workbench.transforms.cuda_graphs): positions, slots and the mask are
+        tensors; attention runs over the whole static cache; no shape depends on the step."""
+        ops, layer, hd = self._wb_ops, self.layer_idx, self.hd
+        kc = cache.k[layer].permute(0, 2, 1, 3)                   # [rows, max_len, nkv, hd]
+        vc = cache.v[layer].permute(0, 2, 1, 3)
+        if ops.backends["rope"] == "triton":
+            q, k = ops.rope_kv_write(q, k, v, cos, sin, cache.positions, kc, vc, cache.slots)
+        else:   # slots are always valid here (padding rows write to a scratch row): a plain index_put
+            q, k = ops.rope(q, k, cos, sin, cache.positions)
+            ml = cache.max_len
+            kc[cache.slots // ml, cache.slots % ml] = k
+            vc[cache.slots // ml, cache.slots % ml] = v
+        if ops.backends["attention_decode"] != "eager":
+            out = ops.attention_decode(q, kc, vc, cache.block_tables, cache.seq_lens,
+                                       sliding_window=self.window)                            # [B, nh, hd]
+        else:
+            out = F.scaled_dot_product_attention(q[:, :, None], cache.k[layer][:B], cache.v[layer][:B],
+                                                 attn_mask=cache.mask, enable_gqa=self.nh != self.nkv)[:, :, 0]
+        return self.o_proj(out.reshape(B, 1, self.nh * hd))
+
+
+_SWAPS = {RMSNorm: BackendRMSNorm, DecoderLayer: BackendDecoderLayer, Attention: BackendAttention, MLP: BackendMLP}
+_UNSWAP = {v: k for k, v in _SWAPS.items()}
+
+
+def _targets(model: CausalLM) -> list[tuple[str, torch.nn.Module]]:
+    out = []
+    for i, layer in enumerate(model.model.layers):
+        out += [(f"model.layers.{i}", layer), (f"model.layers.{i}.self_attn", layer.self_attn),
+                (f"model.layers.{i}.mlp", layer.mlp),
+                (f"model.layers.{i}.input_layernorm", layer.input_layernorm),
+                (f"model.layers.{i}.post_attention_layernorm", layer.post_attention_layernorm)]
+    return out + [("model.norm", model.model.norm)]
+
+
+def current_backends(model: CausalLM) -> dict[str, str]:
+    """The backend of every op (``eager`` for a model without backends applied)."""
+    return dict(getattr(model, "_wb_backends", None) or {op: "eager" for op in OPS})
+
+
+def apply_backends(model: CausalLM, backends: dict[str, str] | None = None, **by_op: str) -> CausalLM:
+    """Switch the named ops of ``model`` to the named backends, in place; returns the model."""
+    if not isinstance(model, CausalLM):
+        raise ConfigError(f"apply_backends: expected a workbench CausalLM, got {type(model).__name__}")
+    chosen = {**current_backends(model), **(backends or {}), **by_op}
+    targets = _targets(model)
+    for name, m in targets:           # check everything before changing anything
+        if type(m) not in _SWAPS and type(m) not in _UNSWAP:
+            raise ConfigError(f"apply_backends: {name} is a {type(m).__name__}, not a reference module; apply "
+                              "backends to a plain model (before other transformations such as tiered attention)")
+    ops = resolve_ops(chosen, model.device)
+    for _, m in targets:
+        m.__class__ = _SWAPS.get(type(m), type(m))
+        m._wb_ops = ops
+    model._wb_backends, model._wb_ops = ops.backends, ops     # the engine reads sampling from here
+    return model
+
+
+def remove_backends(model: CausalLM) -> CausalLM:
+    """Undo :func:`apply_backends` (the reference modules again)."""
+    for _, m in _targets(model):
+        if type(m) in _UNSWAP:
+            m.__class__ = _UNSWAP[type(m)]
+        m.__dict__.pop("_wb_ops", None)
+    model.__dict__.pop("_wb_backends", None)
+    model.__dict__.pop("_wb_ops", None)
+    return model
+
+
+@contextmanager
+def using_backends(model: CausalLM, backends: dict[str, str] | None = None, **by_op: str):
+    """``with using_backends(model, rmsnorm="triton"): ...`` - the previous choice comes back on exit."""
+    before = getattr(model, "_wb_backends", None)
+    apply_backends(model, backends, **by_op)
+    try:
+        yield model
+    finally:
+        if before is None:
+            remove_backends(model)
+        else:
+            apply_backends(model, before)
