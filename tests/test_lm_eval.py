@@ -109,7 +109,7 @@ def test_loglikelihoods_equal_the_engine_prompt_logprobs(completions_run, bundle
     lm, res = completions_run
     samples = res["samples"]["workbench_mc"]
     assert len(samples) == len(_docs())
-    checked = 0
+    checked, worst = 0, 0.0
     for s in samples:
         assert len(s["arguments"]) == len(s["resps"]) == len(s["filtered_resps"]) == len(s["doc"]["choices"])
         for (context, continuation), resp, filtered in zip(s["arguments"], s["resps"], s["filtered_resps"]):
@@ -126,10 +126,12 @@ def test_loglikelihoods_equal_the_engine_prompt_logprobs(completions_run, bundle
             assert math.isfinite(got_ll) and abs(got_ll - want) < TOL, (
                 f"doc {s['doc_id']} {continuation!r}: lm-eval {got_ll!r} != engine {want!r} "
                 f"({len(cont)} continuation tokens after {len(ctx)})")
+            worst = max(worst, abs(got_ll - want))
             greedy = all(e["logprob"] >= max(e["top"].values()) - 1e-6 for e in entries)
             assert got_greedy == greedy, f"doc {s['doc_id']} {continuation!r}: is_greedy"
             checked += 1
     assert checked == sum(len(d["choices"]) for d in _docs())
+    print(f"lm-eval loglikelihoods: {checked} checked, largest |lm-eval - engine| = {worst:.2e}")
     # The bundled model knows its Python docs: the true continuation is the likeliest every time.
     assert res["results"]["workbench_mc"]["acc,none"] == 1.0
 
