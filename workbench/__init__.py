@@ -33,6 +33,7 @@ import importlib.util as _ilu
 import sys as _sys
 from pathlib import Path as _Path
 
+from workbench._exports import exports as _exports
 from workbench._exports import lazy as _lazy
 from workbench.errors import WorkbenchError
 
@@ -52,17 +53,21 @@ def _register_kernels_package() -> None:
 
 _register_kernels_package()
 
-_EXPORTS = {
-    "ModelConfig": "workbench.model.config", "BUNDLED_MODEL": "workbench.model.loader",
-    "load_model": "workbench.model.loader", "save_model": "workbench.model.loader",
-    "CausalLM": "workbench.model.decoder", "Tokenizer": "workbench.model.tokenizer",
-    "SamplingParams": "workbench.engine.sampling", "LLM": "workbench.engine.llm",
-    "RequestOutput": "workbench.engine.types", "StreamEvent": "workbench.engine.types",
-    "LLMEngine": "workbench.engine.core", "AsyncEngine": "workbench.engine.async_engine",
-    "RequestMetrics": "workbench.engine.metrics", "summarize": "workbench.engine.metrics",
-    "SchedulerConfig": "workbench.sched.config", "PagedKVConfig": "workbench.kv.paged",
-    "TierConfig": "workbench.kv.tier_config",
-}
+_EXPORTS = _exports({
+    "workbench.model.config": "ModelConfig",
+    "workbench.model.loader": "BUNDLED_MODEL load_model save_model",
+    "workbench.model.decoder": "CausalLM",
+    "workbench.model.tokenizer": "Tokenizer",
+    "workbench.engine.sampling": "SamplingParams",
+    "workbench.engine.llm": "LLM",
+    "workbench.engine.types": "RequestOutput StreamEvent",
+    "workbench.engine.core": "LLMEngine",
+    "workbench.engine.async_engine": "AsyncEngine",
+    "workbench.engine.metrics": "RequestMetrics summarize",
+    "workbench.sched.config": "SchedulerConfig",
+    "workbench.kv.paged": "PagedKVConfig",
+    "workbench.kv.tier_config": "TierConfig",
+})
 __all__ = ["WorkbenchError", *_EXPORTS]
 __getattr__, __dir__ = _lazy(__name__, _EXPORTS)
 __version__ = "0.1.0"

@@ -4,7 +4,8 @@
 ``import workbench`` must not load the model, the engine or plotly.  A package lists its public
 names with the module each lives in; the module is imported on first access (PEP 562)::
 
-    __getattr__, __dir__ = lazy(__name__, {"LLM": "workbench.engine.llm", ...})
+    __all__ = ["LLM", ...]
+    __getattr__, __dir__ = lazy(__name__, exports({"workbench.engine.llm": "LLM ReferenceLoop", ...}))
 """
 
 from __future__ import annotations
@@ -28,3 +29,8 @@ def lazy(package: str, table: dict[str, str]):
         return sorted(set(table) | set(vars(sys.modules[package])))
 
     return __getattr__, __dir__
+
+
+def exports(modules: dict[str, str]) -> dict[str, str]:
+    """``{module: "Name1 Name2"}`` -> ``{name: module}``, the table :func:`lazy` takes."""
+    return {name: module for module, names in modules.items() for name in names.split()}

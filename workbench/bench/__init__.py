@@ -9,20 +9,13 @@
 * ``llamacpp``: the optional llama.cpp side (GGUF export, its decode rate).
 """
 
-from workbench._exports import lazy
+from workbench._exports import exports, lazy
 
-_EXPORTS = {
-    "BenchConfig": "workbench.bench.vs_transformers",
-    "run_bench": "workbench.bench.vs_transformers",
-    "format_bench": "workbench.bench.vs_transformers",
-    "SchedBenchConfig": "workbench.bench.sched",
-    "run_sched_bench": "workbench.bench.sched",
-    "format_sched_bench": "workbench.bench.sched",
-    "PrefixBenchConfig": "workbench.bench.prefix",
-    "run_prefix_bench": "workbench.bench.prefix",
-    "format_prefix_bench": "workbench.bench.prefix",
-    "KernelBenchConfig": "workbench.bench.kernels",
-    "run_kernel_bench": "workbench.bench.kernels",
-}
+_EXPORTS = exports({
+    "workbench.bench.vs_transformers": "BenchConfig run_bench format_bench",
+    "workbench.bench.sched": "SchedBenchConfig run_sched_bench format_sched_bench",
+    "workbench.bench.prefix": "PrefixBenchConfig run_prefix_bench format_prefix_bench",
+    "workbench.bench.kernels": "KernelBenchConfig run_kernel_bench",
+})
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy(__name__, _EXPORTS)

@@ -13,29 +13,18 @@
 * ``traces``: timed traces and :func:`replay` (continuous or static batching).
 """
 
-from workbench._exports import lazy
+from workbench._exports import exports, lazy
 
-_EXPORTS = {
-    "LLM": "workbench.engine.llm",
-    "ReferenceLoop": "workbench.engine.llm",
-    "reference_generate": "workbench.engine.llm",
-    "reference_scheduler": "workbench.engine.llm",
-    "LLMEngine": "workbench.engine.core",
-    "StepRecord": "workbench.engine.core",
-    "AsyncEngine": "workbench.engine.async_engine",
-    "LoadedModel": "workbench.engine.loaded",
-    "SamplingParams": "workbench.engine.sampling",
-    "RequestOutput": "workbench.engine.types",
-    "StreamEvent": "workbench.engine.types",
-    "RequestMetrics": "workbench.engine.metrics",
-    "summarize": "workbench.engine.metrics",
-    "ModelRunner": "workbench.engine.runners",
-    "ContiguousRunner": "workbench.engine.runners",
-    "StaticRunner": "workbench.engine.runners",
-    "Trace": "workbench.engine.traces",
-    "TraceRequest": "workbench.engine.traces",
-    "ReplayResult": "workbench.engine.traces",
-    "replay": "workbench.engine.traces",
-}
+_EXPORTS = exports({
+    "workbench.engine.llm": "LLM ReferenceLoop reference_generate reference_scheduler",
+    "workbench.engine.core": "LLMEngine StepRecord",
+    "workbench.engine.async_engine": "AsyncEngine",
+    "workbench.engine.loaded": "LoadedModel",
+    "workbench.engine.sampling": "SamplingParams",
+    "workbench.engine.types": "RequestOutput StreamEvent",
+    "workbench.engine.metrics": "RequestMetrics summarize",
+    "workbench.engine.runners": "ModelRunner ContiguousRunner StaticRunner",
+    "workbench.engine.traces": "Trace TraceRequest ReplayResult replay",
+})
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy(__name__, _EXPORTS)

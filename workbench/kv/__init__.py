@@ -12,45 +12,18 @@
 Its quality sweeps and benchmarks are in ``workbench.bench`` (``tier_eval``, ``prefix``).
 """
 
-from workbench._exports import lazy
+from workbench._exports import exports, lazy
 
-_EXPORTS = {
-    "AllocStatus": "workbench.kv.block_manager",
-    "Allocation": "workbench.kv.block_manager",
-    "Block": "workbench.kv.block_manager",
-    "BlockManager": "workbench.kv.block_manager",
-    "KVStats": "workbench.kv.block_manager",
-    "KVLayout": "workbench.kv.layout",
-    "dtype_bytes": "workbench.kv.layout",
-    "MissReason": "workbench.kv.prefix_cache",
-    "PrefixCache": "workbench.kv.prefix_cache",
-    "block_hash": "workbench.kv.prefix_cache",
-    "TierConfig": "workbench.kv.tier_config",
-    "ZoneCounts": "workbench.kv.tier_config",
-    "basis_bytes": "workbench.kv.tier_config",
-    "full_bytes_per_token": "workbench.kv.tier_config",
-    "resident_bytes": "workbench.kv.tier_config",
-    "zone_counts": "workbench.kv.tier_config",
-    "zone_masks": "workbench.kv.tier_config",
-    "TieredKVCache": "workbench.kv.tiers",
-    "apply_tiered_attention": "workbench.kv.tiers",
-    "is_tiered": "workbench.kv.tiers",
-    "remove_tiered_attention": "workbench.kv.tiers",
-    "tiered_attention": "workbench.kv.tiers",
-    "PCABasis": "workbench.kv.pca",
-    "KeyRecorder": "workbench.kv.pca",
-    "collect_keys": "workbench.kv.pca",
-    "fit_pca_basis": "workbench.kv.pca",
-    "fit_pca_from_model": "workbench.kv.pca",
-    "PagedKVConfig": "workbench.kv.paged",
-    "PagedKVPool": "workbench.kv.paged",
-    "PagedSequenceCache": "workbench.kv.paged",
-    "PoolBlocks": "workbench.kv.paged",
-    "PagedBatchCache": "workbench.kv.batch",
-    "SequenceBatchCache": "workbench.kv.batch",
-    "DiskOffload": "workbench.kv.offload",
-    "HostOffload": "workbench.kv.offload",
-    "OffloadStore": "workbench.kv.offload",
-}
+_EXPORTS = exports({
+    "workbench.kv.block_manager": "AllocStatus Allocation Block BlockManager KVStats",
+    "workbench.kv.layout": "KVLayout dtype_bytes",
+    "workbench.kv.prefix_cache": "MissReason PrefixCache block_hash",
+    "workbench.kv.tier_config": "TierConfig ZoneCounts basis_bytes full_bytes_per_token resident_bytes zone_counts zone_masks",
+    "workbench.kv.tiers": "TieredKVCache apply_tiered_attention is_tiered remove_tiered_attention tiered_attention",
+    "workbench.kv.pca": "PCABasis KeyRecorder collect_keys fit_pca_basis fit_pca_from_model",
+    "workbench.kv.paged": "PagedKVConfig PagedKVPool PagedSequenceCache PoolBlocks",
+    "workbench.kv.batch": "PagedBatchCache SequenceBatchCache",
+    "workbench.kv.offload": "DiskOffload HostOffload OffloadStore",
+})
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy(__name__, _EXPORTS)

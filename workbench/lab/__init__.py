@@ -9,18 +9,14 @@
 Only this package (and ``cli``) imports plotly, ipywidgets or IPython.
 """
 
-from workbench._exports import lazy
+from workbench._exports import exports, lazy
 
-_EXPORTS = {
-    "run_notebooks": "workbench.lab.runner",
-    "save_results": "workbench.lab.results",
-    "load_results": "workbench.lab.results",
-    "write_report": "workbench.lab.results",
-    "LatencyStreamView": "workbench.lab.viz",
-    "KVBlockMapView": "workbench.lab.kv_view",
-    "LatencyDashboard": "workbench.lab.load_views",
-    "scheduler_timeline": "workbench.lab.load_views",
-    "latency_vs_load_figure": "workbench.lab.load_views",
-}
+_EXPORTS = exports({
+    "workbench.lab.runner": "run_notebooks",
+    "workbench.lab.results": "save_results load_results write_report",
+    "workbench.lab.viz": "LatencyStreamView",
+    "workbench.lab.kv_view": "KVBlockMapView",
+    "workbench.lab.load_views": "LatencyDashboard scheduler_timeline latency_vs_load_figure",
+})
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy(__name__, _EXPORTS)

@@ -23,16 +23,15 @@ Against the real engine, in process: ``EngineTarget.from_model(None, device="cpu
 Nothing here imports the engine, torch, plotly or httpx at import time.
 """
 
-from workbench._exports import lazy
+from workbench._exports import exports, lazy
 
-_EXPORTS = {
-    **{n: "workbench.load.arrivals" for n in ("Schedule", "Stage", "arrival_offsets")},
-    "EngineTarget": "workbench.load.engine_target",
-    "FakeTarget": "workbench.load.fake",
-    **{n: "workbench.load.generator" for n in ("LoadConfig", "LoadRun", "run_load", "run_load_sync")},
-    **{n: "workbench.load.result" for n in ("LoadResult", "RequestRecord")},
-    **{n: "workbench.load.target" for n in ("CallableTarget", "HTTPTarget", "Target", "TokenEvent",
-                                             "parse_sse_chunk")},
-}
+_EXPORTS = exports({
+    "workbench.load.arrivals": "Schedule Stage arrival_offsets",
+    "workbench.load.engine_target": "EngineTarget",
+    "workbench.load.fake": "FakeTarget",
+    "workbench.load.generator": "LoadConfig LoadRun run_load run_load_sync",
+    "workbench.load.result": "LoadResult RequestRecord",
+    "workbench.load.target": "CallableTarget HTTPTarget Target TokenEvent parse_sse_chunk",
+})
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy(__name__, _EXPORTS)

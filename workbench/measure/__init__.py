@@ -8,14 +8,14 @@
   ``scripts/device_check.sh``, shown next to CPU figures.
 """
 
-from workbench._exports import lazy
+from workbench._exports import exports, lazy
 
 # (`compare` and `agreement` are modules here, as their functions are named: import them from there)
-_EXPORTS = {
-    **{n: "workbench.measure.compare" for n in ("Comparison", "compare_samples", "compare_quantile")},
-    **{n: "workbench.measure.probe" for n in ("NoiseProbe", "noise_probe", "available_cores")},
-    **{n: "workbench.measure.threads" for n in ("ThreadChoice", "choose_threads", "apply_thread_policy")},
-    **{n: "workbench.measure.agreement" for n in ("first_divergence", "divergence_margin")},
-}
+_EXPORTS = exports({
+    "workbench.measure.compare": "Comparison compare_samples compare_quantile",
+    "workbench.measure.probe": "NoiseProbe noise_probe available_cores",
+    "workbench.measure.threads": "ThreadChoice choose_threads apply_thread_policy",
+    "workbench.measure.agreement": "first_divergence divergence_margin",
+})
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy(__name__, _EXPORTS)

@@ -11,17 +11,14 @@
   :class:`KVCache`, the reference every other cache is checked against.
 """
 
-from workbench._exports import lazy
+from workbench._exports import exports, lazy
 
-_EXPORTS = {
-    "ModelConfig": "workbench.model.config",
-    "BUNDLED_MODEL": "workbench.model.loader",
-    "load_model": "workbench.model.loader",
-    "save_model": "workbench.model.loader",
-    "CausalLM": "workbench.model.decoder",
-    "init_weights": "workbench.model.decoder",
-    "Tokenizer": "workbench.model.tokenizer",
-    "KVCache": "workbench.model.kv_cache",
-}
+_EXPORTS = exports({
+    "workbench.model.config": "ModelConfig",
+    "workbench.model.loader": "BUNDLED_MODEL load_model save_model",
+    "workbench.model.decoder": "CausalLM init_weights",
+    "workbench.model.tokenizer": "Tokenizer",
+    "workbench.model.kv_cache": "KVCache",
+})
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy(__name__, _EXPORTS)

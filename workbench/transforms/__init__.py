@@ -8,16 +8,11 @@
 Quantization (``workbench.quant``) sits beside this layer.
 """
 
-from workbench._exports import lazy
+from workbench._exports import exports, lazy
 
-_EXPORTS = {
-    "apply_backends": "workbench.transforms.backends",
-    "remove_backends": "workbench.transforms.backends",
-    "using_backends": "workbench.transforms.backends",
-    "current_backends": "workbench.transforms.backends",
-    "describe_backends": "workbench.transforms.backends",
-    "GraphedDecoder": "workbench.transforms.cuda_graphs",
-    "StaticDecodeCache": "workbench.transforms.cuda_graphs",
-}
+_EXPORTS = exports({
+    "workbench.transforms.backends": "apply_backends remove_backends using_backends current_backends describe_backends",
+    "workbench.transforms.cuda_graphs": "GraphedDecoder StaticDecodeCache",
+})
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy(__name__, _EXPORTS)
