@@ -36,7 +36,7 @@ httpx = pytest.importorskip("httpx")
 
 from workbench import SamplingParams  # noqa: E402
 from workbench.serve import ServerConfig, start_server  # noqa: E402
-from workbench.serve.protocol import render_chat  # noqa: E402
+from workbench.serve.requests import render_chat  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ROOT / "tests" / "data" / "lm_eval"

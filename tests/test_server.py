@@ -35,7 +35,7 @@ from workbench.serve.slo import SLOConfig, SLOGuard  # noqa: E402
 from workbench.sched import SchedulerConfig
 from workbench.engine import LLMEngine  # noqa: E402
 from workbench.serve import ServerConfig, start_server  # noqa: E402
-from workbench.serve.protocol import render_chat  # noqa: E402
+from workbench.serve.requests import render_chat  # noqa: E402
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

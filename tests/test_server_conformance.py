@@ -24,7 +24,7 @@ from workbench.sched import SchedulerConfig
 from workbench.engine import LLMEngine  # noqa: E402
 from workbench.serve import ServerConfig, start_server  # noqa: E402
 from workbench.serve.chat_template import ChatTemplate, TemplateError  # noqa: E402
-from workbench.serve.protocol import MAX_LOGPROBS, MAX_N, render_chat  # noqa: E402
+from workbench.serve.requests import MAX_LOGPROBS, MAX_N, render_chat  # noqa: E402
 
 PROMPT = "The list type"
 IDS = [464, 1351, 2099, 318]

@@ -149,9 +149,9 @@ def test_unexpected_exception_is_500_json(srv, http, monkeypatch, caplog):
 def test_unexpected_exception_while_answering(srv, http, monkeypatch):
     """A bug while relaying the engine's events: a whole response is a 500 in OpenAI's shape; a
     stream already under way ends with an error event and [DONE]; the engine request is aborted."""
-    from workbench.serve import protocol
+    from workbench.serve import responses
 
-    calls, real_chunk = [], protocol.chunk
+    calls, real_chunk = [], responses.chunk
 
     def chunk_failing_third(*args, **kwargs):
         calls.append(1)
@@ -162,10 +162,10 @@ def test_unexpected_exception_while_answering(srv, http, monkeypatch):
     def broken_response(*args, **kwargs):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(protocol, "response", broken_response)
+    monkeypatch.setattr(responses, "response", broken_response)
     e = api_error(http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}), 500)
     assert e["code"] == "internal_error" and "KeyError" in e["message"]
-    monkeypatch.setattr(protocol, "chunk", chunk_failing_third)
+    monkeypatch.setattr(responses, "chunk", chunk_failing_third)
     body = {"prompt": STREAM_IDS, "max_tokens": 50, "ignore_eos": True, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200

@@ -26,6 +26,8 @@ from starlette.concurrency import run_in_threadpool
 from workbench.errors import WorkbenchError
 from workbench.engine.sampling import SamplingParams
 from workbench.serve import protocol as P
+from workbench.serve import responses as R     # through the module: tests patch R.response / R.chunk
+from workbench.serve.requests import CompletionRequest, sample_seed
 
 log = logging.getLogger("workbench.serve")
 
@@ -92,20 +94,20 @@ class Choice:
     finish: str | None = None
     ended: bool = False
     echoed: bool = False       # stream: the prompt's chunk was sent
-    offsets: P.TextOffsets | None = None   # completions' logprobs: where each token starts in the text
+    offsets: R.TextOffsets | None = None   # completions' logprobs: where each token starts in the text
 
     @property
     def usage(self) -> dict:
-        return P.usage(len(self.plan.ids), self.tokens)
+        return R.usage(len(self.plan.ids), self.tokens)
 
 
-def plan_choices(req: P.CompletionRequest, plans: list[PromptPlan], sampling: dict, rid: str) -> list[Choice]:
+def plan_choices(req: CompletionRequest, plans: list[PromptPlan], sampling: dict, rid: str) -> list[Choice]:
     """The request's choices, prompt by prompt, ``n`` each; sample j of a prompt seeded ``seed + j``."""
     out = []
     lp = req.logprobs
     for i, plan in enumerate(plans):
         for j in range(req.n):
-            kw = dict(sampling, seed=P.sample_seed(sampling.get("seed"), j))
+            kw = dict(sampling, seed=sample_seed(sampling.get("seed"), j))
             params = SamplingParams(max_tokens=plan.max_tokens, logprobs=lp,
                                     prompt_logprobs=lp if req.echo and lp is not None else None, **kw)
             index = len(out)
@@ -119,11 +121,11 @@ class Completion:
     """An ASGI response that runs one request's choices on the engine and relays their events as
     JSON or SSE.  ``srv``: the server's state (engine, metrics, guard, tokenizer)."""
 
-    def __init__(self, srv, req: P.CompletionRequest, plans: list[PromptPlan], sampling: dict,
+    def __init__(self, srv, req: CompletionRequest, plans: list[PromptPlan], sampling: dict,
                  priority: int, probe: bool = False) -> None:
         self.srv, self.req, self.priority = srv, req, priority
         self.rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        self.created = P.now_s()
+        self.created = R.now_s()
         self.choices = plan_choices(req, plans, sampling, self.rid)
         self._by_rid = {c.rid: c for c in self.choices}
         self.prompt_tokens = sum(len(p.ids) for p in plans)   # each prompt once, however many samples
@@ -135,7 +137,7 @@ class Completion:
         self._raw = tok.token_bytes if tok is not None else (lambda t: f"token_id:{t}".encode())
         shown = tok.shown_bytes if tok is not None else (lambda t: b"")
         for c in self.choices:
-            c.offsets = P.TextOffsets(shown)
+            c.offsets = R.TextOffsets(shown)
 
     # ---- submitting and aborting
     def _submit_all(self, on_event) -> None:
@@ -178,7 +180,7 @@ class Completion:
                 if not started:
                     await send_json(send, 500, err.body(), self.headers)
                 elif self.req.stream and not finished:   # the stream's headers are out: end it with an error event
-                    await send({"type": "http.response.body", "body": P.sse(err.body()) + P.SSE_DONE,
+                    await send({"type": "http.response.body", "body": R.sse(err.body()) + R.SSE_DONE,
                                 "more_body": False})
             except OSError:
                 pass
@@ -255,8 +257,8 @@ class Completion:
         if self.req.logprobs is None:
             return None
         if self.req.kind == "chat":
-            return P.chat_logprobs(entries, self._name, self._raw)
-        return P.completion_logprobs(entries, self._name, [c.offsets.next(e["token_id"]) for e in entries])
+            return R.chat_logprobs(entries, self._name, self._raw)
+        return R.completion_logprobs(entries, self._name, [c.offsets.next(e["token_id"]) for e in entries])
 
     def _echo(self, c: Choice) -> tuple[str, list]:
         """The echoed prompt's text and log-probability entries ("" and [] without echo)."""
@@ -266,7 +268,7 @@ class Completion:
 
     def _whole_choice(self, c: Choice) -> dict:
         echo_text, echo_entries = self._echo(c)
-        return P.completion_choice(self.req, c.index, echo_text + "".join(c.parts), c.finish,
+        return R.completion_choice(self.req, c.index, echo_text + "".join(c.parts), c.finish,
                                    self._format_logprobs(c, echo_entries + c.entries))
 
     # ---- answers
@@ -287,14 +289,14 @@ class Completion:
         await send_json(send, 200, body, self.headers)
 
     def _whole_body(self) -> dict:
-        return P.response(self.req, self.rid, self.created, self.srv.name,
+        return R.response(self.req, self.rid, self.created, self.srv.name,
                           [self._whole_choice(c) for c in self.choices], self.prompt_tokens,
                           sum(c.tokens for c in self.choices))
 
     def _chunk(self, c: Choice, text: str | None, finish: str | None = None, logprobs: dict | None = None,
                role: bool = False) -> bytes:
         usage_now = c.usage if self.req.continuous_usage else None
-        return P.sse(P.chunk(self.req, self.rid, self.created, self.srv.name, text, finish, role, c.index,
+        return R.sse(R.chunk(self.req, self.rid, self.created, self.srv.name, text, finish, role, c.index,
                              logprobs, usage_now))
 
     async def _stream(self, q: asyncio.Queue, send) -> None:
@@ -319,7 +321,7 @@ class Completion:
             if ev is _GONE:
                 return
             if ev is _DEAD:
-                await emit(P.sse(self._dead().body()))
+                await emit(R.sse(self._dead().body()))
                 break
             if ev.token_id >= 0:   # one chunk per token, "" while the text is held back (UTF-8, stop strings)
                 if req.echo and not c.echoed:      # the prompt first (its usage counts no token yet)
@@ -332,13 +334,13 @@ class Completion:
                     await emit(self._chunk(c, text, logprobs=self._format_logprobs(c, entries)))
             if ev.finished:
                 if ev.finish_reason not in ("stop", "length"):
-                    await emit(P.sse(ending_error(ev).body()))
+                    await emit(R.sse(ending_error(ev).body()))
                     break
                 await emit(self._chunk(c, None, ev.finish_reason))
                 if not self._open():
                     if req.include_usage:
-                        await emit(P.sse(P.usage_chunk(req, self.rid, self.created, self.srv.name,
+                        await emit(R.sse(R.usage_chunk(req, self.rid, self.created, self.srv.name,
                                                        self.prompt_tokens, sum(x.tokens for x in self.choices))))
                     break
             ev, c = await self._next(q)
-        await send({"type": "http.response.body", "body": P.SSE_DONE, "more_body": False})
+        await send({"type": "http.response.body", "body": R.SSE_DONE, "more_body": False})
