@@ -1,0 +1,84 @@
+"""The experiments of notebook 04 (the scheduler) that are measurements, not views.
+
+* :func:`summary_row`: one replay of a trace as a row (TTFT, queue wait, ITL percentiles, mean
+  batch, steps, tokens/s), what a ``mode="point"`` sweep point records;
+* :func:`preemption_experiment`: low-priority requests fill a small KV pool, high-priority ones
+  arrive, once per preemption mode; per request its priority, preemptions, TTFT and E2E, and its
+  tokens next to the tokens it gets when run alone.
+
+The load ramp with its SLO guard uses the server's guard and a live dashboard, so it lives in
+:mod:`workbench.lab.sched_lab`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from workbench.engine.core import LLMEngine
+from workbench.kv import PagedKVConfig
+from workbench.sched.config import SchedulerConfig
+
+SUMMARY_COLUMNS = ("TTFT p50 ms", "TTFT p95 ms", "queue p95 ms", "ITL p95 ms", "mean batch", "steps", "tokens/s")
+
+
+def summary_row(res, **label) -> dict:
+    """One replay (``workbench.engine.replay``'s result: ``outputs``, ``steps``, ``tokens_per_s``)
+    as a row: ``label``'s items first, then TTFT p50 / p95, queue-wait p95 and inter-token-latency
+    p95 in ms over every request (every gap of every request for the ITL), the mean number of
+    sequences in the steps that computed any, the number of such steps, and tokens/s."""
+    outs = res.outputs
+    if not outs:
+        raise ValueError("summary_row: the replay has no outputs")
+    ttft = [o.metrics.ttft * 1e3 for o in outs]
+    queue = [o.metrics.time_in_queue * 1e3 for o in outs]
+    itl = [g * 1e3 for o in outs for g in o.metrics.itl]
+    busy = res.steps[res.steps["num_seqs"] > 0]
+    return {**label, "TTFT p50 ms": np.percentile(ttft, 50), "TTFT p95 ms": np.percentile(ttft, 95),
+            "queue p95 ms": np.percentile(queue, 95), "ITL p95 ms": np.percentile(itl, 95) if itl else float("nan"),
+            "mean batch": busy["num_seqs"].mean(), "steps": len(busy), "tokens/s": res.tokens_per_s}
+
+
+def preemption_experiment(llm, prompts, params, modes=("recompute", "swap"), low: int = 4, warm_steps: int = 4,
+                          block_size: int = 16, num_blocks: int = 16, max_num_seqs: int = 8,
+                          max_num_batched_tokens: int = 256, high_priority: int = 5) -> dict:
+    """Preemption on a small pool, once per mode of ``modes`` (``SchedulerConfig.preemption_mode``).
+
+    Each prompt is first run alone on a plain engine (its reference tokens).  Then, per mode, a
+    batched engine with a pool of ``num_blocks`` blocks of ``block_size`` admits the first ``low``
+    prompts at priority 0, steps ``warm_steps`` times, adds the rest at ``high_priority`` and runs
+    until every request finishes.
+
+    Returns a dict:
+
+    * ``alone``: each prompt's tokens run alone;
+    * ``tokens``: mode -> each request's tokens (in prompt order);
+    * ``used_blocks``: mode -> blocks still in use after every request was released (0 expected);
+    * ``steps``: mode -> the engine's ``steps_frame()``;
+    * ``rows``: one dict per (mode, request): ``mode``, ``request``, ``priority``,
+      ``preemptions``, ``TTFT ms``, ``E2E ms``.
+
+    Nothing is asserted: equality with ``alone`` and the preemption counts are the caller's checks."""
+    if not 0 < low < len(prompts):
+        raise ValueError(f"preemption_experiment: low={low} must leave at least one prompt of {len(prompts)} "
+                         "for the high-priority arrivals")
+    alone = [LLMEngine(llm).generate([p], params)[0].token_ids for p in prompts]
+    out = {"alone": alone, "tokens": {}, "used_blocks": {}, "steps": {}, "rows": []}
+    for mode in modes:
+        eng = LLMEngine(llm, kv=PagedKVConfig(block_size=block_size, num_blocks=num_blocks),
+                        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                                  preemption_mode=mode))
+        ids = [eng.add_request(p, params, priority=0) for p in prompts[:low]]
+        for _ in range(warm_steps):
+            eng.step()
+        ids += [eng.add_request(p, params, priority=high_priority) for p in prompts[low:]]
+        while eng.has_unfinished():
+            eng.step()
+        outs = [eng.release(r) for r in ids]
+        out["tokens"][mode] = [o.token_ids for o in outs]
+        out["used_blocks"][mode] = eng.pool.manager.num_used_blocks
+        out["steps"][mode] = eng.steps_frame()
+        for o in outs:
+            out["rows"].append({"mode": mode, "request": o.request_id, "priority": o.priority,
+                                "preemptions": o.num_preemptions, "TTFT ms": o.metrics.ttft * 1e3,
+                                "E2E ms": o.metrics.e2e * 1e3})
+    return out
