@@ -5,7 +5,8 @@
     PYTHONPATH=. python scripts/bench_kernels.py --help
 
 Runs from a plain checkout (no install).  Prints a table last and appends every row to
-runs/kernel_bench.csv (--csv); see workbench/bench/kernels.py for the formulas and columns.
+runs/kernel_bench.csv (--csv); see workbench/bench/kernels.py for the formulas and columns
+(the options: workbench/cli/kernels.py).
 """
 
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workbench.bench.kernels import main  # noqa: E402
+from workbench.cli.kernels import bench_main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(bench_main())

@@ -16,7 +16,8 @@
 # skipped.  A failed step is reported and the next one runs.  The summary table prints last;
 # the exit status is 1 when any step did not pass.
 #
-# Where the tables go (workbench/measure/gpu_results.py writes them; see results/gpu/README.md):
+# Where the tables go (workbench/measure/gpu_results.py writes them, called through
+# `python -m workbench.cli.gpu_results`; see results/gpu/README.md):
 #   with CUDA     results/gpu/<device>-<YYYY-MM-DD>/ (committed; a second run that day: -2, -3 ...):
 #                 meta.json, summary.csv, engine_bench.csv, kernel_bench.csv, sched_bench.csv,
 #                 prefix_bench.csv, device_check.log.  Where $OUT is set (the device tool's folder
@@ -63,7 +64,7 @@ if d["cuda_available"]:
 print(json.dumps(d))
 EOF
 ) || { echo "device check: '$PY' cannot import torch (set PYTHON=...)" >&2; exit 2; }
-IFS=$'\t' read -r CUDA DIR < <("$PY" -m workbench.measure.gpu_results start --probe "$PROBE" ${1:+--out "$1"})
+IFS=$'\t' read -r CUDA DIR < <("$PY" -m workbench.cli.gpu_results start --probe "$PROBE" ${1:+--out "$1"})
 if [ -z "${DIR:-}" ]; then echo "device check: could not create the output folder" >&2; exit 2; fi
 
 if [ "$CUDA" = 1 ]; then
@@ -116,7 +117,7 @@ step prefix_bench 40 "${WB[@]}" prefix-bench --device "$DEV" "${PREFIX[@]}" --js
 
 echo
 echo "== tables"
-timeout -k 2 10 "$PY" -m workbench.measure.gpu_results write-tables "$DIR" --work "$WORK" \
+timeout -k 2 10 "$PY" -m workbench.cli.gpu_results write-tables "$DIR" --work "$WORK" \
   || echo "writing the tables failed (raw outputs in $WORK)"
 if [ "$CUDA" = 1 ] && [ -z "${1:-}" ] && [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
   mkdir -p "$OUT/$(basename "$DIR")" && cp "$DIR"/*.csv "$DIR"/meta.json "$DIR"/*.log "$OUT/$(basename "$DIR")/" 2> /dev/null

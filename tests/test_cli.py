@@ -94,6 +94,34 @@ def test_help_kv_subcommands(sub, capsys):
     assert "usage: workbench" in capsys.readouterr().out
 
 
+def test_subcommands_keep_their_order():
+    import argparse
+
+    from workbench.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(sub.choices) == ["generate", "bench", "run-notebooks", "info", "kv-inspect", "prefix-bench",
+                                 "sched-bench", "serve", "kernels-bench", "kernels-aot", "load"]
+
+
+def test_argparse_lives_only_in_the_cli():
+    """The library modules are plain functions with keyword arguments; workbench/cli/ parses."""
+    import ast
+    from pathlib import Path
+
+    pkg = Path(__file__).resolve().parent.parent / "workbench"
+    parsing = []
+    for path in sorted(pkg.rglob("*.py")):
+        if path.relative_to(pkg).parts[0] == "cli":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) else []
+            if "argparse" in names:
+                parsing.append(str(path.relative_to(pkg)))
+    assert not parsing, f"argparse outside workbench/cli/: {parsing}"
+
+
 def test_kv_inspect_json_paged(capsys):
     _needs_bundled()
     rc = main(["kv-inspect", "--device", "cpu", "--num-requests", "3", "--system-tokens", "40", "--max-tokens", "2",

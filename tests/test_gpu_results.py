@@ -304,7 +304,7 @@ def test_without_cuda_it_writes_the_dry_run_folder_never_results(tmp_path):
 def test_command_line(tmp_path):
     work = _work(tmp_path, [("engine_bench", "ok"), ("prefix_bench", "failed rc=1")])
     out = tmp_path / "out"
-    env_cmd = [sys.executable, "-m", "workbench.measure.gpu_results"]
+    env_cmd = [sys.executable, "-m", "workbench.cli.gpu_results"]
     probe = json.dumps({"cuda_available": False, "torch": "x"})
     r = subprocess.run(env_cmd + ["start", "--probe", probe, "--out", str(out)], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)

@@ -34,17 +34,19 @@ def _run(code: str, tmp_path: Path, timeout: int = 120) -> subprocess.CompletedP
 
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
-    """One run of all sections through ``main`` (CSV appended twice: an existing file is extended)."""
+    """One run of all sections through the command line (``scripts/bench_kernels.py``'s ``bench_main``;
+    CSV appended twice: an existing file is extended)."""
     tmp = tmp_path_factory.mktemp("kbench")
     out_csv, out_json = tmp / "runs" / "kernel_bench.csv", tmp / "kb.json"
     proc = _run(f"""
         import sys
         from workbench.bench import kernels as kb
+        from workbench.cli.kernels import bench_main
         kb.SIZES["small"].update({TINY!r})
         args = ["--device", "cpu", "--size", "small", "--repeats", "2", "--warmup", "1", "--quiet",
                 "--csv", {str(out_csv)!r}]
-        assert kb.main(args + ["--sections", "ceilings", "--ops", "rmsnorm"]) == 0
-        sys.exit(kb.main(args + ["--json", {str(out_json)!r}]))
+        assert bench_main(args + ["--sections", "ceilings", "--ops", "rmsnorm"]) == 0
+        sys.exit(bench_main(args + ["--json", {str(out_json)!r}]))
         """, tmp)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, json.loads(out_json.read_text())["rows"], out_csv

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 TARGETS = ("sm_90", "sm_80")
 # kernel file -> its launchable kernels (a kernel added to a file without a case in
-# workbench.transforms.kernel_aot shows up there as an error row, so this list is a floor, not the set)
+# workbench.transforms.kernel_launches shows up there as an error row, so this list is a floor, not the set)
 KERNELS = {
     "rmsnorm": {"_rmsnorm_fwd_kernel"},
     "rope": {"_rope_fwd_kernel"},
@@ -45,8 +45,8 @@ def _aot(args: list[str], tmp: Path, interpret: bool = False) -> list[dict]:
     env.pop("TRITON_INTERPRET", None)
     if interpret:       # the module must notice and compile in a clean child process itself
         env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "workbench.transforms.kernel_aot", "--json", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "workbench.cli", "kernels-aot", "--json", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode == 2 and "ptxas" in proc.stderr:
         pytest.skip(f"no ptxas in this triton install: {proc.stderr.strip().splitlines()[-1]}")
     assert proc.returncode in (0, 1) and proc.stdout.strip(), \
@@ -140,9 +140,10 @@ def test_format_and_cli_options():
     """The table and the argparse hook, without compiling anything."""
     import argparse
 
-    from workbench.transforms.kernel_aot import add_arguments, format_aot
+    from workbench.cli.kernels import add_kernels_aot_arguments
+    from workbench.transforms.kernel_aot import format_aot
 
-    args = add_arguments(argparse.ArgumentParser()).parse_args([])
+    args = add_kernels_aot_arguments(argparse.ArgumentParser()).parse_args([])
     assert (args.targets, args.dtypes, args.configs, args.json) == ("90,80", "bfloat16", "all", False)
     ok = {"file": "swiglu", "kernel": "_swiglu_fwd_kernel", "case": "swiglu 1x8192 bf16", "target": "sm_90",
           "config": "BLOCK_M=1 BLOCK_N=1024 w4", "status": "ok", "error": "", "seconds": 0.4, "smem": 0,
@@ -162,7 +163,7 @@ def test_launch_knobs_are_feature_detected():
     from dataclasses import dataclass
     from types import SimpleNamespace
 
-    from workbench.transforms.kernel_aot import _launch_knobs
+    from workbench.transforms.kernel_compile import _launch_knobs
 
     @dataclass
     class Old:                      # triton 3.6 - 3.8's options

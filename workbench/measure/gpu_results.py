@@ -23,17 +23,17 @@ A notebook shows the latest GPU table next to its CPU figures::
     print(describe("sched_bench"))     # "on a GPU: NVIDIA H200, 2026-12-01 (...)" or "on a GPU: not measured yet ..."
     t.frame                            # a pandas DataFrame
 
-The device check calls this module's command line (stdlib only; pandas is imported lazily, by
+The device check calls :func:`start` and :func:`write_tables` through a command line in
+:mod:`workbench.cli.gpu_results` (this module is stdlib only; pandas is imported lazily, by
 :attr:`GpuTable.frame` alone)::
 
-    python -m workbench.measure.gpu_results start --probe JSON [--out DIR]   # prints: CUDA<TAB>DIR
-    python -m workbench.measure.gpu_results write-tables OUT_DIR --work WORK_DIR
-    python -m workbench.measure.gpu_results latest TABLE                      # print the latest table
+    python -m workbench.cli.gpu_results start --probe JSON [--out DIR]   # prints: CUDA<TAB>DIR
+    python -m workbench.cli.gpu_results write-tables OUT_DIR --work WORK_DIR
+    python -m workbench.cli.gpu_results latest TABLE                      # print the latest table
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
@@ -41,7 +41,6 @@ import platform
 import re
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -396,49 +395,3 @@ def start(probe: dict, out: str | Path | None = None, root: str | Path | None = 
             meta[k] = probe[k]
     (folder / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     return cuda, folder
-
-
-# ---- command line ---------------------------------------------------------------------------------
-
-def _print_latest(table: str, root: str | None) -> int:
-    found = latest(table, root)
-    print(describe(table, root))
-    if found is None:
-        return 1
-    print(found.frame.to_string(index=False))
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m workbench.measure.gpu_results", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("start", help="create the output folder and its meta.json; print 'CUDA<TAB>FOLDER'")
-    s.add_argument("--probe", required=True, help="JSON: cuda_available, device_name, torch, triton, cuda, python")
-    s.add_argument("--out", default="", help="write here instead (default: results/gpu/<device>-<date> on a GPU, "
-                                              "runs/device_check without one)")
-    s.add_argument("--root", default=None, help=argparse.SUPPRESS)
-    w = sub.add_parser("write-tables", help="raw step outputs -> the CSV tables, summary.csv and device_check.log")
-    w.add_argument("out_dir")
-    w.add_argument("--work", required=True, help="folder of the raw outputs (<step>.out / .log, steps.tsv)")
-    lt = sub.add_parser("latest", help="print the latest GPU table of a name and where it comes from")
-    lt.add_argument("table")
-    lt.add_argument("--root", default=None)
-    args = p.parse_args(argv)
-    if args.cmd == "start":
-        cuda, folder = start(json.loads(args.probe), out=args.out or None, root=args.root)
-        try:                    # relative to the working directory when inside it (the repo root)
-            folder = folder.resolve().relative_to(Path.cwd().resolve())
-        except ValueError:
-            pass
-        print(f"{int(cuda)}\t{folder}")
-        return 0
-    if args.cmd == "write-tables":
-        done = write_tables(args.out_dir, args.work)
-        for table, how in done.items():
-            print(f"{table + '.csv':<18} {how}")
-        return 0
-    return _print_latest(args.table, args.root)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

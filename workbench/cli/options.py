@@ -1,0 +1,104 @@
+"""Options and preparation shared by several ``workbench`` subcommands: the model and backend
+options, ``--threads`` and Triton's interpreter on a CPU, the fast paths and the tiered cache."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="Hugging Face–format folder, preset:<name> (random weights), or omit for the bundled model")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: float32 on CPU, "
+                                                 "the checkpoint's dtype on GPU)")
+    p.add_argument("--no-check-finite", dest="check_finite", action="store_false",
+                   help="load weights that hold NaN / Inf (refused by default: one pass over the tensors)")
+    p.add_argument("--threads", default=None,
+                   help="torch intra-op threads on a CPU: N, or auto (default: measured on the loaded model, the "
+                        "fewest threads within 15%% of the fastest decode step; env WORKBENCH_THREADS)")
+
+
+def add_backend_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default=None,
+                   help="per-op backends: eager | triton | compile (every op), or OP=BACKEND,... with OP in rmsnorm, "
+                        "rope, swiglu, attention_prefill, attention_decode (default: eager)")
+
+
+def prepare_triton(args) -> None:
+    """``--backend`` with Triton on a CPU: run the kernels under the Triton interpreter.
+
+    ``TRITON_INTERPRET`` is read when triton itself is first imported (its standard library is
+    decorated then), so it is set here, before any command loads a model."""
+    import os
+
+    spec = getattr(args, "backend", None)
+    if not spec or "triton" not in spec or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    device = getattr(args, "device", None)
+    if device is None:
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if str(device).startswith("cpu"):
+        os.environ["TRITON_INTERPRET"] = "1"
+        print("note: Triton kernels on a CPU run under the Triton interpreter (correct, slow: not speed figures)",
+              file=sys.stderr)
+
+
+def prepare_threads(args) -> None:
+    """``--threads``: checked now (a clear error before any model loads), then handed to every
+    engine this command builds through ``WORKBENCH_THREADS`` (see workbench.measure.threads);
+    ``bench`` also passes it to its engine directly, so its JSON records the argument."""
+    import os
+
+    value = getattr(args, "threads", None)
+    if value is None:
+        return
+    from workbench.measure.threads import ENV, parse_threads
+
+    n = parse_threads(value, where="--threads")
+    os.environ[ENV] = "auto" if n is None else str(n)
+
+
+def apply_backend(llm, spec: str | None, device_type: str) -> None:
+    """Apply ``--backend`` (already checked by :func:`prepare_triton`) to a loaded LLM."""
+    if not spec:
+        return
+    from workbench.transforms.backends import apply_backends, parse_backend_spec
+
+    apply_backends(llm.model, parse_backend_spec(spec))
+
+
+def add_fast_path_args(g) -> None:
+    g.add_argument("--compile", action="store_true",
+                   help="decode steps on static buffers through torch.compile (on a CPU inductor builds C++, ~30 s)")
+    g.add_argument("--cuda-graphs", action="store_true", help="decode steps captured as CUDA graphs per batch bucket")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context per request (default: the model's); the static buffers of --compile / --cuda-graphs "
+                        "hold this many tokens per sequence and every decode step attends over them")
+
+
+def add_tier_args(t) -> None:
+    """The hot / warm / cold cache's settings (kv-inspect --tiers, serve --tiers)."""
+    t.add_argument("--window", type=int, default=128, help="recent tokens kept hot")
+    t.add_argument("--sink", type=int, default=4, help="first tokens kept hot")
+    t.add_argument("--rank", type=int, default=8, help="PCA rank of warm keys")
+    t.add_argument("--warm-tokens", type=int, default=None, help="warm tokens before chunks turn cold (default: no cold zone)")
+    t.add_argument("--chunk", type=int, default=16, help="tokens per cold chunk")
+    t.add_argument("--block", type=int, default=None, help="routing block, a multiple of --chunk (default 16 rounded up)")
+    t.add_argument("--budget", type=int, default=None, help="tokens fetched exactly per step, layer and KV head")
+    t.add_argument("--value-format", choices=["full", "int8"], default="full")
+    t.add_argument("--key-space", choices=["post_rope", "pre_rope"], default="post_rope")
+    t.add_argument("--cold-mode", choices=["mean", "drop"], default="mean", help="drop: the sliding-window control")
+    t.add_argument("--calibration-docs", type=int, default=2, help="held-out calibration documents for the PCA basis")
+
+
+def tier_config(args):
+    from workbench.kv.tier_config import TierConfig
+
+    block = args.block or -(-16 // args.chunk) * args.chunk    # a multiple of chunk, >= 16
+    return TierConfig(window=args.window, sink=args.sink, rank=args.rank, warm_tokens=args.warm_tokens,
+                      chunk=args.chunk, block=block, budget=args.budget, value_format=args.value_format,
+                      key_space=args.key_space, cold_mode=args.cold_mode)
+
