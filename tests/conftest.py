@@ -53,3 +53,23 @@ def bundled_llm():
     if not BUNDLED_READY:
         pytest.skip("bundled model weights not present (data/reference-model/model.safetensors)")
     return workbench.LLM(device="cpu")
+
+
+FAILING_SEED = 666
+
+
+@pytest.fixture
+def failing_sampling(monkeypatch):
+    """The engine's sampling raises (as a NaN distribution once did) for requests seeded
+    ``FAILING_SEED`` and samples normally for the others; returns that seed."""
+    from workbench.engine import core
+
+    real = core.sample
+
+    def flaky(logits, params, gen):
+        if params.seed == FAILING_SEED:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real(logits, params, gen)
+
+    monkeypatch.setattr(core, "sample", flaky)
+    return FAILING_SEED

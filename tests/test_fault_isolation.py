@@ -12,7 +12,6 @@ from workbench import LLMEngine, SamplingParams, SchedulerConfig
 from workbench.errors import WorkbenchError
 from workbench.kv.paged import PagedKVConfig
 from workbench.engine import AsyncEngine
-from workbench.engine import core as engine_module
 
 PROMPTS = ["The list type", "A function is", "Python's for statement", "To create a virtual environment",
            "The logging module", "When an exception is raised", "Classes provide a means", "The with statement"]
@@ -60,17 +59,9 @@ def test_a_failed_step_ends_only_its_requests(random_llm, alone):
     assert eng.generate(PROMPTS[:1], GREEDY)[0].token_ids == alone[PROMPTS[0]], "the engine keeps serving"
 
 
-def test_a_failed_sampling_ends_only_its_request(random_llm, alone, monkeypatch):
+def test_a_failed_sampling_ends_only_its_request(random_llm, alone, failing_sampling):
     eng = _engine(random_llm)
-    real = engine_module.sample
-
-    def flaky(logits, params, gen):
-        if params.seed == 666:
-            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return real(logits, params, gen)
-
-    monkeypatch.setattr(engine_module, "sample", flaky)
-    params = [SamplingParams(temperature=0.7, seed=666, max_tokens=8) if i == 2 else GREEDY
+    params = [SamplingParams(temperature=0.7, seed=failing_sampling, max_tokens=8) if i == 2 else GREEDY
               for i in range(len(PROMPTS))]
     outs = eng.generate(PROMPTS, params)
     assert outs[2].finish_reason == "error" and outs[2].error.startswith("sampling failed: RuntimeError")

@@ -16,7 +16,6 @@ from workbench.kv.inspect import KVInspector
 from workbench.kv.paged import PagedKVConfig
 from workbench.sched import SchedulerConfig
 from workbench.engine import AsyncEngine, LLMEngine
-from workbench.engine import core as engine_module
 
 PROMPT = "The list data type has some more methods."
 BLOCK = 4
@@ -167,16 +166,8 @@ def test_aborted_parent_or_held_fork(bundled_llm, alone):
     _assert_pool_back(eng)
 
 
-def test_failures_of_the_parent_or_of_a_fork_end_only_their_own(bundled_llm, alone, monkeypatch):
-    real = engine_module.sample
-
-    def flaky(logits, params, gen):
-        if params.seed == 666:
-            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return real(logits, params, gen)
-
-    monkeypatch.setattr(engine_module, "sample", flaky)
-    bad = SamplingParams(temperature=0.7, seed=666, max_tokens=6)
+def test_failures_of_the_parent_or_of_a_fork_end_only_their_own(bundled_llm, alone, failing_sampling):
+    bad = SamplingParams(temperature=0.7, seed=failing_sampling, max_tokens=6)
     eng = engine(bundled_llm)
     outs = drain(eng, submit(eng, [bad, GREEDY, SEEDED[1]]))     # the parent's sampling fails
     assert outs[0].finish_reason == "error" and outs[0].error.startswith("sampling failed")
