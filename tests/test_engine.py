@@ -119,6 +119,12 @@ def test_metrics_are_consistent(random_llm):
     assert {"p50", "p95", "p99", "jitter", "mean", "n"} <= set(df.columns)
     assert df.loc["itl_ms", "n"] == 46 and df.loc["ttft_ms", "n"] == 2
     assert df.loc["itl_ms", "p50"] <= df.loc["itl_ms", "p99"]
+    # jitter (workbench.engine.metrics.jitter) is the sample std (n - 1): over every gap for ITL,
+    # over the requests for TTFT (two requests: |a - b| / sqrt(2); the population std would give / 2)
+    gaps = torch.tensor([g * 1e3 for o in outs for g in o.metrics.itl], dtype=torch.float64)
+    assert df.loc["itl_ms", "jitter"] == pytest.approx(gaps.std(correction=1).item())
+    a, b = (o.metrics.ttft * 1e3 for o in outs)
+    assert df.loc["ttft_ms", "jitter"] == pytest.approx(abs(a - b) / math.sqrt(2))
     frame = random_llm.requests_frame(outs)
     assert list(frame["output_tokens"]) == [24, 24]
 

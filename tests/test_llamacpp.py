@@ -16,8 +16,8 @@ import torch
 import workbench
 from workbench.model.config import ModelConfig
 from workbench.errors import CheckpointError, WorkbenchError
-from workbench.bench.llamacpp import (cached_gguf, export_gguf, gguf_tensor_name, llamacpp_decode_rate, llamacpp_row,
-                                llamacpp_unavailable_reason, permute_qk)
+from workbench.bench.gguf_export import export_gguf, gguf_tensor_name, permute_qk
+from workbench.bench.llamacpp import cached_gguf, llamacpp_decode_rate, llamacpp_row, llamacpp_unavailable_reason
 from workbench.model.loader import save_model
 from workbench.model.decoder import CausalLM, init_weights, rope_inv_freq
 

@@ -2,7 +2,7 @@
 
 The benchmark's numbers are timings of this machine and are not asserted; what is asserted is
 what must hold whatever the timing: every request finishes, greedy tokens agree across
-configurations, ratios are computed from the measured rates, static batching never admits
+configurations, both sides of a ratio are measured in the same run, static batching never admits
 while a batch is running.
 """
 
@@ -58,7 +58,10 @@ def test_sched_bench_small(llm):
     res = run_sched_bench(llm, cfg)
     t = res["throughput"]
     assert t["identical_tokens"] is True and t["max_batch"] == 3
-    assert t["speedup"] == pytest.approx(t["concurrent_tokens_per_s"] / t["sequential_tokens_per_s"])
+    # both sides measured in this one run (cfg.rounds runs each); the speed-up is a positive
+    # finite number that the table prints rounded to two decimals
+    assert len(t["runs"]["concurrent"]) == len(t["runs"]["sequential"]) == cfg.rounds
+    assert 0 < t["speedup"] < float("inf")
     for key in ("chunked", "window"):
         assert res[f"{key}_identical_tokens"] is True
         for row in res[key]:
@@ -70,7 +73,7 @@ def test_sched_bench_small(llm):
     o = res["overhead"]
     assert o["batch"] == 4 and o["steps"] >= 1 and 0 < o["schedule_share"] < 1
     text = format_sched_bench(res)
-    assert "speed-up" in text and "scheduler overhead at batch 4" in text
+    assert f"speed-up {t['speedup']:.2f}x" in text and "scheduler overhead at batch 4" in text
 
 
 def test_sched_bench_config_errors():

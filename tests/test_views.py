@@ -13,7 +13,8 @@ pytest.importorskip("plotly")
 pytest.importorskip("ipywidgets")
 
 from workbench.errors import ConfigError  # noqa: E402
-from workbench.lab.load_views import LatencyDashboard, scheduler_timeline  # noqa: E402
+from workbench.lab.load_views import LatencyDashboard  # noqa: E402
+from workbench.lab.sched_timeline import scheduler_timeline  # noqa: E402
 from workbench.load import EngineTarget, LoadConfig, LoadRun, RequestRecord  # noqa: E402
 
 

@@ -3,27 +3,14 @@
 llama.cpp is what a user would run on a CPU instead of this engine, so a benchmark that
 claims a CPU decode rate should put it beside llama.cpp's.  Nothing here is a dependency:
 
-* :func:`export_gguf` writes a GGUF file of a Hugging Face–format Llama-family folder
-  (config.json + *.safetensors + tokenizer.json) with the light, pure-Python ``gguf``
-  package (``pip install gguf``), imported only when called;
+* :func:`export_gguf` (in :mod:`workbench.bench.gguf_export`, re-exported here; its
+  conversion notes are there) writes a GGUF file of a Hugging Face–format Llama-family folder
+  with the light, pure-Python ``gguf`` package (``pip install gguf``), imported only when called;
 * :func:`llamacpp_decode_rate` streams a greedy decode through llama-cpp-python
   (``import llama_cpp``; it compiles llama.cpp at install time, which takes minutes);
 * :func:`llamacpp_row` is the benchmark row: ``{"available": False, "reason": ...}`` when
   either package is missing, otherwise the GGUF is exported once into a cache folder (keyed
   by the model folder and its files' mtimes) and measured.
-
-Conversion notes (what llama.cpp's own ``convert_hf_to_gguf.py`` does for these models):
-
-* Weights keep their ``(out, in)`` row-major layout; GGUF stores dimensions reversed, so a
-  Hugging Face ``[out, in]`` matrix is exactly ggml's ``ne = [in, out]``.
-* RoPE: Hugging Face Llama checkpoints rotate the two *halves* of each head (``rotate_half``),
-  while llama.cpp's ``llama`` architecture rotates adjacent *pairs*.  ``q_proj`` / ``k_proj``
-  rows are therefore permuted within each head so that row ``2j`` / ``2j+1`` hold what were
-  rows ``j`` / ``j + d/2`` (:func:`permute_qk`).  Qwen2 is written as llama.cpp's ``qwen2``
-  architecture, which rotates halves like Hugging Face, so it is not permuted.
-* 1-D tensors (norms, biases) stay float32 whatever ``dtype`` says, as llama.cpp expects.
-* Tied embeddings: no ``output.weight`` is written; llama.cpp then reuses ``token_embd``.
-* Llama-3 RoPE scaling becomes a ``rope_freqs.weight`` tensor of per-frequency divisors.
 
 Timing follows :mod:`workbench.engine.metrics`: TTFT is first token minus start, the decode rate is
 ``(n - 1) / (t_last - t_first)``.
@@ -32,52 +19,21 @@ Timing follows :mod:`workbench.engine.metrics`: TTFT is first token minus start,
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
-from workbench.errors import CheckpointError, ConfigError, TokenizerError, WorkbenchError
+from workbench.bench.gguf_export import (_GGUF_HINT, EXPORT_FORMAT_VERSION, export_gguf,  # noqa: F401  (re-exported)
+                                        gguf_tensor_name, permute_qk)  # noqa: F401  (re-exported)
+from workbench.errors import CheckpointError, ConfigError, WorkbenchError
 
-# Bump when the exported file would differ (cache keys include it).
-EXPORT_FORMAT_VERSION = 1
-
-_GGUF_DTYPES = ("f32", "f16", "bf16")
-_GGUF_HINT = "the `gguf` package is needed to write GGUF files: pip install gguf"
 _LLAMA_CPP_HINT = ("llama-cpp-python is not installed (pip install llama-cpp-python; it compiles "
                    "llama.cpp, which takes several minutes)")
 
-# Hugging Face per-layer tensor name (after "model.layers.N.") -> llama.cpp's (after "blk.N.")
-_LAYER_NAMES = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-}
-_TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-# Buffers some exporters write that llama.cpp recomputes.
-_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
-# workbench architecture -> (llama.cpp architecture, permute q/k for interleaved RoPE)
-_ARCHS = {"LlamaForCausalLM": ("llama", True), "MistralForCausalLM": ("llama", True),
-          "Qwen2ForCausalLM": ("qwen2", False)}
-
 
 # ---- optional imports ------------------------------------------------------------------------
-
-def _import_gguf():
-    try:
-        import gguf
-    except ImportError:
-        raise WorkbenchError(_GGUF_HINT) from None
-    return gguf
-
 
 def _import_llama_cpp():
     try:
@@ -98,267 +54,6 @@ def llamacpp_unavailable_reason() -> str | None:
         except Exception as e:  # a broken build (missing shared library, ...) is "unavailable" too
             missing.append(f"`import {module}` failed: {type(e).__name__}: {e}")
     return "; ".join(missing) or None
-
-
-# ---- conversion helpers ----------------------------------------------------------------------
-
-def permute_qk(w, n_heads: int):
-    """Reorder the rows of a q_proj / k_proj weight (or bias) of ``n_heads`` heads from
-    Hugging Face's rotate-half RoPE layout to llama.cpp's adjacent-pair layout.
-
-    Within each head of ``d`` rows, output row ``2j`` is input row ``j`` and output row
-    ``2j + 1`` is input row ``j + d/2``.
-    """
-    rows = w.shape[0]
-    head = rows // n_heads
-    if head * n_heads != rows or head % 2:
-        raise ConfigError(f"cannot permute a {tuple(w.shape)} q/k weight into {n_heads} heads of even size")
-    return w.reshape(n_heads, 2, head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def gguf_tensor_name(hf_name: str) -> str | None:
-    """llama.cpp's name for a Hugging Face Llama tensor name; None for a buffer to skip."""
-    if hf_name.endswith(_SKIPPED_SUFFIXES):
-        return None
-    base, dot, kind = hf_name.rpartition(".")
-    if kind not in ("weight", "bias") or not dot:
-        raise CheckpointError(f"tensor '{hf_name}': expected a name ending in .weight or .bias")
-    if base in _TOP_NAMES:
-        return f"{_TOP_NAMES[base]}.{kind}"
-    parts = base.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and parts[3] in _LAYER_NAMES:
-        return f"blk.{int(parts[2])}.{_LAYER_NAMES[parts[3]]}.{kind}"
-    raise CheckpointError(f"tensor '{hf_name}' has no llama.cpp equivalent known to this exporter")
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-    return data if isinstance(data, dict) else {}
-
-
-def _first_id(value) -> int | None:
-    if isinstance(value, list):
-        value = value[0] if value else None
-    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _pre_tokenizer_name(tok: dict) -> str:
-    """llama.cpp's ``tokenizer.ggml.pre`` for a byte-level BPE tokenizer.json (it only
-    matters when llama.cpp tokenizes text; the benchmark feeds token ids)."""
-    pre = tok.get("pre_tokenizer") or {}
-    items = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-    patterns = [str((p.get("pattern") or {}).get("Regex", "")) for p in items if p.get("type") == "Split"]
-    if not patterns:
-        return "gpt-2"     # plain ByteLevel(use_regex=True): GPT-2's split
-    pattern = patterns[0]
-    if "\\p{N}{1,3}" in pattern:
-        return "llama-bpe"  # Llama 3
-    if "\\p{N}|" in pattern or pattern.endswith("\\p{N}"):
-        return "qwen2"
-    return "default"
-
-
-def _vocab_metadata(folder: Path, vocab_size: int, cfg) -> dict[str, Any]:
-    """Tokenizer fields of a GGUF file from ``tokenizer.json`` (+ tokenizer_config.json)."""
-    path = folder / "tokenizer.json"
-    if not path.is_file():
-        raise TokenizerError(f"{path}: tokenizer.json not found; llama.cpp needs the vocabulary in the GGUF file")
-    tok = _read_json(path)
-    model = tok.get("model") or {}
-    if model.get("type") != "BPE":
-        raise TokenizerError(f"{path}: tokenizer model type {model.get('type')!r} is not supported "
-                             "(BPE only: byte-level like GPT-2 / Llama 3, or SentencePiece-style with byte fallback)")
-    vocab: dict[str, int] = model.get("vocab") or {}
-    added = {int(t["id"]): t for t in tok.get("added_tokens") or []}
-    n = max([vocab_size, *(i + 1 for i in vocab.values()), *(i + 1 for i in added)])
-    if n > vocab_size:
-        raise TokenizerError(f"{path}: the tokenizer has ids up to {n - 1} but config.json vocab_size is "
-                             f"{vocab_size}")
-    tokens: list[str | None] = [None] * n
-    for text, i in vocab.items():
-        tokens[i] = text
-    for i, t in added.items():
-        tokens[i] = t["content"]
-
-    raw_merges = model.get("merges") or []
-    merges = [m if isinstance(m, str) else " ".join(m) for m in raw_merges]
-    spm = bool(model.get("byte_fallback"))     # SentencePiece-style BPE (Llama 2, Mistral v0.1)
-    gguf = _import_gguf()
-    TT = gguf.TokenType
-    types, scores = [], []
-    rank = {m.replace(" ", "", 1): r for r, m in enumerate(merges)}   # merged token -> merge rank
-    for i, text in enumerate(tokens):
-        if text is None:                     # padding up to config.json's vocab_size
-            tokens[i] = f"[PAD{i}]"
-            types.append(TT.UNUSED)
-        elif i in added:
-            types.append(TT.CONTROL if added[i].get("special") else TT.USER_DEFINED)
-        elif spm and len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
-            types.append(TT.BYTE)
-        else:
-            types.append(TT.NORMAL)
-        # SentencePiece merges the highest-scoring pair first: score = -merge rank
-        scores.append(-float(rank.get(tokens[i], 0)) if i not in added else 0.0)
-
-    tcfg = _read_json(folder / "tokenizer_config.json")
-    gcfg = _read_json(folder / "generation_config.json")
-
-    def special(name: str) -> int | None:
-        for source in (gcfg, {f"{name}_token_id": getattr(cfg, f"{name}_token_id", None)}):
-            tid = _first_id(source.get(f"{name}_token_id"))
-            if tid is not None:
-                return tid
-        text = tcfg.get(f"{name}_token")
-        text = text.get("content") if isinstance(text, dict) else text
-        return tokens.index(text) if isinstance(text, str) and text in tokens else None
-
-    meta: dict[str, Any] = {
-        "model": "llama" if spm else "gpt2",
-        "pre": None if spm else _pre_tokenizer_name(tok),
-        "tokens": tokens, "types": [int(t) for t in types],
-        "scores": scores if spm else None, "merges": None if spm else merges,
-        "bos": special("bos"), "eos": special("eos"), "pad": special("pad"),
-        "add_bos": bool(tcfg.get("add_bos_token", spm)), "add_eos": bool(tcfg.get("add_eos_token", False)),
-    }
-    unk = model.get("unk_token")
-    if unk is not None and unk in tokens:
-        meta["unk"] = tokens.index(unk)
-        meta["types"][meta["unk"]] = int(TT.UNKNOWN)
-    if tcfg.get("chat_template") and isinstance(tcfg["chat_template"], str):
-        meta["chat_template"] = tcfg["chat_template"]
-    return meta
-
-
-def _rope_freq_factors(cfg):
-    """llama.cpp's ``rope_freqs`` for Llama-3 scaling: the divisor of each base frequency."""
-    from workbench.model.decoder import rope_inv_freq
-
-    base = rope_inv_freq(cfg.head_dim, cfg.rope_theta, None)
-    scaled = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    return (base / scaled).float().numpy()
-
-
-def _to_numpy(t, dtype: str, gguf):
-    """(array, raw_dtype) for GGUFWriter.add_tensor: 1-D tensors always float32."""
-    import torch
-
-    arr = t.to(torch.float32).numpy()
-    if arr.ndim <= 1 or dtype == "f32":
-        return arr, None
-    if dtype == "f16":
-        return arr.astype("float16"), None
-    return gguf.quants.quantize(arr, gguf.GGMLQuantizationType.BF16), gguf.GGMLQuantizationType.BF16
-
-
-# ---- export ----------------------------------------------------------------------------------
-
-def export_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, dtype: str = "f32") -> Path:
-    """Write ``model_dir`` (config.json + *.safetensors + tokenizer.json of a Llama, Mistral or
-    Qwen2 model) as a GGUF file at ``out_path``; ``dtype`` is f32, f16 or bf16 for the matrices.
-
-    The file is written next to ``out_path`` and renamed into place, so an interrupted export
-    never leaves a truncated file behind.  Returns ``out_path``.
-    """
-    from safetensors import safe_open
-
-    from workbench.model.loader import checkpoint_files, read_config
-
-    if dtype not in _GGUF_DTYPES:
-        raise ConfigError(f"export_gguf: dtype {dtype!r} is not supported; use one of {', '.join(_GGUF_DTYPES)}")
-    gguf = _import_gguf()
-    folder = Path(model_dir).expanduser()
-    out = Path(out_path).expanduser()
-    cfg = read_config(folder)
-    arch, permute = _ARCHS[cfg.architecture]
-    if cfg.o_bias or cfg.mlp_bias:
-        raise ConfigError(f"{folder}: o_proj / MLP biases are not supported by this GGUF exporter")
-    vocab = _vocab_metadata(folder, cfg.vocab_size, cfg)
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    writer = gguf.GGUFWriter(str(tmp), arch)
-    try:
-        writer.add_name(folder.name)
-        writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                              "bf16": gguf.LlamaFileType.MOSTLY_BF16}[dtype])
-        writer.add_context_length(cfg.max_position_embeddings)
-        writer.add_embedding_length(cfg.hidden_size)
-        writer.add_block_count(cfg.num_hidden_layers)
-        writer.add_feed_forward_length(cfg.intermediate_size)
-        writer.add_head_count(cfg.num_attention_heads)
-        writer.add_head_count_kv(cfg.num_key_value_heads)
-        writer.add_key_length(cfg.head_dim)
-        writer.add_value_length(cfg.head_dim)
-        writer.add_rope_dimension_count(cfg.head_dim)
-        writer.add_rope_freq_base(float(cfg.rope_theta))
-        writer.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
-        writer.add_vocab_size(cfg.vocab_size)
-        if cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "linear":
-            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-            writer.add_rope_scaling_factor(float(cfg.rope_scaling["factor"]))
-
-        writer.add_tokenizer_model(vocab["model"])
-        if vocab["pre"]:
-            writer.add_tokenizer_pre(vocab["pre"])
-        writer.add_token_list(vocab["tokens"])
-        writer.add_token_types(vocab["types"])
-        if vocab["scores"] is not None:
-            writer.add_token_scores(vocab["scores"])
-        if vocab["merges"] is not None:
-            writer.add_token_merges(vocab["merges"])
-        for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
-                         ("pad", writer.add_pad_token_id), ("unk", writer.add_unk_token_id)):
-            if vocab.get(key) is not None:
-                add(vocab[key])
-        writer.add_add_bos_token(vocab["add_bos"])
-        writer.add_add_eos_token(vocab["add_eos"])
-        if "chat_template" in vocab:
-            writer.add_chat_template(vocab["chat_template"])
-
-        if cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "llama3":
-            writer.add_tensor("rope_freqs.weight", _rope_freq_factors(cfg))
-        heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
-        seen = set()
-        for file in checkpoint_files(folder):
-            with safe_open(str(file), framework="pt") as f:
-                for hf_name in f.keys():
-                    name = gguf_tensor_name(hf_name)
-                    if name is None:
-                        continue
-                    if name == "output.weight" and cfg.tie_word_embeddings:
-                        continue            # llama.cpp falls back to token_embd
-                    t = f.get_tensor(hf_name)
-                    kind = name.split(".")[-2]
-                    if permute and kind in heads:
-                        t = permute_qk(t, heads[kind])
-                    arr, raw = _to_numpy(t, dtype, gguf)
-                    if raw is None:
-                        writer.add_tensor(name, arr)
-                    else:
-                        writer.add_tensor(name, arr, raw_shape=arr.shape, raw_dtype=raw)
-                    seen.add(name)
-        expected = {"token_embd.weight", "output_norm.weight"}
-        for i in range(cfg.num_hidden_layers):
-            expected |= {f"blk.{i}.{n}.weight" for n in _LAYER_NAMES.values()}
-        missing = sorted(expected - seen, key=lambda s: (len(s), s))
-        if missing:
-            raise CheckpointError(f"{folder}: checkpoint lacks tensors llama.cpp needs: {', '.join(missing[:4])}"
-                                  + (" ..." if len(missing) > 4 else ""))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, out)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
-    return out
 
 
 # ---- measurement -----------------------------------------------------------------------------

@@ -5,8 +5,8 @@ process, request by request (off, on, then on, off, ...) so machine drift hits b
 
 * **shared prefix**: N requests that share a long system prompt and differ in a short
   question (the source articles' "50 prompts with a common opening"). Reported: TTFT median
-  and jitter (std) on vs off, their ratio, the hit rate the block manager reports, and miss
-  reasons;
+  and jitter (``workbench.engine.metrics.jitter``: sample std) on vs off, their ratio, the hit
+  rate the block manager reports, and miss reasons;
 * **no sharing**: N requests with unrelated prompts, where the cache can only cost
   (hashing, bookkeeping). Reported: output tokens/s on vs off and the relative cost.
 
@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 from workbench.engine.llm import LLM
+from workbench.engine.metrics import jitter
 from workbench.errors import ConfigError
 from workbench.measure.compare import compare_samples
 from workbench.engine.sampling import SamplingParams
@@ -138,9 +139,9 @@ def run_prefix_bench(model=None, cfg: PrefixBenchConfig | None = None, device=No
     def ttft_stats(rs):
         all_ttft = [t for r in rs for t in r["ttft_ms"]]
         warm = [t for r in rs for t in r["ttft_ms"][1:]]   # without each round's first (cold) request
-        return {"ttft_ms_p50": statistics.median(all_ttft), "ttft_ms_std": statistics.pstdev(all_ttft),
+        return {"ttft_ms_p50": statistics.median(all_ttft), "ttft_ms_std": jitter(all_ttft),
                 "ttft_ms_p95": sorted(all_ttft)[int(0.95 * (len(all_ttft) - 1))],
-                "ttft_ms_std_after_first": statistics.pstdev(warm)}
+                "ttft_ms_std_after_first": jitter(warm)}
 
     off, on = ttft_stats(runs[("shared", False)]), ttft_stats(runs[("shared", True)])
     hit = runs[("shared", True)][-1]

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from workbench.engine.llm import LLM
+from workbench.engine.metrics import jitter
 from workbench.errors import WorkbenchError
 from workbench.model.loader import BUNDLED_MODEL
 from workbench.engine.sampling import SamplingParams
@@ -321,7 +322,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
 def _stats(rows: list[dict]) -> dict:
     return {"ttft_ms_p50": statistics.median(x["ttft_ms"] for x in rows),
             "decode_tokens_per_s_p50": statistics.median(x["decode_tokens_per_s"] for x in rows),
-            "ttft_ms_jitter": statistics.pstdev(x["ttft_ms"] for x in rows),
+            "ttft_ms_jitter": jitter([x["ttft_ms"] for x in rows]),
             "decode_tokens_per_s_min": min(x["decode_tokens_per_s"] for x in rows),
             "decode_tokens_per_s_max": max(x["decode_tokens_per_s"] for x in rows)}
 

@@ -8,7 +8,9 @@ Definitions (all times from ``time.perf_counter()``, in seconds; reported in ms)
 * **TPOT** (time per output token) = (E2E - TTFT) / (n - 1): the mean ITL.
 * **E2E** = finish - arrival.
 * **decode tokens/s** = (n - 1) / (E2E - TTFT): the decode rate, without prefill.
-* **jitter** = standard deviation of a latency across requests (for ITL: across all gaps).
+* **jitter** = the *sample* standard deviation (ddof=1) of one latency over its samples:
+  across requests for TTFT/TPOT/E2E, across all inter-token gaps of all requests for ITL.
+  Defined once, by :func:`jitter`: compute every jitter with it.
 
 A token's timestamp is taken after its id is on the host, which on a GPU means after the
 device finished computing it (``.item()`` synchronises), so no asynchronous work is hidden.
@@ -77,13 +79,24 @@ class RequestMetrics:
                 "decode_tokens_per_s": self.decode_tokens_per_s, "threads": self.threads, "engine": self.engine}
 
 
+def jitter(samples) -> float:
+    """Jitter of a latency: the sample standard deviation (ddof=1, Bessel-corrected) of ``samples``.
+
+    ``samples`` are the values of one latency, one per observation: per request for TTFT,
+    TPOT or E2E, per inter-token gap (all gaps of all requests pooled) for ITL.  ``None`` values
+    are dropped; fewer than two samples give 0.0 (no spread observed).  Same unit as the samples.
+    """
+    a = np.asarray([v for v in samples if v is not None], dtype=float)
+    return float(a.std(ddof=1)) if a.size > 1 else 0.0
+
+
 def _stats(values: list[float]) -> dict:
     a = np.asarray([v for v in values if v is not None], dtype=float)
     if a.size == 0:
         return {"n": 0}
     return {"n": int(a.size), "mean": a.mean(), "p50": np.percentile(a, 50), "p95": np.percentile(a, 95),
             "p99": np.percentile(a, 99), "min": a.min(), "max": a.max(),
-            "jitter": a.std(ddof=1) if a.size > 1 else 0.0}
+            "jitter": jitter(a)}
 
 
 def summarize(outputs) -> "pandas.DataFrame":  # noqa: F821

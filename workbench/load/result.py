@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from workbench.engine.metrics import jitter
+
 if TYPE_CHECKING:
     import pandas
 
@@ -85,7 +87,7 @@ def _pct(values, prefix: str) -> dict:
                 f"{prefix}_jitter_ms": math.nan}
     p50, p95, p99 = np.percentile(a, [50, 95, 99])
     return {f"{prefix}_p50_ms": p50, f"{prefix}_p95_ms": p95, f"{prefix}_p99_ms": p99,
-            f"{prefix}_jitter_ms": a.std(ddof=1) if a.size > 1 else 0.0}
+            f"{prefix}_jitter_ms": jitter(a)}
 
 
 def summarize_records(records, t0: float, t1: float, target=math.nan, token_records=None) -> dict:
@@ -137,7 +139,7 @@ class LoadResult:
     def summary(self) -> "pandas.DataFrame":  # noqa: F821
         """One row per stage and an ``all`` row: requests, ok, errors, rejected, cancelled,
         target (rate or users), offered_qps (sent/s), goodput_qps (ok/s), TTFT / ITL / TPOT /
-        E2E P50/P95/P99 and jitter (std) in ms over ok requests, tokens_per_s (tokens streamed
+        E2E P50/P95/P99 and jitter (:func:`workbench.engine.metrics.jitter`) in ms over ok requests, tokens_per_s (tokens streamed
         in the window / its length, whenever the request was sent).  A stage is credited with the
         requests *sent* in it (counts, rates, percentiles, output_tokens); its tokens_per_s counts
         every token streamed in its window, so under sustained load the stages add up to ``all``."""

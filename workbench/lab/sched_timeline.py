@@ -1,0 +1,140 @@
+"""The scheduler timeline: a static plotly figure of an engine's steps (plotly imported inside).
+
+:func:`scheduler_timeline` draws ``LLMEngine.steps_frame()`` per engine step: prefill vs decode
+tokens as stacked bars, the step's time split (scheduler / model / after sampling), and which
+requests were in the batch, each marked prefilling or decoding (with its token count).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from workbench.errors import ConfigError
+
+TIMELINE_COLUMNS = ("step", "start", "schedule_s", "model_s", "post_s", "num_seqs", "prefill_tokens",
+                    "decode_tokens", "request_ids")
+
+
+def scheduler_timeline(frame, x: str = "step", max_requests: int = 64, title: str = "Scheduler timeline"):
+    """A static plotly figure of an engine's steps, from ``LLMEngine.steps_frame()`` (or any
+    table with its columns).  Three rows sharing the x axis:
+
+    1. tokens computed per step: prefill and decode as stacked bars (their heights add up to
+       the frame's ``prefill_tokens`` / ``decode_tokens``);
+    2. the step's time in ms, stacked: ``schedule_s`` (pure-Python scheduler), ``model_s``
+       (swaps + forward + sampling) and ``post_s`` (detokenization, stop checks);
+    3. batch composition: one marker per (step, request) for the requests computed in the step
+       (the first ``max_requests`` requests to appear, by first step; the rest are counted in
+       the title).  With the frame's ``request_tokens`` column (tokens each request computed in
+       the step) the markers are split into a "prefilling" and a "decoding" trace, coloured as
+       the token bars, with the token count in ``customdata`` and on hover; ``request_prefill``
+       (per request: a prefill chunk?) says which, else a request computing more than one token
+       counts as prefilling.  Rows without them (an older frame) keep one "in batch" trace.
+
+    ``x="step"``: one bar per step; ``x="time"``: bars placed at the step's start (seconds from
+    the first step) with the step's duration as their width, so idle gaps show.  Needs no
+    display: save it with ``write_html`` / ``to_json`` or show it in a notebook."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    if x not in ("step", "time"):
+        raise ConfigError(f"scheduler_timeline: x={x!r} must be 'step' or 'time'")
+    if getattr(frame, "empty", False) and len(getattr(frame, "columns", ())) == 0:
+        raise ConfigError("scheduler_timeline: the frame has no steps (run some requests through the engine first)")
+    missing = [c for c in TIMELINE_COLUMNS if c not in getattr(frame, "columns", ())]
+    if missing:
+        raise ConfigError(f"scheduler_timeline: column(s) {missing} missing; pass LLMEngine.steps_frame() "
+                          f"(got columns {list(getattr(frame, 'columns', []))})")
+    if len(frame) == 0:
+        raise ConfigError("scheduler_timeline: the frame has no steps (run some requests through the engine first)")
+    if not (isinstance(max_requests, int) and max_requests >= 0):
+        raise ConfigError(f"scheduler_timeline: max_requests={max_requests!r} must be an integer >= 0")
+    f = frame.reset_index(drop=True)
+    dur = (f["schedule_s"] + f["model_s"] + f["post_s"]).to_numpy(dtype=float)
+    if x == "time" and len(f):
+        t0 = float(f["start"].iloc[0])
+        xs = (f["start"].to_numpy(dtype=float) - t0) + dur / 2
+        width, x_title = dur, "seconds since the first step"
+    else:
+        xs, width, x_title = f["step"].to_numpy(), None, "engine step"
+    steps = f["step"].tolist()
+    ids = [tuple(r) for r in f["request_ids"]]
+    order: dict = {}
+    for batch in ids:
+        for rid in batch:
+            order.setdefault(rid, len(order))
+    shown = {rid for rid, k in order.items() if k < max_requests}
+    hidden = len(order) - len(shown)
+    split = _request_split(f, ids)           # per step: ((tokens, prefill?), ...) per request, or None
+    hover = []
+    for s, n, b, sp in zip(steps, f["num_seqs"], ids, split):
+        names = [str(r) if sp is None else f"{r} ({'P' if sp[i][1] else 'D'} {sp[i][0]})"
+                 for i, r in enumerate(b[:8])]
+        hover.append(f"step {s}<br>{n} seqs: " + ", ".join(names) + (" ..." if len(b) > 8 else ""))
+
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06, row_heights=[0.35, 0.3, 0.35],
+                        subplot_titles=("tokens per step", "time per step (ms)",
+                                        "requests in the batch" + (f" (first {max_requests}; {hidden} more not "
+                                                                   "shown)" if hidden else "")))
+    bar = lambda name, y, color: go.Bar(x=xs, y=y, width=width, name=name, marker_color=color,  # noqa: E731
+                                        hovertext=hover, hovertemplate="%{hovertext}<br>" + name + ": %{y}"
+                                        "<extra></extra>")
+    fig.add_trace(bar("prefill tokens", f["prefill_tokens"].tolist(), "#1f77b4"), row=1, col=1)
+    fig.add_trace(bar("decode tokens", f["decode_tokens"].tolist(), "#ff7f0e"), row=1, col=1)
+    for col, name, color in (("schedule_s", "scheduler", "#d62728"), ("model_s", "model", "#2ca02c"),
+                             ("post_s", "after sampling", "#9467bd")):
+        fig.add_trace(bar(name, (f[col].to_numpy(dtype=float) * 1e3).tolist(), color), row=2, col=1)
+    cells: dict[str, tuple[list, list, list]] = {"prefilling": ([], [], []), "decoding": ([], [], []),
+                                                 "in batch": ([], [], [])}
+    for xv, batch, sp in zip(xs, ids, split):
+        for i, rid in enumerate(batch):
+            if rid in shown:
+                kind = "in batch" if sp is None else ("prefilling" if sp[i][1] else "decoding")
+                px, py, pt = cells[kind]
+                px.append(xv)
+                py.append(str(rid))
+                pt.append(None if sp is None else sp[i][0])
+    kinds = (["prefilling", "decoding"] if "request_tokens" in f.columns else []) + (
+        ["in batch"] if "request_tokens" not in f.columns or cells["in batch"][0] else [])
+    for kind in kinds:
+        px, py, pt = cells[kind]
+        color, what = {"prefilling": ("#1f77b4", "prefill chunk of %{customdata} tokens"),
+                       "decoding": ("#ff7f0e", "decoding (%{customdata} tokens)"),
+                       "in batch": (None, "in the batch")}[kind]
+        marker = dict(size=5 if kind == "in batch" else 6, symbol="square", **({"color": color} if color else {}))
+        fig.add_trace(go.Scatter(x=px, y=py, mode="markers", name=kind, marker=marker,
+                                 customdata=pt if kind != "in batch" else None,
+                                 hovertemplate="%{y} at %{x}: " + what + "<extra></extra>"), row=3, col=1)
+    fig.update_yaxes(categoryorder="array", categoryarray=sorted(shown, key=order.get), autorange="reversed",
+                     row=3, col=1)
+    fig.update_layout(barmode="stack", bargap=0.1 if x == "step" else 0, title=title, height=720,
+                      margin=dict(l=70, r=20, t=70, b=40))
+    fig.update_xaxes(title_text=x_title, row=3, col=1)
+    if len(f):
+        total = dur.sum()
+        share = f["schedule_s"].sum() / total if total > 0 else math.nan
+        fig.update_layout(title=f"{title}: {len(f)} steps, {int(f['prefill_tokens'].sum())} prefill + "
+                                f"{int(f['decode_tokens'].sum())} decode tokens, scheduler {share:.1%} of step time")
+    return fig
+
+
+def _request_split(f, ids: list[tuple]) -> list:
+    """Per step: ``((tokens, is_prefill), ...)`` for its requests, from the frame's
+    ``request_tokens`` (and ``request_prefill``) columns; None for a step without them (a frame
+    from an older engine, or rows of one concatenated with such a frame)."""
+    def seq(v):
+        return tuple(v) if isinstance(v, (tuple, list, np.ndarray)) else None
+
+    toks = list(f["request_tokens"]) if "request_tokens" in f.columns else [None] * len(ids)
+    pre = list(f["request_prefill"]) if "request_prefill" in f.columns else [None] * len(ids)
+    out = []
+    for b, t, p in zip(ids, toks, pre):
+        t, p = seq(t), seq(p)
+        if t is None or len(t) != len(b):
+            out.append(None)
+            continue
+        flags = p if p is not None and len(p) == len(b) else tuple(int(n) > 1 for n in t)
+        out.append(tuple((int(n), bool(q)) for n, q in zip(t, flags)))
+    return out
