@@ -30,6 +30,10 @@ reasons live in :mod:`workbench.kv.prefix_cache`.
 
 Contract for copy-on-write: :meth:`take_copies` must be called (and the copies done) after each
 :meth:`append_slot` / :meth:`allocate`, before any :meth:`free` could hand the source block out.
+
+Over 400 lines because :class:`BlockManager` is one state machine (free list, eviction heap,
+tables, prefix index) whose every method, ``check_invariants`` included, keeps the same private
+state consistent; split, that state would be read across modules.
 """
 
 from __future__ import annotations

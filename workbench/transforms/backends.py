@@ -13,7 +13,8 @@ Backends: ``eager`` (the plain-torch reference, the ``*_ref`` functions of ``wor
 bitwise the reference model), ``triton`` (the fused kernels), ``compile`` (``torch.compile`` of
 the eager op).  Ops not named keep their current backend (``eager`` on a fresh model).
 
-What the transformation swaps (module classes only: parameters, names, state dict unchanged)::
+What the transformation swaps (module classes only: parameters, names, state dict unchanged;
+the classes live in :mod:`workbench.transforms.backend_modules`)::
 
     RMSNorm       -> BackendRMSNorm        ops.rmsnorm
     DecoderLayer  -> BackendDecoderLayer   post-attention norm fused with the residual add (ops.add_rmsnorm)
@@ -58,10 +59,11 @@ from contextlib import contextmanager
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from workbench.errors import ConfigError, WorkbenchError
-from workbench.model.decoder import MLP, Attention, CausalLM, DecoderLayer, RMSNorm, reference_attention
+from workbench.model.decoder import MLP, Attention, CausalLM, DecoderLayer, RMSNorm
+from workbench.transforms.backend_modules import (BackendAttention, BackendDecoderLayer, BackendMLP,  # noqa: F401
+                                                  BackendRMSNorm)
 
 # op -> its entry points (what the modules call)
 OPS: dict[str, tuple[str, ...]] = {
@@ -98,7 +100,7 @@ register("swiglu", "triton", swiglu=_K + "swiglu:swiglu")
 register("attention_prefill", "eager", attention_prefill=_K + "flash_prefill:attention_prefill_ref",
          attention_prefill_paged=_K + "flash_prefill:attention_prefill_paged_ref")
 register("attention_decode", "eager", attention_decode=_K + "paged_decode:attention_decode_ref")
-# Sampling is read by the engine (LLMEngine._sample), not by a module: "eager" there is the
+# Sampling is read by the engine (workbench.engine.step_sampling), not by a module: "eager" there is the
 # reference sampler of workbench.engine.sampling; these entry points serve the other backends.
 register("sampling", "eager", greedy_tokens=_K + "sampling:greedy_tokens_ref", sample_tokens=_K + "sampling:sample_tokens_ref")
 register("sampling", "triton", greedy_tokens=_K + "sampling:greedy_tokens", sample_tokens=_K + "sampling:sample_tokens")
@@ -278,88 +280,6 @@ def describe_backends(model: CausalLM) -> dict:
     kinds = set(ops.values())
     return {"backend": kinds.pop() if len(kinds) == 1 else "mixed", "backends": format_backends(ops),
             "ops": ops, "triton_interpreter": "triton" in ops.values() and workbench_kernels.interpreter_active()}
-
-
-# ---- the modules ------------------------------------------------------------------------------
-class BackendRMSNorm(RMSNorm):
-    def forward(self, x):
-        return self._wb_ops.rmsnorm(x, self.weight, self.eps)
-
-    def forward_residual(self, x, residual):
-        """(norm(residual + x), residual + x) - the decoder layer's add and norm, fused."""
-        return self._wb_ops.add_rmsnorm(x, residual, self.weight, self.eps)
-
-
-class BackendDecoderLayer(DecoderLayer):
-    def forward(self, x, cos, sin, start, cache):
-        a = self.self_attn(self.input_layernorm(x), cos, sin, start, cache)
-        h, x = self.post_attention_layernorm.forward_residual(a, x)      # x = x + a; h = norm(x)
-        return x + self.mlp(h)
-
-
-class BackendMLP(MLP):
-    def forward(self, x):
-        return self.down_proj(self._wb_ops.swiglu(self.gate_proj(x), self.up_proj(x)))
-
-
-def _token_rows(B: int, T: int, device) -> torch.Tensor:
-    """Row of the layer's cos/sin [T, hd] for each of the B*T tokens (all rows share ``start``)."""
-    return torch.arange(T, device=device).repeat(B)
-
-
-class BackendAttention(Attention):
-    """Projections, then ``ops.rope`` (or, with ``rope=triton`` and a cache that exposes its
-    slots, ``ops.rope_kv_write``: rotation and the K/V write in one launch); the cache then
-    attends with the module's attention entry points (:mod:`workbench.model.kv_cache`)."""
-
-    def forward(self, x, cos, sin, start, cache):
-        ops = self._wb_ops
-        B, T, _ = x.shape
-        nh, nkv, hd = self.nh, self.nkv, self.hd
-        q = self.q_proj(x).view(B * T, nh, hd)                 # [tokens, heads, hd]
-        k = self.k_proj(x).view(B * T, nkv, hd)
-        v = self.v_proj(x).view(B * T, nkv, hd)
-        if getattr(cache, "static_decode", False):
-            return self._static_decode(q, k, v, cos, sin, cache, B)
-        rows = _token_rows(B, T, x.device)
-        written = False
-        if cache is not None and ops.backends["rope"] == "triton" and hasattr(cache, "write_slots"):
-            kc, vc = cache.kv_storage(self.layer_idx)
-            q, k = ops.rope_kv_write(q, k, v, cos, sin, rows, kc, vc, cache.write_slots(B, start, T))
-            written = True                                      # rope + K/V write in one kernel
-        else:
-            q, k = ops.rope(q, k, cos, sin, rows)
-        q = q.view(B, T, nh, hd).transpose(1, 2)                # [B, nh, T, hd]
-        K, V = (t.view(B, T, -1, hd).transpose(1, 2) for t in (k, v))
-        if cache is None:
-            if start == 0 and self.window is None and ops.backends["attention_prefill"] != "eager":
-                out = ops.attention_prefill(q, K, V, causal=T > 1)
-            else:
-                out = reference_attention(q, K, V, start, self.window)
-        else:
-            out = cache.attend(self, q, K, V, start, written=written)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, nh * hd))
-
-    def _static_decode(self, q, k, v, cos, sin, cache, B):
-        """CUDA-graph-safe decode (see workbench.transforms.cuda_graphs): positions, slots and the mask are
-        tensors; attention runs over the whole static cache; no shape depends on the step."""
-        ops, layer, hd = self._wb_ops, self.layer_idx, self.hd
-        kc = cache.k[layer].permute(0, 2, 1, 3)                   # [rows, max_len, nkv, hd]
-        vc = cache.v[layer].permute(0, 2, 1, 3)
-        if ops.backends["rope"] == "triton":
-            q, k = ops.rope_kv_write(q, k, v, cos, sin, cache.positions, kc, vc, cache.slots)
-        else:   # slots are always valid here (padding rows write to a scratch row): a plain index_put
-            q, k = ops.rope(q, k, cos, sin, cache.positions)
-            ml = cache.max_len
-            kc[cache.slots // ml, cache.slots % ml] = k
-            vc[cache.slots // ml, cache.slots % ml] = v
-        if ops.backends["attention_decode"] != "eager":
-            out = ops.attention_decode(q, kc, vc, cache.block_tables, cache.seq_lens,
-                                       sliding_window=self.window)                            # [B, nh, hd]
-        else:
-            out = F.scaled_dot_product_attention(q[:, :, None], cache.k[layer][:B], cache.v[layer][:B],
-                                                 attn_mask=cache.mask, enable_gqa=self.nh != self.nkv)[:, :, 0]
-        return self.o_proj(out.reshape(B, 1, self.nh * hd))
 
 
 _SWAPS = {RMSNorm: BackendRMSNorm, DecoderLayer: BackendDecoderLayer, Attention: BackendAttention, MLP: BackendMLP}

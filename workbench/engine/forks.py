@@ -1,0 +1,113 @@
+"""Forks (``LLMEngine.add_request(..., fork_of=parent)``, parallel sampling): more samples of
+one prompt, the prompt computed once.
+
+On the paged pool a fork is held (``engine._held``: parent id -> its held forks) until the step
+that samples its parent's first token; it samples its own first token from the same logits row
+and then runs on the parent's prompt blocks (shared; copy-on-write on the partly filled last
+one).  Whenever that cannot happen (no room in ``max_num_seqs``, the parent ends or is
+preempted first, the fork wants prompt logprobs the parent does not compute) it is released
+into the waiting queue and computes its prompt itself.  Per-sequence KV (contiguous, tiered)
+has nothing to share: forks queue as any request.
+
+Plain functions over the engine's ``seqs``, ``_held``, ``scheduler`` and its ``_sample`` /
+``_end``: :class:`~workbench.engine.core.LLMEngine` calls them.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING
+
+import torch
+
+from workbench.engine.sampling import token_logprobs
+from workbench.engine.types import StreamEvent
+from workbench.errors import ConfigError
+from workbench.sched.sequence import Sequence, SeqStatus
+
+if TYPE_CHECKING:
+    from workbench.engine.core import LLMEngine
+
+
+def fork_parent(engine: LLMEngine, rid: str, fork_of: str, ids: list[int]) -> Sequence:
+    """The request a fork shares its prompt with (a held fork's own parent when ``fork_of``
+    names a held fork), or ConfigError saying why it cannot be forked."""
+    parent = engine.seqs.get(fork_of)
+    if parent is not None and parent.status is SeqStatus.HELD:
+        parent = engine.seqs[parent.state["fork_of"]]
+    if parent is None or parent.finished:
+        raise ConfigError(f"request {rid!r}: fork_of={fork_of!r} names no unfinished request; submit the first "
+                          "sample before the samples that fork it")
+    if parent.tokens[:parent.prompt_len] != ids:
+        raise ConfigError(f"request {rid!r} cannot fork {fork_of!r}: their prompts differ ({len(ids)} vs "
+                          f"{parent.prompt_len} tokens); a fork is another sample of the same prompt")
+    if parent.num_generated:
+        raise ConfigError(f"request {rid!r} cannot fork {fork_of!r}: it has computed its prompt already (its "
+                          "first token is sampled); forks are submitted with their parent, before it runs")
+    return parent
+
+
+def hold(engine: LLMEngine, child: Sequence, parent: Sequence) -> None:
+    """Hold ``child`` until ``parent``'s prompt is computed (see :func:`start_forks`)."""
+    engine.scheduler.hold(child)
+    child.state["fork_of"] = parent.request_id
+    engine._held.setdefault(parent.request_id, []).append(child)
+
+
+def unhold(engine: LLMEngine, child: Sequence) -> None:
+    """Take a held fork off its parent's list (it is adopted, released or ended)."""
+    parent_id = child.state.pop("fork_of")
+    held = engine._held[parent_id]
+    held.remove(child)
+    if not held:
+        del engine._held[parent_id]
+
+
+def release_forks(engine: LLMEngine, parent: Sequence) -> None:
+    """The forks held for ``parent`` will not share its prompt (it ended or was preempted
+    first): they join the waiting queue and compute their prompt themselves."""
+    for child in list(engine._held.get(parent.request_id, ())):
+        unhold(engine, child)
+        engine.scheduler.queue_held(child)
+
+
+def start_forks(engine: LLMEngine, parent: Sequence, row: torch.Tensor, t1: float, now: float,
+                events: list[StreamEvent]) -> int:
+    """The step sampled ``parent``'s first token from ``row`` (its last prompt position): each
+    fork held for it samples its own first token from the same row and runs on the parent's
+    blocks, as many as ``max_num_seqs`` leaves room for; the others are released to the
+    waiting queue before they draw anything (so a seeded one computes what it would have
+    alone).  Returns how many forks finished with their first token."""
+    held = list(engine._held[parent.request_id])
+    room = max(0, engine.config.max_num_seqs - len(engine.scheduler.running))
+    for child in held[room:]:
+        unhold(engine, child)
+        engine.scheduler.queue_held(child)
+    forks = held[:room]
+    if not forks:
+        return 0
+    tokens, errors = engine._sample(forks, row.repeat(len(forks), 1))
+    finished = 0
+    for child, token in zip(forks, tokens):
+        if token is None:
+            engine._end(child, "error", errors[child.request_id])
+            finished += 1
+            continue
+        unhold(engine, child)
+        engine.scheduler.adopt_fork(parent, child, now)
+        out = child.output
+        out.num_cached_tokens = child.prompt_len
+        out.metrics.first_scheduled_time = t1
+        if child.params.prompt_logprobs is not None:   # the same k as the parent's (else it was not held)
+            out.prompt_logprobs = copy.deepcopy(parent.output.prompt_logprobs)
+        child.tokens.append(token)
+        ev = child.state["proc"].push(token, now)
+        if child.params.logprobs is not None:
+            ev.logprobs = token_logprobs(row[None], [token], child.params.logprobs)[0]
+            out.logprobs.append(ev.logprobs)
+        events.append(ev)
+        if ev.finished:
+            engine.scheduler.finish(child)
+            engine.num_finished += 1
+            finished += 1
+    return finished

@@ -1,0 +1,162 @@
+"""How an :class:`~workbench.engine.core.LLMEngine` is set up: the model it serves
+(:func:`resolve_model`) and the modes it runs in, where KV lives ("paged", "contiguous",
+"tiered") and the static-decode fast paths (static buffers, compile, CUDA graphs).  A
+combination that cannot work is a :class:`ConfigError` saying why (:func:`kv_mode`,
+:func:`check_fast_paths`); :func:`make_pool` and :func:`make_runner` build the pool and the
+runner a mode needs; :func:`describe` says it in one line.  Also :func:`describe_error`, the
+one line a failed request's error says.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import TYPE_CHECKING
+
+from workbench.engine.loaded import LoadedModel
+from workbench.engine.runners import ContiguousRunner, ModelRunner, StaticRunner
+from workbench.errors import ConfigError
+from workbench.kv.paged import PagedKVConfig, PagedKVPool
+from workbench.model.kv_cache import KVCache
+from workbench.sched.config import SchedulerConfig
+
+if TYPE_CHECKING:
+    from workbench.engine.core import LLMEngine
+
+
+def resolve_model(model, **loading) -> tuple:
+    """``(base, loaded)``: what ``LLMEngine(model=...)`` serves - ``model`` itself with its
+    :class:`LoadedModel` when it is one (or an ``LLM``, whose model is shared), else a model
+    loaded with ``loading`` (tokenizer, device, dtype, max_model_len, threads; None: defaults)."""
+    loaded = getattr(model, "loaded", model)
+    if isinstance(loaded, LoadedModel):
+        # these configure the loading of a model; a loaded one has them already
+        given = {name: v for name, v in loading.items() if v is not None}
+        if given:
+            got = ", ".join(f"{k}={v!r}" for k, v in given.items())
+            raise ConfigError(f"LLMEngine: {got} cannot be applied to an already loaded LLM; pass "
+                              f"{'/'.join(given)} to LLM(...) instead, or pass a model folder, preset or None")
+        return model, loaded
+    loaded = LoadedModel.load(model, **loading)
+    return loaded, loaded
+
+
+def kv_mode(kv, tiers, config: SchedulerConfig, runner) -> str:
+    """"paged", "contiguous" or "tiered", or a ConfigError saying why the combination cannot work."""
+    if tiers is not None:
+        if kv is not None:
+            raise ConfigError("LLMEngine: give kv= (where KV lives) or tiers= (a tiered cache per sequence), not both")
+        mode = "tiered"
+    elif isinstance(kv, str):
+        if kv != "contiguous":
+            raise ConfigError(f"LLMEngine: kv must be a PagedKVConfig, 'contiguous' or None, got {kv!r}")
+        mode = "contiguous"
+    elif kv is None or isinstance(kv, PagedKVConfig):
+        mode = "paged"
+    else:
+        raise ConfigError(f"LLMEngine: kv must be a PagedKVConfig, 'contiguous' or None, got {type(kv).__name__}")
+    if mode != "paged" and config.preemption_mode == "swap":
+        raise ConfigError(f"LLMEngine: preemption_mode='swap' needs the paged pool; the {mode} KV cache is kept "
+                          "per sequence and is recomputed after preemption (use preemption_mode='recompute')")
+    if mode != "paged" and runner is not None:
+        raise ConfigError(f"LLMEngine: a custom runner needs the paged pool (kv=PagedKVConfig), not {mode} KV")
+    return mode
+
+
+def check_fast_paths(kv_mode: str, model, cuda_graphs: bool, runner, batch_invariant=None) -> None:
+    """static decode / compile / CUDA graphs run decode steps on static contiguous buffers
+    (:class:`~workbench.engine.runners.StaticRunner`), without ``batch_invariant``."""
+    if cuda_graphs and model.device.type != "cuda":
+        raise ConfigError(f"LLMEngine: cuda_graphs=True needs a CUDA device; the model is on {model.device} "
+                          "(compile=True is the CPU's whole-step fast path)")
+    if runner is not None:
+        raise ConfigError("LLMEngine: compile / cuda_graphs bring their own runner; do not pass runner=")
+    if kv_mode != "contiguous":
+        raise ConfigError(f"LLMEngine: compile / cuda_graphs run decode steps over static contiguous KV buffers; "
+                          f"{kv_mode} KV is not implemented on that path yet (use kv='contiguous', the LLM default)")
+    if batch_invariant:
+        raise ConfigError("LLMEngine: batch_invariant=True is a property of the eager packed path; static "
+                          "decode steps attend over whole buffer rows (leave batch_invariant unset)")
+
+
+def make_pool(model, kv_mode: str, kv: PagedKVConfig | None, config: SchedulerConfig,
+              max_model_len: int) -> PagedKVPool:
+    """The paged pool (``kv`` or the default config), sized by default for ``config``'s batch; with a
+    cache per sequence a pool without tensors that only counts blocks (admission, preemption,
+    inspectors)."""
+    w = model.lm_head.weight
+    if config.max_num_seqs == 1:   # one request at a time: room for it and cached prefixes of 3 more
+        default_tokens = 4 * max_model_len
+    else:
+        default_tokens = config.max_num_seqs * min(max_model_len, 2048)
+    if kv_mode == "paged":
+        return PagedKVPool(model.config, kv or PagedKVConfig(), w.device, w.dtype, default_tokens)
+    default_tokens = config.max_num_seqs * max_model_len
+    return PagedKVPool(model.config, PagedKVConfig(enable_prefix_caching=False), w.device,
+                       w.dtype, default_tokens, tensors=False)
+
+
+def make_runner(engine: LLMEngine, batch_invariant):
+    """The runner of ``engine``'s mode: static buffers, the paged pool, or a cache per sequence
+    (contiguous, or tiered: the model's attention is switched to the tiered policy in place)."""
+    model, pool, config = engine.model, engine.pool, engine.config
+    if engine.static_decode:
+        return StaticRunner(model, pool, engine.max_model_len, config.max_num_seqs,
+                            compile=engine.compiled, cuda_graphs=engine.cuda_graphs)
+    if engine.kv_mode == "paged":
+        return ModelRunner(model, pool, batch_invariant, direct=config.max_num_seqs == 1)
+    w = model.lm_head.weight
+    cfg = model.config
+    if engine.kv_mode == "tiered":
+        from workbench.kv.tiers import TieredKVCache, apply_tiered_attention
+
+        TieredKVCache(cfg, engine.tiers, engine.tier_basis, max_len=1)   # validate now, not per request
+        apply_tiered_attention(model)                                    # other caches keep the exact path
+        tiers, basis = engine.tiers, engine.tier_basis
+
+        def make(n):
+            return TieredKVCache(cfg, tiers, basis, max_len=n, device=w.device, dtype=w.dtype)
+    else:
+        def make(n):
+            return KVCache(cfg, 1, n, device=w.device, dtype=w.dtype)
+    return ContiguousRunner(model, pool, make, direct=config.max_num_seqs == 1,
+                            batch_invariant=batch_invariant, keep_last=engine.kv_mode == "tiered")
+
+
+def describe(engine: LLMEngine) -> str:
+    """One line: the configuration that serves requests (metrics rows, /metrics, x-model-info)."""
+    from workbench.transforms.backends import current_backends
+
+    cfg = engine.config
+    parts = [describe_kv(engine), f"seqs={cfg.max_num_seqs}"]
+    if cfg.max_num_seqs > 1 or cfg.chunked_prefill and cfg.max_num_batched_tokens < engine.max_model_len:
+        parts.append(f"tokens={cfg.max_num_batched_tokens}" + (" chunked" if cfg.chunked_prefill else ""))
+    static_only = engine.static_decode and not (engine.compiled or engine.cuda_graphs)
+    parts += [name for name, on in (("static-decode", static_only), ("compile", engine.compiled),
+                                    ("cuda-graphs", engine.cuda_graphs)) if on]
+    ops = {op: b for op, b in current_backends(engine.model).items() if b != "eager"}
+    if ops:
+        parts.append("backends " + ",".join(f"{op}={b}" for op, b in ops.items()))
+    return " ".join(parts)
+
+
+def describe_kv(engine: LLMEngine) -> str:
+    """One line: where ``engine`` keeps KV (metrics rows, headers)."""
+    if engine.kv_mode == "paged":
+        c = engine.pool.config
+        extra = (" prefix-cache" if c.enable_prefix_caching else "") + (f" offload={c.offload}" if c.offload else "")
+        return f"paged bs={c.block_size} blocks={engine.pool.num_blocks}{extra}"
+    return "tiered " + engine.tiers.name if engine.kv_mode == "tiered" else "contiguous"
+
+
+def describe_values(engine: LLMEngine) -> dict:
+    """The configuration as plain values (``/metrics`` labels, ``x-model-info``)."""
+    from workbench.transforms.backends import current_backends
+
+    return {"config": engine.describe(), "kv": engine.kv_mode, "static_decode": engine.static_decode,
+            "compile": engine.compiled, "cuda_graphs": engine.cuda_graphs,
+            "sampling": current_backends(engine.model).get("sampling", "eager")}
+
+
+def describe_error(e: BaseException) -> str:
+    """``TypeName: message`` of an exception, one line (what a request's error says)."""
+    return "".join(traceback.format_exception_only(type(e), e)).strip()
