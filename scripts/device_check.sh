@@ -69,8 +69,8 @@ if [ -z "${DIR:-}" ]; then echo "device check: could not create the output folde
 
 if [ "$CUDA" = 1 ]; then
   DEV=cuda; SIZE=full
-  TESTS=(tests/test_kernels_pointwise.py tests/test_kernels_attention.py tests/test_backends.py
-         tests/test_cuda_graphs.py tests/test_batched_backends.py)
+  TESTS=(tests/kernels/test_kernels_pointwise.py tests/kernels/test_kernels_attention.py tests/transforms/test_backends.py
+         tests/transforms/test_cuda_graphs.py tests/transforms/test_batched_backends.py)
   # 16 cores there: compile the tests' kernels in 4 processes when pytest-xdist is installed
   "$PY" -c "import xdist" 2> /dev/null && TESTS=(-n 4 --dist loadfile "${TESTS[@]}")
   SCHED=(--streams 8 --max-tokens 64 --trace-requests 48 --rate 20)
@@ -79,7 +79,7 @@ if [ "$CUDA" = 1 ]; then
   FAST=(--repeats 3 --configs reference,compile,compile+graphs)
 else                            # the dry run: CPU sizes, the interpreter's quick kernel tests
   DEV=cpu; SIZE=small
-  TESTS=(tests/test_kernels_pointwise.py tests/test_kernels_attention.py tests/test_cuda_graphs.py)
+  TESTS=(tests/kernels/test_kernels_pointwise.py tests/kernels/test_kernels_attention.py tests/transforms/test_cuda_graphs.py)
   SCHED=(--streams 4 --max-tokens 8 --trace-requests 8 --rate 8 --overhead-batch 8 --overhead-tokens 4
          --long-prompt-tokens 128 --windows-ms 0 5)
   PREFIX=(--num-requests 8 --max-tokens 4 --rounds 1)

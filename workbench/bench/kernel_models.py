@@ -2,7 +2,7 @@
 
 The measurements themselves are in :mod:`workbench.bench.kernels`; this module holds what the
 notebook *predicts* and *checks* around them, as plain functions with tests
-(``tests/test_lab_kernels.py``):
+(``tests/lab/test_notebook_logic.py``):
 
 * :func:`add_rmsnorm_traffic`: the bytes every eager op of ``add_rmsnorm_ref`` reads and writes,
   next to :func:`fused_add_rmsnorm_bytes`, what the fused kernel moves; their ratio is the

@@ -31,7 +31,7 @@ pytest.importorskip("guidellm", reason="guidellm is not installed (the real-clie
 
 from workbench.serve import ServerConfig, start_server  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / "data" / "reference-model"
 NAME = "workbench-reference"
 KEY = "guidellm-test-key"

@@ -41,7 +41,7 @@ torch.set_num_threads(1)
 # kernel wrapper(s) an op launches in the steps below (prefill + decode on a contiguous cache)
 WRAPPERS = {"rmsnorm": {"rmsnorm", "add_rmsnorm"}, "rope": {"rope_kv_write"}, "swiglu": {"swiglu"},
             "attention_prefill": {"flash_prefill"}, "attention_decode": {"paged_decode"},
-            "sampling": set()}    # sampling is the engine's step, not the model's (tests/test_one_engine.py)
+            "sampling": set()}    # sampling is the engine's step, not the model's (tests/engine/test_one_engine.py)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 TARGETS = ("sm_90", "sm_80")
 # kernel file -> its launchable kernels (a kernel added to a file without a case in

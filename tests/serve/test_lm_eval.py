@@ -38,7 +38,7 @@ from workbench import SamplingParams  # noqa: E402
 from workbench.serve import ServerConfig, start_server  # noqa: E402
 from workbench.serve.requests import render_chat  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TASKS = ROOT / "tests" / "data" / "lm_eval"
 MODEL_DIR = ROOT / "data" / "reference-model"
 NAME = "workbench-reference"      # the served model name lm-eval asks for

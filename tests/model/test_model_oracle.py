@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # hf_fixtures, also under --import-mode=importlib
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf_fixtures, also under --import-mode=importlib
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 torch = pytest.importorskip("torch")

@@ -15,7 +15,7 @@ import pytest
 
 from workbench.measure import gpu_results as gr
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 ENGINE_JSON = json.loads(
     '{"model": "bundled", "device": "cpu", "device_name": "AMD EPYC, 2 cores", "dtype": "float32", '

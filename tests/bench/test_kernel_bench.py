@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # The smallest sizes: the benchmark's "small" preset cut down further (seconds under the interpreter).
 TINY = dict(rows=16, hidden=64, inter=96, rope_tokens=8, rope_heads=(4, 2, 16), attn_heads=(4, 2, 16),

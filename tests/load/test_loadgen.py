@@ -28,7 +28,7 @@ from workbench.load import (CallableTarget, FakeTarget, HTTPTarget, LoadConfig, 
                             RequestRecord, Schedule, TokenEvent, arrival_offsets, parse_sse_chunk, run_load,
                             run_load_sync)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # virtual_time, also under --import-mode=importlib
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # virtual_time, also under --import-mode=importlib
 from virtual_time import VirtualTime  # noqa: E402
 
 PROMPTS = ["alpha", "beta", "gamma"]

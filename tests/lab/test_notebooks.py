@@ -14,7 +14,7 @@ import pytest
 
 nbformat = pytest.importorskip("nbformat")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 BUNDLED_WEIGHTS = ROOT / "data" / "reference-model" / "model.safetensors"
 

@@ -16,7 +16,7 @@ from workbench.errors import ConfigError
 from workbench.load import FakeTarget, LoadConfig, LoadRun, run_load_sync
 from workbench.serve.slo import GuardedTarget, SLOConfig, SLOGuard
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # virtual_time, also under --import-mode=importlib
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # virtual_time, also under --import-mode=importlib
 from virtual_time import VirtualTime  # noqa: E402
 
 
