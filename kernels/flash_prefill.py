@@ -29,6 +29,9 @@ bottom-right.  Two entry points share one kernel:
 Choice: one kernel with a ``PAGED`` compile-time switch rather than two kernels, because the
 only difference is how a key's row address is computed; the tiling, masks and online softmax
 are the same code.  Bytes/FLOPs for benchmarks: see :func:`prefill_cost`.
+
+Over 400 lines because the kernel, its two entry points and its cost model are read together:
+the tiling constants, the masks and the byte / FLOP formulas must agree.
 """
 
 from __future__ import annotations

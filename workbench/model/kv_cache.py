@@ -122,6 +122,16 @@ class KVCache:
             self._slots_key = key
         return self._slots
 
+    def row(self, row: int) -> "KVCache":
+        """A cache over row ``row`` of this one, without allocating: its tensors are views, so
+        writes land here (the CUDA-graph decoder prefills one sequence into its batch this way)."""
+        view = KVCache.__new__(KVCache)
+        view.k = [t[row:row + 1] for t in self.k]
+        view.v = [t[row:row + 1] for t in self.v]
+        view.max_len, view.length = self.max_len, 0
+        view._slots_key = view._slots = None
+        return view
+
     def nbytes(self) -> int:
         """Bytes allocated (not only used) by this cache."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

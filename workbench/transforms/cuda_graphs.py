@@ -72,16 +72,6 @@ class StaticDecodeCache:
         self.seq_lens = (self.positions + 1).to(torch.int32)
 
 
-def _row_view(kv: KVCache, row: int) -> KVCache:
-    """A KVCache over one row of a bigger one (views: writes land in ``kv``)."""
-    view = KVCache.__new__(KVCache)                              # no allocation
-    view.k = [t[row:row + 1] for t in kv.k]
-    view.v = [t[row:row + 1] for t in kv.v]
-    view.max_len, view.length = kv.max_len, 0
-    view._slots_key = view._slots = None
-    return view
-
-
 class GraphedDecoder:
     """Static-buffer decode steps of ``model`` for batch-size ``buckets``, graphed on CUDA.
 
@@ -203,7 +193,7 @@ class GraphedDecoder:
         if start + len(ids) >= self.max_len:
             raise WorkbenchError(f"prefill: {start + len(ids)} tokens leave no room in max_len {self.max_len}")
         x = torch.tensor([ids], device=self.device)
-        view = _row_view(self.kv, row)
+        view = self.kv.row(row)
         view.length = start
         return self.model(x, start, view, logits_to_keep=1)[0, -1]
 
