@@ -40,9 +40,9 @@ from workbench.engine.metrics import RequestMetrics
 from workbench.engine.modes import (check_fast_paths, describe, describe_error, describe_kv, describe_values, kv_mode,
                                     make_pool, make_runner, resolve_model)
 from workbench.engine.output import OutputProcessor
-from workbench.engine.sampling import SamplingParams, sample, token_logprobs
+from workbench.engine.sampling import SamplingParams, sample
 from workbench.engine.step_records import StepRecord, step_record, steps_frame
-from workbench.engine.step_sampling import sample_batch, split_logits
+from workbench.engine.step_sampling import sample_batch, split_logits, take_token
 from workbench.engine.types import RequestOutput, StreamEvent
 from workbench.errors import ConfigError
 from workbench.kv.paged import PagedKVConfig
@@ -311,16 +311,10 @@ class LLMEngine:
                 self._end(seq, "error", errors[seq.request_id])
                 finished += 1
                 continue
-            seq.tokens.append(token)
-            ev = seq.state["proc"].push(token, t2)
-            if seq.params.logprobs is not None:      # the model's log-probability of the token it chose
-                ev.logprobs = token_logprobs(seq.state.pop("last_row")[None], [token], seq.params.logprobs)[0]
-                seq.output.logprobs.append(ev.logprobs)
-            seq.output.num_preemptions = seq.num_preemptions
-            events.append(ev)
+            done = take_token(seq, token, seq.state.pop("last_row", None), t2, events)
             if seq.request_id in self._held:   # its prompt is computed: its held forks start (before it may end)
                 finished += forks.start_forks(self, seq, rows[row], t1, t2, events)
-            if ev.finished:
+            if done:
                 self.scheduler.finish(seq)
                 self.num_finished += 1
                 finished += 1

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workbench.engine.sampling import token_logprobs
+from workbench.engine.step_sampling import take_token
 from workbench.engine.types import StreamEvent
 from workbench.errors import ConfigError
 from workbench.sched.sequence import Sequence, SeqStatus
@@ -100,13 +100,7 @@ def start_forks(engine: LLMEngine, parent: Sequence, row: torch.Tensor, t1: floa
         out.metrics.first_scheduled_time = t1
         if child.params.prompt_logprobs is not None:   # the same k as the parent's (else it was not held)
             out.prompt_logprobs = copy.deepcopy(parent.output.prompt_logprobs)
-        child.tokens.append(token)
-        ev = child.state["proc"].push(token, now)
-        if child.params.logprobs is not None:
-            ev.logprobs = token_logprobs(row[None], [token], child.params.logprobs)[0]
-            out.logprobs.append(ev.logprobs)
-        events.append(ev)
-        if ev.finished:
+        if take_token(child, token, row, now, events):
             engine.scheduler.finish(child)
             engine.num_finished += 1
             finished += 1

@@ -95,3 +95,16 @@ def sample_kernel(ops, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
     return ops.sample_tokens(x, temperature=[0.0 if s.params.greedy else s.params.temperature for s in seqs],
                              top_k=[s.params.top_k for s in seqs], top_p=[s.params.top_p for s in seqs],
                              gumbel=noise).tolist()
+
+
+def take_token(seq: Sequence, token: int, row: torch.Tensor | None, now: float, events: list) -> bool:
+    """Give ``seq`` its sampled ``token``: its stream event (with the token's log-probability
+    from logits ``row`` when asked) goes to ``events``; True when the token ends the request."""
+    seq.tokens.append(token)
+    ev = seq.state["proc"].push(token, now)
+    if seq.params.logprobs is not None:      # the model's log-probability of the token it chose
+        ev.logprobs = token_logprobs(row[None], [token], seq.params.logprobs)[0]
+        seq.output.logprobs.append(ev.logprobs)
+    seq.output.num_preemptions = seq.num_preemptions
+    events.append(ev)
+    return ev.finished

@@ -242,8 +242,8 @@ class Completion:
                                 for e, t in zip(ev.prompt_logprobs, c.plan.ids)]
 
     def _take(self, c: Choice, ev) -> tuple[str, list]:
-        """Record token event ``ev`` of ``c``; returns (its text, its log-probability entries)."""
-        self._take_prompt(c, ev)
+        """Record token event ``ev`` of ``c`` (its prompt's entries already taken); returns (its
+        text, its log-probability entries)."""
         if c.plan.echo_only:                       # the prompt alone: the generated token is not returned
             return "", []
         c.tokens += 1
@@ -281,6 +281,7 @@ class Completion:
                 err = self._dead()
                 return await send_json(send, err.status, err.body(), self.headers)
             if ev.token_id >= 0:
+                self._take_prompt(c, ev)
                 self._take(c, ev)
             if ev.finished and ev.finish_reason not in ("stop", "length"):
                 err = ending_error(ev)             # the request fails as a whole (the rest is aborted)
@@ -324,9 +325,9 @@ class Completion:
                 await emit(R.sse(self._dead().body()))
                 break
             if ev.token_id >= 0:   # one chunk per token, "" while the text is held back (UTF-8, stop strings)
+                self._take_prompt(c, ev)
                 if req.echo and not c.echoed:      # the prompt first (its usage counts no token yet)
                     c.echoed = True
-                    self._take_prompt(c, ev)
                     echo_text, echo_entries = self._echo(c)
                     await emit(self._chunk(c, echo_text, logprobs=self._format_logprobs(c, echo_entries)))
                 text, entries = self._take(c, ev)

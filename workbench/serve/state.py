@@ -178,8 +178,8 @@ class ServerState:
         for i, prompt in enumerate(req.prompts):
             ids = self.tokenize(req, i)
             max_tokens, echo_only = self.max_tokens(req, len(ids), i)
-            text = prompt if isinstance(prompt, str) else self._decode(ids)
-            plans.append(PromptPlan(ids, max_tokens, echo_only, text if req.echo else None))
+            text = (prompt if isinstance(prompt, str) else self._decode(ids)) if req.echo else None
+            plans.append(PromptPlan(ids, max_tokens, echo_only, text))
         return plans
 
     def _decode(self, ids: list[int]) -> str:
