@@ -6,20 +6,22 @@ from __future__ import annotations
 import json
 import sys
 
-from workbench.cli.options import (add_backend_arg, add_fast_path_args, add_model_args, add_tier_args,
-                                   apply_backend, tier_config)
+from workbench.cli.options import (add_backend_arg, add_fast_path_args, add_model_args, add_stream_args,
+                                   add_tier_args, apply_backend, tier_config, weight_stream_config)
 
 
 def cmd_generate(args) -> int:
     from workbench.engine.llm import LLM, RequestOutput
     from workbench.engine.sampling import SamplingParams
 
+    stream = weight_stream_config(args)
+    fast = args.compile or args.cuda_graphs
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              check_finite=args.check_finite)
+              check_finite=args.check_finite, stream_weights=None if fast else stream)
     apply_backend(llm, args.backend, llm.device.type)
-    if args.compile or args.cuda_graphs:     # after the backends: the static step is compiled / captured with them
+    if fast:     # after the backends: the static step is compiled / captured with them
         llm = LLM(llm.model, tokenizer=llm.tokenizer, max_model_len=args.max_model_len, compile=args.compile,
-                  cuda_graphs=args.cuda_graphs)
+                  cuda_graphs=args.cuda_graphs, stream_weights=stream)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or [])
     prompts = args.prompt or ["The Python tutorial"]
@@ -122,6 +124,7 @@ def add_generate_parser(sub) -> None:
     add_model_args(g)
     add_backend_arg(g)
     add_fast_path_args(g)
+    add_stream_args(g)
     g.add_argument("prompt", nargs="*", help="prompt text (several prompts run one after another)")
     g.add_argument("--token-ids", action="store_true", help="prompts are space/comma-separated token ids")
     g.add_argument("--max-tokens", type=int, default=48)

@@ -102,3 +102,30 @@ def tier_config(args):
                       chunk=args.chunk, block=block, budget=args.budget, value_format=args.value_format,
                       key_space=args.key_space, cold_mode=args.cold_mode)
 
+
+
+def add_stream_args(p) -> None:
+    """Weight streaming (the prefetch layer): some decoder layers resident, the rest fetched ahead."""
+    g = p.add_argument_group("weight streaming (prefetch layer)")
+    g.add_argument("--resident-layers", type=int, default=None,
+                   help="keep the first N decoder layers resident; the others live in the slow tier (disk on a CPU, "
+                        "pinned host memory on CUDA) and are fetched layer by layer (embedding, LM head and final "
+                        "norm always stay resident)")
+    g.add_argument("--resident-bytes", type=int, default=None,
+                   help="instead of --resident-layers: a byte budget for everything resident (embedding, head, "
+                        "norms, resident layers and the streaming buffers)")
+    g.add_argument("--prefetch-distance", type=int, default=1,
+                   help="fetch layer i+d while layer i computes (0: synchronous; d+1 layer buffers)")
+    g.add_argument("--weights-transport", choices=["auto", "disk", "host", "cuda"], default="auto",
+                   help="where streamed layers live (auto: cuda on a GPU, else disk)")
+
+
+def weight_stream_config(args):
+    """The WeightStreamConfig of --resident-layers / --resident-bytes, or None (every layer resident)."""
+    layers, nbytes = getattr(args, "resident_layers", None), getattr(args, "resident_bytes", None)
+    if layers is None and nbytes is None:
+        return None
+    from workbench.prefetch.weights import WeightStreamConfig
+
+    return WeightStreamConfig(resident_layers=layers, resident_bytes=nbytes, distance=args.prefetch_distance,
+                              transport=args.weights_transport)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from workbench.cli.options import (add_backend_arg, add_fast_path_args, add_model_args, add_tier_args,
-                                   apply_backend, tier_config)
+from workbench.cli.options import (add_backend_arg, add_fast_path_args, add_model_args, add_stream_args,
+                                   add_tier_args, apply_backend, tier_config, weight_stream_config)
 
 
 def cmd_serve(args) -> int:
@@ -48,7 +48,7 @@ def cmd_serve(args) -> int:
                            enable_prefix_caching=not args.no_prefix_caching, offload=args.offload,
                            offload_blocks=args.offload_blocks)
     engine = LLMEngine(llm, kv=kv, scheduler=sched, tiers=tiers, tier_basis=basis, compile=args.compile,
-                       cuda_graphs=args.cuda_graphs)
+                       cuda_graphs=args.cuda_graphs, stream_weights=weight_stream_config(args))
     announce = lambda line: print(line, flush=True)  # noqa: E731 - scripts read the port from this line
     return serve(engine, config, announce=announce, guard=guard)
 
@@ -87,6 +87,7 @@ def add_serve_parser(sub) -> None:
                    help="contiguous: one cache per request (no prefix sharing; what --compile / --cuda-graphs need)")
     g = s.add_argument_group("fast paths (with --kv contiguous)")
     add_fast_path_args(g)
+    add_stream_args(s)
     g = s.add_argument_group("tiered KV (hot / warm / cold cache per request, PCA basis fitted on held-out text)")
     g.add_argument("--tiers", action="store_true", help="serve with the tiered cache instead of the paged pool")
     add_tier_args(g)

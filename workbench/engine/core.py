@@ -37,8 +37,9 @@ import torch
 
 from workbench.engine import forks
 from workbench.engine.metrics import RequestMetrics
-from workbench.engine.modes import (check_fast_paths, describe, describe_error, describe_kv, describe_values, kv_mode,
-                                    make_pool, make_runner, resolve_model)
+from workbench.engine.modes import (check_fast_paths, describe, describe_error, describe_kv, describe_values,
+                                    install_weight_streaming, kv_mode, make_pool, make_runner, prefetch_stats,
+                                    resolve_model)
 from workbench.engine.output import OutputProcessor
 from workbench.engine.sampling import SamplingParams, sample
 from workbench.engine.step_records import StepRecord, step_record, steps_frame
@@ -67,17 +68,22 @@ class LLMEngine:
     paged pool, with prefix caching) or ``"contiguous"`` (one contiguous cache per sequence,
     the reference).  ``tiers`` (+ ``tier_basis``): one hot / warm / cold
     :class:`~workbench.kv.tiers.TieredKVCache` per sequence (the model's attention is switched
-    to the tiered policy in place).  A combination that cannot work raises ConfigError.
+    to the tiered policy in place).  ``stream_weights``: a
+    :class:`~workbench.prefetch.weights.WeightStreamConfig` - only some decoder layers stay
+    resident, the others are fetched layer by layer ahead of use (the model is changed in place,
+    for every engine that shares it).  A combination that cannot work raises ConfigError.
     """
 
     def __init__(self, model=None, tokenizer=None, device=None, dtype=None, kv: PagedKVConfig | str | None = None,
                  scheduler: SchedulerConfig | None = None, batch_invariant: bool | None = None,
                  max_model_len: int | None = None, clock=time.perf_counter, runner=None,
                  history: int = 100_000, threads: int | str | None = None, tiers=None, tier_basis=None,
-                 compile: bool = False, cuda_graphs: bool = False, static_decode: bool = False) -> None:
+                 compile: bool = False, cuda_graphs: bool = False, static_decode: bool = False,
+                 stream_weights=None) -> None:
         base, loaded = resolve_model(model, tokenizer=tokenizer, device=device, dtype=dtype,
                                      max_model_len=max_model_len, threads=threads)
         self.llm, self.loaded, self.model, self.tokenizer = base, loaded, loaded.model, loaded.tokenizer
+        self.weight_streamer = install_weight_streaming(self.model, stream_weights)
         self.config = scheduler or SchedulerConfig()
         self.kv_mode = kv_mode(kv, tiers, self.config, runner)
         self.tiers, self.tier_basis = tiers, tier_basis
@@ -377,13 +383,13 @@ class LLMEngine:
                 "swapped": len(sch.swapped), "kv_used_blocks": m.num_used_blocks, "kv_total_blocks": m.num_blocks,
                 "kv_usage": m.num_used_blocks / m.num_blocks, "prefix_hit_rate": m.stats.hit_rate,
                 "preemptions": sch.num_preemptions, "rejected": sch.num_rejected, "finished": self.num_finished,
-                "steps": sch.step_no, "engine": self.fast_paths()}
+                "steps": sch.step_no, "engine": self.fast_paths(), "prefetch": prefetch_stats(self)}
 
     def fast_paths(self) -> dict:
         """The configuration as plain values (``/metrics`` labels, ``x-model-info``); remade only
         when the model's backends or the scheduler's batch size change (read after every step)."""
         key = (getattr(self.model, "_wb_backends", None) and tuple(self.model._wb_backends.items()),
-               self.config.max_num_seqs)
+               self.config.max_num_seqs, id(self.weight_streamer))
         if getattr(self, "_fast_paths_key", None) != key:
             self._fast_paths, self._fast_paths_key = describe_values(self), key
         return dict(self._fast_paths)

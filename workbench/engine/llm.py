@@ -124,6 +124,8 @@ class LLM:
     inductor's C++ for the whole step) and/or captured as CUDA graphs per batch-size bucket
     (:class:`~workbench.engine.runners.StaticRunner`; contiguous KV only).
     ``check_finite``: the loader refuses NaN / Inf weights unless this is False.
+    ``stream_weights``: a :class:`~workbench.prefetch.weights.WeightStreamConfig` (some decoder
+    layers resident, the rest fetched ahead of use from disk or host memory).
     """
 
     def __init__(self, model: str | CausalLM | None = None, tokenizer=None, device=None, dtype=None,
@@ -131,7 +133,7 @@ class LLM:
                  tiers: "TierConfig | None" = None, tier_basis=None, threads: int | str | None = None,
                  scheduler: SchedulerConfig | None = None, batch_invariant: bool | None = None,
                  compile: bool = False, cuda_graphs: bool = False, static_decode: bool = False,
-                 check_finite: bool = True) -> None:
+                 check_finite: bool = True, stream_weights=None) -> None:
         self.loaded = LoadedModel.load(model, tokenizer=tokenizer, device=device, dtype=dtype,
                                        max_model_len=max_model_len, threads=threads, check_finite=check_finite)
         if kv is not None and tiers is not None:
@@ -139,7 +141,8 @@ class LLM:
         self.engine = LLMEngine(self.loaded, kv=kv if kv is not None or tiers is not None else "contiguous",
                                 scheduler=scheduler or reference_scheduler(self.loaded.max_model_len),
                                 tiers=tiers, tier_basis=tier_basis, batch_invariant=batch_invariant,
-                                compile=compile, cuda_graphs=cuda_graphs, static_decode=static_decode)
+                                compile=compile, cuda_graphs=cuda_graphs, static_decode=static_decode,
+                                stream_weights=stream_weights)
         self._queues: dict[str, deque] = {}      # live stream id -> its events not yet yielded
 
     # ---- what was loaded ---------------------------------------------------------------------

@@ -133,6 +133,8 @@ def describe(engine: LLMEngine) -> str:
     static_only = engine.static_decode and not (engine.compiled or engine.cuda_graphs)
     parts += [name for name, on in (("static-decode", static_only), ("compile", engine.compiled),
                                     ("cuda-graphs", engine.cuda_graphs)) if on]
+    if engine.weight_streamer is not None:
+        parts.append(engine.weight_streamer.describe())
     ops = {op: b for op, b in current_backends(engine.model).items() if b != "eager"}
     if ops:
         parts.append("backends " + ",".join(f"{op}={b}" for op, b in ops.items()))
@@ -152,9 +154,38 @@ def describe_values(engine: LLMEngine) -> dict:
     """The configuration as plain values (``/metrics`` labels, ``x-model-info``)."""
     from workbench.transforms.backends import current_backends
 
+    st = engine.weight_streamer
     return {"config": engine.describe(), "kv": engine.kv_mode, "static_decode": engine.static_decode,
             "compile": engine.compiled, "cuda_graphs": engine.cuda_graphs,
-            "sampling": current_backends(engine.model).get("sampling", "eager")}
+            "sampling": current_backends(engine.model).get("sampling", "eager"),
+            "stream_weights": st.describe() if st is not None else "off"}
+
+
+def install_weight_streaming(model, config):
+    """The model's :class:`~workbench.prefetch.weights.WeightStreamer` for ``config`` (None: none
+    is installed, and a model that already streams keeps streaming).  A model that already streams
+    with other settings is a ConfigError (its weights are shared with another engine)."""
+    from workbench.prefetch.weights import WeightStreamConfig, stream_weights, weight_streamer
+
+    current = weight_streamer(model)
+    if config is None:
+        return current
+    if not isinstance(config, WeightStreamConfig):
+        raise ConfigError(f"LLMEngine: stream_weights must be a WeightStreamConfig, got {type(config).__name__}")
+    if current is not None:
+        if current.config != config:
+            raise ConfigError(f"LLMEngine: this model already streams its weights ({current.describe()}); "
+                              "one model has one streaming schedule - load another copy, or remove() it first")
+        return current
+    return stream_weights(model, config)
+
+
+def prefetch_stats(engine) -> dict:
+    """The prefetch layer's counters: weight streaming and the KV pool's fetches (each None when off)."""
+    st = engine.weight_streamer
+    pool_stats = getattr(engine.pool, "prefetch_stats", None)
+    return {"weights": st.stats() if st is not None else None,
+            "kv": pool_stats() if pool_stats is not None else None}
 
 
 def describe_error(e: BaseException) -> str:

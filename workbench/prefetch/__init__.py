@@ -1,7 +1,22 @@
 """The prefetch layer: asynchronous weight and KV fetches overlapped with compute.
 
-A place ready for that layer (see the open issue "Prefetch layer"): it sits below ``kv``, whose
-physical tiers fetch routed blocks through it, and above ``model``.
+* ``transports``: how bytes move from a slow tier into fast memory in the background - disk ->
+  RAM (``O_DIRECT``, a worker thread), RAM -> RAM, pinned host -> HBM (a side CUDA stream);
+* ``prefetcher``: one interface over any of them (submit, wait, stats, timeline);
+* ``weights``: weight streaming - some decoder layers resident, the rest fetched d layers ahead;
+* ``link``: each link's ceiling, measured per block size.
+
+It sits below ``kv`` (offloaded KV blocks and swapped sequences come back through it) and
+above ``model``.
 """
 
-__all__: list[str] = []
+from workbench._exports import exports, lazy
+
+_EXPORTS = exports({
+    "workbench.prefetch.transports": "CudaTransport DiskTransport HostTransport Job Transport make_transport",
+    "workbench.prefetch.prefetcher": "PrefetchStats Prefetcher",
+    "workbench.prefetch.weights": "WeightStreamConfig WeightStreamer stream_weights weight_streamer",
+    "workbench.prefetch.link": "LinkPoint measure_link",
+})
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy(__name__, _EXPORTS)

@@ -33,6 +33,12 @@ def model_info(aengine, name: str, source: str | None = None, guard: GuardHook |
             "chat_template": chat_template.origin if chat_template is not None else CHAT_TEMPLATE_NAME}
     if hasattr(eng, "fast_paths"):    # KV layout, static decode / compile / CUDA graphs, sampling backend
         info["engine"] = eng.fast_paths()
+    streamer = getattr(eng, "weight_streamer", None)
+    if streamer is not None:          # the prefetch layer's settings (its counters are on /metrics)
+        info["stream_weights"] = streamer.settings()
+    kv_prefetch = getattr(pool, "prefetch_settings", None)
+    if kv_prefetch is not None:
+        info["kv_prefetch"] = kv_prefetch()
     choice = getattr(llm, "thread_choice", None)
     if choice is not None:   # torch intra-op threads and why (workbench.measure.threads)
         info["threads"] = choice.threads

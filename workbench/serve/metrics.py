@@ -217,8 +217,30 @@ class ServerMetrics:
             metric("workbench_engine_info", "gauge",
                    "The engine configuration: KV layout, fast paths (static decode, compile, CUDA graphs), sampling.",
                    [f"workbench_engine_info{{{labels}}} 1"])
+        self._render_prefetch(metric, s.get("prefetch"))
         self._render_guard(metric, guard)
         return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def _render_prefetch(metric, prefetch) -> None:
+        """The prefetch layer's counters, one series per kind ("weights": weight streaming, "kv":
+        offloaded KV blocks and swapped sequences); kinds that are off are left out."""
+        kinds = {k: v for k, v in (prefetch or {}).items() if isinstance(v, dict)}
+        series = [
+            ("workbench_prefetch_hit_rate", "gauge", "Uses whose bytes were already in place at the moment of use "
+             "(not the prefix cache's hit rate).", "prefetch_hit_rate"),
+            ("workbench_prefetch_stall_seconds_total", "counter", "Time compute waited for fetches.", "stall_s"),
+            ("workbench_prefetch_bytes_total", "counter", "Bytes the prefetcher moved.", "bytes"),
+            ("workbench_prefetch_copy_seconds_total", "counter", "Time the copy lane was busy.", "copy_s"),
+            ("workbench_prefetch_achieved_gbps", "gauge", "Bytes moved / copy time, GB/s.", "achieved_gbps"),
+            ("workbench_prefetch_efficiency", "gauge", "Share of copy time hidden behind compute.",
+             "prefetch_efficiency"),
+            ("workbench_prefetch_uses_total", "counter", "Fetched items used.", "uses"),
+        ]
+        for name, kind, help_, key in series:
+            samples = [f'{name}{{kind="{_label(k)}"}} {_fmt(v[key])}' for k, v in sorted(kinds.items())
+                       if v.get(key) is not None]
+            metric(name, kind, help_, samples)
 
     def _render_guard(self, metric, guard: dict | None) -> None:
         metric("workbench_slo_guard_enabled", "gauge", "1 when an SLO guard decides admission.",

@@ -35,6 +35,7 @@ itself runs (eagerly) and is tested on the CPU against the reference engine's gr
 from __future__ import annotations
 
 import sys
+import types
 from contextlib import contextmanager
 
 import torch
@@ -136,7 +137,17 @@ class GraphedDecoder:
         """``torch.compile`` the static step (one graph per bucket, made on first use): on a
         CPU inductor generates C++ for the whole decode step; on CUDA, Triton kernels (capture
         graphs after this to launch them as one)."""
-        self._step = torch.compile(self._forward, dynamic=False, **options)
+        step = self._forward
+        if any(layer._forward_pre_hooks or layer._forward_hooks for layer in self.model.model.layers):
+            # Dynamo caches compiled code per code object and does not guard on module hooks
+            # (torch._dynamo.config.skip_nnmodule_hook_guards): a step compiled earlier for a model
+            # without hooks would be reused here and the hooks (weight streaming's fetches) skipped.
+            # A code object of this decoder's own keeps its cache apart.
+            fn = step.__func__
+            code = fn.__code__.replace(co_name=f"_forward_hooked_{id(self):x}")
+            step = types.MethodType(types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__,
+                                                       fn.__closure__), self)
+        self._step = torch.compile(step, dynamic=False, **options)
         self.compiled = True
 
     @torch.inference_mode()

@@ -1,0 +1,293 @@
+"""Weight streaming: run a model with only some decoder layers resident; the rest are fetched,
+layer by layer, while earlier layers compute (DeepSpeed ZeRO-Inference's layer-wise streaming,
+FlexGen's overlap, here as a transformation of the plain model).
+
+::
+
+    streamer = stream_weights(model, WeightStreamConfig(resident_layers=2, distance=2))
+    model(ids)                      # layers 2..L-1 come from the slow tier; 2 fetches in flight
+    streamer.stats()                # prefetch_hit_rate, stall_s, GB/s, prefetch_efficiency, bytes resident
+    streamer.remove()               # every layer resident again
+
+What stays resident: the embedding, the LM head (tied to the embedding or not), the final norm,
+the first ``resident_layers`` decoder layers, and the streaming buffers (``distance + 1`` layer-
+sized buffers; one at distance 0).  Those buffers count against a ``resident_bytes`` budget.
+The other layers live in the slow tier (a file on disk on a CPU, pinned host memory on CUDA).
+
+The schedule.  Streamed layer of rank r (its place among the streamed layers) always lives in
+buffer ``r % (d + 1)``: its parameters are fixed views into that buffer, so their addresses never
+change (``torch.compile`` and CUDA graphs see the same tensors every step).  When rank r has
+computed, its buffer is free and the next rank that uses it (r + d + 1, or, past the last layer,
+the same rank in the next step) is fetched into it.  So while rank r computes, ranks r+1 .. r+d
+are in flight or ready: layer i + d is fetched while layer i computes, across the step boundary
+too (the first layers of step n+1 are fetched while the last of step n compute and while the
+engine samples).  Distance 0 is the synchronous baseline: each layer is fetched when it is
+needed, with one buffer.
+
+Weights are the same bytes every step, so a prediction can be early but never wrong: greedy
+tokens are identical to the all-resident model (tested).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from workbench.errors import ConfigError
+from workbench.prefetch.prefetcher import Prefetcher
+from workbench.prefetch.transports import make_transport
+
+PARAM_ALIGN = 64        # byte offset of each parameter inside a layer's buffer
+
+
+@dataclass
+class WeightStreamConfig:
+    """``resident_layers``: decoder layers kept resident (the first N); or ``resident_bytes``: a
+    budget for everything resident (embedding, head, norms, resident layers and the streaming
+    buffers), which picks the largest N that fits.  ``distance``: 0 = synchronous; d >= 1: layer
+    i + d is fetched while layer i computes (d + 1 buffers).  ``transport``: "auto" (cuda on a
+    CUDA device, else disk), "disk", "host" (RAM -> RAM) or "cuda".  ``path``: the disk
+    transport's file (default: a temporary file, removed at the end)."""
+    resident_layers: int | None = None
+    resident_bytes: int | None = None
+    distance: int = 1
+    transport: str = "auto"
+    path: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.resident_layers is None) == (self.resident_bytes is None):
+            raise ConfigError("WeightStreamConfig: give resident_layers or resident_bytes (exactly one)")
+        if self.resident_layers is not None and (not isinstance(self.resident_layers, int) or self.resident_layers < 0):
+            raise ConfigError(f"WeightStreamConfig.resident_layers must be an integer >= 0, got {self.resident_layers!r}")
+        if self.resident_bytes is not None and self.resident_bytes <= 0:
+            raise ConfigError(f"WeightStreamConfig.resident_bytes must be > 0, got {self.resident_bytes!r}")
+        if not isinstance(self.distance, int) or not 0 <= self.distance <= 16:
+            raise ConfigError(f"WeightStreamConfig.distance must be an integer in 0..16, got {self.distance!r}")
+        if self.transport not in ("auto", "disk", "host", "cuda"):
+            raise ConfigError(f"WeightStreamConfig.transport must be auto, disk, host or cuda, got {self.transport!r}")
+
+    def describe(self) -> str:
+        what = (f"resident={self.resident_layers}" if self.resident_layers is not None
+                else f"resident_bytes={self.resident_bytes}")
+        return f"stream-weights {what} d={self.distance} {self.transport}"
+
+
+def _layout(layer: nn.Module) -> tuple[list[tuple[str, int, int]], int]:
+    """[(parameter name, byte offset, bytes)], total bytes of one layer's buffer."""
+    out, off = [], 0
+    for name, p in layer.named_parameters():
+        n = p.numel() * p.element_size()
+        out.append((name, off, n))
+        off = -(-(off + n) // PARAM_ALIGN) * PARAM_ALIGN
+    return out, off
+
+
+def _param_bytes(params) -> int:
+    seen, total = set(), 0
+    for p in params:
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def _get(module: nn.Module, dotted: str) -> nn.Parameter:
+    for part in dotted.split("."):
+        module = getattr(module, part)
+    return module
+
+
+class WeightStreamer:
+    """The installed transformation (``model._wb_stream``): buffers, hooks, the prefetcher."""
+
+    def __init__(self, model: nn.Module, config: WeightStreamConfig) -> None:
+        if getattr(model, "_wb_stream", None) is not None:
+            raise ConfigError("stream_weights: this model already streams its weights; remove() that first")
+        self.model, self.config = model, config
+        layers = list(model.model.layers)
+        L = len(layers)
+        dev = model.lm_head.weight.device
+        layer_bytes = [_layout(layer)[1] for layer in layers]
+        self.fixed_bytes = _param_bytes(p for n, p in model.named_parameters() if ".layers." not in f".{n}")
+        n_res = self._resident_count(L, layer_bytes) if config.resident_layers is None else config.resident_layers
+        if n_res >= L:
+            raise ConfigError(f"stream_weights: resident_layers={n_res} keeps all {L} decoder layers resident; "
+                              f"nothing to stream (use at most {L - 1}, or do not stream weights)")
+        self.resident = list(range(n_res))
+        self.streamed = list(range(n_res, L))
+        n = len(self.streamed)
+        d = config.distance
+        self.num_buffers = 1 if d == 0 else min(d + 1, n)
+        self.effective_distance = self.num_buffers - 1 if d else 0
+        self.device = dev
+        self.transport = make_transport(config.transport, dev, **({"path": config.path} if config.path else {}))
+        self.prefetcher = Prefetcher(self.transport, name="weights")
+        slot_bytes = max(layer_bytes[i] for i in self.streamed)
+        self.layer_bytes = slot_bytes
+        self.buffers = [self.transport.buffer(slot_bytes) for _ in range(self.num_buffers)]
+        # each streamed layer: its bytes into the slow tier, its parameters become views of its buffer
+        for rank, i in enumerate(self.streamed):
+            layout, nbytes = _layout(layers[i])
+            blob = torch.zeros(nbytes, dtype=torch.uint8, device="cpu")
+            for name, off, nb in layout:
+                blob[off:off + nb].copy_(_get(layers[i], name).detach().reshape(-1).view(torch.uint8).cpu())
+            self.prefetcher.put(i, blob)
+            buf = self.buffers[rank % self.num_buffers]
+            for name, off, nb in layout:
+                p = _get(layers[i], name)
+                p.data = buf[off:off + nb].view(p.dtype).view(p.shape)
+        self._rank = {i: r for r, i in enumerate(self.streamed)}
+        self._t0: dict[int, object] = {}
+        self._captured_submit = False
+        self._hooks = []
+        for i, layer in enumerate(layers):
+            self._hooks.append(layer.register_forward_pre_hook(self._pre_hook(i)))
+            self._hooks.append(layer.register_forward_hook(self._post_hook(i)))
+        self._hooks.append(model.model.norm.register_forward_pre_hook(_no_compile(self._end_of_layers)))
+        model._wb_stream = self
+        _forget_compiled()
+        if d:
+            for rank in range(self.num_buffers):             # fill the buffers for the first step
+                self._submit(rank)
+
+    def _resident_count(self, L: int, layer_bytes: list[int]) -> int:
+        budget = self.config.resident_bytes
+        d = self.config.distance
+        for n_res in range(L - 1, -1, -1):
+            n_buf = 1 if d == 0 else min(d + 1, L - n_res)
+            need = self.fixed_bytes + sum(layer_bytes[:n_res]) + n_buf * max(layer_bytes[n_res:])
+            if need <= budget:
+                return n_res
+        need = self.fixed_bytes + (1 if d == 0 else min(d + 1, L)) * max(layer_bytes)
+        raise ConfigError(f"stream_weights: resident_bytes={budget} is too small: the embedding, head and norms "
+                          f"({self.fixed_bytes} bytes) plus the streaming buffers need {need} bytes at distance {d}")
+
+    # ---- the schedule ------------------------------------------------------------------------
+    def _submit(self, rank: int, after=None) -> None:
+        i = self.streamed[rank]
+        self.prefetcher.submit(i, self.buffers[rank % self.num_buffers], after)
+        if self.transport.kind == "cuda" and torch.cuda.is_current_stream_capturing():
+            self._captured_submit = True
+
+    def _mark(self):
+        if self.transport.kind == "cuda":
+            if torch.cuda.is_current_stream_capturing() or not self.transport.timing:
+                return None
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def _pre_hook(self, i: int):
+        rank = self._rank.get(i)
+
+        def pre(module, args):
+            if i == 0:
+                self.prefetcher.step += 1
+                if self.transport.kind == "cuda" and torch.cuda.is_current_stream_capturing():
+                    self.transport.epoch += 1
+            if rank is not None:
+                buf = self.buffers[rank % self.num_buffers]
+                if self.config.distance == 0:
+                    self.prefetcher.fetch_now(i, buf, label=f"L{i}")
+                else:
+                    self.prefetcher.wait(i, buf, label=f"L{i}")
+            self._t0[i] = self._mark()
+        return _no_compile(pre)
+
+    def _post_hook(self, i: int):
+        rank = self._rank.get(i)
+        n = len(self.streamed)
+
+        def post(module, args, output):
+            t0, t1 = self._t0.pop(i, None), self._mark()
+            if t0 is not None and t1 is not None:
+                self.prefetcher.compute(f"L{i}", t0, t1)
+            if rank is not None and self.config.distance:
+                nxt = rank + self.num_buffers
+                after = None
+                if self.transport.kind == "cuda":
+                    after = torch.cuda.Event()
+                    after.record()
+                self._submit(nxt if nxt < n else rank % self.num_buffers, after)   # past the last: next step
+        return _no_compile(post)
+
+    def _end_of_layers(self, module, args):
+        """CUDA, while a graph is captured: the copy stream joins the compute stream (a capture's
+        forked streams must join before it ends; the next step's first layers are then ready)."""
+        if self.transport.kind == "cuda" and self._captured_submit and torch.cuda.is_current_stream_capturing():
+            self.transport.join()
+            self._captured_submit = False
+
+    # ---- reading ---------------------------------------------------------------------------------
+    def memory(self) -> dict:
+        """Measured resident bytes (parameter storages deduplicated by address, plus the buffers),
+        next to what keeping every layer resident takes."""
+        layers = self.model.model.layers
+        resident_layer_bytes = _param_bytes(p for i in self.resident for p in layers[i].parameters())
+        buffers = sum(b.numel() for b in self.buffers)
+        all_layers = sum(_layout(layer)[1] for layer in layers)
+        return {"embedding_head_norm_bytes": self.fixed_bytes, "resident_layer_bytes": resident_layer_bytes,
+                "buffer_bytes": buffers, "resident_bytes": self.fixed_bytes + resident_layer_bytes + buffers,
+                "all_resident_bytes": self.fixed_bytes + all_layers, "slow_tier_bytes": self.transport.bytes_stored}
+
+    def settings(self) -> dict:
+        return {"resident_layers": len(self.resident), "streamed_layers": len(self.streamed),
+                "distance": self.config.distance, "effective_distance": self.effective_distance,
+                "buffers": self.num_buffers, "layer_bytes": self.layer_bytes, **self.transport.describe()}
+
+    def stats(self) -> dict:
+        return {**self.settings(), **self.prefetcher.stats(), **self.memory()}
+
+    def describe(self) -> str:
+        s = self.settings()
+        return (f"stream-weights resident={s['resident_layers']}/{s['resident_layers'] + s['streamed_layers']} "
+                f"d={s['distance']} {s['transport']}")
+
+    def remove(self) -> None:
+        """Every layer resident again (read back from the slow tier), hooks off, transport closed."""
+        self.prefetcher.drain()
+        if self.transport.kind == "cuda":
+            torch.cuda.synchronize(self.device)
+        layers = self.model.model.layers
+        for i in self.streamed:
+            layout, nbytes = _layout(layers[i])
+            own = self.transport.buffer(nbytes)
+            self.transport.read(i, own)
+            for name, off, nb in layout:
+                p = _get(layers[i], name)
+                p.data = own[off:off + nb].view(p.dtype).view(p.shape).clone()
+        for h in self._hooks:
+            h.remove()
+        self.prefetcher.close()
+        self.model._wb_stream = None
+
+
+def _forget_compiled() -> None:
+    """Code ``torch.compile`` traced before the hooks existed runs without them: Dynamo does not
+    guard on hooks being added (``torch._dynamo.config.skip_nnmodule_hook_guards``), so streamed
+    layers would compute on buffers nobody filled - wrong tokens, silently.  So installing drops
+    compiled code (process-wide: every compiled function retraces once, now with the hooks);
+    removing needs nothing (the traced hook iteration is guarded and retraces)."""
+    if "torch._dynamo" in sys.modules:
+        torch.compiler.reset()
+
+
+def _no_compile(fn):
+    """Hooks run as plain Python under ``torch.compile`` (a graph break around each), so the
+    waits and submissions really happen every step."""
+    disable = getattr(torch.compiler, "disable", None)
+    return disable(fn) if disable is not None else fn
+
+
+def stream_weights(model: nn.Module, config: WeightStreamConfig | None = None, **kw) -> WeightStreamer:
+    """Install weight streaming on ``model`` (in place); ``kw``: WeightStreamConfig fields."""
+    return WeightStreamer(model, config or WeightStreamConfig(**kw))
+
+
+def weight_streamer(model: nn.Module) -> WeightStreamer | None:
+    return getattr(model, "_wb_stream", None)
