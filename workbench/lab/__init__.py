@@ -17,6 +17,8 @@ _EXPORTS = exports({
     "workbench.lab.viz": "LatencyStreamView",
     "workbench.lab.kv_view": "KVBlockMapView",
     "workbench.lab.load_views": "LatencyDashboard scheduler_timeline latency_vs_load_figure",
+    "workbench.lab.prefetch_view": "PrefetchTimelineView timeline_figure distance_sweep_figure "
+                                   "resident_fraction_figure block_size_figure",
 })
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy(__name__, _EXPORTS)

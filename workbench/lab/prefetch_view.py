@@ -1,0 +1,418 @@
+"""Views of the prefetcher (plotly / ipywidgets imported lazily, inside).
+
+* :func:`timeline_figure` - a static Gantt chart of ``Prefetcher.timeline()``: one row per lane
+  (copy / compute / stall), x in ms, one bar trace per lane (arrays, not a trace per event),
+  step boundaries as thin vertical lines.  Compute and copy bars share a colour per layer, so
+  the copy that feeds a layer's compute is easy to find; stalls are red.
+* :class:`PrefetchTimelineView` - the same chart live (a FigureWidget, last ``window_s``
+  seconds) with a one-line stats header; ``update()`` from a loop (throttled to
+  ``refresh_hz``), ``static()`` for reports (a saved FigureWidget's state is stale).
+* :func:`distance_sweep_figure`, :func:`resident_fraction_figure`, :func:`block_size_figure` -
+  static figures for sweep tables (rows: dicts, dataclasses or a DataFrame; missing optional
+  keys are skipped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import math
+import time
+from typing import Callable
+
+import numpy as np
+
+from workbench.errors import ConfigError
+
+LANES = ("copy", "compute", "stall")                  # rows, top to bottom
+LAYER_COLORS = ("#4c78a8", "#f58518", "#54a24b", "#b279a2", "#72b7b2", "#eeca3b", "#9d755d", "#bab0ac")
+STALL_COLOR = "#d62728"
+STEP_LINE = "rgba(80,80,80,0.45)"
+MAX_STEP_LABELS = 12
+
+
+def _fmt_bytes(n: float) -> str:
+    units, i = ("B", "KiB", "MiB", "GiB", "TiB"), 0
+    while abs(n) >= 1024 and i < len(units) - 1:
+        n, i = n / 1024, i + 1
+    return f"{n:.0f} {units[i]}" if n == int(n) else f"{n:.4g} {units[i]}"
+
+
+def _last_steps(events: list[dict], max_steps: int | None) -> list[dict]:
+    if not max_steps or not events:
+        return events
+    keep = set(sorted({e["step"] for e in events})[-max_steps:])
+    return [e for e in events if e["step"] in keep]
+
+
+def _step_starts(events: list[dict]) -> dict[int, float]:
+    """Step -> its first compute/stall start (copies are stamped with the step that *used* them,
+    so a copy prefetched across the boundary would move the line early); copies only as a fallback."""
+    marks = [e for e in events if e["lane"] != "copy"] or events
+    out: dict[int, float] = {}
+    for e in marks:
+        out[e["step"]] = min(out.get(e["step"], math.inf), e["start"])
+    return dict(sorted(out.items()))
+
+
+def _layer_index(label: str) -> int:
+    digits = "".join(c for c in str(label) if c.isdigit())
+    return int(digits) % len(LAYER_COLORS) if digits else len(LAYER_COLORS) - 1
+
+
+LAYER_SCALE = [[(i + k) / len(LAYER_COLORS), c] for i, c in enumerate(LAYER_COLORS) for k in (0, 1)]
+
+
+def _lane_arrays(events: list[dict], lane: str) -> dict:
+    """One lane's bar arrays (numpy, so plotly does not validate them element by element):
+    x (duration ms), base (start ms), y, text, customdata, marker (colour = layer, via a
+    discrete colour scale; stalls red)."""
+    evs = [e for e in events if e["lane"] == lane]
+    dur = np.array([(e["end"] - e["start"]) * 1e3 for e in evs], dtype=float)
+    custom = np.empty((len(evs), 6), dtype=object)
+    for k, (e, d) in enumerate(zip(evs, dur)):
+        nb = e.get("bytes") or 0
+        gbps = nb / (d / 1e3) / 1e9 if nb and d > 0 else None
+        custom[k] = (e["label"], e["step"], round(e["start"] * 1e3, 4), round(float(d), 4),
+                     _fmt_bytes(nb) if nb else "-", f"{gbps:.2f}" if gbps is not None else "-")
+    line = dict(width=0.5 if len(evs) <= 200 else 0, color="white")
+    marker = (dict(color=STALL_COLOR, line=line) if lane == "stall" else
+              dict(color=np.array([_layer_index(e["label"]) + 0.5 for e in evs]), colorscale=LAYER_SCALE,
+                   cmin=0, cmax=len(LAYER_COLORS), line=line, showscale=False))
+    return {"x": dur, "base": np.array([e["start"] * 1e3 for e in evs], dtype=float),
+            "y": np.array([lane] * len(evs), dtype=object), "text": np.array([e["label"] for e in evs], dtype=object),
+            "customdata": custom, "marker": marker}
+
+
+def _step_arrays(starts: dict[int, float]) -> dict:
+    xs, ys, hover = [], [], []
+    for step, t in starts.items():
+        xs += [t * 1e3, t * 1e3, None]
+        ys += [0, 1, None]
+        hover += [f"step {step} starts at {t * 1e3:.2f} ms"] * 2 + [None]
+    return {"x": xs, "y": ys, "hovertext": hover}
+
+
+HOVER = {
+    "copy": "copy %{customdata[0]} (used in step %{customdata[1]})<br>start %{customdata[2]:.3f} ms, "
+            "%{customdata[3]:.3f} ms<br>%{customdata[4]} at %{customdata[5]} GB/s<extra></extra>",
+    "compute": "compute %{customdata[0]} (step %{customdata[1]})<br>start %{customdata[2]:.3f} ms, "
+               "%{customdata[3]:.3f} ms<extra></extra>",
+    "stall": "stall: waiting for %{customdata[0]} (step %{customdata[1]})<br>start %{customdata[2]:.3f} ms, "
+             "%{customdata[3]:.3f} ms<extra></extra>",
+}
+
+
+def _annotations(events: list[dict], starts: dict) -> list[dict]:
+    """"No events" on an empty chart; "step n" atop each step line when there are few (no overlap)."""
+    if not events:
+        return [dict(text="no prefetch events recorded (yet)", xref="paper", yref="paper", x=0.5, y=0.5,
+                     showarrow=False, font=dict(size=14, color="gray"))]
+    if len(starts) > MAX_STEP_LABELS:
+        return []
+    lo, hi = min(e["start"] for e in events), max(e["end"] for e in events)
+    out, last = [], -math.inf
+    for n, t in starts.items():
+        if t - last >= 0.05 * (hi - lo):          # ~50 px on a 1000 px chart: labels never overlap
+            out.append(dict(text=f"step {n}", x=t * 1e3, xref="x", y=1.0, yref="paper", yanchor="bottom",
+                            xanchor="left", showarrow=False, font=dict(size=10, color="#555")))
+            last = t
+    return out
+
+
+def _summary(events: list[dict], starts: dict) -> str:
+    if not events:
+        return ""
+    by = {lane: sum(e["end"] - e["start"] for e in events if e["lane"] == lane) * 1e3 for lane in LANES}
+    return (f": {len(starts)} steps, compute {by['compute']:.1f} ms, copy {by['copy']:.1f} ms, "
+            f"stall {by['stall']:.1f} ms")
+
+
+def timeline_figure(events: list[dict], title: str = "Prefetch timeline", max_steps: int | None = None,
+                    height: int = 300):
+    """A static Gantt chart of ``Prefetcher.timeline()`` events.  Rows: copy, compute, stall;
+    bars start at ``start`` (ms) and last ``end - start``; each bar is labelled with its layer
+    (the label hides where the bar is too narrow).  Hover: label, step, start, duration, and for
+    copies bytes and GB/s.  Thin vertical lines mark where each step's first compute (or stall)
+    starts.  ``max_steps``: keep only the last N steps.  Traces, in order: copy, compute, stall
+    (one ``go.Bar`` each, ``orientation="h"``), steps (a ``go.Scatter`` on a hidden y axis)."""
+    import plotly.graph_objects as go
+
+    if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
+        raise ConfigError(f"timeline_figure: max_steps={max_steps!r} must be an integer >= 1 (or None)")
+    events = _last_steps(list(events), max_steps)
+    starts = _step_starts(events)
+    fig = go.Figure()
+    for lane in LANES:
+        a = _lane_arrays(events, lane)
+        fig.add_trace(go.Bar(orientation="h", x=a["x"], base=a["base"], y=a["y"], text=a["text"],
+                             customdata=a["customdata"], name=lane, marker=a["marker"],
+                             opacity=0.6 if lane == "copy" else 0.95, hovertemplate=HOVER[lane],
+                             textposition="inside", insidetextanchor="middle", textangle=0,
+                             showlegend=False, width=0.8))
+    s = _step_arrays(starts)
+    fig.add_trace(go.Scatter(x=s["x"], y=s["y"], yaxis="y2", mode="lines", name="step start", showlegend=False,
+                             line=dict(color=STEP_LINE, width=1), hovertext=s["hovertext"], hoverinfo="text"))
+    fig.update_layout(
+        title=dict(text=title + _summary(events, starts), x=0.01, y=0.98, yanchor="top"), height=height,
+        barmode="overlay", margin=dict(l=70, r=20, t=60, b=45), uniformtext=dict(minsize=8, mode="hide"),
+        xaxis=dict(title="ms since the first event", showgrid=True, **({} if events else {"range": [0, 1]})),
+        yaxis=dict(type="category", categoryorder="array", categoryarray=list(LANES), range=[len(LANES) - 0.5, -0.5],
+                   fixedrange=True),
+        yaxis2=dict(overlaying="y", range=[0, 1], visible=False, fixedrange=True),
+        annotations=_annotations(events, starts), plot_bgcolor="white")
+    fig.update_xaxes(gridcolor="#eee")
+    return fig
+
+
+class PrefetchTimelineView:
+    """The prefetch timeline live, over the last ``window_s`` seconds, with a stats line::
+
+        view = PrefetchTimelineView(streamer, window_s=0.5).show()
+        for ev in llm.stream(prompt, params):
+            view.update()                      # redraws at most refresh_hz times a second
+        view.update(force=True); view.static()   # the whole run as a plain go.Figure
+
+    ``source``: a :class:`~workbench.prefetch.weights.WeightStreamer` (its ``prefetcher`` and
+    ``stats()``) or a :class:`~workbench.prefetch.prefetcher.Prefetcher`.  ``clock`` paces the
+    redraws (``time.perf_counter``)."""
+
+    def __init__(self, source, window_s: float = 0.25, refresh_hz: float = 10.0, title: str = "Prefetch (live)",
+                 height: int = 300, clock: Callable[[], float] = time.perf_counter) -> None:
+        import ipywidgets as widgets
+        import plotly.graph_objects as go
+
+        if not 0 < refresh_hz <= 20:
+            raise ConfigError(f"PrefetchTimelineView: refresh_hz={refresh_hz!r} must be in (0, 20]")
+        if not window_s > 0:
+            raise ConfigError(f"PrefetchTimelineView: window_s={window_s!r} must be > 0 seconds")
+        self.source = source
+        self.prefetcher = getattr(source, "prefetcher", source)
+        if not callable(getattr(self.prefetcher, "timeline", None)):
+            raise ConfigError(f"PrefetchTimelineView: {type(source).__name__} has no timeline(); pass a "
+                              "WeightStreamer or a Prefetcher")
+        self.window_s, self.min_interval, self.title, self.height = window_s, 1.0 / refresh_hz, title, height
+        self.clock = clock
+        self._last_draw = -math.inf
+        self.redraws = 0
+        self.redraw_seconds = 0.0
+        self.fig = go.FigureWidget(timeline_figure([], title=title, height=height))
+        self.label = widgets.HTML(value=self._stats_html(), layout=widgets.Layout(width="100%", overflow="hidden"))
+        self.widget = widgets.VBox([self.label, self.fig])
+
+    # ---- display ------------------------------------------------------------------------------
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    def show(self) -> "PrefetchTimelineView":
+        from IPython.display import display
+        display(self.widget)
+        return self
+
+    # ---- data ---------------------------------------------------------------------------------
+    def window(self) -> list[dict]:
+        """The events that end within the last ``window_s`` seconds of the timeline."""
+        evs = self.prefetcher.timeline()
+        if not evs:
+            return []
+        cut = max(e["end"] for e in evs) - self.window_s
+        return [e for e in evs if e["end"] >= cut]
+
+    def stats(self) -> dict:
+        return self.source.stats() if callable(getattr(self.source, "stats", None)) else {}
+
+    def _stats_html(self, s: dict | None = None) -> str:
+        s = s or {}
+        pct = lambda v: "-" if v is None else f"{v:.0%}"  # noqa: E731
+        parts = [f"hit rate <b>{pct(s.get('prefetch_hit_rate'))}</b>",
+                 f"stall <b>{s['stall_s'] * 1e3:.1f} ms</b>" if s.get("stall_s") is not None else "stall -",
+                 f"efficiency <b>{pct(s.get('prefetch_efficiency'))}</b>",
+                 f"<b>{s['achieved_gbps']:.2f} GB/s</b>" if s.get("achieved_gbps") is not None else "- GB/s",
+                 f"fetches {s.get('fetches', 0)} ({s.get('demand', 0)} demand)"]
+        if "distance" in s:
+            parts.append(f"d={s['distance']}, resident {s.get('resident_layers')}/"
+                         f"{s.get('resident_layers', 0) + s.get('streamed_layers', 0)} layers")
+        if s.get("link") or s.get("transport"):
+            parts.append(html.escape(str(s.get("link") or s.get("transport"))))
+        parts.append(f"redraws {self.redraws}")
+        return ("<div style='white-space:nowrap;overflow:hidden;text-overflow:ellipsis;max-width:100%'>"
+                + " &middot; ".join(p for p in parts if p) + "</div>")
+
+    # ---- drawing ------------------------------------------------------------------------------
+    def update(self, force: bool = False) -> bool:
+        """Redraw from the recorded events if ``1 / refresh_hz`` has passed since the last redraw
+        (or ``force``); returns whether it redrew."""
+        if not force and self.clock() - self._last_draw < self.min_interval:
+            return False
+        t0 = time.perf_counter()
+        evs = self.window()
+        starts = _step_starts(evs)
+        s = self.stats()
+        with self.fig.batch_update():
+            for tr, lane in zip(self.fig.data, LANES):
+                a = _lane_arrays(evs, lane)
+                tr.update(x=a["x"], base=a["base"], y=a["y"], text=a["text"], customdata=a["customdata"],
+                          marker=a["marker"])
+            st = _step_arrays(starts)
+            self.fig.data[len(LANES)].update(x=st["x"], y=st["y"], hovertext=st["hovertext"])
+            if evs:
+                hi = max(e["end"] for e in evs) * 1e3
+                self.fig.layout.xaxis.range = [max(0.0, hi - self.window_s * 1e3), hi]
+            self.fig.layout.annotations = _annotations(evs, starts)
+            self.fig.layout.title.text = f"{self.title}: last {self.window_s * 1e3:g} ms" if evs else self.title
+        self.redraws += 1
+        self.redraw_seconds += time.perf_counter() - t0
+        self.label.value = self._stats_html(s)
+        self._last_draw = self.clock()
+        return True
+
+    def run(self, llm, prompt, params=None, display: bool = True):
+        """Stream one request through ``llm`` while the view updates; returns its RequestOutput."""
+        from workbench.engine.llm import RequestOutput
+
+        if display:
+            self.show()
+        out = RequestOutput(request_id="", prompt=None, prompt_token_ids=[])
+        for _ in llm.stream(prompt, params, output=out):
+            self.update()
+        self.update(force=True)
+        return out
+
+    def static(self, max_steps: int | None = None, title: str | None = None):
+        """A plain ``go.Figure`` of the whole recorded timeline (safe to save in reports)."""
+        return timeline_figure(self.prefetcher.timeline(), title=title or self.title.replace(" (live)", ""),
+                               max_steps=max_steps, height=self.height)
+
+
+# ---- sweep tables -------------------------------------------------------------------------------
+def _records(rows) -> list[dict]:
+    if hasattr(rows, "to_dict") and hasattr(rows, "columns"):
+        rows = rows.to_dict("records")
+    out = []
+    for r in rows or []:
+        d = dataclasses.asdict(r) if dataclasses.is_dataclass(r) else dict(r if isinstance(r, dict) else vars(r))
+        out.append({k: v for k, v in d.items() if not (isinstance(v, float) and math.isnan(v))})
+    return out
+
+
+def _error_y(rows: list[dict], key: str, lo: str | None = None, hi: str | None = None) -> dict | None:
+    """Asymmetric error bars from ``key``_min / ``key``_max (or ``lo`` / ``hi``); None without them."""
+    lo, hi = lo or f"{key}_min", hi or f"{key}_max"
+    if not any(r.get(lo) is not None or r.get(hi) is not None for r in rows):
+        return None
+    return dict(type="data", symmetric=False, thickness=1.2, width=4,
+                array=[max(0.0, r[hi] - r[key]) if r.get(hi) is not None else None for r in rows],
+                arrayminus=[max(0.0, r[key] - r[lo]) if r.get(lo) is not None else None for r in rows])
+
+
+def _empty(fig, text: str):
+    fig.add_annotation(text=text, xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False,
+                       font=dict(size=14, color="gray"))
+    return fig
+
+
+def _rate_traces(fig, go, rows: list[dict], x: list) -> None:
+    """Hit rate and efficiency (%) on the secondary axis, where the rows have them."""
+    for key, name, dash in (("prefetch_hit_rate", "prefetch hit rate", "dot"),
+                            ("prefetch_efficiency", "prefetch efficiency", "dash")):
+        pts = [(xv, r[key] * 100) for xv, r in zip(x, rows) if r.get(key) is not None]
+        if pts:
+            fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="lines+markers",
+                                     name=name, line=dict(dash=dash), marker=dict(size=7),
+                                     hovertemplate=name + " %{y:.0f}%<extra></extra>"), secondary_y=True)
+
+
+def _two_axis_layout(fig, title: str, x_title: str, has_rates: bool) -> None:
+    fig.update_layout(title=dict(text=title, x=0.01), height=400, margin=dict(l=60, r=60, t=50, b=50),
+                      legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0),
+                      hovermode="x unified")
+    fig.update_xaxes(title_text=x_title)
+    fig.update_yaxes(title_text="tokens / s", rangemode="tozero", secondary_y=False)
+    if has_rates:
+        fig.update_yaxes(title_text="hit rate / efficiency (%)", range=[0, 105], dtick=20, showgrid=False,
+                         secondary_y=True)
+
+
+def distance_sweep_figure(rows, title: str = "Prefetch distance: throughput, hit rate, efficiency"):
+    """tokens/s per prefetch distance (bars, min..max as error bars) with the prefetch hit rate and
+    efficiency (%) on a second axis.  Rows: ``distance`` and/or ``config`` (the x label),
+    ``tokens_per_s``; optional ``tokens_per_s_min/_max``, ``prefetch_hit_rate``,
+    ``prefetch_efficiency``."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    rows = [r for r in _records(rows) if r.get("tokens_per_s") is not None]
+    rows.sort(key=lambda r: (r.get("distance", math.inf), str(r.get("config", ""))))
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    if not rows:
+        return _empty(fig.update_layout(title=title, height=400), "no rows")
+    x = [str(r.get("config", f"d={r.get('distance')}")) for r in rows]
+    fig.add_trace(go.Bar(x=x, y=[r["tokens_per_s"] for r in rows], name="tokens / s", marker_color="#4c78a8",
+                         error_y=_error_y(rows, "tokens_per_s"), opacity=0.85,
+                         hovertemplate="%{x}: %{y:.1f} tokens/s<extra></extra>"), secondary_y=False)
+    _rate_traces(fig, go, rows, x)
+    has_rates = len(fig.data) > 1
+    _two_axis_layout(fig, title, "prefetch distance" if all("distance" in r for r in rows) else "config", has_rates)
+    fig.update_xaxes(type="category")
+    return fig
+
+
+def resident_fraction_figure(rows, title: str = "Throughput vs resident fraction of the weights"):
+    """tokens/s against the resident fraction (x in %, one line per ``distance`` when rows have
+    several), min..max error bars, hit rate / efficiency (%) on a second axis when present."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    rows = [r for r in _records(rows) if r.get("tokens_per_s") is not None and r.get("resident_fraction") is not None]
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    if not rows:
+        return _empty(fig.update_layout(title=title, height=400), "no rows")
+    groups: dict = {}
+    for r in sorted(rows, key=lambda r: r["resident_fraction"]):
+        groups.setdefault(r.get("distance"), []).append(r)
+    for gi, (d, sub) in enumerate(sorted(groups.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))):
+        name = "tokens / s" if len(groups) == 1 or d is None else f"tokens / s, d={d}"
+        fig.add_trace(go.Scatter(x=[r["resident_fraction"] * 100 for r in sub], y=[r["tokens_per_s"] for r in sub],
+                                 mode="lines+markers", name=name, error_y=_error_y(sub, "tokens_per_s"),
+                                 line=dict(color=LAYER_COLORS[gi % len(LAYER_COLORS)], width=2),
+                                 text=[str(r.get("config", "")) for r in sub],
+                                 hovertemplate="%{text} resident %{x:.0f}%: %{y:.1f} tokens/s<extra></extra>"),
+                      secondary_y=False)
+    n_tok = len(fig.data)
+    if len(groups) == 1:                 # several distances: the rates would need a line each; skip
+        _rate_traces(fig, go, rows, [r["resident_fraction"] * 100 for r in rows])
+    _two_axis_layout(fig, title, "resident share of the weights (%)", len(fig.data) > n_tok)
+    fig.update_xaxes(range=[-3, 103], ticksuffix="%")
+    return fig
+
+
+def block_size_figure(points, title: str = "Transfer bandwidth vs block size"):
+    """Achieved GB/s (median, min..max error bars) against the block size on a log-2 x axis with
+    byte-unit ticks (8 KiB, 64 KiB, ...), one line per ``transport``.  Points: dicts or
+    dataclasses with ``transport, block_bytes, gbps_median`` (``gbps_min/_max`` optional)."""
+    import plotly.graph_objects as go
+
+    pts = [p for p in _records(points) if p.get("block_bytes") and p.get("gbps_median") is not None]
+    fig = go.Figure()
+    fig.update_layout(title=dict(text=title, x=0.01), height=400, margin=dict(l=60, r=20, t=50, b=50),
+                      yaxis=dict(title="GB/s", rangemode="tozero"), hovermode="closest",
+                      legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0))
+    if not pts:
+        return _empty(fig, "no points")
+    groups: dict = {}
+    for p in sorted(pts, key=lambda p: p["block_bytes"]):
+        groups.setdefault(str(p.get("transport", "")), []).append(p)
+    for gi, (name, sub) in enumerate(groups.items()):
+        err = _error_y(sub, "gbps_median", "gbps_min", "gbps_max")
+        fig.add_trace(go.Scatter(x=[p["block_bytes"] for p in sub], y=[p["gbps_median"] for p in sub],
+                                 mode="lines+markers", name=name or "transfer", error_y=err,
+                                 line=dict(color=LAYER_COLORS[gi % len(LAYER_COLORS)], width=2),
+                                 text=[_fmt_bytes(p["block_bytes"]) for p in sub],
+                                 hovertemplate=f"{html.escape(name)} %{{text}}: %{{y:.2f}} GB/s<extra></extra>"))
+    lo, hi = min(p["block_bytes"] for p in pts), max(p["block_bytes"] for p in pts)
+    e0, e1 = math.floor(math.log2(lo)), math.ceil(math.log2(hi))
+    stride = max(1, math.ceil((e1 - e0 + 1) / 8))           # at most ~8 ticks, so labels never overlap
+    ticks = [2 ** e for e in range(e0, e1 + 1) if (e - e0) % stride == 0]
+    fig.update_xaxes(type="log", title_text="block size", tickvals=ticks, ticktext=[_fmt_bytes(t) for t in ticks],
+                     range=[math.log10(lo) - 0.15, math.log10(hi) + 0.15])
+    return fig
