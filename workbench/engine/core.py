@@ -279,6 +279,8 @@ class LLMEngine:
         for s in out.swapped_in:
             self.runner.swap_in(s)
             self.scheduler.manager.commit(s.seq.request_id, s.num_tokens)
+        if self.pool.lookahead:    # KV prefetch: stage the next requests' offloaded / swapped KV (PagedKVConfig)
+            self.pool.kv_prefetch.lookahead(self.scheduler, t0)
         for seq in out.admitted:
             a = seq.state.pop("allocation")
             seq.output.num_cached_tokens = max(seq.output.num_cached_tokens, a.num_cached_tokens)

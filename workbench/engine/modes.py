@@ -146,6 +146,8 @@ def describe_kv(engine: LLMEngine) -> str:
     if engine.kv_mode == "paged":
         c = engine.pool.config
         extra = (" prefix-cache" if c.enable_prefix_caching else "") + (f" offload={c.offload}" if c.offload else "")
+        extra += f" swap={c.swap_space}" if c.swap_space else ""
+        extra += f" lookahead={c.effective_lookahead}" if c.effective_lookahead else ""
         return f"paged bs={c.block_size} blocks={engine.pool.num_blocks}{extra}"
     return "tiered " + engine.tiers.name if engine.kv_mode == "tiered" else "contiguous"
 

@@ -107,6 +107,11 @@ class ModelRunner:
         return slots, k, v
 
     def swap_out(self, s: SwapOut) -> None:
+        store = self.pool.swap_store
+        if store is not None:     # PagedKVConfig.swap_space: block by block into a transport's tier
+            nblk = -(-s.num_tokens // self.pool.block_size)
+            store.put(s.seq.request_id, self.pool.read_blocks(s.block_table[:nblk]))
+            return
         layers = []
         for layer in range(len(self.pool.k_cache)):
             slots, k, v = self._gather(s.block_table, 0, s.num_tokens, layer)
@@ -116,15 +121,26 @@ class ModelRunner:
         self.swap_space[s.seq.request_id] = host.pin_memory() if pin else host
 
     def swap_in(self, s: SwapIn) -> None:
-        saved = self.swap_space.pop(s.seq.request_id).to(self.device)
-        table = self.pool.manager.block_table(s.seq.request_id)
+        rid, store = s.seq.request_id, self.pool.swap_store
+        if store is not None:     # staged blocks when the lookahead started them, else fetched now
+            B = self.pool.block_size
+            first, last = s.num_cached // B, max(s.num_cached // B, -(-s.num_tokens // B))
+            saved, offset = store.take(rid, first, last, self.device), first * B
+        else:
+            saved, offset = self.swap_space.pop(rid).to(self.device), 0
+        table = self.pool.manager.block_table(rid)
         for layer in range(len(self.pool.k_cache)):
             slots, k, v = self._gather(table, s.num_cached, s.num_tokens, layer)
-            k[slots] = saved[layer, 0, s.num_cached:s.num_tokens]
-            v[slots] = saved[layer, 1, s.num_cached:s.num_tokens]
+            k[slots] = saved[layer, 0, s.num_cached - offset:s.num_tokens - offset]
+            v[slots] = saved[layer, 1, s.num_cached - offset:s.num_tokens - offset]
 
     def drop_swap(self, request_id: str) -> None:
+        """``request_id`` ended: its swapped KV and anything staged for it go."""
         self.swap_space.pop(request_id, None)
+        if self.pool.kv_prefetch is not None:
+            self.pool.kv_prefetch.drop_request(request_id)
+        if self.pool.swap_store is not None:
+            self.pool.swap_store.drop(request_id)
 
     # ---- the forward ---------------------------------------------------------------------------
     @torch.inference_mode()

@@ -4,7 +4,8 @@
   ``prefix_cache`` (hash chain, verification, miss reasons), ``layout`` (byte accounting);
 * storage: ``paged`` (the pool's tensors, its lifecycle, a sequence's view), ``batch`` (a packed
   step's view over the pool or over per-sequence caches), ``offload``
-  (host / disk tier for evicted blocks);
+  (host / disk tier for evicted blocks, through the prefetch layer's transports), ``kv_prefetch``
+  (the lookahead that stages offloaded prefix blocks and swapped-out KV ahead of their use);
 * tiers: ``tier_config`` (zones and bytes), ``pca`` (key bases), ``tiers`` (the hot / warm /
   cold cache and its attention);
 * ``inspect``: looking inside (pool and tier reports, live or from a server).
@@ -23,7 +24,8 @@ _EXPORTS = exports({
     "workbench.kv.pca": "PCABasis KeyRecorder collect_keys fit_pca_basis fit_pca_from_model",
     "workbench.kv.paged": "PagedKVConfig PagedKVPool PagedSequenceCache PoolBlocks",
     "workbench.kv.batch": "PagedBatchCache SequenceBatchCache",
-    "workbench.kv.offload": "DiskOffload HostOffload OffloadStore",
+    "workbench.kv.offload": "DiskOffload HostOffload OffloadStats OffloadStore Staging",
+    "workbench.kv.kv_prefetch": "KVPrefetch SwapStore make_tiers offloaded_prefix",
 })
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy(__name__, _EXPORTS)

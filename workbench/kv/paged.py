@@ -29,7 +29,7 @@ from workbench.model.config import ModelConfig
 from workbench.errors import ConfigError, WorkbenchError
 from workbench.kv.block_manager import AllocStatus, Allocation, BlockManager
 from workbench.kv.layout import KVLayout
-from workbench.kv.offload import DiskOffload, HostOffload
+from workbench.kv.kv_prefetch import KVPrefetch, make_tiers, offloaded_prefix
 
 
 @dataclass
@@ -43,10 +43,29 @@ class PagedKVConfig:
     offload: str | None = None             # None, "host" or "disk": where evicted cached blocks go
     offload_blocks: int = 4096             # capacity of the offload tier, in blocks
     offload_path: str | None = None        # file for "disk" (default: a temporary file)
+    swap_space: str | None = None          # preemption by swapping (SchedulerConfig.preemption_mode="swap"):
+                                           # None keeps swapped KV as host tensors, copied synchronously;
+                                           # "host" / "disk" put it in a transport's tier (RAM, an O_DIRECT
+                                           # file), block by block, and the lookahead stages it before swap-in
+    lookahead: int | None = None           # KV prefetch: each step, stage the slower-tier KV of the next
+                                           # `lookahead` waiting (and swapped) requests; 0 = off; None: 4 with
+                                           # offload or swap_space, else 0
+    prefetch_blocks: int | None = None     # staging buffers per tier (blocks); None: 16 x lookahead
 
     def __post_init__(self) -> None:
         if self.offload not in (None, "host", "disk"):
             raise ConfigError(f"PagedKVConfig.offload must be None, 'host' or 'disk', got {self.offload!r}")
+        if self.swap_space not in (None, "host", "disk"):
+            raise ConfigError(f"PagedKVConfig.swap_space must be None, 'host' or 'disk', got {self.swap_space!r}")
+        tiered = self.offload is not None or self.swap_space is not None
+        if self.lookahead is not None and (not isinstance(self.lookahead, int) or isinstance(self.lookahead, bool)
+                                           or self.lookahead < 0):
+            raise ConfigError(f"PagedKVConfig.lookahead must be an integer >= 0 or None, got {self.lookahead!r}")
+        if self.lookahead and not tiered:
+            raise ConfigError(f"PagedKVConfig.lookahead={self.lookahead} prefetches from a slower KV tier; set "
+                              "offload= and/or swap_space= (or lookahead=0)")
+        if self.prefetch_blocks is not None and (not isinstance(self.prefetch_blocks, int) or self.prefetch_blocks < 0):
+            raise ConfigError(f"PagedKVConfig.prefetch_blocks must be an integer >= 0, got {self.prefetch_blocks!r}")
         if self.offload is not None and not self.enable_prefix_caching:
             raise ConfigError("PagedKVConfig.offload needs enable_prefix_caching=True (offloaded blocks come back "
                               "through prefix hits)")
@@ -58,6 +77,13 @@ class PagedKVConfig:
             raise ConfigError("PagedKVConfig: give num_blocks or kv_cache_bytes, not both")
         if self.eviction not in ("lru", "fifo"):
             raise ConfigError(f"PagedKVConfig.eviction must be 'lru' or 'fifo', got {self.eviction!r}")
+
+    @property
+    def effective_lookahead(self) -> int:
+        """``lookahead``, its default resolved: 4 with an offload tier or swap space, else 0."""
+        if self.lookahead is not None:
+            return self.lookahead
+        return 4 if self.offload is not None or self.swap_space is not None else 0
 
 
 class PagedKVPool:
@@ -83,14 +109,17 @@ class PagedKVPool:
         self.k_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.v_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.stores_kv = tensors
-        if paged.offload is not None and not tensors:
-            raise ConfigError("PagedKVConfig.offload needs the paged KV pool (this engine keeps KV per sequence)")
-        self.offload = None
-        if paged.offload == "host":
-            self.offload = HostOffload(paged.offload_blocks, pin=device.type == "cuda")
-        elif paged.offload == "disk":
-            block_shape = (cfg.num_hidden_layers, 2, *shape[1:])
-            self.offload = DiskOffload(paged.offload_blocks, block_shape, dtype, paged.offload_path)
+        for name in ("offload", "swap_space"):
+            if getattr(paged, name) is not None and not tensors:
+                raise ConfigError(f"PagedKVConfig.{name} needs the paged KV pool (this engine keeps KV per sequence)")
+        # KV prefetch (workbench.kv.kv_prefetch): the offload tier and the swap space fetch through
+        # prefetchers; the lookahead stages what the next requests will need
+        self.lookahead = paged.effective_lookahead if tensors else 0
+        self.offload, self.swap_store = make_tiers(paged, self.lookahead, (cfg.num_hidden_layers, 2, *shape[1:]), dtype,
+                                                   device)
+        self.kv_prefetch = (KVPrefetch(self, self.lookahead)
+                            if self.offload is not None or self.swap_store is not None else None)
+        self.restore_seconds = 0.0     # wall time of offload restores at admission (reads and writes into the pool)
         self.manager = self._new_manager(num_blocks)
         # Observers (kv-inspect, the live block map): called as fn(event, seq_id) with event
         # "begin" (prompt allocated), "step" (KV committed) or "end" (just before the blocks are freed).
@@ -125,13 +154,56 @@ class PagedKVPool:
             v[block_id] = kv[layer, 1]
 
     def _spill(self, block_id: int, block_hash: int, tokens: tuple) -> None:
-        self.offload.put(block_hash, tokens, self.read_block(block_id))
+        if not self.offload.keep(block_hash, tokens):      # a block restored earlier is still there
+            self.offload.put(block_hash, tokens, self.read_block(block_id))
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Blocks' KV, every layer: [num_layers, 2, len(block_ids), block_size, nkv, hd]."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return torch.stack([torch.stack((k[idx], v[idx])) for k, v in zip(self.k_cache, self.v_cache)])
+
+    def offloaded_prefix(self, token_ids: list[int], hashes: list[int] | None = None) -> list[tuple[int, tuple]]:
+        """``[(hash, tokens)]`` of the prompt's prefix blocks that the offload tier holds and the
+        pool does not: what admitting it now would restore (no state change; ``hashes``: the
+        prompt's chain, when the caller has it)."""
+        return offloaded_prefix(self, token_ids, hashes)[0]
 
     def _restore(self, token_ids: list[int]) -> int:
-        restored = self.manager.restore_prefix(token_ids, self.offload.holds)
-        for block_id, block_hash, tokens in restored:
-            self.write_block(block_id, self.offload.get(block_hash, tokens, self.device))
+        """Copy the prompt's offloaded prefix blocks back (staged copies when the lookahead started
+        them).  Every block is read before the block manager registers any: a failed read leaves
+        the pool as it was."""
+        if not len(self.offload):
+            return 0
+        t0 = time.perf_counter()
+        want, cached_hits = offloaded_prefix(self, token_ids)
+        kvs: dict[int, tuple] = {}
+        for h, tokens in want[:max(0, self.manager.num_available_blocks - cached_hits)]:
+            kv = self.offload.get(h, tokens, self.device)
+            if kv is None:
+                break
+            kvs[h] = (tokens, kv)
+        restored = self.manager.restore_prefix(token_ids, lambda h, t: h in kvs and kvs[h][0] == t)
+        if restored:              # one copy per layer and K / V for all the blocks
+            idx = torch.tensor([b for b, _, _ in restored], dtype=torch.long, device=self.device)
+            kv = torch.stack([kvs[h][1] for _, h, _ in restored], dim=2)     # [L, 2, n, B, nkv, hd]
+            for layer, (k, v) in enumerate(zip(self.k_cache, self.v_cache)):
+                k[idx] = kv[layer, 0]
+                v[idx] = kv[layer, 1]
+        self.restore_seconds += time.perf_counter() - t0
         return len(restored)
+
+    def prefetch_stats(self) -> dict | None:
+        """The KV prefetcher's counters (offload restores and swap-ins together, and per source
+        under ``"sources"``): prefetch_hit_rate, stall_s, bytes, achieved_gbps,
+        prefetch_efficiency, restore_s_on_critical_path / restore_s_hidden (and the hidden
+        share), wasted prefetches.  None without an offload tier or swap space."""
+        return None if self.kv_prefetch is None else self.kv_prefetch.stats()
+
+    def close(self) -> None:
+        """Give back the slower tiers (worker threads, a disk tier's temporary file)."""
+        for store in (self.offload, self.swap_store):
+            if store is not None:
+                store.close()
 
     def reset(self) -> None:
         """Forget every block (cached prefixes included); the tensors stay allocated."""

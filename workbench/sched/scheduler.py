@@ -30,6 +30,7 @@ Deterministic: the same calls with the same clock values give the same schedule.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -172,6 +173,23 @@ class Scheduler:
         not age a sequence (it keeps what it earned while waiting)."""
         aging = self.config.aging_s
         return seq.priority + (math.floor(self.waited(seq, now) / aging) if aging else 0)
+
+    def lookahead(self, k: int, now: float) -> tuple[list[Sequence], list[Sequence]]:
+        """The next ``k`` waiting sequences in the order :meth:`schedule` would admit them (its
+        step 3: aged priority, then the longest prefix cached now when prefix-aware, then arrival)
+        and the next ``k`` swapped ones in the order they come back (step 2).  No state changes:
+        what a KV prefetcher stages ahead.  The order is a prediction; whether each one fits, and
+        when, is decided at scheduling time."""
+        if k <= 0:
+            return [], []
+        order = lambda s: (-self.effective_priority(s, now), s.seq_no)  # noqa: E731
+        swapped = heapq.nsmallest(k, self.swapped, key=order)
+        key = order
+        if self.config.prefix_aware and len(self.waiting) > 1:
+            m = self.manager
+            cached = {s.request_id: m.cached_prefix_tokens(s.tokens) if _reuse(s) else 0 for s in self.waiting}
+            key = lambda s: (order(s)[0], -cached[s.request_id], s.seq_no)  # noqa: E731
+        return heapq.nsmallest(k, self.waiting, key=key), swapped
 
     def _start_running(self, seq: Sequence, now: float) -> None:
         seq.waited_s = self.waited(seq, now)

@@ -36,9 +36,10 @@ def model_info(aengine, name: str, source: str | None = None, guard: GuardHook |
     streamer = getattr(eng, "weight_streamer", None)
     if streamer is not None:          # the prefetch layer's settings (its counters are on /metrics)
         info["stream_weights"] = streamer.settings()
-    kv_prefetch = getattr(pool, "prefetch_settings", None)
-    if kv_prefetch is not None:
-        info["kv_prefetch"] = kv_prefetch()
+    pc = pool.config
+    if getattr(pc, "offload", None) or getattr(pc, "swap_space", None):   # the slower KV tiers and their lookahead
+        info["kv_prefetch"] = {"offload": pc.offload, "swap_space": pc.swap_space,
+                               "lookahead": pc.effective_lookahead, "staging_blocks": pc.prefetch_blocks}
     choice = getattr(llm, "thread_choice", None)
     if choice is not None:   # torch intra-op threads and why (workbench.measure.threads)
         info["threads"] = choice.threads
