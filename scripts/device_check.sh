@@ -9,7 +9,10 @@
 #    fused + CUDA graphs);  3. sched_bench: `workbench sched-bench`;  4. engine_bench: the engine's
 #    reference configuration, the bare loop and CUDA-graphed decode vs transformers.generate
 #    (`workbench bench`);  5. engine_fast: torch.compile'd decode, alone and captured as CUDA graphs;
-#    6. prefix_bench: `workbench prefix-bench`.
+#    6. prefix_bench: `workbench prefix-bench`;  7. prefetch_bench: `workbench prefetch-bench` (the
+#    pinned host -> HBM link's GB/s per block size, weight streaming with half the layers offloaded
+#    vs all resident: tokens/s, prefetch hit rate, stall, prefetch_efficiency).  The tests of step 1
+#    include the CUDA transport and streamed weights inside captured CUDA graphs.
 #
 # Every step has its own time cap, and the whole script (summary included) ends within
 # DEVICE_CHECK_BUDGET_S = 480 s: a step that would run past that gets the time left, or is
@@ -20,9 +23,9 @@
 # `python -m workbench.cli.gpu_results`; see results/gpu/README.md):
 #   with CUDA     results/gpu/<device>-<YYYY-MM-DD>/ (committed; a second run that day: -2, -3 ...):
 #                 meta.json, summary.csv, engine_bench.csv, kernel_bench.csv, sched_bench.csv,
-#                 prefix_bench.csv, device_check.log.  Where $OUT is set (the device tool's folder
-#                 of files that come back) the folder is also copied to $OUT/<device>-<date>/:
-#                 copy it into results/gpu/ here and commit it.
+#                 prefix_bench.csv, prefetch_bench.csv, device_check.log.  Where $OUT is set (the device
+#                 tool's folder of files that come back, at most 8 files) the folder is also archived to
+#                 $OUT/<device>-<date>.tar: extract it into results/gpu/ here and commit the folder.
 #   without CUDA  a dry run of the script itself at CPU sizes, into runs/device_check/ (git-ignored),
 #                 never into results/gpu/.
 #   OUT_DIR       given: the tables go there instead.
@@ -70,13 +73,14 @@ if [ -z "${DIR:-}" ]; then echo "device check: could not create the output folde
 if [ "$CUDA" = 1 ]; then
   DEV=cuda; SIZE=full
   TESTS=(tests/kernels/test_kernels_pointwise.py tests/kernels/test_kernels_attention.py tests/transforms/test_backends.py
-         tests/transforms/test_cuda_graphs.py tests/transforms/test_batched_backends.py)
+         tests/transforms/test_cuda_graphs.py tests/transforms/test_batched_backends.py tests/prefetch/test_cuda_prefetch.py)
   # 16 cores there: compile the tests' kernels in 4 processes when pytest-xdist is installed
   "$PY" -c "import xdist" 2> /dev/null && TESTS=(-n 4 --dist loadfile "${TESTS[@]}")
   SCHED=(--streams 8 --max-tokens 64 --trace-requests 48 --rate 20)
   PREFIX=(--num-requests 50)
   ENGINE=(--repeats 3 --configs reference,loop,cuda-graphs)
   FAST=(--repeats 3 --configs reference,compile,compile+graphs)
+  PREFETCH=()
 else                            # the dry run: CPU sizes, the interpreter's quick kernel tests
   DEV=cpu; SIZE=small
   TESTS=(tests/kernels/test_kernels_pointwise.py tests/kernels/test_kernels_attention.py tests/transforms/test_cuda_graphs.py)
@@ -85,6 +89,7 @@ else                            # the dry run: CPU sizes, the interpreter's quic
   PREFIX=(--num-requests 8 --max-tokens 4 --rounds 1)
   ENGINE=(--repeats 2 --num-prompts 2 --max-tokens 8 --configs reference,loop,static)
   FAST=(--repeats 2 --num-prompts 2 --max-tokens 8 --configs reference,compile)
+  PREFETCH=()
 fi
 
 step() {   # step NAME CAP_S command...: stdout -> $WORK/NAME.out, stderr -> $WORK/NAME.log
@@ -108,20 +113,22 @@ step() {   # step NAME CAP_S command...: stdout -> $WORK/NAME.out, stderr -> $WO
 
 WB=("$PY" -m workbench.cli.main)
 echo "device check: $DEV, $PY, tables -> $DIR"
-step tests 100 "$PY" -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"
-step kernels_bench 140 "${WB[@]}" kernels-bench --device "$DEV" --size "$SIZE" --csv "$WORK/kernel_bench.csv" --quiet
+step tests 95 "$PY" -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"
+step kernels_bench 125 "${WB[@]}" kernels-bench --device "$DEV" --size "$SIZE" --csv "$WORK/kernel_bench.csv" --quiet
 step sched_bench 55 "${WB[@]}" sched-bench --device "$DEV" "${SCHED[@]}" --json --quiet
-step engine_bench 60 "${WB[@]}" bench --device "$DEV" "${ENGINE[@]}" --json --quiet
-step engine_fast 70 "${WB[@]}" bench --device "$DEV" "${FAST[@]}" --json --quiet
-step prefix_bench 40 "${WB[@]}" prefix-bench --device "$DEV" "${PREFIX[@]}" --json --quiet
+step engine_bench 50 "${WB[@]}" bench --device "$DEV" "${ENGINE[@]}" --json --quiet
+step engine_fast 60 "${WB[@]}" bench --device "$DEV" "${FAST[@]}" --json --quiet
+step prefix_bench 35 "${WB[@]}" prefix-bench --device "$DEV" "${PREFIX[@]}" --json --quiet
+step prefetch_bench 45 "${WB[@]}" prefetch-bench --device "$DEV" "${PREFETCH[@]}" --json --quiet
 
 echo
 echo "== tables"
 timeout -k 2 10 "$PY" -m workbench.cli.gpu_results write-tables "$DIR" --work "$WORK" \
   || echo "writing the tables failed (raw outputs in $WORK)"
 if [ "$CUDA" = 1 ] && [ -z "${1:-}" ] && [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
-  mkdir -p "$OUT/$(basename "$DIR")" && cp "$DIR"/*.csv "$DIR"/meta.json "$DIR"/*.log "$OUT/$(basename "$DIR")/" 2> /dev/null
-  echo "copied to \$OUT/$(basename "$DIR")/: copy that folder into results/gpu/ and commit it"
+  # one archive: the device tool brings back at most 8 files, and the folder holds more tables than that
+  tar -C "$(dirname "$DIR")" -cf "$OUT/$(basename "$DIR").tar" "$(basename "$DIR")" \
+    && echo "archived to \$OUT/$(basename "$DIR").tar: tar -xf it in results/gpu/ and commit the folder"
 fi
 if [ -s "$WORK/kernels_bench.out" ]; then echo; echo "== kernel bench (last lines)"; tail -n 25 "$WORK/kernels_bench.out"; fi
 echo

@@ -1,13 +1,14 @@
 """``workbench`` command line: generate, bench, run-notebooks, info, kv-inspect, prefix-bench,
-sched-bench, serve, load, kernels-bench, kernels-aot.
+sched-bench, serve, load, kernels-bench, kernels-aot, prefetch-bench.
 
 argparse lives only in this package; each subcommand calls a plain function with the same parameters.
 A :class:`WorkbenchError` is printed as one line and the exit status is 2 (no traceback).
 This module builds the parser from the subcommands' modules (in the order ``--help`` lists them):
 :mod:`~workbench.cli.model` (generate, info, kv-inspect), :mod:`~workbench.cli.bench` (bench,
 prefix-bench, sched-bench), :mod:`~workbench.cli.notebooks` (run-notebooks),
-:mod:`~workbench.cli.serve`, :mod:`~workbench.cli.kernels` (kernels-bench, kernels-aot) and
-:mod:`~workbench.cli.load`; the shared options are in :mod:`~workbench.cli.options`.
+:mod:`~workbench.cli.serve`, :mod:`~workbench.cli.kernels` (kernels-bench, kernels-aot),
+:mod:`~workbench.cli.load` and :mod:`~workbench.cli.prefetch` (prefetch-bench); the shared options are in
+:mod:`~workbench.cli.options`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from workbench.cli.load import add_parser as add_load_parser
 from workbench.cli.model import add_generate_parser, add_info_parser, add_kv_inspect_parser
 from workbench.cli.notebooks import add_run_notebooks_parser
 from workbench.cli.options import prepare_threads, prepare_triton
+from workbench.cli.prefetch import add_prefetch_bench_parser
 from workbench.cli.serve import add_serve_parser
 
 
@@ -38,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_kernels_bench_parser(sub)
     add_kernels_aot_parser(sub)
     add_load_parser(sub)
+    add_prefetch_bench_parser(sub)
     return ap
 
 

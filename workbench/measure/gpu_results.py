@@ -14,6 +14,7 @@ One folder holds (see ``results/gpu/README.md``)::
     kernel_bench.csv   `workbench kernels-bench`: its own CSV, unchanged
     sched_bench.csv    `workbench sched-bench --json`, long format: section, config, metric, value
     prefix_bench.csv   `workbench prefix-bench --json`, long format: section, config, metric, value
+    prefetch_bench.csv `workbench prefetch-bench --json`, long format: section, config, metric, value
     device_check.log   the last lines of every step's output
 
 A notebook shows the latest GPU table next to its CPU figures::
@@ -53,7 +54,7 @@ DRY_RUN_DIR = REPO / "runs" / "device_check"     # git-ignored: a run without CU
 # step -> the table it produces (the CSV is named after the step; kernels_bench keeps the name of
 # the CSV `workbench kernels-bench` has always written)
 TABLES = {"engine_bench": "engine_bench", "engine_fast": "engine_fast_bench", "kernels_bench": "kernel_bench",
-          "sched_bench": "sched_bench", "prefix_bench": "prefix_bench"}
+          "sched_bench": "sched_bench", "prefix_bench": "prefix_bench", "prefetch_bench": "prefetch_bench"}
 ENGINE_STEPS = ("engine_bench", "engine_fast")      # `workbench bench --json` outputs: one row per side
 SUMMARY_COLUMNS = ["step", "status", "seconds", "limit_s"]
 LONG_COLUMNS = ["section", "config", "metric", "value"]

@@ -28,6 +28,11 @@ PRESETS: dict[str, dict] = {
                          num_key_value_heads=2, head_dim=64, max_position_embeddings=32768,
                          rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, qkv_bias=True,
                          bos_token_id=151643, eos_token_id=151643, torch_dtype="bfloat16"),
+    # weight-streaming demos on a CPU: a ~47 MB fp32 layer copies from disk in ~40 ms, about what
+    # a prefill step of a few hundred tokens computes it in (workbench.bench.prefetch)
+    "stream-demo": dict(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                        num_attention_heads=16, num_key_value_heads=8, head_dim=64, max_position_embeddings=2048,
+                        rms_norm_eps=1e-5, tie_word_embeddings=True, torch_dtype="float32"),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                  rms_norm_eps=1e-5, tie_word_embeddings=True, torch_dtype="float32"),

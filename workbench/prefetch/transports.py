@@ -186,6 +186,8 @@ class _Worker:
 
     def close(self) -> None:
         self._q.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()      # a thread still exiting when the interpreter shuts down aborts it
 
 
 class _ThreadTransport(Transport):
