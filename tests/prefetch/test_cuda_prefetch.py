@@ -11,7 +11,7 @@ from workbench.engine.core import LLMEngine
 from workbench.engine.sampling import SamplingParams
 from workbench.errors import ConfigError
 from workbench.prefetch.prefetcher import Prefetcher
-from workbench.prefetch.transports import CudaTransport
+from workbench.prefetch.cuda_transport import CudaTransport
 from workbench.prefetch.weights import WeightStreamConfig
 from workbench.sched.config import SchedulerConfig
 

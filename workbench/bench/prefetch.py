@@ -176,9 +176,14 @@ def _ratio(res: dict, sync: dict, streamed: list[int]) -> dict:
             "ratio": sum_copy / sum_compute}
 
 
-def default_candidates(smoke: bool = True) -> list[dict]:
+def default_candidates(smoke: bool = True, device=None) -> list[dict]:
     """The configurations :func:`pick_config` tries: the bundled model's decode (its ~3 MB layer
-    copies in ~3 ms) at growing batch, then prefill-heavy steps of the ``stream-demo`` preset."""
+    copies in ~3 ms) at growing batch, then prefill-heavy steps of the ``stream-demo`` preset.
+    On CUDA: a Llama-3.2-1B-shaped layer (~120 MB in bf16, ~2.5 ms over PCIe) against prefill
+    steps of a few thousand tokens, where its compute takes about as long."""
+    if device is not None and torch.device(device).type == "cuda":
+        return [dict(model="preset:llama-3.2-1b", workload=Workload(4, 512, 2)),
+                dict(model="preset:llama-3.2-1b", workload=Workload(8, 1024, 2))]
     c = [dict(model=None, workload=Workload(1, 16, 16)), dict(model=None, workload=Workload(4, 128, 4))]
     if not smoke:
         c += [dict(model=None, workload=Workload(4, 64, 8)),
@@ -191,7 +196,7 @@ def pick_config(candidates: list[dict] | None = None, resident_layers: int = 1, 
     """Measure the copy / compute ratio of each candidate (``model``, ``workload``) and pick the
     one in [0.5, 2] nearest 1 (or the nearest overall when none is, ``in_range`` False).
     ``engines``: a dict filled with the engine built per model (for reuse)."""
-    rows, cands = [], candidates or default_candidates(smoke)
+    rows, cands = [], candidates or default_candidates(smoke, device)
     engines = {} if engines is None else engines
     for cand in cands:
         m, w = cand.get("model"), cand["workload"]

@@ -97,8 +97,9 @@ def cmd_prefetch_bench(args) -> int:
     from workbench.bench.prefetch import prefetch_bench
 
     progress = None if args.json or args.quiet else (lambda msg: print(f"... {msg}", file=sys.stderr))
+    options = tuple(o for o in args.options.split(",") if o)
     res = prefetch_bench(smoke=not args.full, device=args.device, threads=args.threads, transport=args.transport,
-                         progress=progress)
+                         options=options, progress=progress)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=2, default=str)
@@ -117,6 +118,8 @@ def add_prefetch_bench_parser(sub) -> None:
                    help="the slow tier (auto: cuda on a CUDA device, else disk)")
     p.add_argument("--threads", default="1",
                    help="torch intra-op threads: N or auto (default 1: on 2 cores the copy lane needs the other)")
+    p.add_argument("--options", default="eager,fused,compile",
+                   help="engine options checked with streaming (comma-separated: eager, fused, compile; empty: none)")
     p.add_argument("--out", default=None, help="also write the JSON document to this file")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the tables")
     p.add_argument("--quiet", action="store_true", help="no progress lines")

@@ -37,7 +37,8 @@ import torch
 
 from workbench.errors import ConfigError, WorkbenchError
 from workbench.prefetch.prefetcher import Prefetcher
-from workbench.prefetch.transports import CudaTransport, DiskTransport, HostTransport, Transport
+from workbench.prefetch.cuda_transport import CudaTransport
+from workbench.prefetch.transports import DiskTransport, HostTransport, Transport
 
 
 @dataclass

@@ -13,7 +13,8 @@ above ``model``.
 from workbench._exports import exports, lazy
 
 _EXPORTS = exports({
-    "workbench.prefetch.transports": "CudaTransport DiskTransport HostTransport Job Transport make_transport",
+    "workbench.prefetch.transports": "DiskTransport HostTransport Job Transport make_transport",
+    "workbench.prefetch.cuda_transport": "CudaTransport",
     "workbench.prefetch.prefetcher": "PrefetchStats Prefetcher",
     "workbench.prefetch.weights": "WeightStreamConfig WeightStreamer stream_weights weight_streamer",
     "workbench.prefetch.link": "LinkPoint measure_link",

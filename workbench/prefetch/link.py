@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import torch
 
 from workbench.errors import ConfigError
-from workbench.prefetch.transports import DISK_HEADROOM, CudaTransport, DiskTransport, HostTransport, round_up
+from workbench.prefetch.cuda_transport import CudaTransport
+from workbench.prefetch.transports import DISK_HEADROOM, DiskTransport, HostTransport, round_up
 
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_SIZES = tuple(8 * KiB << i for i in range(10))    # 8 KiB, 16 KiB, ..., 4 MiB
