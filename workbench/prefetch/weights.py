@@ -111,7 +111,8 @@ class WeightStreamer:
         layers = list(model.model.layers)
         L = len(layers)
         dev = model.lm_head.weight.device
-        layer_bytes = [_layout(layer)[1] for layer in layers]
+        layer_bytes = self._layer_bytes = [_layout(layer)[1] for layer in layers]
+        self._memory: dict | None = None
         self.fixed_bytes = _param_bytes(p for n, p in model.named_parameters() if ".layers." not in f".{n}")
         n_res = self._resident_count(L, layer_bytes) if config.resident_layers is None else config.resident_layers
         if n_res >= L:
@@ -226,14 +227,16 @@ class WeightStreamer:
     # ---- reading ---------------------------------------------------------------------------------
     def memory(self) -> dict:
         """Measured resident bytes (parameter storages deduplicated by address, plus the buffers),
-        next to what keeping every layer resident takes."""
-        layers = self.model.model.layers
-        resident_layer_bytes = _param_bytes(p for i in self.resident for p in layers[i].parameters())
-        buffers = sum(b.numel() for b in self.buffers)
-        all_layers = sum(_layout(layer)[1] for layer in layers)
-        return {"embedding_head_norm_bytes": self.fixed_bytes, "resident_layer_bytes": resident_layer_bytes,
-                "buffer_bytes": buffers, "resident_bytes": self.fixed_bytes + resident_layer_bytes + buffers,
-                "all_resident_bytes": self.fixed_bytes + all_layers, "slow_tier_bytes": self.transport.bytes_stored}
+        next to what keeping every layer resident takes.  Measured once, at install: nothing is
+        allocated or freed afterwards, and servers read stats() after every step."""
+        if self._memory is None:
+            layers = self.model.model.layers
+            resident_layer_bytes = _param_bytes(p for i in self.resident for p in layers[i].parameters())
+            buffers = sum(b.numel() for b in self.buffers)
+            self._memory = {"embedding_head_norm_bytes": self.fixed_bytes, "resident_layer_bytes": resident_layer_bytes,
+                            "buffer_bytes": buffers, "resident_bytes": self.fixed_bytes + resident_layer_bytes + buffers,
+                            "all_resident_bytes": self.fixed_bytes + sum(self._layer_bytes)}
+        return {**self._memory, "slow_tier_bytes": self.transport.bytes_stored}
 
     def settings(self) -> dict:
         return {"resident_layers": len(self.resident), "streamed_layers": len(self.streamed),
