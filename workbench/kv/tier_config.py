@@ -210,17 +210,28 @@ def basis_bytes(cfg: TierConfig, num_layers: int, num_kv_heads: int, head_dim: i
     return num_layers * num_kv_heads * (head_dim + head_dim * cfg.rank) * cfg.element_bytes
 
 
+def zone_bytes(length: int, cfg: TierConfig, num_layers: int, num_kv_heads: int, head_dim: int,
+               batch_size: int = 1, basis_element_bytes: int | None = None) -> dict[str, int]:
+    """Resident bytes per zone (``hot``, ``warm``, ``cold``, ``basis``) for ``batch_size``
+    sequences of ``length`` tokens; the basis once while any token is warm, at
+    ``basis_element_bytes`` (default ``cfg.element_bytes``)."""
+    z = zone_counts(length, cfg)
+    b = _token_bytes(cfg, head_dim)
+    n = batch_size * num_layers * num_kv_heads
+    basis = 0
+    if z.warm > 0:
+        basis = basis_bytes(cfg if basis_element_bytes is None else cfg.replace(element_bytes=basis_element_bytes),
+                            num_layers, num_kv_heads, head_dim)
+    return {"hot": int(n * z.hot * b["hot"]), "warm": int(n * z.warm * b["warm"]),
+            "cold": int(n * z.cold_chunks * b["cold_chunk"]), "basis": int(basis)}
+
+
 def resident_bytes(length: int, cfg: TierConfig, num_layers: int, num_kv_heads: int, head_dim: int,
                    batch_size: int = 1, include_basis: bool = True) -> int:
     """Bytes in fast memory for ``batch_size`` sequences of ``length`` tokens, plus the shared
     PCA basis once while any token is warm."""
-    z = zone_counts(length, cfg)
-    b = _token_bytes(cfg, head_dim)
-    per_head = z.hot * b["hot"] + z.warm * b["warm"] + z.cold_chunks * b["cold_chunk"]
-    total = batch_size * num_layers * num_kv_heads * per_head
-    if include_basis and z.warm > 0:
-        total += basis_bytes(cfg, num_layers, num_kv_heads, head_dim)
-    return int(total)
+    z = zone_bytes(length, cfg, num_layers, num_kv_heads, head_dim, batch_size)
+    return z["hot"] + z["warm"] + z["cold"] + (z["basis"] if include_basis else 0)
 
 
 def full_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, element_bytes: int = 2) -> int:

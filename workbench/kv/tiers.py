@@ -46,19 +46,36 @@ teacher-forced forward over a document in one call equals decoding it step by st
 
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 
 import torch
 
 from workbench.model.config import ModelConfig
 from workbench.errors import ConfigError
-from workbench.model.decoder import Attention, CausalLM, RotaryEmbedding, apply_rope
-from workbench.kv.pca import PCABasis, unrotate
-from workbench.kv.tier_config import (TierConfig, ZoneCounts, basis_bytes, fetch_bytes_per_token, full_bytes_per_token,
-                          resident_bytes, zone_counts, zone_masks)
+from workbench.model.decoder import Attention, CausalLM, RotaryEmbedding
+from workbench.kv.pca import PCABasis
+from workbench.kv.tier_attention import (attend_zones, chunk_means, int8_values, key_coefficients,
+                                         reconstruct_keys)
+from workbench.kv.tier_config import (TierConfig, ZoneCounts, basis_bytes, full_bytes_per_token, resident_bytes,
+                                      zone_counts, zone_masks)
 
-NEG_INF = float("-inf")
+
+def check_tier_setup(who: str, model_cfg: ModelConfig, cfg: TierConfig, basis: PCABasis | None) -> None:
+    """A ConfigError naming the field when ``cfg`` and ``basis`` cannot serve ``model_cfg``."""
+    if not isinstance(cfg, TierConfig):
+        raise ConfigError(f"{who}: cfg must be a TierConfig, got {type(cfg).__name__}")
+    if cfg.has_warm:
+        if basis is None:
+            raise ConfigError(f"{who}: field 'basis' is required when the config has a warm zone "
+                              "(all but warm_tokens=0 with chunk=1); fit one with "
+                              "workbench.kv.pca.fit_pca_from_model")
+        basis.check_model(model_cfg)
+        if cfg.rank > basis.max_rank:
+            raise ConfigError(f"TierConfig field 'rank' ({cfg.rank}) exceeds the basis' rank "
+                              f"({basis.max_rank}, head_dim {model_cfg.head_dim})")
+        if basis.key_space != cfg.key_space:
+            raise ConfigError(f"TierConfig field 'key_space' is {cfg.key_space!r} but the basis was fitted "
+                              f"on {basis.key_space!r} keys; refit or change key_space")
 
 
 class TieredKVCache:
@@ -72,21 +89,8 @@ class TieredKVCache:
     def __init__(self, model_cfg: ModelConfig, cfg: TierConfig, basis: PCABasis | None = None,
                  batch_size: int = 1, max_len: int | None = None, device=None,
                  dtype: torch.dtype = torch.float32) -> None:
-        if not isinstance(cfg, TierConfig):
-            raise ConfigError(f"TieredKVCache: cfg must be a TierConfig, got {type(cfg).__name__}")
+        check_tier_setup("TieredKVCache", model_cfg, cfg, basis)
         L, nkv, hd = model_cfg.num_hidden_layers, model_cfg.num_key_value_heads, model_cfg.head_dim
-        if cfg.has_warm:
-            if basis is None:
-                raise ConfigError("TieredKVCache: field 'basis' is required when the config has a warm zone "
-                                  "(all but warm_tokens=0 with chunk=1); fit one with "
-                                  "workbench.kv.pca.fit_pca_from_model")
-            basis.check_model(model_cfg)
-            if cfg.rank > basis.max_rank:
-                raise ConfigError(f"TierConfig field 'rank' ({cfg.rank}) exceeds the basis' rank "
-                                  f"({basis.max_rank}, head_dim {hd})")
-            if basis.key_space != cfg.key_space:
-                raise ConfigError(f"TierConfig field 'key_space' is {cfg.key_space!r} but the basis was fitted "
-                                  f"on {basis.key_space!r} keys; refit or change key_space")
         self.model_cfg, self.cfg, self.basis = model_cfg, cfg, basis
         self.max_len = max_len or model_cfg.max_position_embeddings
         self.batch_size, self.dtype = batch_size, dtype
@@ -97,7 +101,7 @@ class TieredKVCache:
         if cfg.has_warm:
             self.mean = basis.mean.to(device, torch.float32)                       # [L, nkv, hd]
             self.U = basis.components[..., :cfg.rank].to(device, torch.float32)   # [L, nkv, hd, r]
-            self.coef = z(shape[:3] + (cfg.rank,), torch.float32)
+            self.coef = z(shape[:3] + (cfg.rank,))
             self.k_hat = z()
             self.rope = RotaryEmbedding(model_cfg) if cfg.key_space == "pre_rope" else None
         if cfg.value_format == "int8":
@@ -120,24 +124,16 @@ class TieredKVCache:
         self.k[layer][:, :, start:end] = k
         self.v[layer][:, :, start:end] = v
         if self.cfg.has_warm:
-            kk = k.float()
-            if self.rope is not None:
-                cos, sin = self.rope(start, end, k.device, torch.float32)
-                kk = unrotate(kk, cos, sin)
-            mu, U = self.mean[layer][None, :, None], self.U[layer][None]           # [1,nkv,1,hd], [1,nkv,hd,r]
-            c = (kk - mu) @ U                                                      # [B, nkv, T, r]
-            rec = mu + c @ U.transpose(-1, -2)
-            if self.rope is not None:
-                rec = apply_rope(rec, cos, sin)
+            rope = self.rope(start, end, k.device, torch.float32) if self.rope is not None else None
+            c = key_coefficients(k, self.mean[layer], self.U[layer], rope, dtype=self.dtype)
             self.coef[layer][:, :, start:end] = c
-            self.k_hat[layer][:, :, start:end] = rec.to(self.dtype)
+            self.k_hat[layer][:, :, start:end] = reconstruct_keys(c, self.mean[layer], self.U[layer], rope,
+                                                                  self.dtype)
         if self.cfg.value_format == "int8":
-            scale = (v.float().abs().amax(-1, keepdim=True) / 127).to(torch.float16)
-            s = scale.float().clamp_min(torch.finfo(torch.float16).tiny)
-            q = torch.round(v.float() / s).clamp(-127, 127).to(torch.int8)
+            q, scale, v_hat = int8_values(v)
             self.vq[layer][:, :, start:end] = q
             self.vscale[layer][:, :, start:end] = scale
-            self.v_hat[layer][:, :, start:end] = (q.float() * s).to(self.dtype)
+            self.v_hat[layer][:, :, start:end] = v_hat
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
     # ---- the attention interface (workbench.model.kv_cache) -----------------------------------
@@ -156,79 +152,24 @@ class TieredKVCache:
         """Attention of queries q [B, nh, T, hd] at positions start..start+T-1 over the tiered
         cache (already updated with those tokens).  Returns [B, nh, T, hd]."""
         cfg = self.cfg
-        B, nh, T, hd = q.shape
-        nkv = self.model_cfg.num_key_value_heads
-        g, S = nh // nkv, start + T
-        m = zone_masks(start, T, cfg, device=q.device)
-        qg = q.float().view(B, nkv, g, T, hd) / math.sqrt(hd)
-        K, V = self.k[layer][:, :, :S].float(), self.v[layer][:, :, :S].float()
-        s_ex = qg @ K[:, :, None].transpose(-1, -2)                              # [B, nkv, g, T, S]
-        any_warm, nC = bool(m.warm.any()), m.n_chunks
-        any_cold = cfg.cold_mode == "mean" and nC > 0 and bool(m.chunk_cold.any())
-        s_w = qg @ self.k_hat[layer][:, :, None, :S].float().transpose(-1, -2) if any_warm else None
-        if any_cold:
-            lo, hi = cfg.sink, cfg.sink + nC * cfg.chunk
-            Kc = K[:, :, lo:hi].reshape(B, nkv, nC, cfg.chunk, hd).mean(3)      # [B, nkv, nC, hd]
-            Vc = V[:, :, lo:hi].reshape(B, nkv, nC, cfg.chunk, hd).mean(3)
-            s_c = qg @ Kc[:, :, None].transpose(-1, -2)                          # [B, nkv, g, T, nC]
-        fetched = chunk_fetched = None
-        if cfg.budget and (any_warm or any_cold):
-            fetched, chunk_fetched = self._route(layer, m, s_w, s_c if any_cold else None, start)
-        # Which version of each key every query uses.
-        use_ex = m.hot if fetched is None else (m.hot | fetched)                 # [.., T, S]
-        parts_s = [s_ex.masked_fill(~use_ex, NEG_INF)]
-        parts_v = [V]
-        if any_warm:
-            use_w = m.warm if fetched is None else (m.warm & ~fetched)
-            parts_s.append(s_w.masked_fill(~use_w, NEG_INF))
-            parts_v.append(self.v_hat[layer][:, :, :S].float() if cfg.value_format == "int8" else V)
-        if any_cold:
-            use_c = m.chunk_cold if chunk_fetched is None else (m.chunk_cold & ~chunk_fetched)
-            parts_s.append((s_c + math.log(cfg.chunk)).masked_fill(~use_c, NEG_INF))
-            parts_v.append(Vc)
-        p = torch.softmax(torch.cat(parts_s, dim=-1), dim=-1)                     # [B, nkv, g, T, *]
-        out, off = 0, 0
-        for vals in parts_v:
-            n = vals.shape[2]
-            out = out + p[..., off:off + n] @ vals[:, :, None]
-            off += n
-        return out.reshape(B, nh, T, hd).to(q.dtype)
+        S = start + q.shape[2]
+        m = zone_masks(start, q.shape[2], cfg, device=q.device)
+        K, V = self.k[layer][:, :, :S], self.v[layer][:, :, :S]
+        k_hat = self.k_hat[layer][:, :, :S] if cfg.has_warm else None
+        v_warm = self.v_hat[layer][:, :, :S] if cfg.value_format == "int8" else V
+        Kc = Vc = None
+        if cfg.cold_mode == "mean" and m.n_chunks:
+            lo, hi = cfg.sink, cfg.sink + m.n_chunks * cfg.chunk
+            Kc, Vc = chunk_means(K[:, :, lo:hi], cfg.chunk), chunk_means(V[:, :, lo:hi], cfg.chunk)
 
-    def _route(self, layer, m, s_w, s_c, start):
-        """Select, per (batch, KV head, query), the blocks with the largest predicted mass.
-        Returns fetched [B, nkv, 1, T, S] and chunk_fetched [B, nkv, 1, T, nC] (bool)."""
-        cfg = self.cfg
-        B, nkv, g, T, _ = (s_w if s_w is not None else s_c).shape
-        S, sink, bs = start + T, cfg.sink, cfg.block
-        est = torch.full((B, nkv, g, T, S), NEG_INF, device=m.hot.device)
-        if s_w is not None:
-            est = torch.where(m.warm, s_w, est)
-        if s_c is not None:
-            nC = s_c.shape[-1]
-            per_tok = torch.full_like(est, NEG_INF)
-            per_tok[..., sink:sink + nC * cfg.chunk] = s_c.repeat_interleave(cfg.chunk, dim=-1)
-            est = torch.where(m.cold, per_tok, est)
-        nb = -(-(S - sink) // bs)
-        region = torch.nn.functional.pad(est[..., sink:], (0, nb * bs - (S - sink)), value=NEG_INF)
-        mass = torch.logsumexp(region.view(B, nkv, g, T, nb, bs), dim=(2, 5))   # [B, nkv, T, nb]
-        k = min(cfg.budget // bs, nb)
-        top = mass.topk(k, dim=-1)
-        sel = torch.zeros_like(mass, dtype=torch.bool).scatter(-1, top.indices, top.values > NEG_INF)
-        self.last_selection[layer] = sel
-        sel_tok = sel.repeat_interleave(bs, dim=-1)[..., :S - sink]
-        sel_tok = torch.nn.functional.pad(sel_tok, (sink, 0), value=False)[:, :, None]   # [B, nkv, 1, T, S]
-        nonhot = m.warm | m.cold if s_c is not None else m.warm   # dropped tokens are not routable
-        fetched = sel_tok & nonhot
-        chunk_fetched = None
-        if s_c is not None:
-            blk_of_chunk = torch.arange(s_c.shape[-1], device=sel.device) * cfg.chunk // bs
-            chunk_fetched = sel[..., blk_of_chunk][:, :, None]                  # [B, nkv, 1, T, nC]
-        fb = fetch_bytes_per_token(cfg, self.model_cfg.head_dim)
-        per_q = ((fetched & m.warm).sum((0, 1, 2, 4)).double() * fb["warm"]
-                 + (fetched & m.cold).sum((0, 1, 2, 4)).double() * fb["cold"])   # [T]
-        self.fetched_bytes_by_pos[start:S] += per_q.cpu()
-        self.fetched_tokens_by_pos[start:S] += fetched.sum((0, 1, 2, 4)).double().cpu()
-        return fetched, chunk_fetched
+        def on_route(sel, per_q):
+            self.last_selection[layer] = sel
+            self.fetched_bytes_by_pos[start:S] += per_q.cpu()
+
+        def count(fetched):
+            self.fetched_tokens_by_pos[start:S] += fetched.sum((0, 1, 2, 4)).double().cpu()
+
+        return attend_zones(cfg, q, start, m, K, V, k_hat, v_warm, Kc, Vc, fetch=count, on_route=on_route)
 
     # ---- accounting -----------------------------------------------------------------------
     def zone_counts(self, length: int | None = None) -> ZoneCounts:

@@ -47,6 +47,9 @@ class PrefetchStats:
     hits: int = 0                # ... whose bytes were already in place
     stall_s: float = 0.0
     bytes: int = 0               # bytes of finished copies
+    reused: int = 0              # uses served by bytes an earlier fetch left in place (no copy)
+    wasted: int = 0              # predicted fetches nobody used (cancelled)
+    wasted_bytes: int = 0
     copy_s: float = 0.0          # the copy lane's busy time for them
     ceiling_gbps: float | None = None
 
@@ -131,6 +134,29 @@ class Prefetcher:
         """A synchronous fetch (counted as a demand fetch and a use)."""
         self.pending.pop(key, None)
         return self.wait(key, dst, label)
+
+    def reuse(self, label: str = "reuse") -> None:
+        """A use whose bytes an earlier fetch left in place (a staging buffer kept from the last
+        step): a hit that moved nothing."""
+        self.stats_.uses += 1
+        self.stats_.hits += 1
+        self.stats_.reused += 1
+
+    def cancel(self, key) -> bool:
+        """A predicted fetch turned out unneeded: wait for its copy (a started copy cannot be
+        recalled; its buffer is free afterwards) and count it as wasted.  False if not pending."""
+        job = self.pending.pop(key, None)
+        if job is None:
+            return False
+        try:
+            self.transport.wait(job)
+        except Exception:  # noqa: BLE001 - nobody uses these bytes
+            return True
+        self.stats_.wasted += 1
+        self.stats_.wasted_bytes += job.nbytes
+        if not self._cuda:
+            self._finished(job, f"wasted {key}")
+        return True
 
     def _finished(self, job: Job, label: str) -> None:
         if job.seconds is not None:

@@ -243,6 +243,10 @@ class HostTransport(_ThreadTransport):
     def _copy(self, key, out: torch.Tensor) -> None:
         out.copy_(self._data[key])
 
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        """RAM -> RAM needs no alignment: a buffer of exactly ``nbytes``."""
+        return torch.empty(nbytes, dtype=torch.uint8)
+
 
 class DiskTransport(_ThreadTransport):
     """disk -> RAM: one file of 4 KiB-aligned extents, read with ``O_DIRECT`` (or, where the
