@@ -91,6 +91,11 @@ def cmd_kv_inspect(args) -> int:
     progress = not args.json and not args.quiet
     if args.tiers:
         tier = tier_config(args)
+        if args.tier_store != "accounted":
+            from workbench.errors import ConfigError
+
+            raise ConfigError("kv-inspect --tiers reads every representation the accounted cache keeps; "
+                              "--tier-store host|disk is for serve and tier-bench (measured memory)")
         rep = inspect_tiered_workload(tier, model=args.model, prompt=args.prompt[0] if args.prompt else None,
                                       prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                                       calibration_docs=args.calibration_docs, device=args.device, dtype=args.dtype,

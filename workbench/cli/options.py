@@ -92,6 +92,20 @@ def add_tier_args(t) -> None:
     t.add_argument("--key-space", choices=["post_rope", "pre_rope"], default="post_rope")
     t.add_argument("--cold-mode", choices=["mean", "drop"], default="mean", help="drop: the sliding-window control")
     t.add_argument("--calibration-docs", type=int, default=2, help="held-out calibration documents for the PCA basis")
+    t.add_argument("--tier-store", choices=["accounted", "host", "disk"], default="accounted",
+                   help="accounted: a full copy kept, bytes counted by formula; host / disk: the physical cache, "
+                        "warm and cold tokens' full K/V in that offload tier, routed blocks fetched back")
+    t.add_argument("--tier-predict", choices=["none", "step", "layer", "both"], default="step",
+                   help="what the physical cache stages ahead of routing (see workbench.kv.tiers_physical)")
+
+
+def tier_store(args):
+    """The physical tiered cache's store, or None for the accounted cache."""
+    if getattr(args, "tier_store", "accounted") == "accounted":
+        return None
+    from workbench.kv.tiers_physical import TierStore
+
+    return TierStore(offload=args.tier_store, predict=args.tier_predict)
 
 
 def tier_config(args):

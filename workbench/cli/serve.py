@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from workbench.cli.options import (add_backend_arg, add_fast_path_args, add_model_args, add_stream_args,
-                                   add_tier_args, apply_backend, tier_config, weight_stream_config)
+                                   add_tier_args, apply_backend, tier_config, tier_store, weight_stream_config)
 
 
 def cmd_serve(args) -> int:
@@ -34,12 +34,13 @@ def cmd_serve(args) -> int:
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               check_finite=args.check_finite)
     apply_backend(llm, args.backend, llm.device.type)
-    tiers = basis = None
+    tiers = basis = store = None
     if args.tiers:
         from workbench.lab.kv_inspect import fit_heldout_basis
 
         tiers = tier_config(args)
         basis = fit_heldout_basis(llm, tiers, args.calibration_docs)
+        store = tier_store(args)
         kv = None
     elif args.kv == "contiguous":
         kv = "contiguous"
@@ -47,7 +48,7 @@ def cmd_serve(args) -> int:
         kv = PagedKVConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                            enable_prefix_caching=not args.no_prefix_caching, offload=args.offload,
                            offload_blocks=args.offload_blocks)
-    engine = LLMEngine(llm, kv=kv, scheduler=sched, tiers=tiers, tier_basis=basis, compile=args.compile,
+    engine = LLMEngine(llm, kv=kv, scheduler=sched, tiers=tiers, tier_basis=basis, tier_store=store, compile=args.compile,
                        cuda_graphs=args.cuda_graphs, stream_weights=weight_stream_config(args))
     announce = lambda line: print(line, flush=True)  # noqa: E731 - scripts read the port from this line
     return serve(engine, config, announce=announce, guard=guard)

@@ -38,7 +38,7 @@ import torch
 from workbench.engine import forks
 from workbench.engine.metrics import RequestMetrics
 from workbench.engine.modes import (check_fast_paths, describe, describe_error, describe_kv, describe_values,
-                                    install_weight_streaming, kv_mode, make_pool, make_runner, prefetch_stats,
+                                    install_weight_streaming, kv_memory, kv_mode, make_pool, make_runner, prefetch_stats,
                                     resolve_model)
 from workbench.engine.output import OutputProcessor
 from workbench.engine.sampling import SamplingParams, sample
@@ -68,7 +68,10 @@ class LLMEngine:
     paged pool, with prefix caching) or ``"contiguous"`` (one contiguous cache per sequence,
     the reference).  ``tiers`` (+ ``tier_basis``): one hot / warm / cold
     :class:`~workbench.kv.tiers.TieredKVCache` per sequence (the model's attention is switched
-    to the tiered policy in place).  ``stream_weights``: a
+    to the tiered policy in place); with ``tier_store`` (a :class:`~workbench.kv.tiers_physical.TierStore`)
+    the cache is the physical one: only the resident zones stay in fast memory, full blocks live
+    in the store's offload tier and routed blocks come back through one prefetcher shared by the
+    engine's sequences.  ``stream_weights``: a
     :class:`~workbench.prefetch.weights.WeightStreamConfig` - only some decoder layers stay
     resident, the others are fetched layer by layer ahead of use (the model is changed in place,
     for every engine that shares it).  A combination that cannot work raises ConfigError.
@@ -78,7 +81,7 @@ class LLMEngine:
                  scheduler: SchedulerConfig | None = None, batch_invariant: bool | None = None,
                  max_model_len: int | None = None, clock=time.perf_counter, runner=None,
                  history: int = 100_000, threads: int | str | None = None, tiers=None, tier_basis=None,
-                 compile: bool = False, cuda_graphs: bool = False, static_decode: bool = False,
+                 tier_store=None, compile: bool = False, cuda_graphs: bool = False, static_decode: bool = False,
                  stream_weights=None) -> None:
         base, loaded = resolve_model(model, tokenizer=tokenizer, device=device, dtype=dtype,
                                      max_model_len=max_model_len, threads=threads)
@@ -86,7 +89,10 @@ class LLMEngine:
         self.weight_streamer = install_weight_streaming(self.model, stream_weights)
         self.config = scheduler or SchedulerConfig()
         self.kv_mode = kv_mode(kv, tiers, self.config, runner)
-        self.tiers, self.tier_basis = tiers, tier_basis
+        self.tiers, self.tier_basis, self.tier_store = tiers, tier_basis, tier_store
+        if tier_store is not None and tiers is None:
+            raise ConfigError("LLMEngine: tier_store= is where a tiered cache keeps its blocks; give tiers= too")
+        self.tier_prefetcher = None      # the physical tiered cache's shared prefetcher (made by make_runner)
         self.compiled, self.cuda_graphs = bool(compile), bool(cuda_graphs)
         self.static_decode = bool(static_decode or compile or cuda_graphs)
         if self.static_decode:
@@ -385,7 +391,8 @@ class LLMEngine:
                 "swapped": len(sch.swapped), "kv_used_blocks": m.num_used_blocks, "kv_total_blocks": m.num_blocks,
                 "kv_usage": m.num_used_blocks / m.num_blocks, "prefix_hit_rate": m.stats.hit_rate,
                 "preemptions": sch.num_preemptions, "rejected": sch.num_rejected, "finished": self.num_finished,
-                "steps": sch.step_no, "engine": self.fast_paths(), "prefetch": prefetch_stats(self)}
+                "steps": sch.step_no, "engine": self.fast_paths(), "prefetch": prefetch_stats(self),
+                "kv_memory": kv_memory(self)}
 
     def fast_paths(self) -> dict:
         """The configuration as plain values (``/metrics`` labels, ``x-model-info``); remade only

@@ -112,7 +112,10 @@ class LLM:
     cross-request prefix caching when ``enable_prefix_caching`` is set (and its offload tier).
     ``tiers`` (+ ``tier_basis``, a fitted :class:`~workbench.kv.pca.PCABasis`): each request
     gets a hot / warm / cold :class:`~workbench.kv.tiers.TieredKVCache` (approximate attention;
-    the model's attention modules are switched to the tiered policy in place).
+    the model's attention modules are switched to the tiered policy in place); add ``tier_store``
+    (a :class:`~workbench.kv.tiers_physical.TierStore`) for the physical cache, whose warm and
+    cold tokens' full K/V live in an offload tier (host memory or disk) and come back through
+    the prefetcher when routing selects them.
     ``scheduler``: None for one request at a time (:func:`reference_scheduler`), or a
     :class:`~workbench.sched.SchedulerConfig` for continuous batching.
     ``threads``: torch's intra-op thread count on a CPU: an integer, or None / ``"auto"`` to
@@ -130,7 +133,7 @@ class LLM:
 
     def __init__(self, model: str | CausalLM | None = None, tokenizer=None, device=None, dtype=None,
                  max_model_len: int | None = None, kv: "PagedKVConfig | None" = None,
-                 tiers: "TierConfig | None" = None, tier_basis=None, threads: int | str | None = None,
+                 tiers: "TierConfig | None" = None, tier_basis=None, tier_store=None, threads: int | str | None = None,
                  scheduler: SchedulerConfig | None = None, batch_invariant: bool | None = None,
                  compile: bool = False, cuda_graphs: bool = False, static_decode: bool = False,
                  check_finite: bool = True, stream_weights=None) -> None:
@@ -140,7 +143,7 @@ class LLM:
             raise ConfigError("LLM: give kv= (paged pool) or tiers= (tiered cache), not both")
         self.engine = LLMEngine(self.loaded, kv=kv if kv is not None or tiers is not None else "contiguous",
                                 scheduler=scheduler or reference_scheduler(self.loaded.max_model_len),
-                                tiers=tiers, tier_basis=tier_basis, batch_invariant=batch_invariant,
+                                tiers=tiers, tier_basis=tier_basis, tier_store=tier_store, batch_invariant=batch_invariant,
                                 compile=compile, cuda_graphs=cuda_graphs, static_decode=static_decode,
                                 stream_weights=stream_weights)
         self._queues: dict[str, deque] = {}      # live stream id -> its events not yet yielded
@@ -160,6 +163,7 @@ class LLM:
     thread_choice = property(lambda self: self.loaded.thread_choice)
     tiers = property(lambda self: self.engine.tiers)
     tier_basis = property(lambda self: self.engine.tier_basis)
+    tier_store = property(lambda self: self.engine.tier_store)
 
     @property
     def device(self) -> torch.device:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import traceback
 from typing import TYPE_CHECKING
 
+import torch
+
 from workbench.engine.loaded import LoadedModel
 from workbench.engine.runners import ContiguousRunner, ModelRunner, StaticRunner
 from workbench.errors import ConfigError
@@ -109,12 +111,22 @@ def make_runner(engine: LLMEngine, batch_invariant):
     if engine.kv_mode == "tiered":
         from workbench.kv.tiers import TieredKVCache, apply_tiered_attention
 
-        TieredKVCache(cfg, engine.tiers, engine.tier_basis, max_len=1)   # validate now, not per request
-        apply_tiered_attention(model)                                    # other caches keep the exact path
-        tiers, basis = engine.tiers, engine.tier_basis
+        tiers, basis, store = engine.tiers, engine.tier_basis, engine.tier_store
+        if store is None:
+            TieredKVCache(cfg, tiers, basis, max_len=1)                  # validate now, not per request
 
-        def make(n):
-            return TieredKVCache(cfg, tiers, basis, max_len=n, device=w.device, dtype=w.dtype)
+            def make(n):
+                return TieredKVCache(cfg, tiers, basis, max_len=n, device=w.device, dtype=w.dtype)
+        else:
+            from workbench.kv.tiers_physical import PhysicalTieredKVCache
+
+            pf = engine.tier_prefetcher = store.make_prefetcher(w.device)
+            PhysicalTieredKVCache(cfg, tiers, basis, store=store, prefetcher=pf, max_len=1).release()
+
+            def make(n):
+                return PhysicalTieredKVCache(cfg, tiers, basis, store=store, prefetcher=pf, max_len=n,
+                                             device=w.device, dtype=w.dtype)
+        apply_tiered_attention(model)                                    # other caches keep the exact path
     else:
         def make(n):
             return KVCache(cfg, 1, n, device=w.device, dtype=w.dtype)
@@ -149,7 +161,10 @@ def describe_kv(engine: LLMEngine) -> str:
         extra += f" swap={c.swap_space}" if c.swap_space else ""
         extra += f" lookahead={c.effective_lookahead}" if c.effective_lookahead else ""
         return f"paged bs={c.block_size} blocks={engine.pool.num_blocks}{extra}"
-    return "tiered " + engine.tiers.name if engine.kv_mode == "tiered" else "contiguous"
+    if engine.kv_mode == "tiered":
+        store = engine.tier_store
+        return f"tiered {engine.tiers.name} " + (store.name if store is not None else "accounted")
+    return "contiguous"
 
 
 def describe_values(engine: LLMEngine) -> dict:
@@ -186,8 +201,36 @@ def prefetch_stats(engine) -> dict:
     """The prefetch layer's counters: weight streaming and the KV pool's fetches (each None when off)."""
     st = engine.weight_streamer
     pool_stats = getattr(engine.pool, "prefetch_stats", None)
+    tiers = getattr(engine, "tier_prefetcher", None)
     return {"weights": st.stats() if st is not None else None,
-            "kv": pool_stats() if pool_stats is not None else None}
+            "kv": pool_stats() if pool_stats is not None else None,
+            "tiers": tiers.stats() if tiers is not None else None}
+
+
+def kv_memory(engine) -> dict | None:
+    """Measured resident KV bytes of the live physical tiered caches, per zone, each storage
+    counted once (the shared PCA basis once), next to the formula; on CUDA also
+    ``torch.cuda.memory_allocated`` (the whole process).  None for other KV layouts."""
+    if engine.kv_mode != "tiered" or engine.tier_store is None:
+        return None
+    seen: set = set()
+    zones = ("hot", "warm", "cold", "basis", "staging")
+    out = {"sequences": 0, "measured": dict.fromkeys(zones, 0), "formula": dict.fromkeys(zones[:4], 0),
+           "full": 0, "offloaded": 0}
+    for cache in list(engine.active_caches.values()):
+        mem = cache.memory(seen)
+        out["sequences"] += 1
+        for z in zones:
+            out["measured"][z] += mem["measured"][z]
+        for z in zones[:4]:
+            out["formula"][z] += mem["formula"][z] if z != "basis" or not out["formula"]["basis"] else 0
+        out["full"] += mem["full"]
+        out["offloaded"] += mem["offloaded"]
+    out["resident_kv"] = sum(out["measured"][z] for z in zones[:4])
+    out["formula_kv"] = sum(out["formula"][z] for z in zones[:4])
+    dev = engine.model.lm_head.weight.device
+    out["cuda_allocated"] = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
+    return out
 
 
 def describe_error(e: BaseException) -> str:

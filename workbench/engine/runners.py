@@ -178,8 +178,10 @@ class ContiguousRunner:
     def _on_pool_event(self, event: str, seq_id: str) -> None:
         if event == "end" and seq_id in self.caches:
             cache = self.caches.pop(seq_id)
-            if self.keep_last:
-                self.last_cache = cache
+            if self.keep_last:          # the previous last cache is done with (inspectors read the newest)
+                cache, self.last_cache = self.last_cache, cache
+            if cache is not None and hasattr(cache, "release"):
+                cache.release()         # a physical tiered cache: its offload records and staging go
 
     def swap_out(self, s: SwapOut) -> None:
         raise ConfigError("per-sequence KV caches are not swapped; use preemption_mode='recompute'")

@@ -40,6 +40,10 @@ def model_info(aengine, name: str, source: str | None = None, guard: GuardHook |
     if getattr(pc, "offload", None) or getattr(pc, "swap_space", None):   # the slower KV tiers and their lookahead
         info["kv_prefetch"] = {"offload": pc.offload, "swap_space": pc.swap_space,
                                "lookahead": pc.effective_lookahead, "staging_blocks": pc.prefetch_blocks}
+    store = getattr(eng, "tier_store", None)
+    if getattr(eng, "tiers", None) is not None:      # the tiered cache: accounted, or physical with its store
+        info["kv_tiers"] = {"config": eng.tiers.name, "store": store.offload if store else "accounted",
+                            "predict": store.predict if store else None}
     choice = getattr(llm, "thread_choice", None)
     if choice is not None:   # torch intra-op threads and why (workbench.measure.threads)
         info["threads"] = choice.threads

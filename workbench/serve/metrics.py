@@ -218,6 +218,7 @@ class ServerMetrics:
                    "The engine configuration: KV layout, fast paths (static decode, compile, CUDA graphs), sampling.",
                    [f"workbench_engine_info{{{labels}}} 1"])
         self._render_prefetch(metric, s.get("prefetch"))
+        self._render_kv_memory(metric, s.get("kv_memory"))
         self._render_guard(metric, guard)
         return "\n".join(lines) + "\n"
 
@@ -241,6 +242,22 @@ class ServerMetrics:
             samples = [f'{name}{{kind="{_label(k)}"}} {_fmt(v[key])}' for k, v in sorted(kinds.items())
                        if v.get(key) is not None]
             metric(name, kind, help_, samples)
+
+    @staticmethod
+    def _render_kv_memory(metric, mem) -> None:
+        """The physical tiered cache's resident bytes, measured (tensor storages, each once) and
+        by formula, per zone, over the live sequences; absent for other KV layouts."""
+        if not isinstance(mem, dict):
+            return
+        metric("workbench_kv_resident_bytes", "gauge",
+               "Measured resident KV bytes of live sequences per zone (storage nbytes, deduplicated).",
+               [f'workbench_kv_resident_bytes{{zone="{_label(z)}"}} {_fmt(v)}' for z, v in mem["measured"].items()])
+        metric("workbench_kv_formula_bytes", "gauge", "The same zones by the tier formula.",
+               [f'workbench_kv_formula_bytes{{zone="{_label(z)}"}} {_fmt(v)}' for z, v in mem["formula"].items()])
+        metric("workbench_kv_full_cache_bytes", "gauge", "What a full cache would hold for the live sequences.",
+               [f"workbench_kv_full_cache_bytes {_fmt(mem['full'])}"])
+        metric("workbench_kv_offloaded_bytes", "gauge", "Bytes of live sequences in the offload tier.",
+               [f"workbench_kv_offloaded_bytes {_fmt(mem['offloaded'])}"])
 
     def _render_guard(self, metric, guard: dict | None) -> None:
         metric("workbench_slo_guard_enabled", "gauge", "1 when an SLO guard decides admission.",
