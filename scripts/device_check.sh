@@ -12,7 +12,11 @@
 #    6. prefix_bench: `workbench prefix-bench`;  7. prefetch_bench: `workbench prefetch-bench` (the
 #    pinned host -> HBM link's GB/s per block size, weight streaming with half the layers offloaded
 #    vs all resident: tokens/s, prefetch hit rate, stall, prefetch_efficiency).  The tests of step 1
-#    include the CUDA transport and streamed weights inside captured CUDA graphs.
+#    include the CUDA transport and streamed weights inside captured CUDA graphs;  8. tier_bench:
+#    `workbench tier-bench` (the physical hot / warm / cold cache: measured resident bytes vs the
+#    formula and the full cache, routed blocks over pinned host -> HBM: hit rate, stall, bytes per
+#    step, per predictor).  The tests of step 1 also run the physical tiered cache on CUDA
+#    (same logits as the accounted cache; measured bytes vs torch.cuda.memory_allocated).
 #
 # Every step has its own time cap, and the whole script (summary included) ends within
 # DEVICE_CHECK_BUDGET_S = 480 s: a step that would run past that gets the time left, or is
@@ -73,7 +77,8 @@ if [ -z "${DIR:-}" ]; then echo "device check: could not create the output folde
 if [ "$CUDA" = 1 ]; then
   DEV=cuda; SIZE=full
   TESTS=(tests/kernels/test_kernels_pointwise.py tests/kernels/test_kernels_attention.py tests/transforms/test_backends.py
-         tests/transforms/test_cuda_graphs.py tests/transforms/test_batched_backends.py tests/prefetch/test_cuda_prefetch.py)
+         tests/transforms/test_cuda_graphs.py tests/transforms/test_batched_backends.py tests/prefetch/test_cuda_prefetch.py
+         tests/kv/test_tiers_cuda.py)
   # 16 cores there: compile the tests' kernels in 4 processes when pytest-xdist is installed
   "$PY" -c "import xdist" 2> /dev/null && TESTS=(-n 4 --dist loadfile "${TESTS[@]}")
   SCHED=(--streams 8 --max-tokens 64 --trace-requests 48 --rate 20)
@@ -113,13 +118,14 @@ step() {   # step NAME CAP_S command...: stdout -> $WORK/NAME.out, stderr -> $WO
 
 WB=("$PY" -m workbench.cli.main)
 echo "device check: $DEV, $PY, tables -> $DIR"
-step tests 95 "$PY" -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"
-step kernels_bench 120 "${WB[@]}" kernels-bench --device "$DEV" --size "$SIZE" --csv "$WORK/kernel_bench.csv" --quiet
-step sched_bench 55 "${WB[@]}" sched-bench --device "$DEV" "${SCHED[@]}" --json --quiet
+step tests 90 "$PY" -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"
+step kernels_bench 110 "${WB[@]}" kernels-bench --device "$DEV" --size "$SIZE" --csv "$WORK/kernel_bench.csv" --quiet
+step sched_bench 50 "${WB[@]}" sched-bench --device "$DEV" "${SCHED[@]}" --json --quiet
 step engine_bench 50 "${WB[@]}" bench --device "$DEV" "${ENGINE[@]}" --json --quiet
-step engine_fast 55 "${WB[@]}" bench --device "$DEV" "${FAST[@]}" --json --quiet
+step engine_fast 50 "${WB[@]}" bench --device "$DEV" "${FAST[@]}" --json --quiet
 step prefix_bench 35 "${WB[@]}" prefix-bench --device "$DEV" "${PREFIX[@]}" --json --quiet
-step prefetch_bench 55 "${WB[@]}" prefetch-bench --device "$DEV" "${PREFETCH[@]}" --json --quiet
+step prefetch_bench 50 "${WB[@]}" prefetch-bench --device "$DEV" "${PREFETCH[@]}" --json --quiet
+step tier_bench 30 "${WB[@]}" tier-bench --device "$DEV" --json
 
 echo
 echo "== tables"

@@ -271,7 +271,7 @@ def test_start_and_write_tables_on_a_gpu(tmp_path):
                             ("engine_bench", "ok"), ("prefix_bench", "ok")])
     done = gr.write_tables(out, work)
     assert done == {"engine_bench": "ok", "kernel_bench": "ok", "sched_bench": "step timeout", "prefix_bench": "ok",
-                    "engine_fast_bench": "not run", "prefetch_bench": "not run"}
+                    "engine_fast_bench": "not run", "prefetch_bench": "not run", "tier_bench": "not run"}
     names = sorted(p.name for p in out.iterdir())
     assert names == ["device_check.log", "engine_bench.csv", "kernel_bench.csv", "meta.json", "prefix_bench.csv",
                      "summary.csv"]

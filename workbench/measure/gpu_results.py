@@ -15,6 +15,7 @@ One folder holds (see ``results/gpu/README.md``)::
     sched_bench.csv    `workbench sched-bench --json`, long format: section, config, metric, value
     prefix_bench.csv   `workbench prefix-bench --json`, long format: section, config, metric, value
     prefetch_bench.csv `workbench prefetch-bench --json`, long format: section, config, metric, value
+    tier_bench.csv     `workbench tier-bench --json` (physical KV tiers), long format
     device_check.log   the last lines of every step's output
 
 A notebook shows the latest GPU table next to its CPU figures::
@@ -54,7 +55,8 @@ DRY_RUN_DIR = REPO / "runs" / "device_check"     # git-ignored: a run without CU
 # step -> the table it produces (the CSV is named after the step; kernels_bench keeps the name of
 # the CSV `workbench kernels-bench` has always written)
 TABLES = {"engine_bench": "engine_bench", "engine_fast": "engine_fast_bench", "kernels_bench": "kernel_bench",
-          "sched_bench": "sched_bench", "prefix_bench": "prefix_bench", "prefetch_bench": "prefetch_bench"}
+          "sched_bench": "sched_bench", "prefix_bench": "prefix_bench", "prefetch_bench": "prefetch_bench",
+          "tier_bench": "tier_bench"}
 ENGINE_STEPS = ("engine_bench", "engine_fast")      # `workbench bench --json` outputs: one row per side
 SUMMARY_COLUMNS = ["step", "status", "seconds", "limit_s"]
 LONG_COLUMNS = ["section", "config", "metric", "value"]

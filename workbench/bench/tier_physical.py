@@ -1,0 +1,273 @@
+"""The physical tiered KV cache on real decode steps: quality, measured bytes, routing traffic.
+
+::
+
+    row = physical_eval(model, cfg, basis, split["evaluation"][:2], eval_tokens=64)
+    predictor_comparison(model, cfg, basis, docs)        # predict none / step / layer / both (+ disk)
+    tier_bench(model, tokenizer)                         # all of it, and the long-context projection
+
+What :func:`physical_eval` runs, per evaluation window of N tokens (the evaluation half of
+:func:`~workbench.bench.tier_eval.heldout_split`, as ``scripts/kv_tier_sweep.py``)::
+
+    prefill    tokens 0 .. N-E-2 in ONE call through a fresh PhysicalTieredKVCache
+               (inside tiered_attention(model)); then prefetcher.reset_stats()
+    decode     tokens N-E-1 .. N-2, ONE per call: E real decode steps whose logits predict
+               tokens N-E .. N-1 (the scored positions, as evaluate_config scores them)
+    after      each step: cache.memory() - measured resident bytes per zone, the formula, staging
+    check      the accounted TieredKVCache with the same calls: max |logit diff|, greedy agreement
+
+Bytes are at the cache's dtype (float32 on a CPU): ``measured_bytes_per_token`` = mean over the
+scored positions p of measured resident_kv(p+1) / (p+1) (PCA basis included);
+``reduction_measured`` = full / measured; ``reduction_with_staging`` adds the staging buffers.
+Routing counters are the prefetcher's own (decode steps only), per decode step;
+``routed_bytes_per_step`` is what routing *needed* from the offload tier (the accounted
+figure, rescaled from ``cfg.element_bytes`` to the cache dtype), next to
+``bytes_moved_per_step`` (what the transport copied: demand fetches, predictions, wasted ones
+and the cold summaries read back).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from workbench.bench.tier_eval import heldout_split, reference_logits
+from workbench.bench.tier_projection import claim_8k_64k, long_context_projection, measure_components
+from workbench.errors import ConfigError
+from workbench.kv.pca import fit_pca_from_model
+from workbench.kv.tier_config import TierConfig
+from workbench.kv.tiers import TieredKVCache, tiered_attention
+from workbench.kv.tiers_physical import PREDICTORS, PhysicalTieredKVCache, TierStore
+
+DEFAULT = TierConfig(window=32, rank=8, warm_tokens=64, chunk=16, block=16, budget=64, key_space="pre_rope")
+CONFIGS = {"default": DEFAULT, "no-routing": DEFAULT.replace(budget=None),
+           "int8": DEFAULT.replace(value_format="int8")}
+_COUNTERS = ("uses", "hits", "demand", "predicted", "fetches", "reused", "wasted", "wasted_bytes", "bytes")
+
+
+def named_config(spec: str) -> TierConfig:
+    """A name of :data:`CONFIGS`, or ``field=value,...`` over the default config."""
+    if spec in CONFIGS:
+        return CONFIGS[spec]
+    if "=" not in spec:
+        raise ConfigError(f"unknown tier config {spec!r}; use one of {', '.join(CONFIGS)} or "
+                          "field=value,... over 'default' (e.g. window=64,budget=None)")
+    fields = {}
+    for item in spec.split(","):
+        key, _, val = item.partition("=")
+        key = key.strip()
+        if key not in TierConfig.__dataclass_fields__:
+            raise ConfigError(f"tier config {spec!r}: TierConfig has no field {key!r}")
+        val = val.strip()
+        fields[key] = None if val == "None" else int(val) if val.lstrip("-").isdigit() else val
+    return DEFAULT.replace(**fields)
+
+
+def _check_windows(sequences, eval_tokens: int) -> None:
+    if not sequences:
+        raise ConfigError("physical_eval: no evaluation sequences")
+    n = min(len(s) for s in sequences)
+    if not 1 <= eval_tokens <= n - 2:
+        raise ConfigError(f"eval_tokens must be in [1, {n - 2}] for {n}-token windows (at least one "
+                          f"prefill token), got {eval_tokens}")
+
+
+@torch.no_grad()
+def _run(model, cache, ids, P: int, E: int, on_step=None) -> torch.Tensor:
+    """Prefill ids[:P] in one call, reset the prefetcher's counters (physical cache), then decode
+    P .. P+E-1 one token per call; the decode logits [E, V]."""
+    with tiered_attention(model):
+        model(ids[:, :P], cache=cache, logits_to_keep=1)
+        if on_step is not None:
+            on_step(None)
+        out = []
+        for p in range(P, P + E):
+            out.append(model(ids[:, p:p + 1], start_pos=p, cache=cache)[0, -1].float())
+            if on_step is not None:
+                on_step(p)
+    return torch.stack(out)
+
+
+def physical_eval(model, cfg: TierConfig, basis, sequences, eval_tokens: int = 256, store: TierStore | None = None,
+                  reference=None, check_accounted: bool = True) -> dict:
+    """Quality, measured bytes and routing traffic of ``cfg`` on real decode steps through a
+    :class:`PhysicalTieredKVCache` (see the module docstring); one dict of plain data."""
+    store = store or TierStore()
+    _check_windows(sequences, eval_tokens)
+    if reference is None:
+        reference = reference_logits(model, sequences)
+    dev, dt = model.device, model.lm_head.weight.dtype
+    es = torch.empty((), dtype=dt).element_size()
+    nll_t = nll_f = kl = agree = 0.0
+    dnll, bpt, fpt, full_pt, stag, with_stag, work = [], [], [], [], [], [], []
+    totals = dict.fromkeys(_COUNTERS, 0)
+    stall = routed = routed_acc = 0.0
+    offloaded, steps, max_diff, greedy_same, components = [], 0, 0.0, True, None
+    t0 = time.perf_counter()
+    decode_s = 0.0
+    for seq, ref in zip(sequences, reference):
+        N, E = len(seq), eval_tokens
+        P = N - E - 1
+        ids = torch.as_tensor(list(seq), dtype=torch.long, device=dev)[None]
+        cache = PhysicalTieredKVCache(model.config, cfg, basis, store=store, max_len=N, device=dev, dtype=dt)
+        try:
+            mark = {}
+
+            def on_step(p, cache=cache, mark=mark):
+                if p is None:
+                    cache.prefetcher.reset_stats()
+                    mark["routed"], mark["t"] = cache.routed_bytes, time.perf_counter()
+                    return
+                m = cache.memory()
+                bpt.append(m["resident_kv"] / (p + 1))
+                fpt.append(m["formula_kv"] / (p + 1))
+                full_pt.append(m["full"] / (p + 1))
+                stag.append(m["measured"]["staging"])
+                with_stag.append((m["resident_kv"] + m["measured"]["staging"]) / (p + 1))
+                work.append(m["working_one_layer"])
+
+            logits = _run(model, cache, ids, P, E, on_step)
+            decode_s += time.perf_counter() - mark["t"]
+            st = cache.prefetcher.stats()
+            for k in _COUNTERS:
+                totals[k] += st[k] or 0
+            stall += st["stall_s"]
+            routed += cache.routed_bytes - mark["routed"]
+            steps += E
+            offloaded.append(cache.memory()["offloaded"])
+            components = measure_components(cache)
+        finally:
+            cache.release()
+        if check_accounted:
+            acc = TieredKVCache(model.config, cfg, basis, max_len=N, device=dev, dtype=dt)
+            acc_logits = _run(model, acc, ids, P, E)
+            max_diff = max(max_diff, float((acc_logits - logits).abs().max()))
+            greedy_same &= bool((acc_logits.argmax(-1) == logits.argmax(-1)).all())
+            routed_acc += float(acc.fetched_bytes_by_pos[P:P + E].sum())
+            del acc
+        targets = ids[0, P + 1:P + 1 + E]
+        lp_t, lp_f = torch.log_softmax(logits, -1), torch.log_softmax(ref[P:P + E].float(), -1)
+        tok_t, tok_f = -lp_t.gather(1, targets[:, None])[:, 0], -lp_f.gather(1, targets[:, None])[:, 0]
+        nll_t, nll_f = nll_t + float(tok_t.sum()), nll_f + float(tok_f.sum())
+        dnll.append((tok_t - tok_f).double().cpu())
+        kl += float((lp_f.exp() * (lp_f - lp_t)).sum())
+        agree += float((lp_t.argmax(-1) == lp_f.argmax(-1)).sum())
+    n = steps
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    ppl, ppl_full = math.exp(nll_t / n), math.exp(nll_f / n)
+    d = torch.cat(dnll)
+    se = float(d.std() / math.sqrt(d.numel())) if d.numel() > 1 else float("nan")
+    rescale = es / cfg.element_bytes        # routed bytes are counted at cfg.element_bytes
+    meas, form, full = mean(bpt), mean(fpt), mean(full_pt)
+    res = {"kind": "measurement", "config": cfg.name, "store": store.name, "offload": store.offload,
+           "predict": store.predict, "docs": len(sequences), "eval_tokens": eval_tokens, "scored_tokens": n,
+           "decode_steps": n, "dtype": str(dt).replace("torch.", ""), "element_bytes": es,
+           "ppl": ppl, "ppl_full": ppl_full, "rel_ppl": ppl / ppl_full - 1, "rel_ppl_se": (ppl / ppl_full) * se,
+           "kl": kl / n, "top1": agree / n,
+           "measured_bytes_per_token": meas, "formula_bytes_per_token": form, "measured_vs_formula": meas / form,
+           "measured_vs_formula_max_dev": max(abs(b / f - 1) for b, f in zip(bpt, fpt)),
+           "full_bytes_per_token": full, "reduction_measured": full / meas,
+           "staging_bytes_mean": mean(stag), "staging_bytes_max": max(stag),
+           "reduction_with_staging": full / mean(with_stag), "working_one_layer_max": max(work),
+           "prefetch_hit_rate": totals["hits"] / totals["uses"] if totals["uses"] else None,
+           "stall_ms_per_step": 1e3 * stall / n, "bytes_moved_per_step": totals["bytes"] / n,
+           "routed_bytes_per_step": routed * rescale / n,
+           "wasted_bytes_per_step": totals["wasted_bytes"] / n, **totals,
+           "offloaded_bytes": mean(offloaded), "decode_ms_per_step": 1e3 * decode_s / n,
+           "max_abs_diff_vs_accounted": max_diff if check_accounted else None,
+           "greedy_identical": greedy_same if check_accounted else None,
+           "routed_bytes_per_step_accounted": routed_acc * rescale / n if check_accounted else None,
+           "components": components, "seconds": time.perf_counter() - t0}
+    return res
+
+
+PREDICTOR_FIELDS = ("prefetch_hit_rate", "stall_ms_per_step", "bytes_moved_per_step", "routed_bytes_per_step",
+                    "wasted", "wasted_bytes_per_step", "demand", "predicted", "reused", "staging_bytes_mean",
+                    "staging_bytes_max", "reduction_with_staging", "decode_ms_per_step")
+
+
+def predictor_comparison(model, cfg: TierConfig, basis, sequences, eval_tokens: int = 256, reference=None,
+                         offload: str = "host", predictors=PREDICTORS, disk: bool = True, check_accounted=False,
+                         known: dict | None = None, progress=None) -> dict:
+    """The same config and documents with each predictor (``TierStore.predict``) over ``offload``,
+    plus one run with the other offload tier (the disk transport: O_DIRECT file) at the first
+    predictor that keeps staging ("step" if present).  A transport that fails is a row with
+    ``error`` set.  ``known``: ``physical_eval`` results already run on the same config and
+    documents, by (offload, predict), reused instead of run again."""
+    if reference is None:
+        reference = reference_logits(model, sequences)
+    rows = []
+    runs = [TierStore(offload=offload, predict=p) for p in predictors]
+    if disk:
+        other = "disk" if offload == "host" else "host"
+        runs.append(TierStore(offload=other, predict="step" if "step" in predictors else predictors[0]))
+    for store in runs:
+        row = {"offload": store.offload, "predict": store.predict, "error": None}
+        try:
+            r = (known or {}).get((store.offload, store.predict))
+            if r is None:
+                r = physical_eval(model, cfg, basis, sequences, eval_tokens, store, reference, check_accounted)
+            row.update({k: r[k] for k in PREDICTOR_FIELDS}, seconds=r["seconds"], top1=r["top1"],
+                       rel_ppl=r["rel_ppl"], greedy_identical=r["greedy_identical"])
+        except (OSError, RuntimeError, ConfigError) as e:
+            if store.offload == offload:
+                raise                                 # only the other transport may be unavailable here
+            row["error"] = f"{type(e).__name__}: {e}"
+        rows.append(row)
+        if progress:
+            progress(f"predictor {store.name}: " + (row["error"] or f"{row['stall_ms_per_step']:.2f} ms stall/step"))
+    same = {r["rel_ppl"] for r in rows if r["error"] is None}
+    return {"config": cfg.name, "docs": len(sequences), "eval_tokens": eval_tokens, "rows": rows,
+            "same_quality": len(same) <= 1}
+
+
+def tier_bench(model, tokenizer, docs: int = 2, eval_tokens: int = 64, configs=None, offload: str = "host",
+               predict: str = "step", calibration_docs: int = 2, context: int | None = None, compare: bool = True,
+               check_accounted: bool = True, presets=("llama-3.2-1b", "llama-3-8b", "llama-2-7b"),
+               lengths=(8192, 32768, 65536), progress=None) -> dict:
+    """Everything ``workbench tier-bench`` prints: one :func:`physical_eval` row per config, the
+    predictor comparison on the first config, its long-context projection and the claim's verdict."""
+    t0 = time.perf_counter()
+    say = progress or (lambda msg: None)
+    configs = [CONFIGS["default"], CONFIGS["no-routing"], CONFIGS["int8"]] if configs is None else list(configs)
+    if not configs:
+        raise ConfigError("tier_bench: no configs")
+    store = TierStore(offload=offload, predict=predict)
+    if docs < 1 or calibration_docs < 1:
+        raise ConfigError(f"docs and calibration docs must be >= 1, got {docs} and {calibration_docs}")
+    context = context or model.config.max_position_embeddings
+    split = heldout_split(tokenizer, context=context)
+    evaluation = split["evaluation"][:docs]
+    if len(evaluation) < docs or len(split["calibration"]) < calibration_docs:
+        raise ConfigError(f"the held-out split has {len(split['evaluation'])} evaluation and "
+                          f"{len(split['calibration'])} calibration documents of >= {context} tokens")
+    _check_windows(evaluation, eval_tokens)
+    spaces = sorted({c.key_space for c in configs if c.has_warm})
+    say(f"PCA bases ({', '.join(spaces) or 'none'}) on {calibration_docs} calibration docs")
+    bases = {ks: fit_pca_from_model(model, split["calibration"][:calibration_docs], key_space=ks,
+                                    source="heldout_split calibration") for ks in spaces}
+    reference = reference_logits(model, evaluation)
+    rows = []
+    for cfg in configs:
+        r = physical_eval(model, cfg, bases.get(cfg.key_space), evaluation, eval_tokens, store, reference,
+                          check_accounted)
+        rows.append(r)
+        say(f"{cfg.name}: rel ppl {100 * r['rel_ppl']:+.2f}%, {r['reduction_measured']:.2f}x ({r['seconds']:.0f} s)")
+    first, base = configs[0], bases.get(configs[0].key_space)
+    preds = (predictor_comparison(model, first, base, evaluation, eval_tokens, reference, offload,
+                                  known={(offload, predict): rows[0]}, progress=say) if compare else None)
+    claim = None
+    try:
+        projection = long_context_projection(rows[0], first, presets=presets, lengths=lengths)
+    except ConfigError as e:                          # a zone the config needs was empty when measured
+        projection = {"kind": "projection", "error": str(e)}
+    if "rows" in projection and "llama-2-7b" in presets and {8192, 65536} <= set(lengths):
+        claim = claim_8k_64k(projection, measured=rows[0])
+    c = model.config
+    return {"model": {"layers": c.num_hidden_layers, "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+                      "context": context, "dtype": rows[0]["dtype"], "device": str(model.device)},
+            "docs": split["evaluation_docs"][:docs], "calibration_docs": split["calibration_docs"][:calibration_docs],
+            "eval_tokens": eval_tokens, "threads": torch.get_num_threads(), "store": store.name, "rows": rows,
+            "predictors": preds, "projection": projection, "claim": claim, "seconds": time.perf_counter() - t0}
