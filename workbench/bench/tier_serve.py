@@ -30,6 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from workbench.errors import WorkbenchError
 
+# the TierConfig fields `workbench serve --tiers` takes as flags (element_bytes is accounting only)
+SERVE_FIELDS = ("window", "sink", "rank", "warm_tokens", "chunk", "block", "budget", "value_format", "key_space",
+                "cold_mode")
 _GAUGE = re.compile(r'^(workbench_kv_(?:resident|formula)_bytes)\{zone="(\w+)"\} (\S+)$|^(workbench_kv_full_cache_bytes) (\S+)$')
 
 
@@ -152,8 +155,10 @@ def _run_store(store: str, tier: dict, prompts: list[str], max_tokens: int, conc
 
 def served_tier_run(stores=("accounted", "host"), tier: dict | None = None, requests: int = 8,
                     concurrency: int = 4, prompt_tokens: int = 384, max_tokens: int = 32,
-                    extra: list[str] | None = None, sample_s: float = 0.05) -> dict:
+                    extra: list[str] | None = None, sample_s: float = 0.05, device: str | None = None) -> dict:
     """One server per store, the same requests to each (see the module docstring)."""
+    if requests < 1 or concurrency < 1:
+        raise WorkbenchError(f"served run: requests and concurrency must be >= 1, got {requests} and {concurrency}")
     import workbench as wb
     from workbench.bench.tier_eval import heldout_split
 
@@ -162,11 +167,13 @@ def served_tier_run(stores=("accounted", "host"), tier: dict | None = None, requ
     docs = heldout_split(tok, 1024)["evaluation"]
     prompts = [tok.decode(docs[i % len(docs)][(i // len(docs)) * 64:][:prompt_tokens]) for i in range(requests)]
     extra = extra if extra is not None else ["--max-num-seqs", str(concurrency), "--calibration-docs", "2"]
+    if device:
+        extra = [*extra, "--device", device]
     runs = [_run_store(s, tier, prompts, max_tokens, concurrency, extra, sample_s) for s in stores]
     same = all(r["texts"] == runs[0]["texts"] for r in runs)
     for r in runs:
         r.pop("texts")
-    return {"tier": tier, "requests": requests, "concurrency": concurrency, "prompt_tokens": prompt_tokens,
+    return {"kind": "measurement", "tier": tier, "requests": requests, "concurrency": concurrency, "prompt_tokens": prompt_tokens,
             "max_tokens": max_tokens, "runs": runs, "identical_texts": same}
 
 

@@ -111,10 +111,27 @@ def cmd_tier_bench(args) -> int:
                      offload=args.offload, predict=args.predict, calibration_docs=args.calibration_docs,
                      context=args.context, compare=not args.no_compare, check_accounted=not args.no_check,
                      progress=progress)
+    if args.serve:
+        from workbench.bench.tier_serve import SERVE_FIELDS, served_tier_run
+
+        cfg = (configs or [named_config("default")])[0]
+        if progress:
+            progress(f"served run: workbench serve --tiers ({cfg.name}) per store, {args.serve_requests} requests")
+        res["served"] = served_tier_run(stores=("accounted", args.offload),
+                                        tier={k: getattr(cfg, k) for k in SERVE_FIELDS},
+                                        requests=args.serve_requests, concurrency=args.serve_concurrency,
+                                        device=args.device)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=2, default=str)
-    print(json.dumps(res, indent=2, default=str) if args.json else format_tier_bench(res))
+    if args.json:
+        print(json.dumps(res, indent=2, default=str))
+    else:
+        print(format_tier_bench(res))
+        if "served" in res:
+            from workbench.bench.tier_serve import format_served_run
+
+            print("\n" + format_served_run(res["served"]))
     return 0
 
 
@@ -140,6 +157,11 @@ def add_tier_bench_parser(sub) -> None:
     p.add_argument("--threads", default=None, help="torch intra-op threads: N or auto (default: at most 2)")
     p.add_argument("--no-compare", action="store_true", help="skip the predictor comparison")
     p.add_argument("--no-check", action="store_true", help="skip the accounted cache's bit-for-bit check")
+    p.add_argument("--serve", action="store_true",
+                   help="also a served run: `workbench serve --tiers` with the first config, accounted and physical "
+                        "(--offload), streamed HTTP requests: tokens/s, TTFT p95, the server's measured KV bytes")
+    p.add_argument("--serve-requests", type=int, default=8, help="requests of the served run")
+    p.add_argument("--serve-concurrency", type=int, default=4, help="requests in flight in the served run")
     p.add_argument("--out", default=None, help="also write the JSON document to this file")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the tables")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
