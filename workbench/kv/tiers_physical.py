@@ -176,6 +176,7 @@ class PhysicalTieredKVCache:
             self.rope = RotaryEmbedding(model_cfg) if cfg.key_space == "pre_rope" else None
         self.staged: list[dict] = [{} for _ in range(L)]      # layer -> {(head, block, part): buffer}
         self._keys: set = set()                                # this cache's records in the offload tier
+        self._offloaded = 0                                    # ... and their bytes
         self.routed_bytes = 0.0       # what routing needed from the offload tier (the accounted figure)
         self.fetched_bytes_by_pos = torch.zeros(self.max_len, dtype=torch.float64)
         self.last_selection: dict[int, torch.Tensor] = {}
@@ -384,8 +385,7 @@ class PhysicalTieredKVCache:
             for h in range(K.shape[1]):
                 for part, X in (("k", K), ("v", V)):
                     key = (self.uid, layer, h, blk, part)
-                    pf.put(key, X[0, h, lo:lo + cfg.block].contiguous())
-                    self._keys.add(key)
+                    self._put(key, X[0, h, lo:lo + cfg.block].contiguous())
             if cfg.has_cold and cfg.cold_mode == "mean":
                 cold_now = zone_counts(S, cfg).cold_chunks
                 for j in range((lo - cfg.sink) // cfg.chunk, (lo - cfg.sink + cfg.block) // cfg.chunk):
@@ -393,9 +393,7 @@ class PhysicalTieredKVCache:
                         c = slice(cfg.sink + j * cfg.chunk, cfg.sink + (j + 1) * cfg.chunk)
                         rec = torch.stack([chunk_means(K[:, :, c], cfg.chunk)[0, :, 0],
                                            chunk_means(V[:, :, c], cfg.chunk)[0, :, 0]])
-                        key = (self.uid, layer, "sum", j)
-                        pf.put(key, rec)
-                        self._keys.add(key)
+                        self._put((self.uid, layer, "sum", j), rec)
 
     # ---- the offload tier -----------------------------------------------------------------------
     def _buffer(self, shape) -> torch.Tensor:
@@ -414,8 +412,16 @@ class PhysicalTieredKVCache:
         self.prefetcher.fetch_now(key, self._as_bytes(buf), label=label)
         return buf
 
+    def _put(self, key, data: torch.Tensor) -> None:
+        self.prefetcher.put(key, data)
+        self._keys.add(key)
+        self._offloaded += data.numel() * data.element_size()
+
     def _drop(self, key) -> None:
-        self.prefetcher.transport.drop(key)
+        tr = self.prefetcher.transport
+        if key in self._keys:
+            self._offloaded -= tr.nbytes_of(key)
+        tr.drop(key)
         self._keys.discard(key)
 
     def release(self) -> None:
@@ -430,6 +436,7 @@ class PhysicalTieredKVCache:
         for key in list(self._keys):
             pf.transport.drop(key)
         self._keys.clear()
+        self._offloaded = 0
         if self._own_pf:
             pf.close()
         self._released = True
@@ -454,8 +461,7 @@ class PhysicalTieredKVCache:
         E = torch.empty((), dtype=self.dtype).element_size()
         formula = zone_bytes(n, self.cfg.replace(element_bytes=E), c.num_hidden_layers, c.num_key_value_heads,
                              c.head_dim, basis_element_bytes=4)
-        tr = self.prefetcher.transport
-        offloaded = sum(tr.nbytes_of(k) for k in self._keys if k in tr)
+        offloaded = self._offloaded
         kv = ("hot", "warm", "cold", "basis")
         return {"dtype": str(self.dtype).replace("torch.", ""), "length": n, "measured": measured,
                 "formula": formula, "resident_kv": sum(measured[z] for z in kv),
