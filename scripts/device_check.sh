@@ -125,7 +125,7 @@ step engine_bench 50 "${WB[@]}" bench --device "$DEV" "${ENGINE[@]}" --json --qu
 step engine_fast 50 "${WB[@]}" bench --device "$DEV" "${FAST[@]}" --json --quiet
 step prefix_bench 35 "${WB[@]}" prefix-bench --device "$DEV" "${PREFIX[@]}" --json --quiet
 step prefetch_bench 50 "${WB[@]}" prefetch-bench --device "$DEV" "${PREFETCH[@]}" --json --quiet
-step tier_bench 30 "${WB[@]}" tier-bench --device "$DEV" --json
+step tier_bench 30 "${WB[@]}" tier-bench --device "$DEV" --docs 1 --eval-tokens 48 --config default --json
 
 echo
 echo "== tables"

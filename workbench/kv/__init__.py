@@ -6,8 +6,10 @@
   step's view over the pool or over per-sequence caches), ``offload``
   (host / disk tier for evicted blocks, through the prefetch layer's transports), ``kv_prefetch``
   (the lookahead that stages offloaded prefix blocks and swapped-out KV ahead of their use);
-* tiers: ``tier_config`` (zones and bytes), ``pca`` (key bases), ``tiers`` (the hot / warm /
-  cold cache and its attention);
+* tiers: ``tier_config`` (zones and bytes), ``pca`` (key bases), ``tier_attention`` (the
+  arithmetic both tiered caches share), ``tiers`` (the accounted hot / warm / cold cache: a full
+  copy kept, bytes by formula), ``tiers_physical`` (only the resident zones kept, blocks in an
+  offload tier, routed blocks fetched back through the prefetcher; bytes measured);
 * ``inspect``: looking inside (pool and tier reports, live or from a server).
 
 Its quality sweeps and benchmarks are in ``workbench.bench`` (``tier_eval``, ``prefix``).
@@ -19,7 +21,9 @@ _EXPORTS = exports({
     "workbench.kv.block_manager": "AllocStatus Allocation Block BlockManager KVStats",
     "workbench.kv.layout": "KVLayout dtype_bytes",
     "workbench.kv.prefix_cache": "MissReason PrefixCache block_hash",
-    "workbench.kv.tier_config": "TierConfig ZoneCounts basis_bytes full_bytes_per_token resident_bytes zone_counts zone_masks",
+    "workbench.kv.tier_config": ("TierConfig ZoneCounts basis_bytes full_bytes_per_token resident_bytes zone_bytes "
+                                 "zone_counts zone_masks"),
+    "workbench.kv.tiers_physical": "PhysicalTieredKVCache TierStore storage_bytes",
     "workbench.kv.tiers": "TieredKVCache apply_tiered_attention is_tiered remove_tiered_attention tiered_attention",
     "workbench.kv.pca": "PCABasis KeyRecorder collect_keys fit_pca_basis fit_pca_from_model",
     "workbench.kv.paged": "PagedKVConfig PagedKVPool PagedSequenceCache PoolBlocks",
