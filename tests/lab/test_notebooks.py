@@ -34,10 +34,13 @@ EXPECTED_KEYS = {
     "03_prefetch": {"copy_compute_ratio", "hidden_share", "best_distance", "prefetch_hit_rate_best",
                     "prefetch_efficiency_best", "link_ceiling_disk_gbps", "link_ceiling_host_gbps",
                     "identical_greedy_tokens", "kv_lookahead_hidden_share", "kv_lookahead_ttft_p95_ratio",
+                    "tiers_hit_rate_none", "tiers_hit_rate_step", "tiers_stall_ms_per_step_none",
+                    "tiers_stall_ms_per_step_step", "tiers_bytes_moved_per_step_step", "tiers_timeline_hit_rate",
                     "threads", "noise_threshold"},
     "02_kv_tiers": {"ttft_p50_reduction", "hit_rate", "bookkeeping_cost", "identical_greedy_tokens",
                     "best_tier_reduction", "best_tier_rel_ppl", "prefix_ttft_verdict", "offload_host_verdict",
-                    "threads", "noise_threshold"},
+                    "physical_reduction_measured", "physical_measured_vs_formula", "physical_identical_to_accounted",
+                    "claim_8k_64k_verdict", "threads", "noise_threshold"},
 }
 
 

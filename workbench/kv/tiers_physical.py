@@ -330,7 +330,7 @@ class PhysicalTieredKVCache:
         keep_step = predict in ("step", "both")
         for hb in list(st):
             if not (keep_step and used.get(hb, False)):
-                pf.cancel((self.uid, layer, *hb))
+                pf.cancel((self.uid, layer, *hb), label=f"L{layer} h{hb[0]} b{hb[1]} {hb[2]} wasted")
                 del st[hb]
         if predict in ("layer", "both") and used:
             nxt = (layer + 1) % len(self.staged)

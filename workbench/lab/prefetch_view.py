@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import math
+import re
 import time
 from typing import Callable
 
@@ -56,8 +57,10 @@ def _step_starts(events: list[dict]) -> dict[int, float]:
 
 
 def _layer_index(label: str) -> int:
-    digits = "".join(c for c in str(label) if c.isdigit())
-    return int(digits) % len(LAYER_COLORS) if digits else len(LAYER_COLORS) - 1
+    """The colour slot of an event: its layer number - the first run of digits ("layer.3",
+    "L3 h1 b22 k" -> 3), so a routed block's head and block numbers do not change its colour."""
+    m = re.search(r"\d+", str(label))
+    return int(m.group()) % len(LAYER_COLORS) if m else len(LAYER_COLORS) - 1
 
 
 LAYER_SCALE = [[(i + k) / len(LAYER_COLORS), c] for i, c in enumerate(LAYER_COLORS) for k in (0, 1)]

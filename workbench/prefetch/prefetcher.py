@@ -142,7 +142,7 @@ class Prefetcher:
         self.stats_.hits += 1
         self.stats_.reused += 1
 
-    def cancel(self, key) -> bool:
+    def cancel(self, key, label: str | None = None) -> bool:
         """A predicted fetch turned out unneeded: wait for its copy (a started copy cannot be
         recalled; its buffer is free afterwards) and count it as wasted.  False if not pending."""
         job = self.pending.pop(key, None)
@@ -155,7 +155,7 @@ class Prefetcher:
         self.stats_.wasted += 1
         self.stats_.wasted_bytes += job.nbytes
         if not self._cuda:
-            self._finished(job, f"wasted {key}")
+            self._finished(job, label or f"wasted {key}")
         return True
 
     def _finished(self, job: Job, label: str) -> None:
