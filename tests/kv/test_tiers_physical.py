@@ -195,3 +195,37 @@ def test_server_reports_tier_memory(bundled_llm, bundled_tiers):
             text = http.get("/metrics").text
     assert 'workbench_kv_resident_bytes{zone="hot"}' in text
     assert 'workbench_prefetch_uses_total{kind="tiers"}' in text
+
+
+def test_chunk_may_exceed_window_without_cold_summaries(model, ids, bases):
+    for cfg in (TierConfig(window=8, rank=4, block=8, budget=16),                         # no cold zone, chunk 16
+                TierConfig(window=8, rank=4, warm_tokens=8, block=8, chunk=16, budget=16, cold_mode="drop")):
+        cache = PhysicalTieredKVCache(model.config, cfg, bases["post_rope"], max_len=N)
+        acc = run(model, TieredKVCache(model.config, cfg, bases["post_rope"], max_len=N), ids, [30] + [1] * 10)
+        assert torch.equal(run(model, cache, ids, [30] + [1] * 10), acc)
+        cache.release()
+
+
+def test_inspectors_read_a_physical_engine(bundled_llm, bundled_tiers):
+    import workbench as wb
+    from workbench import SamplingParams
+    from workbench.kv.inspect import report
+
+    cfg, basis, prompts = bundled_tiers
+    llm = wb.LLM(bundled_llm.model, tokenizer=bundled_llm.tokenizer, tiers=cfg, tier_basis=basis,
+                 tier_store=TierStore(predict="both"))
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    rep = report(llm)
+    last = rep["last"]
+    assert last["bytes"]["measured"] and last["bytes"]["resident"] == llm.engine.last_cache.memory()["resident_kv"]
+    assert last["zones"]["hot"] > 0 and len(last["zone_map"]) == bundled_llm.model.config.num_hidden_layers
+    # the kept cache was finished: no staging, no copy still on its way; its records stay for inspection
+    assert llm.engine.last_cache.memory()["measured"]["staging"] == 0 and not llm.engine.tier_prefetcher.pending
+    assert llm.engine.last_cache.memory()["offloaded"] > 0
+
+
+def test_serve_refuses_tier_store_without_tiers(capsys):
+    from workbench.cli.main import main
+
+    assert main(["serve", "--tier-store", "host", "--port", "0"]) == 2
+    assert "--tiers" in capsys.readouterr().err

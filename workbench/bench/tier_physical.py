@@ -120,7 +120,9 @@ def physical_eval(model, cfg: TierConfig, basis, sequences, eval_tokens: int = 2
                     cache.prefetcher.reset_stats()
                     mark["routed"], mark["t"] = cache.routed_bytes, time.perf_counter()
                     return
+                t_mem = time.perf_counter()
                 m = cache.memory()
+                mark["memory_s"] = mark.get("memory_s", 0.0) + time.perf_counter() - t_mem   # not decode time
                 bpt.append(m["resident_kv"] / (p + 1))
                 fpt.append(m["formula_kv"] / (p + 1))
                 full_pt.append(m["full"] / (p + 1))
@@ -129,7 +131,7 @@ def physical_eval(model, cfg: TierConfig, basis, sequences, eval_tokens: int = 2
                 work.append(m["working_one_layer"])
 
             logits = _run(model, cache, ids, P, E, on_step)
-            decode_s += time.perf_counter() - mark["t"]
+            decode_s += time.perf_counter() - mark["t"] - mark.get("memory_s", 0.0)
             st = cache.prefetcher.stats()
             for k in _COUNTERS:
                 totals[k] += st[k] or 0

@@ -36,7 +36,9 @@ PRESETS = ("llama-3.2-1b", "llama-3-8b", "llama-2-7b")
 LENGTHS = (8192, 32768, 65536)
 CAPTION = ("PROJECTION, not a measurement: per-token element counts per layer and KV head measured on the "
            "bundled model's physical cache, scaled to each preset's layers, KV heads and head_dim at "
-           "{eb} bytes per element, zone token counts from zone_counts(length, {cfg})")
+           "{eb} bytes per element, zone token counts from zone_counts(length, {cfg}); resident bytes only - "
+           "this implementation also allocates transient dense views of one layer while it attends "
+           "(working_one_layer_bytes, ~2x more in fp32 upcasts), which a fused kernel would not")
 
 # part -> (zone, unit, scales with, projected width): "cache" = element_bytes, "basis" = the basis'
 # width, "own" = the measured element size (int8 values, fp16 scales keep theirs)
@@ -171,7 +173,11 @@ def long_context_projection(mem_or_eval, cfg: TierConfig | None = None, presets=
             rows.append({"kind": "projection", "preset": name, "length": n, "layers": L, "kv_heads": nkv,
                          "head_dim": hd, "rank": cfg.rank, "hot_tokens": zc.hot, "warm_tokens": zc.warm, "cold_chunks": zc.cold_chunks,
                          **{f"{k}_bytes": v for k, v in z.items()}, "tiered_bytes": total, "full_bytes": full,
-                         "reduction": full / total, "matches_formula": z == formula})
+                         "reduction": full / total, "matches_formula": z == formula,
+                         # transient, not resident: this implementation's dense views of ONE layer while it
+                         # attends (exact K, V and the warm key reconstructions, S positions each); the fp32
+                         # upcasts inside the attention about double it; a fused kernel would allocate neither
+                         "working_one_layer_bytes": 3 * n * nkv * hd * element_bytes})
     coef = {k: {"per": p["unit"], "scales_with": p["scales_with"], "coefficient": p["coefficient"],
                 "measured_elements": p["elements"], "measured_element_size": p["element_size"]}
             for k, p in comp["parts"].items() if k in _needed_parts(cfg)}

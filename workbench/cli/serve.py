@@ -110,6 +110,8 @@ def _check_serve_kv_args(args) -> None:
                                          ("--num-blocks", args.num_blocks is not None),
                                          ("--block-size", args.block_size != 16),
                                          ("--no-prefix-caching", args.no_prefix_caching)) if on]
+    if not args.tiers and (args.tier_store != "accounted" or args.tier_predict != "step"):
+        raise ConfigError("--tier-store / --tier-predict choose how the tiered cache keeps its blocks: add --tiers")
     if args.tiers and args.kv != "paged":
         raise ConfigError("--tiers gives each request its own tiered cache; --kv does not apply with it")
     layout = "--tiers" if args.tiers else "--kv contiguous" if args.kv == "contiguous" else None

@@ -48,9 +48,10 @@ def format_tier_bench(res: dict) -> str:
                         f"{r['full_bytes_per_token']:.0f}", f"{r['reduction_measured']:.2f}x",
                         f"{r['reduction_with_staging']:.2f}x", _f(r["max_abs_diff_vs_accounted"], "{:.2g}"),
                         "-" if r["greedy_identical"] is None else str(r["greedy_identical"])] for r in rows]))
-    out += ["", "routing per decode step (the prefetcher's counters, decode only; KiB per step)"]
-    out.append(_table(["config", "hit rate", "stall ms", "moved KiB", "routed KiB", "reused", "wasted KiB",
-                       "demand", "staging KiB", "offloaded", "ms/step"],
+    out += ["", "routing per decode step (the prefetcher's counters, decode only; KiB and ms per step; "
+                "'(all)': the run's total)"]
+    out.append(_table(["config", "hit rate", "stall ms", "moved KiB", "routed KiB", "reused (all)", "wasted KiB",
+                       "demand (all)", "staging KiB", "offloaded", "ms/step"],
                       [[r["config"], _f(r["prefetch_hit_rate"], "{:.0%}"), f"{r['stall_ms_per_step']:.2f}",
                         _kb(r["bytes_moved_per_step"]), _kb(r["routed_bytes_per_step"]), r["reused"],
                         _kb(r["wasted_bytes_per_step"]), r["demand"], _kb(r["staging_bytes_mean"]),
@@ -58,8 +59,8 @@ def format_tier_bench(res: dict) -> str:
     pc = res.get("predictors")
     if pc:
         out += ["", f"predictors on {pc['config']} (same docs; quality identical across rows: {pc['same_quality']})"]
-        out.append(_table(["offload", "predict", "hit rate", "stall ms/step", "moved KiB/step", "wasted",
-                           "wasted KiB/step", "demand", "staging KiB", "ms/step", "error"],
+        out.append(_table(["offload", "predict", "hit rate", "stall ms/step", "moved KiB/step", "wasted (all)",
+                           "wasted KiB/step", "demand (all)", "staging KiB", "ms/step", "error"],
                           [[p["offload"], p["predict"]] + (["-"] * 8 + [p["error"]] if p["error"] else
                            [_f(p["prefetch_hit_rate"], "{:.0%}"), f"{p['stall_ms_per_step']:.2f}",
                             _kb(p["bytes_moved_per_step"]), p["wasted"], _kb(p["wasted_bytes_per_step"]),

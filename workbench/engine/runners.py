@@ -179,6 +179,8 @@ class ContiguousRunner:
         if event == "end" and seq_id in self.caches:
             cache = self.caches.pop(seq_id)
             if self.keep_last:          # the previous last cache is done with (inspectors read the newest)
+                if hasattr(cache, "finish"):
+                    cache.finish()      # a physical tiered cache: predicted copies cancelled, staging freed
                 cache, self.last_cache = self.last_cache, cache
             if cache is not None and hasattr(cache, "release"):
                 cache.release()         # a physical tiered cache: its offload records and staging go

@@ -56,10 +56,22 @@ def _fetched_tokens(cache, layer: int, n: int, routable: torch.Tensor) -> torch.
     return tok & routable.to(tok.device)
 
 
+def _bytes(cache, z) -> dict:
+    """Resident bytes: the accounted cache's formula, or the physical cache's measured storage."""
+    if getattr(cache, "physical", False):
+        mem = cache.memory()
+        return {"resident": mem["resident_kv"], "full": mem["full"], "basis": mem["measured"]["basis"],
+                "staging": mem["measured"]["staging"], "offloaded_tier": mem["offloaded"], "measured": True,
+                "element_bytes": torch.empty((), dtype=cache.dtype).element_size()}
+    return {"resident": cache.resident_bytes(), "full": cache.full_resident_bytes(),
+            "basis": cache.basis_bytes() if z.warm else 0, "element_bytes": cache.cfg.element_bytes, "measured": False}
+
+
 @torch.no_grad()
 def tier_report(cache, zone_map: bool = True) -> dict:
     """Zones, key norms, bytes and the per-position zone map of a TieredKVCache (JSON-ready;
-    definitions in the module docstring)."""
+    definitions in the module docstring).  A PhysicalTieredKVCache reports its measured bytes
+    and no key norms (it keeps no full keys)."""
     cfg, mc, n = cache.cfg, cache.model_cfg, cache.length
     z = cache.zone_counts()
     drop = cfg.cold_mode == "drop"
@@ -68,10 +80,10 @@ def tier_report(cache, zone_map: bool = True) -> dict:
            "zones": {"hot": z.hot, "warm": z.warm, "cold": z.cold_tokens, "cold_chunks": z.cold_chunks,
                      "dropped": z.cold_tokens if drop else 0,
                      "offloaded": n - z.hot - (z.cold_tokens if drop else 0)},
-           "bytes": {"resident": cache.resident_bytes(), "full": cache.full_resident_bytes(),
-                     "basis": cache.basis_bytes() if z.warm else 0, "element_bytes": cfg.element_bytes,
+           "bytes": _bytes(cache, z) | {
                      "fetched_last_step": float(cache.fetched_bytes_by_pos[n - 1]) if n else 0.0,
-                     "fetched_tokens_last_step": float(cache.fetched_tokens_by_pos[n - 1]) if n else 0.0}}
+                     "fetched_tokens_last_step": (float(cache.fetched_tokens_by_pos[n - 1])
+                                                  if n and hasattr(cache, "fetched_tokens_by_pos") else None)}}
     rep["bytes"]["reduction"] = rep["bytes"]["full"] / rep["bytes"]["resident"] if rep["bytes"]["resident"] else None
     layers, zmap, fheads = [], [], []
     if n:
@@ -85,6 +97,20 @@ def tier_report(cache, zone_map: bool = True) -> dict:
         if not n:
             layers.append(row)
             continue
+        f = _fetched_tokens(cache, layer, n, routable)
+        per_head = [0] * mc.num_key_value_heads if f is None else f.sum(-1).sum(0).tolist()   # summed over batch
+        row.update({"fetched": sum(per_head) / len(per_head) / cache.batch_size,
+                    "fetched_max_head": max(per_head) / cache.batch_size if per_head else 0,
+                    "fetched_by_head": per_head})
+        if zone_map:
+            names = ["hot" if h else "dropped" if (c and drop) else "cold" if c else "warm"
+                     for h, c in zip(hot.tolist(), cold.tolist())]
+            heads = [0] * n if f is None else f[0].sum(0).tolist()  # batch row 0: KV heads fetching each token
+            zmap.append(["fetched" if k else s for s, k in zip(names, heads)])
+            fheads.append(heads)
+        layers.append(row)
+        if getattr(cache, "physical", False):
+            continue                      # the physical cache keeps no full keys to take norms of
         K = cache.k[layer][:, :, :n]                                # [B, nkv, n, hd]
         norms = {"hot": _norm_stats(K[:, :, hot])}
         if z.warm:
@@ -103,18 +129,7 @@ def tier_report(cache, zone_map: bool = True) -> dict:
             norms["cold"] = _norm_stats(chunks)
         else:
             norms["cold"] = _norm_stats(K[:, :, :0])
-        f = _fetched_tokens(cache, layer, n, routable)
-        per_head = [0] * mc.num_key_value_heads if f is None else f.sum(-1).sum(0).tolist()   # summed over batch
-        row.update({"fetched": sum(per_head) / len(per_head) / cache.batch_size,
-                    "fetched_max_head": max(per_head) / cache.batch_size if per_head else 0,
-                    "fetched_by_head": per_head, "key_norms": norms})
-        layers.append(row)
-        if zone_map:
-            names = ["hot" if h else "dropped" if (c and drop) else "cold" if c else "warm"
-                     for h, c in zip(hot.tolist(), cold.tolist())]
-            heads = [0] * n if f is None else f[0].sum(0).tolist()  # batch row 0: KV heads fetching each token
-            zmap.append(["fetched" if k else s for s, k in zip(names, heads)])
-            fheads.append(heads)
+        row["key_norms"] = norms
     rep["layers"] = layers
     if zone_map:
         rep["zone_map"] = zmap            # [layer][position] -> zone name (fetched by >= 1 KV head: "fetched")

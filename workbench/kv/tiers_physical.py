@@ -41,13 +41,17 @@ keys, dequantised warm values, zeros elsewhere): a transient working set of one 
 that a fused kernel would avoid (reported by :meth:`PhysicalTieredKVCache.memory`).
 
 Limits: one sequence per cache (``batch_size=1``: the engine makes one per request);
-``block`` and ``chunk`` at most ``window`` (a block is written to the offload tier while all
-its tokens are still hot); offload to disk on a CPU only.
+``block`` at most ``window`` (a block is written to the offload tier while all its tokens are
+still hot), and ``chunk`` too when cold chunks keep summaries; offload to disk on a CPU only.
+Blocks are written whether or not anything will read them back (no routing, dropped tokens);
+the disk transport rounds each record up to 4 KiB, so the file is larger than ``offloaded``.
+Not thread-safe: ``memory()`` reads what ``attend`` changes (the engine calls both on its thread).
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -151,7 +155,8 @@ class PhysicalTieredKVCache:
         check_tier_setup("PhysicalTieredKVCache", model_cfg, cfg, basis)
         if batch_size != 1:
             raise ConfigError(f"PhysicalTieredKVCache holds one sequence (batch_size=1), got batch_size={batch_size}")
-        for field in ("block", "chunk"):
+        parked = cfg.has_cold and cfg.cold_mode == "mean"        # chunk summaries computed while hot
+        for field in ("block", "chunk") if parked else ("block",):
             if getattr(cfg, field) > cfg.window:
                 raise ConfigError(f"TierConfig field '{field}' ({getattr(cfg, field)}) must be <= 'window' "
                                   f"({cfg.window}) for the physical cache: a block goes to the offload tier "
@@ -181,6 +186,8 @@ class PhysicalTieredKVCache:
         self.fetched_bytes_by_pos = torch.zeros(self.max_len, dtype=torch.float64)
         self.last_selection: dict[int, torch.Tensor] = {}
         self.decode_steps = 0
+        self.summary_reads = self.summary_read_bytes = 0   # parked cold summaries read back (not routing)
+        self.summary_read_s = 0.0
         self.working_bytes = 0        # the last call's dense views (one layer, transient)
         self._released = False
 
@@ -273,7 +280,7 @@ class PhysicalTieredKVCache:
                     Kc[0, :, j], Vc[0, :, j] = rec[0], rec[1]
                     self._drop((self.uid, layer, "sum", j))
             views.update(Kc=Kc, Vc=Vc, cold=(c0, c1))
-        self.working_bytes = sum(x.numel() * x.element_size() for x in views.values() if isinstance(x, torch.Tensor))
+        self.working_bytes = storage_bytes([x for x in views.values() if isinstance(x, torch.Tensor)])
         return views
 
     def _reconstruct(self, coef, layer: int, lo: int, hi: int):
@@ -408,8 +415,14 @@ class PhysicalTieredKVCache:
         return buf.reshape(-1).view(torch.uint8)
 
     def _read(self, key, shape, label: str) -> torch.Tensor:
+        """A cold chunk's parked summary, read back when the chunk turns cold: a synchronous read
+        of the transport, counted apart from routing (``summary_reads``, ``summary_read_s``)."""
         buf = self._buffer(shape)
-        self.prefetcher.fetch_now(key, self._as_bytes(buf), label=label)
+        t0 = time.perf_counter()
+        job = self.prefetcher.transport.read(key, self._as_bytes(buf))
+        self.summary_read_s += time.perf_counter() - t0
+        self.summary_reads += 1
+        self.summary_read_bytes += job.nbytes
         return buf
 
     def _put(self, key, data: torch.Tensor) -> None:
@@ -424,15 +437,22 @@ class PhysicalTieredKVCache:
         tr.drop(key)
         self._keys.discard(key)
 
-    def release(self) -> None:
-        """Drop this cache's records from the offload tier and its staging (the sequence ended)."""
-        if self._released:
-            return
+    def finish(self) -> None:
+        """The sequence ended but the cache is kept for inspection: predicted copies still on
+        their way are cancelled and the staging buffers freed; the zones and the offload records
+        stay (:meth:`release` drops those)."""
         pf = self.prefetcher
         for layer, st in enumerate(self.staged):
             for hb in list(st):
                 pf.cancel((self.uid, layer, *hb))
             st.clear()
+
+    def release(self) -> None:
+        """Drop this cache's records from the offload tier and its staging (the sequence ended)."""
+        if self._released:
+            return
+        pf = self.prefetcher
+        self.finish()
         for key in list(self._keys):
             pf.transport.drop(key)
         self._keys.clear()

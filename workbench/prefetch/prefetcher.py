@@ -148,10 +148,13 @@ class Prefetcher:
         job = self.pending.pop(key, None)
         if job is None:
             return False
+        t0 = time.perf_counter()
         try:
             self.transport.wait(job)
         except Exception:  # noqa: BLE001 - nobody uses these bytes
             return True
+        if not self._cuda:
+            self.stats_.stall_s += time.perf_counter() - t0      # waiting for a copy nobody needs is a stall too
         self.stats_.wasted += 1
         self.stats_.wasted_bytes += job.nbytes
         if not self._cuda:
