@@ -7,7 +7,7 @@ import json
 import sys
 
 from workbench.cli.options import (add_backend_arg, add_fast_path_args, add_model_args, add_stream_args,
-                                   add_tier_args, apply_backend, tier_config, weight_stream_config)
+                                   add_quant_arg, add_tier_args, apply_backend, tier_config, weight_stream_config)
 
 
 def cmd_generate(args) -> int:
@@ -17,7 +17,7 @@ def cmd_generate(args) -> int:
     stream = weight_stream_config(args)
     fast = args.compile or args.cuda_graphs
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              check_finite=args.check_finite, stream_weights=None if fast else stream)
+              check_finite=args.check_finite, stream_weights=None if fast else stream, quant=args.quant)
     apply_backend(llm, args.backend, llm.device.type)
     if fast:     # after the backends: the static step is compiled / captured with them
         llm = LLM(llm.model, tokenizer=llm.tokenizer, max_model_len=args.max_model_len, compile=args.compile,
@@ -127,6 +127,7 @@ def cmd_kv_inspect(args) -> int:
 def add_generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="generate text with the engine's reference configuration (streams tokens)")
     add_model_args(g)
+    add_quant_arg(g)
     add_backend_arg(g)
     add_fast_path_args(g)
     add_stream_args(g)

@@ -20,6 +20,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "fewest threads within 15%% of the fastest decode step; env WORKBENCH_THREADS)")
 
 
+def add_quant_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quant", default=None,
+                   help="quantize the linear layers' weights: w8a16 | w4a16, options joined by ':' - gN (group), "
+                        "pc (per channel), pt (per tensor), asym, fallback=pow2|per-channel (e.g. w4a16:g128); "
+                        "A16 = the model's activation dtype (fp32 on a CPU)")
+
+
 def add_backend_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default=None,
                    help="per-op backends: eager | triton | compile (every op), or OP=BACKEND,... with OP in rmsnorm, "

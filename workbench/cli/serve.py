@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workbench.cli.options import (add_backend_arg, add_fast_path_args, add_model_args, add_stream_args,
+from workbench.cli.options import (add_backend_arg, add_fast_path_args, add_model_args, add_quant_arg, add_stream_args,
                                    add_tier_args, apply_backend, tier_config, tier_store, weight_stream_config)
 
 
@@ -32,7 +32,7 @@ def cmd_serve(args) -> int:
 
     _check_serve_kv_args(args)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              check_finite=args.check_finite)
+              check_finite=args.check_finite, quant=args.quant)
     apply_backend(llm, args.backend, llm.device.type)
     tiers = basis = store = None
     if args.tiers:
@@ -58,6 +58,7 @@ def add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, SSE, /metrics) "
                                      "over the batched engine")
     add_model_args(s)
+    add_quant_arg(s)
     add_backend_arg(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface; set --api-key)")
     s.add_argument("--port", type=int, default=8000, help="0 = pick a free port (printed)")

@@ -129,6 +129,8 @@ class LLM:
     ``check_finite``: the loader refuses NaN / Inf weights unless this is False.
     ``stream_weights``: a :class:`~workbench.prefetch.weights.WeightStreamConfig` (some decoder
     layers resident, the rest fetched ahead of use from disk or host memory).
+    ``quant``: a :class:`~workbench.quant.recipe.QuantRecipe` or its string (``"w4a16:g128"``):
+    the linear layers' weights quantized in place (:func:`workbench.quant.apply.quantize_model`).
     """
 
     def __init__(self, model: str | CausalLM | None = None, tokenizer=None, device=None, dtype=None,
@@ -136,9 +138,13 @@ class LLM:
                  tiers: "TierConfig | None" = None, tier_basis=None, tier_store=None, threads: int | str | None = None,
                  scheduler: SchedulerConfig | None = None, batch_invariant: bool | None = None,
                  compile: bool = False, cuda_graphs: bool = False, static_decode: bool = False,
-                 check_finite: bool = True, stream_weights=None) -> None:
+                 check_finite: bool = True, stream_weights=None, quant=None) -> None:
         self.loaded = LoadedModel.load(model, tokenizer=tokenizer, device=device, dtype=dtype,
                                        max_model_len=max_model_len, threads=threads, check_finite=check_finite)
+        if quant is not None:        # weights quantized in place (a model object passed in is changed too)
+            from workbench.quant.apply import quantize_model
+
+            quantize_model(self.loaded.model, quant)
         if kv is not None and tiers is not None:
             raise ConfigError("LLM: give kv= (paged pool) or tiers= (tiered cache), not both")
         self.engine = LLMEngine(self.loaded, kv=kv if kv is not None or tiers is not None else "contiguous",

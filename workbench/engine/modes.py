@@ -147,6 +147,8 @@ def describe(engine: LLMEngine) -> str:
                                     ("cuda-graphs", engine.cuda_graphs)) if on]
     if engine.weight_streamer is not None:
         parts.append(engine.weight_streamer.describe())
+    if getattr(engine.model, "recipe", None) is not None:
+        parts.append(f"quant {engine.model.recipe.name}")
     ops = {op: b for op, b in current_backends(engine.model).items() if b != "eager"}
     if ops:
         parts.append("backends " + ",".join(f"{op}={b}" for op, b in ops.items()))
@@ -175,7 +177,8 @@ def describe_values(engine: LLMEngine) -> dict:
     return {"config": engine.describe(), "kv": engine.kv_mode, "static_decode": engine.static_decode,
             "compile": engine.compiled, "cuda_graphs": engine.cuda_graphs,
             "sampling": current_backends(engine.model).get("sampling", "eager"),
-            "stream_weights": st.describe() if st is not None else "off"}
+            "stream_weights": st.describe() if st is not None else "off",
+            "quant": recipe.name if (recipe := getattr(engine.model, "recipe", None)) is not None else "off"}
 
 
 def install_weight_streaming(model, config):

@@ -1,7 +1,24 @@
-"""The quantization layer: weight / activation quantizers as transformations of the plain model.
+"""The quantization layer: weight (and later activation) quantizers as transformations of the
+plain model, beside ``transforms``, below ``engine``.
 
-A place ready for that layer (see the open issue "Quantization layer"): it sits beside
-``transforms``, below ``engine``.
+* ``rtn`` - round-to-nearest quantization of one weight: per tensor, per output channel or per
+  group; symmetric or asymmetric; int8 and packed int4 (two per byte), and back;
+* ``recipe`` - :class:`QuantRecipe`, every setting by name, with the rule for groups that do not
+  divide a layer's input width (``group_fallback``) and per-layer overrides;
+* ``apply`` - :func:`quantize_model` (``nn.Linear`` -> :class:`QuantLinear`, the torch reference
+  of every low-bit kernel), :func:`quantization_report`, :func:`weight_bytes`.
+
+``LLM(quant="w4a16:g128")`` / ``workbench generate|serve --quant ...`` use it.  Still to come
+(the open issue "Quantization layer"): AWQ, GPTQ, W4A8 / W8A8 with SmoothQuant, the Triton and
+CPU packed-int kernels, outlier views and notebook 05.
 """
 
-__all__: list[str] = []
+from workbench._exports import exports, lazy
+
+_EXPORTS = exports({
+    "workbench.quant.rtn": "QuantizedWeight pack_int4 quantize_weight unpack_int4",
+    "workbench.quant.recipe": "QuantRecipe",
+    "workbench.quant.apply": "QuantLinear quantization_report quantize_model weight_bytes",
+})
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy(__name__, _EXPORTS)

@@ -1,0 +1,135 @@
+"""A quantization recipe: every setting a quantized model was made with, by name.
+
+::
+
+    r = QuantRecipe.parse("w4a16:g128")          # or QuantRecipe(weight_bits=4, group=128)
+    r.name                                         # 'w4a16-g128-sym-rtn-fallback=pow2'
+    r.layer_settings("model.layers.0.mlp.down_proj", in_features=704)   # -> g64 (the fallback)
+
+Schemes (``wXaY``): weights in X bits, activations in Y bits.  This step implements the
+weight-only schemes **W8A16** and **W4A16**; "A16" means the model's own activation dtype -
+bf16 / fp16 on a GPU, **fp32 on a CPU** (every figure says which).
+
+Granularity: ``group`` = g input columns per scale; ``group=None`` with ``per_channel=True`` =
+one scale per output channel; ``per_channel=False`` = one scale for the whole tensor.
+
+**The group fallback rule** (``group_fallback``), for a layer whose input width is not a
+multiple of ``group`` (the bundled model's ``down_proj``: 704 = 5 x 128 + 64):
+
+* ``"pow2"`` (default) - the largest power of two <= ``group`` that divides the width
+  (704 -> g64); if none >= 8 does, one scale per output channel;
+* ``"per-channel"`` - one scale per output channel for that layer.
+
+The chosen granularity of every layer is recorded in the model's recipe report
+(:func:`workbench.quant.apply.quantization_report`).  The embedding and the LM head are not
+quantized unless ``skip`` says otherwise; ``overrides`` give per-layer settings by name
+suffix (``(("down_proj", {"weight_bits": 8}),)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+from workbench.errors import ConfigError
+
+SCHEMES = {"w8a16": 8, "w4a16": 4}
+FALLBACKS = ("pow2", "per-channel")
+METHODS = ("rtn",)
+
+
+@dataclass(frozen=True)
+class QuantRecipe:
+    weight_bits: int = 8
+    group: int | None = None
+    per_channel: bool = True
+    symmetric: bool = True
+    method: str = "rtn"
+    group_fallback: str = "pow2"
+    skip: tuple[str, ...] = ("embed_tokens", "lm_head")
+    overrides: tuple = field(default_factory=tuple)     # ((name suffix, {field: value}), ...)
+
+    def __post_init__(self) -> None:
+        if self.weight_bits not in (4, 8):
+            raise ConfigError(f"QuantRecipe field 'weight_bits' must be 4 or 8, got {self.weight_bits!r}")
+        if self.group is not None and (not isinstance(self.group, int) or self.group < 2 or self.group % 2):
+            raise ConfigError(f"QuantRecipe field 'group' must be None or an even integer >= 2, got {self.group!r}")
+        if self.method not in METHODS:
+            raise ConfigError(f"QuantRecipe field 'method' must be one of {METHODS} (this step), got {self.method!r}")
+        if self.group_fallback not in FALLBACKS:
+            raise ConfigError(f"QuantRecipe field 'group_fallback' must be one of {FALLBACKS}, "
+                              f"got {self.group_fallback!r}")
+        allowed = {f.name for f in dataclasses.fields(self)} - {"overrides", "skip"}
+        for item in self.overrides:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], dict)):
+                raise ConfigError(f"QuantRecipe field 'overrides': expected (name suffix, {{field: value}}) pairs, "
+                                  f"got {item!r}")
+            bad = set(item[1]) - allowed
+            if bad:
+                raise ConfigError(f"QuantRecipe field 'overrides' for {item[0]!r}: unknown fields {sorted(bad)}")
+
+    @property
+    def scheme(self) -> str:
+        return f"w{self.weight_bits}a16"
+
+    @property
+    def granularity(self) -> str:
+        return f"g{self.group}" if self.group else "per-channel" if self.per_channel else "per-tensor"
+
+    @property
+    def name(self) -> str:
+        base = f"{self.scheme}-{self.granularity}-{'sym' if self.symmetric else 'asym'}-{self.method}"
+        if self.group:
+            base += f"-fallback={self.group_fallback}"
+        return base + ("-overrides" if self.overrides else "")
+
+    @classmethod
+    def parse(cls, spec: str) -> "QuantRecipe":
+        """``w8a16``, ``w4a16:g128``, ``w4a16:pc`` (per channel), ``w4a16:pt`` (per tensor),
+        options joined by ``:`` - ``asym``, ``fallback=per-channel``."""
+        parts = [p.strip() for p in str(spec).lower().split(":") if p.strip()]
+        if not parts or parts[0] not in SCHEMES:
+            raise ConfigError(f"quantization scheme {spec!r}: expected one of {', '.join(SCHEMES)} "
+                              "followed by options (e.g. w4a16:g128)")
+        kw: dict = {"weight_bits": SCHEMES[parts[0]]}
+        for p in parts[1:]:
+            if m := re.fullmatch(r"g(\d+)", p):
+                kw["group"] = int(m.group(1))
+            elif p in ("pc", "per-channel"):
+                kw.update(group=None, per_channel=True)
+            elif p in ("pt", "per-tensor"):
+                kw.update(group=None, per_channel=False)
+            elif p in ("asym", "sym"):
+                kw["symmetric"] = p == "sym"
+            elif p.startswith("fallback="):
+                kw["group_fallback"] = p.split("=", 1)[1]
+            elif p.startswith("method="):
+                kw["method"] = p.split("=", 1)[1]
+            else:
+                raise ConfigError(f"quantization scheme {spec!r}: unknown option {p!r}")
+        return cls(**kw)
+
+    def layer_settings(self, name: str, in_features: int) -> dict:
+        """The settings one linear layer gets: overrides applied, then the group fallback."""
+        r = self
+        for suffix, changes in self.overrides:
+            if name.endswith(suffix):
+                r = dataclasses.replace(r, **changes)
+        group, per_channel, note = r.group, r.per_channel, None
+        if group is not None and in_features % group:
+            if r.group_fallback == "pow2":
+                g = 1 << (group.bit_length() - 1)
+                while g >= 8 and in_features % g:
+                    g //= 2
+                group, note = (g, f"g{r.group} -> g{g}") if g >= 8 else (None, f"g{r.group} -> per-channel")
+            else:
+                group, note = None, f"g{r.group} -> per-channel"
+            per_channel = True if group is None else per_channel
+        return {"bits": r.weight_bits, "group": group, "per_channel": per_channel, "symmetric": r.symmetric,
+                "method": r.method, "fallback": note}
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(name=self.name, scheme=self.scheme, activations="the model's dtype (fp32 on a CPU, bf16/fp16 on a GPU)")
+        return d
