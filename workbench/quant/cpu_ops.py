@@ -1,0 +1,120 @@
+"""torch's packed low-bit CPU matmuls for a :class:`~workbench.quant.apply.QuantLinear`, and
+their timing against the dense and the dequantize-then-matmul reference.
+
+::
+
+    op = cpu_op(qlinear)            # None when the layer's format has no CPU op (and why: cpu_op_reason)
+    y = op(x)                        # x [.., in] float32 -> [.., out]
+    cpu_op_timing(out=8192, inp=2048, m=1)   # ms per call: dense fp32, reference, int8pack, int4pack
+
+Which layers have an op (this torch, CPU, float32 activations):
+
+* ``int8`` - ``aten._weight_int8pack_mm(x, W int8 [out, in], scales [out])``: int8 symmetric,
+  one scale per output channel;
+* ``int4`` - ``aten._convert_weight_to_int4pack_for_cpu(W int32 [out, in] in 0..15, inner_k_tiles)``
+  once, then ``aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros [in/g, out, 2])``
+  per call, dequantising ``(q - 8) * scale + zero``: our symmetric values are stored + 8 with
+  ``zero = 0``; asymmetric ones get ``zero = (8 - z) * scale``.  Groups of 32, 64, 128 or 256.
+
+The ops are the same arithmetic as the reference up to float32 rounding (tested).  Whether they
+are *faster* is a measurement (:func:`cpu_op_timing`), not a promise: at m = 1 a matmul streams
+its weight once, so the bound is memory bandwidth - int4 moves 1/8 of fp32's bytes, but the
+unpacking costs instructions, and on a small-cache 2-core VM the dense fp32 GEMV may still win.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+INT4_GROUPS = (32, 64, 128, 256)
+
+
+def cpu_op_reason(layer) -> str | None:
+    """Why ``layer`` has no packed CPU op (None when it has one)."""
+    if layer.qweight.device.type != "cpu":
+        return "not on a CPU"
+    if layer.bits == 8:
+        if layer.zeros is not None or layer.group is not None or layer.scales.shape[0] != layer.out_features:
+            return "int8 op: symmetric, one scale per output channel only"
+        return None
+    if layer.group not in INT4_GROUPS:
+        return f"int4 op: groups of {INT4_GROUPS} only (this layer: {layer.group or 'no group'})"
+    if layer.in_features % layer.group:
+        return "int4 op: the group must divide the input width"
+    return None
+
+
+def cpu_op(layer, inner_k_tiles: int = 8):
+    """A function ``x -> y`` running ``layer`` through torch's packed CPU op, or None."""
+    if cpu_op_reason(layer) is not None:
+        return None
+    if layer.bits == 8:
+        w, s = layer.qweight, layer.scales[:, 0].contiguous()
+
+        def int8(x):
+            shape = x.shape
+            y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).float(), w, s)
+            y = y if layer.bias is None else y + layer.bias
+            return y.reshape(*shape[:-1], -1).to(x.dtype)
+        return int8
+    q = layer.quantized
+    vals = q.int_values()                                                  # symmetric: -7..7; asym: 0..15
+    if q.symmetric:
+        stored, zero = (vals + 8).to(torch.int32), torch.zeros_like(q.scales)
+    else:
+        z = q.zeros.float()                                                # in 0..15 for 4 bits
+        stored, zero = vals.to(torch.int32), (8 - z) * q.scales
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(stored.contiguous(), inner_k_tiles)
+    sz = torch.stack([q.scales.T, zero.T], dim=-1).contiguous().float()     # [in / g, out, 2]
+    g = layer.group
+
+    def int4(x):
+        shape = x.shape
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).float(), packed, g, sz)
+        y = y if layer.bias is None else y + layer.bias
+        return y.reshape(*shape[:-1], -1).to(x.dtype)
+    return int4
+
+
+def _time(fn, x, repeats: int) -> float:
+    fn(x)
+    best = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(x)
+        best.append(time.perf_counter() - t0)
+    best.sort()
+    return 1e3 * best[len(best) // 2]
+
+
+@torch.no_grad()
+def cpu_op_timing(out: int = 8192, inp: int = 2048, m: int = 1, repeats: int = 20, rounds: int = 3,
+                  group: int = 128, seed: int = 0) -> dict:
+    """Median ms per call of one ``[out, inp]`` layer at ``m`` rows: dense fp32 ``F.linear``, the
+    reference (dequantize, then matmul), and the int8 / int4 packed ops; sides interleaved over
+    ``rounds`` so drift hits all of them.  Random weights: latency only."""
+    from workbench.quant.apply import QuantLinear
+    from workbench.quant.rtn import quantize_weight
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, inp, generator=g) * 0.02
+    x = torch.randn(m, inp, generator=g)
+    layers = {"int8": QuantLinear(quantize_weight(w, bits=8), None, {}, 0.0),
+              "int4": QuantLinear(quantize_weight(w, bits=4, group=group), None, {}, 0.0)}
+    sides = {"dense fp32": lambda t: torch.nn.functional.linear(t, w),
+             "reference w4 (dequantize + matmul)": layers["int4"].forward,
+             "int8pack (w8, per channel)": cpu_op(layers["int8"]), f"int4pack (w4, g{group})": cpu_op(layers["int4"])}
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    for r in range(rounds):
+        for name in (list(sides) if r % 2 == 0 else list(reversed(sides))):
+            times[name].append(_time(sides[name], x, repeats))
+    ref = sides["dense fp32"](x)
+    errors = {k: float((f(x) - ref).abs().max() / ref.abs().max()) for k, f in sides.items()}
+    weight_bytes = {"dense fp32": w.numel() * 4, "reference w4 (dequantize + matmul)": layers["int4"].quantized.nbytes,
+                    "int8pack (w8, per channel)": layers["int8"].quantized.nbytes,
+                    f"int4pack (w4, g{group})": layers["int4"].quantized.nbytes}
+    rows = [{"side": k, "ms_median": sorted(v)[len(v) // 2], "ms_min": min(v), "ms_max": max(v),
+             "weight_bytes": weight_bytes[k], "rel_error_vs_dense": errors[k]} for k, v in times.items()]
+    return {"shape": [out, inp], "m": m, "threads": torch.get_num_threads(), "rows": rows}
