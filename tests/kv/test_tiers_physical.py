@@ -11,7 +11,8 @@ from workbench.errors import ConfigError
 from workbench.kv.pca import fit_pca_from_model
 from workbench.kv.tier_config import TierConfig, zone_bytes
 from workbench.kv.tiers import TieredKVCache, tiered_attention
-from workbench.kv.tiers_physical import PhysicalTieredKVCache, TierStore, storage_bytes
+from workbench.kv.tiers_physical import PhysicalTieredKVCache, TierStore
+from workbench.measure.memory import storage_bytes
 from workbench.model.config import ModelConfig
 from workbench.model.decoder import CausalLM, init_weights
 

@@ -8,12 +8,7 @@ import json
 import os
 import sys
 
-
-def _table(headers: list[str], rows: list[list]) -> str:
-    cells = [headers] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    line = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
-    return "\n".join([line(cells[0]), line(["-" * w for w in widths])] + [line(r) for r in cells[1:]])
+from workbench.cli.prefetch import _table
 
 
 def _f(v, fmt: str = "{:.3g}", scale: float = 1.0) -> str:

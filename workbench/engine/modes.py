@@ -225,8 +225,9 @@ def kv_memory(engine) -> dict | None:
         out["sequences"] += 1
         for z in zones:
             out["measured"][z] += mem["measured"][z]
-        for z in zones[:4]:
-            out["formula"][z] += mem["formula"][z] if z != "basis" or not out["formula"]["basis"] else 0
+        for z in zones[:3]:
+            out["formula"][z] += mem["formula"][z]
+        out["formula"]["basis"] = max(out["formula"]["basis"], mem["formula"]["basis"])   # shared: once
         out["full"] += mem["full"]
         out["offloaded"] += mem["offloaded"]
     out["resident_kv"] = sum(out["measured"][z] for z in zones[:4])

@@ -23,7 +23,7 @@ _EXPORTS = exports({
     "workbench.kv.prefix_cache": "MissReason PrefixCache block_hash",
     "workbench.kv.tier_config": ("TierConfig ZoneCounts basis_bytes full_bytes_per_token resident_bytes zone_bytes "
                                  "zone_counts zone_masks"),
-    "workbench.kv.tiers_physical": "PhysicalTieredKVCache TierStore storage_bytes",
+    "workbench.kv.tiers_physical": "PhysicalTieredKVCache TierStore",
     "workbench.kv.tiers": "TieredKVCache apply_tiered_attention is_tiered remove_tiered_attention tiered_attention",
     "workbench.kv.pca": "PCABasis KeyRecorder collect_keys fit_pca_basis fit_pca_from_model",
     "workbench.kv.paged": "PagedKVConfig PagedKVPool PagedSequenceCache PoolBlocks",

@@ -62,6 +62,7 @@ from workbench.kv.tier_attention import (attend_zones, chunk_means, dequantise, 
                                          reconstruct_keys)
 from workbench.kv.tier_config import TierConfig, full_bytes_per_token, zone_bytes, zone_counts, zone_masks
 from workbench.kv.tiers import check_tier_setup
+from workbench.measure.memory import storage_bytes
 from workbench.model.config import ModelConfig
 from workbench.model.decoder import RotaryEmbedding
 from workbench.prefetch.prefetcher import Prefetcher
@@ -104,22 +105,6 @@ class TierStore:
             return Prefetcher(make_transport("cuda", dev), name="kv tiers")
         kw = {"path": self.path} if self.offload == "disk" and self.path else {}
         return Prefetcher(make_transport(self.offload, dev, **kw), name="kv tiers")
-
-
-def storage_bytes(tensors, seen: set | None = None) -> int:
-    """Bytes of the storages behind ``tensors``, each storage once (by data pointer) across
-    calls that share ``seen``."""
-    seen = set() if seen is None else seen
-    total = 0
-    for t in tensors:
-        if t is None or t.numel() == 0:
-            continue
-        st = t.untyped_storage()
-        if st.data_ptr() in seen:
-            continue
-        seen.add(st.data_ptr())
-        total += st.nbytes()
-    return total
 
 
 def _basis_tensors(basis: PCABasis, rank: int, device) -> tuple[torch.Tensor, torch.Tensor]:

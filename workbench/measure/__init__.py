@@ -16,6 +16,7 @@ _EXPORTS = exports({
     "workbench.measure.probe": "NoiseProbe noise_probe available_cores",
     "workbench.measure.threads": "ThreadChoice choose_threads apply_thread_policy",
     "workbench.measure.agreement": "first_divergence divergence_margin",
+    "workbench.measure.memory": "storage_bytes",
 })
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy(__name__, _EXPORTS)

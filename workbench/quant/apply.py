@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.errors import ConfigError
+from workbench.measure.memory import storage_bytes
 from workbench.quant.recipe import QuantRecipe
 from workbench.quant.rtn import QuantizedWeight, quantize_weight
 
@@ -92,19 +93,8 @@ def weight_bytes(model: nn.Module) -> dict:
     """Resident bytes of the model's tensors (parameters and buffers, each storage once): the
     quantized linears' (integers, scales, zero points, biases), everything else, the total."""
     seen: set = set()
-    quant = other = 0
-    qmods = {id(m) for m in model.modules() if isinstance(m, QuantLinear)}
-    for mod in model.modules():
-        inside = id(mod) in qmods
-        for t in list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False)):
-            if t is None:
-                continue
-            st = t.untyped_storage()
-            if st.data_ptr() in seen:
-                continue
-            seen.add(st.data_ptr())
-            if inside:
-                quant += st.nbytes()
-            else:
-                other += st.nbytes()
+    own = lambda m: list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))  # noqa: E731
+    qmods = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    quant = storage_bytes([t for m in qmods for t in own(m)], seen)
+    other = storage_bytes([t for m in model.modules() for t in own(m)], seen)   # the rest: seen skips the above
     return {"quantized_linears": quant, "other": other, "total": quant + other}
