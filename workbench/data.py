@@ -57,3 +57,15 @@ def heldout_prompts(n: int, chars: int = 200, seed: int = 0) -> list[str]:
              if len(p.strip()) > chars and p.strip()[0].isalpha()]
     picks = rng.sample(paras, min(n, len(paras)))
     return [p[:chars].rsplit(" ", 1)[0] for p in picks]
+
+
+def heldout_split(tokenizer, context: int = 1024) -> dict:
+    """Split the held-out corpus by whole documents: of the documents with at least ``context``
+    tokens (in file order), even-numbered ones are for evaluation and odd-numbered ones for
+    calibration; each contributes its first ``context`` tokens.  Shorter documents are unused.
+    No calibration token is ever an evaluation token."""
+    long_docs = [(d["path"], ids) for d in heldout_documents()
+                 if len(ids := tokenizer.encode(d["text"])) >= context]
+    ev, cal = long_docs[0::2], long_docs[1::2]
+    return {"evaluation": [ids[:context] for _, ids in ev], "evaluation_docs": [p for p, _ in ev],
+            "calibration": [ids[:context] for _, ids in cal], "calibration_docs": [p for p, _ in cal]}

@@ -10,32 +10,35 @@ from workbench.quant.cpu_ops import cpu_op, cpu_op_reason, cpu_op_timing
 from workbench.quant.rtn import quantize_weight
 
 
-def _layer(bits, bias=False, **kw):
+def _layer(bits, bias=False, act_bits=None, **kw):
     g = torch.Generator().manual_seed(3)
     w = torch.randn(96, 256, generator=g)
     b = torch.randn(96, generator=g) if bias else None
-    return QuantLinear(quantize_weight(w, bits=bits, **kw), b, {}, 0.0)
+    return QuantLinear(quantize_weight(w, bits=bits, **kw), b, {"act_bits": act_bits}, 0.0)
 
 
 @pytest.mark.parametrize("bits,kw", [(8, {}), (4, dict(group=32)), (4, dict(group=128)),
-                                     (4, dict(group=64, symmetric=False))],
-                         ids=["int8-pc", "int4-g32", "int4-g128", "int4-g64-asym"])
+                                     (4, dict(group=64, symmetric=False)), (8, dict(act_bits=8))],
+                         ids=["int8-pc", "int4-g32", "int4-g128", "int4-g64-asym", "w8a8-int_mm"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_cpu_op_equals_the_reference(bits, kw, bias):
     layer = _layer(bits, bias, **kw)
-    op = cpu_op(layer)
-    assert op is not None and cpu_op_reason(layer) is None
-    x = torch.randn(2, 5, 256, generator=torch.Generator().manual_seed(4))
-    ref = layer(x)
-    got = op(x)
-    assert got.shape == ref.shape
-    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+    assert cpu_op_reason(layer) is None
+    for rows in ((1, 3), (2, 5)):                   # 3 rows: the op; 10 rows: past the op's row limit
+        x = torch.randn(*rows, 256, generator=torch.Generator().manual_seed(4))
+        ref = layer.reference_forward(x)
+        for op in (cpu_op(layer), cpu_op(layer, row_fallback=False)):
+            got = op(x)
+            assert got.shape == ref.shape
+            assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
 
 
 def test_formats_without_an_op_say_why():
     assert "per output channel" in cpu_op_reason(_layer(8, group=32))
     assert "per output channel" in cpu_op_reason(_layer(8, symmetric=False))
     assert "groups of" in cpu_op_reason(_layer(4))                      # int4 per channel
+    assert "int4 x int8" in cpu_op_reason(_layer(4, group=32, act_bits=8))
+    assert "per output channel" in cpu_op_reason(_layer(8, group=32, act_bits=8))
     assert cpu_op(_layer(4, group=16)) is None
 
 
@@ -43,7 +46,7 @@ def test_timing_reports_every_side():
     r = cpu_op_timing(out=256, inp=256, m=1, repeats=2, rounds=2)
     sides = {row["side"] for row in r["rows"]}
     assert sides == {"dense fp32", "reference w4 (dequantize + matmul)", "int8pack (w8, per channel)",
-                     "int4pack (w4, g128)"}
+                     "int4pack (w4, g128)", "int_mm (w8a8, per channel x per token)"}
     assert all(row["ms_median"] > 0 and row["ms_min"] <= row["ms_median"] <= row["ms_max"] for row in r["rows"])
     by = {row["side"]: row for row in r["rows"]}
     assert by["int4pack (w4, g128)"]["weight_bytes"] < by["int8pack (w8, per channel)"]["weight_bytes"] \

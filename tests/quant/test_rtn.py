@@ -112,18 +112,24 @@ def test_quantized_bundled_model(bundled_llm, docs):
     assert w4 < 0.3 * dense_bf16 and w4 < 0.6 * w8
 
 
-def test_llm_quant_batched_equals_unbatched(bundled_llm):
+@pytest.mark.parametrize("spec,name", [("w4a16:g128", "w4a16-g128-sym-rtn-fallback=pow2"),
+                                       ("w8a8", "w8a8-per-channel-sym-rtn")])
+def test_llm_quant_batched_equals_unbatched(bundled_llm, spec, name):
+    """The batched engine with torch's packed CPU ops (the default backend on a CPU) gives the
+    greedy tokens of one-at-a-time generation through the reference (dequantize, then matmul)."""
     import workbench as wb
     from workbench import SamplingParams
     from workbench.sched import SchedulerConfig
 
     prompts = ["The list type", "Dictionaries are", "A module is a file"]
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    one = wb.LLM(quant="w4a16:g128")
-    batched = wb.LLM(quant="w4a16:g128", scheduler=SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=256))
+    one = wb.LLM(quant=spec, quant_backend="reference")
+    batched = wb.LLM(quant=spec, scheduler=SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=256))
+    assert one.quant_placement["layers"] == {"reference": 42}
+    assert batched.quant_placement["layers"] == {"cpu": 42}         # 6 layers x 7 linears (down_proj g64: int4 op)
     a = [o.token_ids for o in one.generate(prompts, sp)]
     b = [o.token_ids for o in batched.generate(prompts, sp)]
-    assert a == b and one.model.recipe.name == "w4a16-g128-sym-rtn-fallback=pow2"
+    assert a == b and one.model.recipe.name == name
 
 
 def test_serve_names_the_scheme(bundled_llm):
@@ -141,4 +147,5 @@ def test_serve_names_the_scheme(bundled_llm):
         assert r.status_code == 200
         info = json.loads(r.headers["x-model-info"])
         assert info["quant"]["name"] == "w8a16-per-channel-sym-rtn" and "fp32 on a CPU" in info["quant"]["activations"]
+        assert info["quant"]["placement"]["layers"] == {"cpu": 42}
         assert 'quant="w8a16-per-channel-sym-rtn"' in h.get("/metrics").text

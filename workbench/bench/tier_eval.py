@@ -34,25 +34,12 @@ import traceback
 
 import torch
 
+from workbench.data import heldout_split  # noqa: F401  (its home is workbench.data; imported from here too)
 from workbench.errors import WorkbenchError
 from workbench.model.decoder import CausalLM
 from workbench.kv.pca import PCABasis
 from workbench.kv.tier_config import TierConfig, full_bytes_per_token, resident_bytes, zone_counts
 from workbench.kv.tiers import TieredKVCache, tiered_attention
-
-
-def heldout_split(tokenizer, context: int = 1024) -> dict:
-    """Split the held-out corpus by whole documents: of the documents with at least ``context``
-    tokens (in file order), even-numbered ones are for evaluation and odd-numbered ones for
-    calibration; each contributes its first ``context`` tokens.  Shorter documents are unused.
-    No calibration token is ever an evaluation token."""
-    from workbench.data import heldout_documents
-
-    long_docs = [(d["path"], ids) for d in heldout_documents()
-                 if len(ids := tokenizer.encode(d["text"])) >= context]
-    ev, cal = long_docs[0::2], long_docs[1::2]
-    return {"evaluation": [ids[:context] for _, ids in ev], "evaluation_docs": [p for p, _ in ev],
-            "calibration": [ids[:context] for _, ids in cal], "calibration_docs": [p for p, _ in cal]}
 
 
 def _as_ids(seq, device) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """``workbench`` command line: generate, bench, run-notebooks, info, kv-inspect, prefix-bench,
-sched-bench, serve, load, kernels-bench, kernels-aot, prefetch-bench, tier-bench.
+sched-bench, serve, load, kernels-bench, kernels-aot, prefetch-bench, tier-bench, quant-bench.
 
 argparse lives only in this package; each subcommand calls a plain function with the same parameters.
 A :class:`WorkbenchError` is printed as one line and the exit status is 2 (no traceback).
@@ -7,8 +7,8 @@ This module builds the parser from the subcommands' modules (in the order ``--he
 :mod:`~workbench.cli.model` (generate, info, kv-inspect), :mod:`~workbench.cli.bench` (bench,
 prefix-bench, sched-bench), :mod:`~workbench.cli.notebooks` (run-notebooks),
 :mod:`~workbench.cli.serve`, :mod:`~workbench.cli.kernels` (kernels-bench, kernels-aot),
-:mod:`~workbench.cli.load`, :mod:`~workbench.cli.prefetch` (prefetch-bench) and :mod:`~workbench.cli.tiers`
-(tier-bench); the shared options are in :mod:`~workbench.cli.options`.
+:mod:`~workbench.cli.load`, :mod:`~workbench.cli.prefetch` (prefetch-bench), :mod:`~workbench.cli.tiers`
+(tier-bench) and :mod:`~workbench.cli.quant` (quant-bench); the shared options are in :mod:`~workbench.cli.options`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from workbench.cli.model import add_generate_parser, add_info_parser, add_kv_ins
 from workbench.cli.notebooks import add_run_notebooks_parser
 from workbench.cli.options import prepare_threads, prepare_triton
 from workbench.cli.prefetch import add_prefetch_bench_parser
+from workbench.cli.quant import add_quant_bench_parser
 from workbench.cli.serve import add_serve_parser
 from workbench.cli.tiers import add_tier_bench_parser
 
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_load_parser(sub)
     add_prefetch_bench_parser(sub)
     add_tier_bench_parser(sub)
+    add_quant_bench_parser(sub)
     return ap
 
 

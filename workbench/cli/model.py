@@ -17,7 +17,8 @@ def cmd_generate(args) -> int:
     stream = weight_stream_config(args)
     fast = args.compile or args.cuda_graphs
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              check_finite=args.check_finite, stream_weights=None if fast else stream, quant=args.quant)
+              check_finite=args.check_finite, stream_weights=None if fast else stream, quant=args.quant,
+              quant_backend=args.quant_backend)
     apply_backend(llm, args.backend, llm.device.type)
     if fast:     # after the backends: the static step is compiled / captured with them
         llm = LLM(llm.model, tokenizer=llm.tokenizer, max_model_len=args.max_model_len, compile=args.compile,

@@ -22,9 +22,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_quant_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", default=None,
-                   help="quantize the linear layers' weights: w8a16 | w4a16, options joined by ':' - gN (group), "
-                        "pc (per channel), pt (per tensor), asym, fallback=pow2|per-channel (e.g. w4a16:g128); "
-                        "A16 = the model's activation dtype (fp32 on a CPU)")
+                   help="quantize the linear layers: w8a16 | w4a16 | w4a8 | w8a8, options joined by ':' - gN (group), "
+                        "pc (per channel), pt (per tensor), asym, fallback=pow2|per-channel, awq | gptq (calibrated on "
+                        "the bundled held-out calibration documents), smooth[=ALPHA] (SmoothQuant) - e.g. w4a16:g128:awq; "
+                        "A16 = the model's activation dtype (fp32 on a CPU), A8 = int8 per token")
+    p.add_argument("--quant-backend", default="auto", choices=("auto", "reference", "cpu", "triton"),
+                   help="how quantized layers compute: auto (torch's packed CPU ops on a CPU, Triton kernels on a GPU), "
+                        "reference (dequantize, then matmul), cpu, triton; layers a backend cannot run keep the reference")
 
 
 def add_backend_arg(p: argparse.ArgumentParser) -> None:

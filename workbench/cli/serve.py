@@ -32,7 +32,8 @@ def cmd_serve(args) -> int:
 
     _check_serve_kv_args(args)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              check_finite=args.check_finite, quant=args.quant)
+              check_finite=args.check_finite, quant=args.quant,
+              quant_backend=args.quant_backend)
     apply_backend(llm, args.backend, llm.device.type)
     tiers = basis = store = None
     if args.tiers:

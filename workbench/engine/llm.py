@@ -129,8 +129,14 @@ class LLM:
     ``check_finite``: the loader refuses NaN / Inf weights unless this is False.
     ``stream_weights``: a :class:`~workbench.prefetch.weights.WeightStreamConfig` (some decoder
     layers resident, the rest fetched ahead of use from disk or host memory).
-    ``quant``: a :class:`~workbench.quant.recipe.QuantRecipe` or its string (``"w4a16:g128"``):
-    the linear layers' weights quantized in place (:func:`workbench.quant.apply.quantize_model`).
+    ``quant``: a :class:`~workbench.quant.recipe.QuantRecipe` or its string (``"w4a16:g128"``,
+    ``"w4a16:g128:awq"``, ``"w8a8:smooth=0.5"``): the linear layers quantized in place
+    (:func:`workbench.quant.apply.quantize_model`).  ``quant_calibration``: token-id sequences
+    for AWQ / GPTQ / SmoothQuant (default: 8 windows of 512 tokens from the calibration half of
+    the bundled held-out corpus, :func:`workbench.data.heldout_split`).  ``quant_backend``: how
+    the quantized layers compute (:func:`workbench.quant.apply.set_quant_backend`: ``auto`` =
+    torch's packed CPU ops on a CPU, the Triton kernels on a GPU; ``reference`` = dequantize,
+    then matmul); layers a backend cannot run keep the reference.
     """
 
     def __init__(self, model: str | CausalLM | None = None, tokenizer=None, device=None, dtype=None,
@@ -138,13 +144,12 @@ class LLM:
                  tiers: "TierConfig | None" = None, tier_basis=None, tier_store=None, threads: int | str | None = None,
                  scheduler: SchedulerConfig | None = None, batch_invariant: bool | None = None,
                  compile: bool = False, cuda_graphs: bool = False, static_decode: bool = False,
-                 check_finite: bool = True, stream_weights=None, quant=None) -> None:
+                 check_finite: bool = True, stream_weights=None, quant=None, quant_calibration=None,
+                 quant_backend: str = "auto") -> None:
         self.loaded = LoadedModel.load(model, tokenizer=tokenizer, device=device, dtype=dtype,
                                        max_model_len=max_model_len, threads=threads, check_finite=check_finite)
         if quant is not None:        # weights quantized in place (a model object passed in is changed too)
-            from workbench.quant.apply import quantize_model
-
-            quantize_model(self.loaded.model, quant)
+            self._quantize(quant, quant_calibration, quant_backend)
         if kv is not None and tiers is not None:
             raise ConfigError("LLM: give kv= (paged pool) or tiers= (tiered cache), not both")
         self.engine = LLMEngine(self.loaded, kv=kv if kv is not None or tiers is not None else "contiguous",
@@ -153,6 +158,21 @@ class LLM:
                                 compile=compile, cuda_graphs=cuda_graphs, static_decode=static_decode,
                                 stream_weights=stream_weights)
         self._queues: dict[str, deque] = {}      # live stream id -> its events not yet yielded
+
+    def _quantize(self, quant, calibration, backend: str) -> None:
+        from workbench.quant.apply import quantize_model, set_quant_backend
+        from workbench.quant.recipe import QuantRecipe
+
+        recipe = QuantRecipe.parse(quant) if isinstance(quant, str) else quant
+        if recipe.needs_calibration and calibration is None:
+            if self.loaded.tokenizer is None:
+                raise ConfigError(f"LLM: {recipe.name} reads activations and this model has no tokenizer; "
+                                  "pass quant_calibration=[token id lists]")
+            from workbench.data import heldout_split
+
+            calibration = heldout_split(self.loaded.tokenizer, min(512, self.loaded.max_model_len))["calibration"][:8]
+        quantize_model(self.loaded.model, recipe, calibration=calibration)
+        self.quant_placement = set_quant_backend(self.loaded.model, backend)
 
     # ---- what was loaded ---------------------------------------------------------------------
     model = property(lambda self: self.loaded.model)

@@ -3,12 +3,15 @@
 ::
 
     quantize_model(model, QuantRecipe.parse("w4a16:g128"))   # in place; returns the model
+    quantize_model(model, "w4a16:g128:awq", calibration=seqs)  # AWQ / GPTQ / SmoothQuant read token sequences
     quantization_report(model)      # per layer: bits, granularity (fallbacks named), bytes, error
     weight_bytes(model)             # resident bytes: quantized linears, the rest, total
 
 :class:`QuantLinear` keeps the integer weight, its scales (and zero points) as buffers, and
 computes ``x @ dequantize(W)^T`` in the activation's dtype: the torch reference every
-low-bit kernel backend is checked against.  The model's ``recipe`` attribute names what was
+low-bit kernel backend is checked against.  With int8 activations (W4A8 / W8A8) the input is
+first rounded per token, ``x -> round(x / s_t) * s_t`` with ``s_t = max|x_t| / 127``: the same
+numbers an integer kernel multiplies, in floating point.  The model's ``recipe`` attribute names what was
 done (:class:`~workbench.quant.recipe.QuantRecipe`), so results always carry their settings.
 """
 
@@ -31,6 +34,7 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.bits, self.group, self.weight_dtype = q.bits, q.group, q.dtype
+        self.act_bits = settings.get("act_bits")
         self.register_buffer("qweight", q.qweight)
         self.register_buffer("scales", q.scales)
         self.register_buffer("zeros", q.zeros)
@@ -42,17 +46,38 @@ class QuantLinear(nn.Module):
         return QuantizedWeight(self.qweight, self.scales, self.zeros, self.bits, self.group,
                                (self.out_features, self.in_features), self.weight_dtype)
 
+    backend = "reference"        # set_quant_backend: "reference" | "cpu" | "triton"
+    _op = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reference_forward(x) if self._op is None else self._op(x)
+
+    def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_bits:
+            x = fake_quantize_per_token(x)
         return F.linear(x, self.quantized.dequantize(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
         g = f"g{self.group}" if self.group else "per-channel" if self.scales.shape[0] > 1 else "per-tensor"
-        return f"in={self.in_features}, out={self.out_features}, w{self.bits}, {g}"
+        return f"in={self.in_features}, out={self.out_features}, w{self.bits}a{self.act_bits or 16}, {g}, {self.backend}"
 
 
-def quantize_model(model: nn.Module, recipe: QuantRecipe | str) -> nn.Module:
+def fake_quantize_per_token(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
+    """``x`` rounded to a symmetric int grid with one scale per row (token): ``s = max|x| / 127``
+    (at least 1e-12 / 127), ``round(x / s).clamp(-127, 127) * s``, in x's dtype (computed in fp32)."""
+    hi = (1 << (bits - 1)) - 1
+    xf = x.float()
+    s = xf.abs().amax(-1, keepdim=True).clamp_min(1e-12) / hi
+    return (torch.round(xf / s).clamp(-hi, hi) * s).to(x.dtype)
+
+
+def quantize_model(model: nn.Module, recipe: QuantRecipe | str, calibration=None) -> nn.Module:
     """Replace every ``nn.Linear`` not named in ``recipe.skip`` by a :class:`QuantLinear` (in
-    place; returns ``model``, with ``model.recipe`` set).  A model is quantized once."""
+    place; returns ``model``, with ``model.recipe`` set).  A model is quantized once.
+
+    ``calibration``: token-id sequences, required by AWQ, GPTQ and SmoothQuant (the benchmarks
+    use the calibration half of the held-out corpus, disjoint from the evaluation half).  What
+    the calibrated methods chose is kept in ``model.quant_calibration``."""
     recipe = QuantRecipe.parse(recipe) if isinstance(recipe, str) else recipe
     if getattr(model, "recipe", None) is not None:
         raise ConfigError(f"quantize_model: the model is already quantized ({model.recipe.name}); load it again")
@@ -61,17 +86,91 @@ def quantize_model(model: nn.Module, recipe: QuantRecipe | str) -> nn.Module:
     if not targets:
         raise ConfigError("quantize_model: no nn.Linear left to quantize after 'skip' "
                           f"({', '.join(recipe.skip)})")
+    calib = _calibrate(model, recipe, calibration, [n for n, _ in targets])
     for name, lin in targets:
         st = recipe.layer_settings(name, lin.in_features)
         w = lin.weight.detach()
-        q = quantize_weight(w, bits=st["bits"], group=st["group"], per_channel=st["per_channel"],
-                            symmetric=st["symmetric"])
+        if name in calib["weights"]:
+            q = calib["weights"][name]
+        else:
+            q = quantize_weight(w, bits=st["bits"], group=st["group"], per_channel=st["per_channel"],
+                                symmetric=st["symmetric"], scale_multiplier=calib["clip"].get(name))
         err = float((q.dequantize(torch.float32) - w.float()).norm() / w.float().norm().clamp_min(1e-30))
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, QuantLinear(q, lin.bias, st, err))
     model.recipe = recipe
+    model.quant_calibration = calib["report"]
     return model
+
+
+def _calibrate(model: nn.Module, recipe: QuantRecipe, calibration, names: list[str]) -> dict:
+    """SmoothQuant, then AWQ or GPTQ, as the recipe asks: folded scales change the model's
+    float weights in place; returns the clip multipliers (AWQ), the finished weights (GPTQ)
+    and what each step chose."""
+    out = {"clip": {}, "weights": {}, "report": None}
+    if not recipe.needs_calibration:
+        return out
+    seqs = [list(s) for s in (calibration or [])]
+    if not seqs:
+        raise ConfigError(f"quantize_model: {recipe.name} reads activations; pass calibration=[token id lists] "
+                          "(e.g. heldout_split(tokenizer)['calibration'])")
+    report = {"sequences": len(seqs), "tokens": sum(len(s) for s in seqs)}
+    if recipe.smooth is not None:
+        from workbench.quant.calib import collect_linear_inputs
+        from workbench.quant.smooth import smooth_model
+
+        report["smooth"] = smooth_model(model, collect_linear_inputs(model, seqs, names), recipe.smooth)
+    if recipe.method == "awq":
+        from workbench.quant.awq import awq_search
+
+        res = awq_search(model, recipe, seqs)
+        out["clip"], report["awq"] = res.clip, res.report
+    elif recipe.method == "gptq":
+        from workbench.quant.gptq import gptq_quantize
+
+        res = gptq_quantize(model, recipe, seqs)
+        out["weights"], report["gptq"] = res.weights, res.report
+    out["report"] = report
+    return out
+
+
+BACKENDS = ("auto", "reference", "cpu", "triton")
+
+
+def set_quant_backend(model: nn.Module, backend: str = "auto") -> dict:
+    """Choose how every :class:`QuantLinear` computes: ``reference`` (dequantize, then
+    ``F.linear``: the definition), ``cpu`` (torch's packed CPU ops,
+    :mod:`workbench.quant.cpu_ops`), ``triton`` (the fused kernels of
+    ``workbench_kernels.quant_matmul``), or ``auto`` (``cpu`` on a CPU, ``triton`` on a GPU).
+    A layer whose format the backend cannot run keeps the reference, and the returned summary
+    says how many layers run where and why: ``{"backend": b, "layers": {backend: n}, "fallbacks":
+    {reason: n}, "extra_bytes": n}`` - ``extra_bytes``: what the ops keep beside the stored
+    weights (torch's int4 CPU op repacks the weight into its own layout: a second copy)."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"quant backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    from workbench.quant import cpu_ops, kernel_ops
+
+    layers: dict[str, int] = {}
+    fallbacks: dict[str, int] = {}
+    extra = 0
+    for mod in model.modules():
+        if not isinstance(mod, QuantLinear):
+            continue
+        want = backend if backend != "auto" else ("cpu" if mod.qweight.device.type == "cpu" else "triton")
+        op, why = None, None
+        if want == "cpu":
+            op, why = cpu_ops.cpu_op(mod), cpu_ops.cpu_op_reason(mod)
+        elif want == "triton":
+            op, why = kernel_ops.kernel_op(mod), kernel_ops.kernel_op_reason(mod)
+        mod._op = op
+        extra += getattr(op, "extra_bytes", 0)
+        mod.backend = want if op is not None else "reference"
+        layers[mod.backend] = layers.get(mod.backend, 0) + 1
+        if op is None and want != "reference":
+            fallbacks[why] = fallbacks.get(why, 0) + 1
+    model.quant_backend = {"backend": backend, "layers": layers, "fallbacks": fallbacks, "extra_bytes": extra}
+    return model.quant_backend
 
 
 def quantization_report(model: nn.Module) -> list[dict]:
@@ -84,7 +183,7 @@ def quantization_report(model: nn.Module) -> list[dict]:
             gran = f"g{st['group']}" if st["group"] else "per-channel" if st["per_channel"] else "per-tensor"
             rows.append({"layer": name, "in": mod.in_features, "out": mod.out_features, "bits": mod.bits,
                          "granularity": gran, "symmetric": st["symmetric"], "fallback": st["fallback"],
-                         "bytes": mod.quantized.nbytes,
+                         "bytes": mod.quantized.nbytes, "act_bits": mod.act_bits, "backend": mod.backend,
                          "dense_bytes_bf16": mod.in_features * mod.out_features * 2, "rel_error": mod.rel_error})
     return rows
 

@@ -11,12 +11,18 @@ Which layers have an op (this torch, CPU, float32 activations):
 
 * ``int8`` - ``aten._weight_int8pack_mm(x, W int8 [out, in], scales [out])``: int8 symmetric,
   one scale per output channel;
+* ``int8 x int8`` (W8A8) - the input rounded per token to int8 (``s_t = max|x_t| / 127``), then
+  ``torch._int_mm(x_q int8 [m, in], W^T int8 [in, out]) -> int32``, times ``s_t * s_w``: exact
+  integer products, one float rounding at the end.  W4A8 has no CPU op in torch (int4 x int8):
+  it runs the reference;
 * ``int4`` - ``aten._convert_weight_to_int4pack_for_cpu(W int32 [out, in] in 0..15, inner_k_tiles)``
   once, then ``aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros [in/g, out, 2])``
   per call, dequantising ``(q - 8) * scale + zero``: our symmetric values are stored + 8 with
   ``zero = 0``; asymmetric ones get ``zero = (8 - z) * scale``.  Groups of 32, 64, 128 or 256.
 
-The ops are the same arithmetic as the reference up to float32 rounding (tested).  Whether they
+The ops are the same arithmetic as the reference up to float32 rounding (tested).  The packed
+weight-only ops are matrix-vector kernels: above ``INT4_MAX_ROWS`` / ``INT8_MAX_ROWS`` rows (a
+prefill) a call goes to the reference instead (measured crossover, see the constants).  Whether they
 are *faster* is a measurement (:func:`cpu_op_timing`), not a promise: at m = 1 a matmul streams
 its weight once, so the bound is memory bandwidth - int4 moves 1/8 of fp32's bytes, but the
 unpacking costs instructions, and on a small-cache 2-core VM the dense fp32 GEMV may still win.
@@ -29,12 +35,24 @@ import time
 import torch
 
 INT4_GROUPS = (32, 64, 128, 256)
+# Rows above which the packed weight-only ops hand the call to the reference (dequantize, then
+# one matmul).  They are matrix-*vector* kernels: measured on the 2-core development VM
+# (`workbench quant-bench --ops`, 8192 x 2048, 2 threads), int4pack took 14.6 / 119 / 950 ms at
+# m = 1 / 8 / 64 and int8pack 9.5 / 58 / 494 ms, against 51 / 60 / 70 ms for the reference.
+INT4_MAX_ROWS = 4
+INT8_MAX_ROWS = 8
 
 
 def cpu_op_reason(layer) -> str | None:
     """Why ``layer`` has no packed CPU op (None when it has one)."""
     if layer.qweight.device.type != "cpu":
         return "not on a CPU"
+    if getattr(layer, "act_bits", None):
+        if layer.bits == 4:
+            return "W4A8: torch has no int4 x int8 CPU op (the reference runs)"
+        if layer.group is not None or layer.scales.shape[0] != layer.out_features:
+            return "W8A8 op: one scale per output channel only"
+        return None
     if layer.bits == 8:
         if layer.zeros is not None or layer.group is not None or layer.scales.shape[0] != layer.out_features:
             return "int8 op: symmetric, one scale per output channel only"
@@ -46,18 +64,37 @@ def cpu_op_reason(layer) -> str | None:
     return None
 
 
-def cpu_op(layer, inner_k_tiles: int = 8):
-    """A function ``x -> y`` running ``layer`` through torch's packed CPU op, or None."""
+def cpu_op(layer, inner_k_tiles: int = 8, row_fallback: bool = True):
+    """A function ``x -> y`` running ``layer`` through torch's packed CPU op, or None.
+    ``row_fallback``: calls with more rows than the op handles well go to the reference (False:
+    always the op, for timing it)."""
+    int4_rows, int8_rows = (INT4_MAX_ROWS, INT8_MAX_ROWS) if row_fallback else (1 << 62, 1 << 62)
     if cpu_op_reason(layer) is not None:
         return None
+    if getattr(layer, "act_bits", None):
+        wt, sw = layer.qweight.T, layer.scales[:, 0].contiguous()
+
+        def w8a8(x):
+            shape = x.shape
+            xf = x.reshape(-1, shape[-1]).float()
+            st = xf.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127
+            xq = torch.round(xf / st).clamp(-127, 127).to(torch.int8)
+            y = torch._int_mm(xq, wt).float() * st * sw
+            y = y if layer.bias is None else y + layer.bias
+            return y.reshape(*shape[:-1], -1).to(x.dtype)
+        w8a8.extra_bytes = sw.numel() * 4
+        return w8a8
     if layer.bits == 8:
         w, s = layer.qweight, layer.scales[:, 0].contiguous()
 
         def int8(x):
             shape = x.shape
+            if x.numel() // shape[-1] > int8_rows:
+                return layer.reference_forward(x)
             y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).float(), w, s)
             y = y if layer.bias is None else y + layer.bias
             return y.reshape(*shape[:-1], -1).to(x.dtype)
+        int8.extra_bytes = s.numel() * 4
         return int8
     q = layer.quantized
     vals = q.int_values()                                                  # symmetric: -7..7; asym: 0..15
@@ -72,9 +109,12 @@ def cpu_op(layer, inner_k_tiles: int = 8):
 
     def int4(x):
         shape = x.shape
+        if x.numel() // shape[-1] > int4_rows:
+            return layer.reference_forward(x)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).float(), packed, g, sz)
         y = y if layer.bias is None else y + layer.bias
         return y.reshape(*shape[:-1], -1).to(x.dtype)
+    int4.extra_bytes = packed.numel() * packed.element_size() + sz.numel() * 4     # a second, op-specific copy
     return int4
 
 
@@ -102,10 +142,13 @@ def cpu_op_timing(out: int = 8192, inp: int = 2048, m: int = 1, repeats: int = 2
     w = torch.randn(out, inp, generator=g) * 0.02
     x = torch.randn(m, inp, generator=g)
     layers = {"int8": QuantLinear(quantize_weight(w, bits=8), None, {}, 0.0),
-              "int4": QuantLinear(quantize_weight(w, bits=4, group=group), None, {}, 0.0)}
+              "int4": QuantLinear(quantize_weight(w, bits=4, group=group), None, {}, 0.0),
+              "w8a8": QuantLinear(quantize_weight(w, bits=8), None, {"act_bits": 8}, 0.0)}
     sides = {"dense fp32": lambda t: torch.nn.functional.linear(t, w),
-             "reference w4 (dequantize + matmul)": layers["int4"].forward,
-             "int8pack (w8, per channel)": cpu_op(layers["int8"]), f"int4pack (w4, g{group})": cpu_op(layers["int4"])}
+             "reference w4 (dequantize + matmul)": layers["int4"].reference_forward,
+             "int8pack (w8, per channel)": cpu_op(layers["int8"], row_fallback=False),
+             f"int4pack (w4, g{group})": cpu_op(layers["int4"], row_fallback=False),
+             "int_mm (w8a8, per channel x per token)": cpu_op(layers["w8a8"])}
     times: dict[str, list[float]] = {k: [] for k in sides}
     for r in range(rounds):
         for name in (list(sides) if r % 2 == 0 else list(reversed(sides))):
@@ -114,7 +157,8 @@ def cpu_op_timing(out: int = 8192, inp: int = 2048, m: int = 1, repeats: int = 2
     errors = {k: float((f(x) - ref).abs().max() / ref.abs().max()) for k, f in sides.items()}
     weight_bytes = {"dense fp32": w.numel() * 4, "reference w4 (dequantize + matmul)": layers["int4"].quantized.nbytes,
                     "int8pack (w8, per channel)": layers["int8"].quantized.nbytes,
-                    f"int4pack (w4, g{group})": layers["int4"].quantized.nbytes}
+                    f"int4pack (w4, g{group})": layers["int4"].quantized.nbytes,
+                    "int_mm (w8a8, per channel x per token)": layers["w8a8"].quantized.nbytes}
     rows = [{"side": k, "ms_median": sorted(v)[len(v) // 2], "ms_min": min(v), "ms_max": max(v),
              "weight_bytes": weight_bytes[k], "rel_error_vs_dense": errors[k]} for k, v in times.items()]
     return {"shape": [out, inp], "m": m, "threads": torch.get_num_threads(), "rows": rows}

@@ -6,9 +6,19 @@
     r.name                                         # 'w4a16-g128-sym-rtn-fallback=pow2'
     r.layer_settings("model.layers.0.mlp.down_proj", in_features=704)   # -> g64 (the fallback)
 
-Schemes (``wXaY``): weights in X bits, activations in Y bits.  This step implements the
-weight-only schemes **W8A16** and **W4A16**; "A16" means the model's own activation dtype -
-bf16 / fp16 on a GPU, **fp32 on a CPU** (every figure says which).
+Schemes (``wXaY``): weights in X bits, activations in Y bits.  **W8A16** and **W4A16** are
+weight-only: "A16" means the model's own activation dtype - bf16 / fp16 on a GPU, **fp32 on a
+CPU** (every figure says which).  **W4A8** and **W8A8** also quantize the activations entering
+each quantized linear layer, dynamically, to int8 with one symmetric scale per token (row);
+their weights must be symmetric.
+
+Methods (``method``): ``rtn`` round-to-nearest; ``awq`` activation-aware scaling (a per-input
+channel scale searched on calibration text, folded into the preceding norm / linear, then a
+clipping search); ``gptq`` one-shot Hessian-based rounding with error feedback.  ``awq`` and
+``gptq`` need calibration sequences (``quantize_model(..., calibration=...)``).
+``smooth=alpha`` (SmoothQuant) migrates activation outliers into the weights before
+quantizing (``s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)``, folded like AWQ's scales); meant
+for W8A8, allowed with any scheme, and needs calibration too.
 
 Granularity: ``group`` = g input columns per scale; ``group=None`` with ``per_channel=True`` =
 one scale per output channel; ``per_channel=False`` = one scale for the whole tensor.
@@ -34,9 +44,9 @@ from dataclasses import dataclass, field
 
 from workbench.errors import ConfigError
 
-SCHEMES = {"w8a16": 8, "w4a16": 4}
+SCHEMES = {"w8a16": (8, None), "w4a16": (4, None), "w4a8": (4, 8), "w8a8": (8, 8)}
 FALLBACKS = ("pow2", "per-channel")
-METHODS = ("rtn",)
+METHODS = ("rtn", "awq", "gptq")
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,8 @@ class QuantRecipe:
     group_fallback: str = "pow2"
     skip: tuple[str, ...] = ("embed_tokens", "lm_head")
     overrides: tuple = field(default_factory=tuple)     # ((name suffix, {field: value}), ...)
+    act_bits: int | None = None        # None: the model's dtype (A16); 8: dynamic per-token int8
+    smooth: float | None = None        # SmoothQuant migration strength alpha in [0, 1]
 
     def __post_init__(self) -> None:
         if self.weight_bits not in (4, 8):
@@ -56,7 +68,13 @@ class QuantRecipe:
         if self.group is not None and (not isinstance(self.group, int) or self.group < 2 or self.group % 2):
             raise ConfigError(f"QuantRecipe field 'group' must be None or an even integer >= 2, got {self.group!r}")
         if self.method not in METHODS:
-            raise ConfigError(f"QuantRecipe field 'method' must be one of {METHODS} (this step), got {self.method!r}")
+            raise ConfigError(f"QuantRecipe field 'method' must be one of {METHODS}, got {self.method!r}")
+        if self.act_bits not in (None, 8):
+            raise ConfigError(f"QuantRecipe field 'act_bits' must be None (the model's dtype) or 8, got {self.act_bits!r}")
+        if self.act_bits and not self.symmetric:
+            raise ConfigError("QuantRecipe: int8 activations (W4A8 / W8A8) need symmetric weights; drop 'asym'")
+        if self.smooth is not None and not (isinstance(self.smooth, (int, float)) and 0 <= self.smooth <= 1):
+            raise ConfigError(f"QuantRecipe field 'smooth' must be None or an alpha in [0, 1], got {self.smooth!r}")
         if self.group_fallback not in FALLBACKS:
             raise ConfigError(f"QuantRecipe field 'group_fallback' must be one of {FALLBACKS}, "
                               f"got {self.group_fallback!r}")
@@ -71,7 +89,12 @@ class QuantRecipe:
 
     @property
     def scheme(self) -> str:
-        return f"w{self.weight_bits}a16"
+        return f"w{self.weight_bits}a{self.act_bits or 16}"
+
+    @property
+    def needs_calibration(self) -> bool:
+        """AWQ, GPTQ and SmoothQuant read activations: quantize_model needs calibration text."""
+        return self.method != "rtn" or self.smooth is not None
 
     @property
     def granularity(self) -> str:
@@ -80,6 +103,8 @@ class QuantRecipe:
     @property
     def name(self) -> str:
         base = f"{self.scheme}-{self.granularity}-{'sym' if self.symmetric else 'asym'}-{self.method}"
+        if self.smooth is not None:
+            base += f"-smooth={self.smooth:g}"
         if self.group:
             base += f"-fallback={self.group_fallback}"
         return base + ("-overrides" if self.overrides else "")
@@ -87,12 +112,14 @@ class QuantRecipe:
     @classmethod
     def parse(cls, spec: str) -> "QuantRecipe":
         """``w8a16``, ``w4a16:g128``, ``w4a16:pc`` (per channel), ``w4a16:pt`` (per tensor),
-        options joined by ``:`` - ``asym``, ``fallback=per-channel``."""
+        ``w4a8``, ``w8a8:smooth=0.5``; options joined by ``:`` - ``asym``, ``fallback=per-channel``,
+        ``awq`` / ``gptq`` / ``rtn`` (or ``method=...``), ``smooth`` (alpha 0.5) / ``smooth=A``."""
         parts = [p.strip() for p in str(spec).lower().split(":") if p.strip()]
         if not parts or parts[0] not in SCHEMES:
             raise ConfigError(f"quantization scheme {spec!r}: expected one of {', '.join(SCHEMES)} "
                               "followed by options (e.g. w4a16:g128)")
-        kw: dict = {"weight_bits": SCHEMES[parts[0]]}
+        wb, ab = SCHEMES[parts[0]]
+        kw: dict = {"weight_bits": wb, "act_bits": ab}
         for p in parts[1:]:
             if m := re.fullmatch(r"g(\d+)", p):
                 kw["group"] = int(m.group(1))
@@ -104,8 +131,13 @@ class QuantRecipe:
                 kw["symmetric"] = p == "sym"
             elif p.startswith("fallback="):
                 kw["group_fallback"] = p.split("=", 1)[1]
-            elif p.startswith("method="):
-                kw["method"] = p.split("=", 1)[1]
+            elif p.startswith("method=") or p in METHODS:
+                kw["method"] = p.split("=", 1)[-1]
+            elif p == "smooth" or p.startswith("smooth="):
+                try:
+                    kw["smooth"] = float(p.split("=", 1)[1]) if "=" in p else 0.5
+                except ValueError:
+                    raise ConfigError(f"quantization scheme {spec!r}: smooth=A needs a number, got {p!r}") from None
             else:
                 raise ConfigError(f"quantization scheme {spec!r}: unknown option {p!r}")
         return cls(**kw)
@@ -127,9 +159,11 @@ class QuantRecipe:
                 group, note = None, f"g{r.group} -> per-channel"
             per_channel = True if group is None else per_channel
         return {"bits": r.weight_bits, "group": group, "per_channel": per_channel, "symmetric": r.symmetric,
-                "method": r.method, "fallback": note}
+                "method": r.method, "fallback": note, "act_bits": r.act_bits}
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d.update(name=self.name, scheme=self.scheme, activations="the model's dtype (fp32 on a CPU, bf16/fp16 on a GPU)")
+        d.update(name=self.name, scheme=self.scheme,
+                 activations="int8, dynamic, one scale per token" if self.act_bits else
+                 "the model's dtype (fp32 on a CPU, bf16/fp16 on a GPU)")
         return d

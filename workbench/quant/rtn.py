@@ -105,25 +105,28 @@ class QuantizedWeight:
         return sum(x.numel() * x.element_size() for x in t)
 
 
-def quantize_weight(w: torch.Tensor, bits: int = 8, group: int | None = None, per_channel: bool = True,
-                    symmetric: bool = True, scale_multiplier: torch.Tensor | None = None) -> QuantizedWeight:
-    """Round-to-nearest quantization of ``w [out, in]`` (see the module docstring).
-    ``scale_multiplier`` [out, n_groups]: scales are multiplied by it before rounding (a clip
-    search shrinks the range with values < 1)."""
+def _grouped(w: torch.Tensor, group: int | None, per_channel: bool, who: str) -> torch.Tensor:
+    """``w [out, in]`` as float32 ``[out, n_groups, g]`` (per tensor: ``[1, 1, out * in]``)."""
+    if w.dim() != 2:
+        raise ConfigError(f"{who}: expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
+    out, n = w.shape
+    if group is not None and (group < 1 or n % group):
+        raise ConfigError(f"{who}: group {group} does not divide the input width {n} "
+                          f"(the recipe's group fallback decides what such a layer gets)")
+    g = group or n
+    wf = w.detach().float()
+    return wf.view(out, n // g, g) if (group is not None or per_channel) else wf.reshape(1, 1, -1)
+
+
+def compute_scales(w: torch.Tensor, bits: int = 8, group: int | None = None, per_channel: bool = True,
+                   symmetric: bool = True, scale_multiplier: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Round-to-nearest scales ``[out, n_groups]`` (float32) and integer zero points (float32
+    holding integers, None when symmetric) of ``w [out, in]``; ``scale_multiplier`` multiplies
+    the scales (a clip search shrinks the range with values < 1)."""
     if bits not in BITS:
         raise ConfigError(f"quantize_weight: bits must be one of {BITS}, got {bits}")
-    if w.dim() != 2:
-        raise ConfigError(f"quantize_weight: expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
-    out, n = w.shape
-    if group is not None:
-        if group < 1 or n % group:
-            raise ConfigError(f"quantize_weight: group {group} does not divide the input width {n} "
-                              f"(the recipe's group fallback decides what such a layer gets)")
-        g = group
-    else:
-        g = n
-    wf = w.detach().float()
-    x = wf.view(out, n // g, g) if (group is not None or per_channel) else wf.reshape(1, 1, -1)
+    x = _grouped(w, group, per_channel, "quantize_weight")
     lo, hi = qrange(bits, symmetric)
     if symmetric:
         s = x.abs().amax(-1) / hi
@@ -133,16 +136,37 @@ def quantize_weight(w: torch.Tensor, bits: int = 8, group: int | None = None, pe
     if scale_multiplier is not None:
         s = s * scale_multiplier
     s = s.clamp_min(1e-12)
-    if symmetric:
+    return s, (None if symmetric else torch.round(-mn / s).clamp(lo, hi))
+
+
+def encode_weight(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
+                  group: int | None = None, per_channel: bool = True) -> QuantizedWeight:
+    """``w [out, in]`` rounded to the grid of ``scales`` / ``zeros`` (as :func:`compute_scales`
+    gives them, or as GPTQ fixes them group by group) and stored (see the module docstring)."""
+    if bits not in BITS:
+        raise ConfigError(f"encode_weight: bits must be one of {BITS}, got {bits}")
+    out, n = w.shape
+    x = _grouped(w, group, per_channel, "encode_weight")
+    s = scales.float().reshape(x.shape[0], x.shape[1])
+    lo, hi = qrange(bits, zeros is None)
+    if zeros is None:
         q = torch.round(x / s[..., None]).clamp(lo, hi)
-        zeros = None
     else:
-        z = torch.round(-mn / s).clamp(lo, hi)
+        z = zeros.float().reshape(s.shape)
         q = (torch.round(x / s[..., None]) + z[..., None]).clamp(lo, hi)
-        zeros = (z - (128 if bits == 8 else 0)).to(torch.int8)
     q = q.reshape(out, n)
     if bits == 4:
-        stored = pack_int4((q + 8) if symmetric else q)
+        stored = pack_int4((q + 8) if zeros is None else q)
     else:
-        stored = (q if symmetric else q - 128).to(torch.int8)
-    return QuantizedWeight(stored.contiguous(), s.float().contiguous(), zeros, bits, group, (out, n), w.dtype)
+        stored = (q if zeros is None else q - 128).to(torch.int8)
+    zs = None if zeros is None else (zeros.float().reshape(s.shape) - (128 if bits == 8 else 0)).to(torch.int8)
+    return QuantizedWeight(stored.contiguous(), s.contiguous(), zs, bits, group, (out, n), w.dtype)
+
+
+def quantize_weight(w: torch.Tensor, bits: int = 8, group: int | None = None, per_channel: bool = True,
+                    symmetric: bool = True, scale_multiplier: torch.Tensor | None = None) -> QuantizedWeight:
+    """Round-to-nearest quantization of ``w [out, in]`` (see the module docstring).
+    ``scale_multiplier`` [out, n_groups]: scales are multiplied by it before rounding (a clip
+    search shrinks the range with values < 1)."""
+    s, z = compute_scales(w, bits, group, per_channel, symmetric, scale_multiplier)
+    return encode_weight(w, s, z, bits, group, per_channel)

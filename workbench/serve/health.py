@@ -41,8 +41,8 @@ def model_info(aengine, name: str, source: str | None = None, guard: GuardHook |
         info["kv_prefetch"] = {"offload": pc.offload, "swap_space": pc.swap_space,
                                "lookahead": pc.effective_lookahead, "staging_blocks": pc.prefetch_blocks}
     recipe = getattr(eng.model, "recipe", None)
-    if recipe is not None:            # quantized weights: the recipe that made them (activations: the model's dtype)
-        info["quant"] = recipe.as_dict()
+    if recipe is not None:            # quantized layers: the recipe that made them and where they compute
+        info["quant"] = dict(recipe.as_dict(), placement=getattr(eng.model, "quant_backend", None))
     store = getattr(eng, "tier_store", None)
     if getattr(eng, "tiers", None) is not None:      # the tiered cache: accounted, or physical with its store
         info["kv_tiers"] = {"config": eng.tiers.name, "store": store.offload if store else "accounted",

@@ -1,0 +1,198 @@
+"""Measure the quantization layer: quality of every recipe on the bundled model, and the
+memory and CPU decode speed of the quantized formats at a real model's shape.
+
+::
+
+    quality_rows(["fp32", "bf16", "w8a16", "w4a16:g128", "w4a16:g128:awq"], docs=4)
+    preset_rows("llama-3.2-1b", ["fp32", "bf16", "w8a16", "w4a16:g128"], decode_steps=8)
+    quant_bench(...)                    # both, plus torch's CPU ops at one layer, as one result dict
+
+**Quality** (:func:`quality_rows`), one row per recipe, all on the same tokens in one run:
+
+* evaluation: the first ``context`` tokens of the evaluation half of the held-out corpus
+  (:func:`~workbench.bench.tier_eval.heldout_split`), every next-token prediction scored;
+* calibration (AWQ, GPTQ, SmoothQuant): the *other* half, never an evaluation token;
+* ``ppl`` = exp(mean NLL); ``rel_ppl`` = ppl / ppl(fp32) - 1; ``rel_ppl_se`` its standard error
+  from the paired per-token NLL differences (tokens of one document are correlated: read it as a
+  lower bound on the noise); ``kl`` = mean KL(fp32 || recipe) in nats; ``top1`` = share of
+  positions whose argmax agrees with fp32;
+* ``fp32`` is the reference; ``bf16`` is the whole model cast to bfloat16 (weights and
+  activations); the quantized recipes keep fp32 activations (A16 = the model's dtype, fp32 on
+  a CPU), and W4A8 / W8A8 round them per token to int8;
+* the quantized models compute with the reference backend (dequantize, then matmul: the
+  definition), so quality does not depend on which kernel runs.
+
+**Memory and speed** (:func:`preset_rows`): random weights with a preset's shapes (memory and
+latency only; no quality), each variant loaded on its own: resident bytes of the linear layers
+and of everything (embedding included), and single-sequence decode milliseconds per token on
+this CPU, the quantized layers through torch's packed CPU ops (``set_quant_backend("cpu")``;
+layers without an op run the reference, and the row says how many).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import statistics
+import time
+import traceback
+
+import torch
+
+from workbench.errors import ConfigError
+
+DEFAULT_RECIPES = ("fp32", "bf16", "w8a16", "w4a16:pt", "w4a16:pc", "w4a16:g32", "w4a16:g64", "w4a16:g128",
+                   "w4a16:g128:awq", "w4a16:g128:gptq", "w4a8", "w8a8", "w8a8:smooth=0.5")
+PLAIN = ("fp32", "bf16")
+
+
+def _nll(model, seqs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Per-token NLL (all windows concatenated, float64) and the log-probs per window."""
+    nll, logps = [], []
+    with torch.no_grad():
+        for s in seqs:
+            ids = torch.as_tensor(s, dtype=torch.long, device=next(model.parameters()).device)[None]
+            lp = torch.log_softmax(model(ids)[0].float(), -1)[:-1]
+            logps.append(lp)
+            nll.append(-lp.gather(-1, ids[0, 1:, None])[:, 0].double())
+    return torch.cat(nll), logps
+
+
+def paired_stats(nll: torch.Tensor, nll_ref: torch.Tensor) -> dict:
+    """ppl, rel_ppl and its standard error from paired per-token NLL differences."""
+    d = nll - nll_ref
+    ppl, ppl_ref = math.exp(float(nll.mean())), math.exp(float(nll_ref.mean()))
+    se = float(d.std() / math.sqrt(d.numel())) if d.numel() > 1 else float("nan")
+    return {"ppl": ppl, "rel_ppl": ppl / ppl_ref - 1, "rel_ppl_se": (ppl / ppl_ref) * se, "tokens": int(d.numel())}
+
+
+def _load(recipe: str, calibration):
+    from workbench.model.loader import load_model
+    from workbench.quant.apply import quantize_model
+
+    model = load_model(device="cpu").eval()
+    if recipe == "bf16":
+        model = model.to(torch.bfloat16)
+    elif recipe != "fp32":
+        quantize_model(model, recipe, calibration=calibration)
+    return model
+
+
+def quality_rows(recipes=DEFAULT_RECIPES, docs: int = 4, calibration_docs: int = 8, context: int = 256,
+                 progress=None) -> dict:
+    """One row per recipe (see the module docstring); a recipe that fails is a row with its
+    ``error`` and the others still run."""
+    import workbench
+    from workbench.bench.tier_eval import heldout_split
+    from workbench.quant.apply import weight_bytes
+    from workbench.quant.recipe import QuantRecipe
+
+    tok = workbench.Tokenizer(workbench.BUNDLED_MODEL)
+    split = heldout_split(tok, context)
+    ev, cal = split["evaluation"][:docs], split["calibration"][:calibration_docs]
+    if not ev:
+        raise ConfigError(f"quality_rows: no held-out document has {context} tokens")
+    t0 = time.perf_counter()
+    ref = _load("fp32", None)
+    nll_ref, logp_ref = _nll(ref, ev)
+    lin_fp32 = plain_linear_bytes(ref)
+    del ref
+    rows = []
+    for spec in recipes:
+        if progress:
+            progress(f"quality: {spec}")
+        row: dict = {"recipe": spec}
+        try:
+            name = spec if spec in PLAIN else QuantRecipe.parse(spec).name
+            t = time.perf_counter()
+            model = _load(spec, cal)
+            row["prepare_s"] = time.perf_counter() - t
+            nll, logp = _nll(model, ev)
+            st = paired_stats(nll, nll_ref)
+            kl = sum(float((lr.exp() * (lr - lq)).sum()) for lr, lq in zip(logp_ref, logp)) / st["tokens"]
+            top1 = sum(int((lr.argmax(-1) == lq.argmax(-1)).sum()) for lr, lq in zip(logp_ref, logp)) / st["tokens"]
+            lin = plain_linear_bytes(model) if spec in PLAIN else weight_bytes(model)["quantized_linears"]
+            row.update(name=name, **st, kl=kl, top1=top1, linear_bytes=lin, linear_vs_bf16=lin / (lin_fp32 / 2),
+                       calibration=getattr(model, "quant_calibration", None), error=None)
+            del model
+        except Exception as e:                      # a failed point is recorded, the sweep goes on
+            row.update(name=spec, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=3))
+        gc.collect()
+        rows.append(row)
+    return {"context": context, "docs": split["evaluation_docs"][:docs], "calibration_docs": len(cal),
+            "ppl_fp32": math.exp(float(nll_ref.mean())), "tokens": int(nll_ref.numel()), "rows": rows,
+            "seconds": time.perf_counter() - t0,
+            "activations": "fp32 (this CPU) for A16 recipes; bf16 row: the whole model in bfloat16"}
+
+
+def plain_linear_bytes(model) -> int:
+    """Bytes of the ``nn.Linear`` weights and biases a recipe would quantize (all but the LM head)."""
+    return sum(t.numel() * t.element_size() for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")
+               for t in (m.weight, m.bias) if t is not None)
+
+
+def _decode_ms(model, prompt_len: int, steps: int, seed: int = 0) -> list[float]:
+    from workbench.model.kv_cache import KVCache
+
+    cfg = model.config
+    p = next(model.parameters())
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=g)
+    cache = KVCache(cfg, 1, prompt_len + steps + 1, device=p.device, dtype=p.dtype)
+    times = []
+    with torch.no_grad():
+        tok = model(ids, 0, cache)[:, -1:].argmax(-1)
+        for i in range(steps):
+            t = time.perf_counter()
+            tok = model(tok, prompt_len + i, cache)[:, -1:].argmax(-1)
+            times.append(1e3 * (time.perf_counter() - t))
+    return times
+
+
+def preset_rows(preset: str = "llama-3.2-1b", variants=("fp32", "bf16", "w8a16", "w4a16:g128", "w8a8"),
+                decode_steps: int = 8, prompt_len: int = 16, backend: str = "cpu", progress=None) -> dict:
+    """Resident weight bytes and CPU decode ms/token per variant at ``preset``'s shape (random
+    weights), each variant loaded alone (peak memory: one fp32 copy plus its quantized form)."""
+    from workbench.model.loader import load_model
+    from workbench.quant.apply import quantize_model, set_quant_backend, weight_bytes
+
+    rows = []
+    for spec in variants:
+        if progress:
+            progress(f"{preset}: {spec}")
+        row: dict = {"variant": spec}
+        try:
+            t = time.perf_counter()
+            model = load_model(f"preset:{preset}", device="cpu", dtype=torch.float32).eval()
+            if spec == "bf16":
+                model = model.to(torch.bfloat16)
+            placement = None
+            if spec not in PLAIN:
+                quantize_model(model, spec)
+                placement = set_quant_backend(model, backend)
+            row["load_s"] = time.perf_counter() - t
+            wb = weight_bytes(model)
+            if spec in PLAIN:
+                lin = plain_linear_bytes(model)
+                wb = {"quantized_linears": lin, "other": wb["total"] - lin, "total": wb["total"]}
+            ms = _decode_ms(model, prompt_len, decode_steps)
+            med = statistics.median(ms)
+            row.update(linear_bytes=wb["quantized_linears"], other_bytes=wb["other"], total_bytes=wb["total"],
+                       ms_per_token=med, ms_min=min(ms), ms_max=max(ms), tokens_per_s=1e3 / med,
+                       placement=placement, error=None)
+            del model
+        except Exception as e:
+            row.update(error=f"{type(e).__name__}: {e}")
+        gc.collect()
+        rows.append(row)
+    by = {r["variant"]: r for r in rows if not r.get("error")}
+    base = by.get("bf16")
+    for r in rows:
+        if base and not r.get("error"):
+            r["linear_vs_bf16"] = r["linear_bytes"] / base["linear_bytes"]
+            r["total_vs_bf16"] = r["total_bytes"] / base["total_bytes"]
+    return {"preset": preset, "prompt_len": prompt_len, "decode_steps": decode_steps, "backend": backend,
+            "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "rows": rows,
+            "note": "random weights: memory and latency only"}
