@@ -16,7 +16,10 @@
 #    `workbench tier-bench` (the physical hot / warm / cold cache: measured resident bytes vs the
 #    formula and the full cache, routed blocks over pinned host -> HBM: hit rate, stall, bytes per
 #    step, per predictor).  The tests of step 1 also run the physical tiered cache on CUDA
-#    (same logits as the accounted cache; measured bytes vs torch.cuda.memory_allocated).
+#    (same logits as the accounted cache; measured bytes vs torch.cuda.memory_allocated);
+#    9. quant_bench: `workbench quant-bench --kernels` (the W4A16 split-K GEMV / GEMM, W8A16 and
+#    W4A8 Triton kernels vs dense bf16 F.linear at m = 1..64 on Llama-7B-sized layers; the tests
+#    of step 1 check the same kernels against their torch references on the GPU).
 #
 # Every step has its own time cap, and the whole script (summary included) ends within
 # DEVICE_CHECK_BUDGET_S = 480 s: a step that would run past that gets the time left, or is
@@ -27,7 +30,7 @@
 # `python -m workbench.cli.gpu_results`; see results/gpu/README.md):
 #   with CUDA     results/gpu/<device>-<YYYY-MM-DD>/ (committed; a second run that day: -2, -3 ...):
 #                 meta.json, summary.csv, engine_bench.csv, kernel_bench.csv, sched_bench.csv,
-#                 prefix_bench.csv, prefetch_bench.csv, device_check.log.  Where $OUT is set (the device
+#                 prefix_bench.csv, prefetch_bench.csv, tier_bench.csv, quant_bench.csv, device_check.log.  Where $OUT is set (the device
 #                 tool's folder of files that come back, at most 8 files) the folder is also archived to
 #                 $OUT/<device>-<date>.tar: extract it into results/gpu/ here and commit the folder.
 #   without CUDA  a dry run of the script itself at CPU sizes, into runs/device_check/ (git-ignored),
@@ -78,7 +81,7 @@ if [ "$CUDA" = 1 ]; then
   DEV=cuda; SIZE=full
   TESTS=(tests/kernels/test_kernels_pointwise.py tests/kernels/test_kernels_attention.py tests/transforms/test_backends.py
          tests/transforms/test_cuda_graphs.py tests/transforms/test_batched_backends.py tests/prefetch/test_cuda_prefetch.py
-         tests/kv/test_tiers_cuda.py)
+         tests/kv/test_tiers_cuda.py tests/kernels/test_kernels_quant.py)
   # 16 cores there: compile the tests' kernels in 4 processes when pytest-xdist is installed
   "$PY" -c "import xdist" 2> /dev/null && TESTS=(-n 4 --dist loadfile "${TESTS[@]}")
   SCHED=(--streams 8 --max-tokens 64 --trace-requests 48 --rate 20)
@@ -86,6 +89,7 @@ if [ "$CUDA" = 1 ]; then
   ENGINE=(--repeats 3 --configs reference,loop,cuda-graphs)
   FAST=(--repeats 3 --configs reference,compile,compile+graphs)
   PREFETCH=(--options eager)      # compile with streaming is checked on the CPU; here it would not fit the cap
+  QUANT=(--skip-quality --preset none --kernels)   # W4A16 / W8A16 / W4A8 Triton kernels vs dense bf16, m = 1..64
 else                            # the dry run: CPU sizes, the interpreter's quick kernel tests
   DEV=cpu; SIZE=small
   TESTS=(tests/kernels/test_kernels_pointwise.py tests/kernels/test_kernels_attention.py tests/transforms/test_cuda_graphs.py)
@@ -95,6 +99,7 @@ else                            # the dry run: CPU sizes, the interpreter's quic
   ENGINE=(--repeats 2 --num-prompts 2 --max-tokens 8 --configs reference,loop,static)
   FAST=(--repeats 2 --num-prompts 2 --max-tokens 8 --configs reference,compile)
   PREFETCH=(--options eager)
+  QUANT=(--recipes fp32,w4a16:g128,w8a8 --docs 1 --context 64 --preset tiny --decode-steps 2)   # no GPU kernels here
 fi
 
 step() {   # step NAME CAP_S command...: stdout -> $WORK/NAME.out, stderr -> $WORK/NAME.log
@@ -119,13 +124,14 @@ step() {   # step NAME CAP_S command...: stdout -> $WORK/NAME.out, stderr -> $WO
 WB=("$PY" -m workbench.cli.main)
 echo "device check: $DEV, $PY, tables -> $DIR"
 step tests 90 "$PY" -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"
-step kernels_bench 110 "${WB[@]}" kernels-bench --device "$DEV" --size "$SIZE" --csv "$WORK/kernel_bench.csv" --quiet
-step sched_bench 50 "${WB[@]}" sched-bench --device "$DEV" "${SCHED[@]}" --json --quiet
+step kernels_bench 95 "${WB[@]}" kernels-bench --device "$DEV" --size "$SIZE" --csv "$WORK/kernel_bench.csv" --quiet
+step sched_bench 45 "${WB[@]}" sched-bench --device "$DEV" "${SCHED[@]}" --json --quiet
 step engine_bench 50 "${WB[@]}" bench --device "$DEV" "${ENGINE[@]}" --json --quiet
-step engine_fast 50 "${WB[@]}" bench --device "$DEV" "${FAST[@]}" --json --quiet
-step prefix_bench 35 "${WB[@]}" prefix-bench --device "$DEV" "${PREFIX[@]}" --json --quiet
+step engine_fast 45 "${WB[@]}" bench --device "$DEV" "${FAST[@]}" --json --quiet
+step prefix_bench 30 "${WB[@]}" prefix-bench --device "$DEV" "${PREFIX[@]}" --json --quiet
 step prefetch_bench 50 "${WB[@]}" prefetch-bench --device "$DEV" "${PREFETCH[@]}" --json --quiet
 step tier_bench 30 "${WB[@]}" tier-bench --device "$DEV" --docs 1 --eval-tokens 48 --config default --json
+step quant_bench 30 "${WB[@]}" quant-bench "${QUANT[@]}" --json --quiet
 
 echo
 echo "== tables"

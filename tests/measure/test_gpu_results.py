@@ -221,6 +221,18 @@ def test_prefix_bench_long_format():
     assert not any("samples" in r["metric"] for r in rows)
 
 
+def test_quant_bench_is_one_row_per_kernel_measurement(tmp_path):
+    work = _work(tmp_path, [("quant_bench", "ok")])
+    rows = [{"m": 1, "N": 4096, "K": 4096, "path": "gemv split_k=4", "dense_ms": 0.05, "w4a16_ms": 0.02,
+             "w4a16_speedup": 2.5, "nested": {"dropped": 1}},
+            {"m": 64, "N": 4096, "K": 4096, "path": "gemm", "dense_ms": 0.06, "w4a16_ms": 0.05, "w4a16_speedup": 1.2}]
+    (work / "quant_bench.out").write_text(json.dumps({"kernels": rows, "kernels_table": "..."}))
+    out = tmp_path / "out"
+    assert gr.write_tables(out, work)["quant_bench"] == "ok"
+    got = _read(out / "quant_bench.csv")
+    assert [r["m"] for r in got] == ["1", "64"] and "nested" not in got[0] and got[0]["w4a16_speedup"] == "2.5"
+
+
 def test_read_json_output_skips_a_line_before_the_object(tmp_path):
     p = tmp_path / "x.out"
     p.write_text("some warning\n" + json.dumps({"a": {"b": 1}}) + "\n")
@@ -271,7 +283,8 @@ def test_start_and_write_tables_on_a_gpu(tmp_path):
                             ("engine_bench", "ok"), ("prefix_bench", "ok")])
     done = gr.write_tables(out, work)
     assert done == {"engine_bench": "ok", "kernel_bench": "ok", "sched_bench": "step timeout", "prefix_bench": "ok",
-                    "engine_fast_bench": "not run", "prefetch_bench": "not run", "tier_bench": "not run"}
+                    "engine_fast_bench": "not run", "prefetch_bench": "not run", "tier_bench": "not run",
+                    "quant_bench": "not run"}
     names = sorted(p.name for p in out.iterdir())
     assert names == ["device_check.log", "engine_bench.csv", "kernel_bench.csv", "meta.json", "prefix_bench.csv",
                      "summary.csv"]

@@ -196,3 +196,63 @@ def preset_rows(preset: str = "llama-3.2-1b", variants=("fp32", "bf16", "w8a16",
     return {"preset": preset, "prompt_len": prompt_len, "decode_steps": decode_steps, "backend": backend,
             "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "rows": rows,
             "note": "random weights: memory and latency only"}
+
+
+def _beyond(diff: float, se: float, k: float = 2.0) -> bool:
+    return abs(diff) > k * se
+
+
+def claim_verdicts(quality: dict | None = None, preset: dict | None = None, gpu_rows: list[dict] | None = None) -> list[dict]:
+    """The source articles' quantization claims against this run's measurements, one row each:
+    ``claim``, ``measured`` (text), ``verdict`` ("supported" / "not supported" / "within noise" /
+    "not measured here").  A difference counts only beyond 2 standard errors (quality: the
+    paired standard errors of both rows, combined) or beyond the spread of the timed runs (speed:
+    the slower side's best run must exceed the faster side's worst)."""
+    out = []
+    rows = {r["recipe"]: r for r in (quality or {}).get("rows", []) if not r.get("error")}
+    pt, pc = rows.get("w4a16:pt"), rows.get("w4a16:pc")
+    claim = ("W4A16 with one scale per output channel recovers most of the INT4 loss "
+             "(article: C-Eval 62.3 per-tensor -> 68.7 per-channel, FP16 69.6)")
+    if pt and pc:
+        se = math.hypot(pt["rel_ppl_se"], pc["rel_ppl_se"])
+        recovered = 1 - pc["rel_ppl"] / pt["rel_ppl"] if pt["rel_ppl"] > 0 else float("nan")
+        verdict = ("within noise" if not _beyond(pt["rel_ppl"] - pc["rel_ppl"], se) else
+                   "supported" if recovered > 0.5 else "not supported")
+        out.append({"claim": claim, "verdict": verdict,
+                    "measured": f"rel ppl per-tensor {100 * pt['rel_ppl']:+.2f}% +-{100 * pt['rel_ppl_se']:.2f}, "
+                                f"per-channel {100 * pc['rel_ppl']:+.2f}% +-{100 * pc['rel_ppl_se']:.2f}: "
+                                f"{100 * recovered:.0f}% of the per-tensor loss recovered"})
+    else:
+        out.append({"claim": claim, "verdict": "not measured here", "measured": "needs rows w4a16:pt and w4a16:pc"})
+    aw, rtn = rows.get("w4a16:g128:awq"), rows.get("w4a16:g128")
+    claim = "AWQ beats round-to-nearest at W4 g128 (AWQ paper, Llama-2-7B: 5.60 vs 5.73 perplexity)"
+    for other, label in ((aw, "AWQ"), (rows.get("w4a16:g128:gptq"), "GPTQ")):
+        if other and rtn:
+            se = math.hypot(other["rel_ppl_se"], rtn["rel_ppl_se"])
+            d = rtn["rel_ppl"] - other["rel_ppl"]
+            out.append({"claim": claim.replace("AWQ", label, 1) if label == "GPTQ" else claim,
+                        "verdict": "within noise" if not _beyond(d, se) else "supported" if d > 0 else "not supported",
+                        "measured": f"rel ppl {label} {100 * other['rel_ppl']:+.2f}% vs RTN {100 * rtn['rel_ppl']:+.2f}% "
+                                    f"(difference {100 * d:+.2f} points, 2 se = {200 * se:.2f})"})
+    prows = {r["variant"]: r for r in (preset or {}).get("rows", []) if not r.get("error")}
+    claim = "INT4 weights decode faster than 16-bit (article, A100 at 1K tokens: FP16 320 ms, AWQ 185 ms, INT4 152 ms)"
+    w4, b16 = prows.get("w4a16:g128"), prows.get("bf16")
+    if w4 and b16:
+        faster = w4["ms_max"] < b16["ms_min"]
+        slower = w4["ms_min"] > b16["ms_max"]
+        out.append({"claim": claim + " - on this CPU",
+                    "verdict": "supported" if faster else "not supported" if slower else "within noise",
+                    "measured": f"{preset['preset']} decode: W4A16 {w4['ms_per_token']:.0f} ms/token "
+                                f"[{w4['ms_min']:.0f}..{w4['ms_max']:.0f}] vs bf16 {b16['ms_per_token']:.0f} "
+                                f"[{b16['ms_min']:.0f}..{b16['ms_max']:.0f}] (torch's CPU ops; memory-bound GEMV "
+                                f"with nibble unpacking in the loop)"})
+    gm = [r for r in (gpu_rows or []) if r.get("m") == 1 and r.get("w4a16_speedup") is not None]
+    if gm:
+        best = max(gm, key=lambda r: r["w4a16_speedup"])
+        out.append({"claim": claim + " - on the GPU (latest committed table)",
+                    "verdict": "supported" if best["w4a16_speedup"] > 1 else "not supported",
+                    "measured": f"W4A16 vs bf16 at m = 1: {best['w4a16_speedup']:.2f}x on {best.get('N')}x{best.get('K')}"})
+    else:
+        out.append({"claim": claim + " - on a GPU", "verdict": "not measured here",
+                    "measured": "no committed GPU table yet (scripts/device_check.sh, step quant_bench)"})
+    return out

@@ -16,6 +16,8 @@ One folder holds (see ``results/gpu/README.md``)::
     prefix_bench.csv   `workbench prefix-bench --json`, long format: section, config, metric, value
     prefetch_bench.csv `workbench prefetch-bench --json`, long format: section, config, metric, value
     tier_bench.csv     `workbench tier-bench --json` (physical KV tiers), long format
+    quant_bench.csv    `workbench quant-bench --kernels --json`: one row per (shape, m): dense bf16 vs
+                       the W4A16 / W8A16 / W4A8 Triton kernels
     device_check.log   the last lines of every step's output
 
 A notebook shows the latest GPU table next to its CPU figures::
@@ -56,7 +58,7 @@ DRY_RUN_DIR = REPO / "runs" / "device_check"     # git-ignored: a run without CU
 # the CSV `workbench kernels-bench` has always written)
 TABLES = {"engine_bench": "engine_bench", "engine_fast": "engine_fast_bench", "kernels_bench": "kernel_bench",
           "sched_bench": "sched_bench", "prefix_bench": "prefix_bench", "prefetch_bench": "prefetch_bench",
-          "tier_bench": "tier_bench"}
+          "tier_bench": "tier_bench", "quant_bench": "quant_bench"}
 ENGINE_STEPS = ("engine_bench", "engine_fast")      # `workbench bench --json` outputs: one row per side
 SUMMARY_COLUMNS = ["step", "status", "seconds", "limit_s"]
 LONG_COLUMNS = ["section", "config", "metric", "value"]
@@ -309,8 +311,12 @@ def write_tables(out_dir: str | Path, work_dir: str | Path) -> dict[str, str]:
                     shutil.copyfile(src, out / "kernel_bench.csv")
             else:
                 data = read_json_output(work / f"{step}.out")
-                rows = engine_rows(data) if step in ENGINE_STEPS else long_rows(data)
-                write_csv(rows, out / f"{table}.csv", None if step in ENGINE_STEPS else LONG_COLUMNS)
+                if step == "quant_bench":                   # already one flat row per measurement
+                    rows = [{k: v for k, v in r.items() if _scalar(v)} for r in data["kernels"]]
+                    write_csv(rows, out / f"{table}.csv")
+                else:
+                    rows = engine_rows(data) if step in ENGINE_STEPS else long_rows(data)
+                    write_csv(rows, out / f"{table}.csv", None if step in ENGINE_STEPS else LONG_COLUMNS)
             done[table] = "ok"
         except Exception as e:  # noqa: BLE001 - one table's problem must not lose the others
             done[table] = f"error: {type(e).__name__}: {e}"
