@@ -120,7 +120,7 @@ def _calibrate(model: nn.Module, recipe: QuantRecipe, calibration, names: list[s
         from workbench.quant.calib import collect_linear_inputs
         from workbench.quant.smooth import smooth_model
 
-        report["smooth"] = smooth_model(model, collect_linear_inputs(model, seqs, names), recipe.smooth)
+        report["smooth"] = smooth_model(model, collect_linear_inputs(model, seqs), recipe.smooth)   # every input, skipped layers' too
     if recipe.method == "awq":
         from workbench.quant.awq import awq_search
 
