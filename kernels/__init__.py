@@ -26,6 +26,9 @@ file                   ops
                        ``attention_decode`` (no host sync: the CUDA-graph-safe entry point)
 ``sampling.py``        ``greedy_tokens`` (argmax), ``sample_tokens`` (temperature, top-k, top-p
                        by Gumbel-max; per-row parameters; thresholds from torch on the host)
+``quant_matmul.py``    ``w4a16_matmul`` / ``w8a16_matmul`` (int4 / int8 weights dequantized in the
+                       kernel: split-K GEMV for a few rows, tiled GEMM otherwise), ``w4a8_matmul``
+                       / ``w8a8_matmul`` (int8 x int8 -> int32 per group), ``quantize_per_token_int8``
 ``_testing.py``        ``assert_close`` (reports how many elements mismatch and where), error
                        helpers shared by the tests, the benchmark and the notebook
 =====================  ======================================================================
@@ -54,6 +57,9 @@ KERNELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
                       ("flash_prefill_ref", "flash_prefill_paged_ref")),
     "paged_decode": (("paged_decode", "attention_decode"), ("paged_decode_ref",)),
     "sampling": (("greedy_tokens", "sample_tokens"), ("greedy_tokens_ref", "sample_tokens_ref")),
+    "quant_matmul": (("w4a16_matmul", "w8a16_matmul", "w4a8_matmul", "w8a8_matmul", "quantize_per_token_int8"),
+                     ("w4a16_matmul_ref", "w8a16_matmul_ref", "w4a8_matmul_ref", "w8a8_matmul_ref",
+                      "quantize_per_token_int8_ref")),
 }
 
 # Kernel launches made through the host wrappers, by wrapper name (read by

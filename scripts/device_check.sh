@@ -18,8 +18,9 @@
 #    step, per predictor).  The tests of step 1 also run the physical tiered cache on CUDA
 #    (same logits as the accounted cache; measured bytes vs torch.cuda.memory_allocated);
 #    9. quant_bench: `workbench quant-bench --kernels` (the W4A16 split-K GEMV / GEMM, W8A16 and
-#    W4A8 Triton kernels vs dense bf16 F.linear at m = 1..64 on Llama-7B-sized layers; the tests
-#    of step 1 check the same kernels against their torch references on the GPU).
+#    W4A8 Triton kernels vs dense bf16 F.linear at m = 1, 4, 16, 64 on Llama-7B-sized layers; it
+#    exits 1 when a kernel's error against its reference exceeds 1e-2), after quant_tests (the
+#    kernels' tests against their torch references, compiled on the GPU).
 #
 # Every step has its own time cap, and the whole script (summary included) ends within
 # DEVICE_CHECK_BUDGET_S = 480 s: a step that would run past that gets the time left, or is
@@ -81,7 +82,8 @@ if [ "$CUDA" = 1 ]; then
   DEV=cuda; SIZE=full
   TESTS=(tests/kernels/test_kernels_pointwise.py tests/kernels/test_kernels_attention.py tests/transforms/test_backends.py
          tests/transforms/test_cuda_graphs.py tests/transforms/test_batched_backends.py tests/prefetch/test_cuda_prefetch.py
-         tests/kv/test_tiers_cuda.py tests/kernels/test_kernels_quant.py)
+         tests/kv/test_tiers_cuda.py)
+  QUANT_TESTS=(tests/kernels/test_kernels_quant.py)   # its own step: ~60 kernel compiles
   # 16 cores there: compile the tests' kernels in 4 processes when pytest-xdist is installed
   "$PY" -c "import xdist" 2> /dev/null && TESTS=(-n 4 --dist loadfile "${TESTS[@]}")
   SCHED=(--streams 8 --max-tokens 64 --trace-requests 48 --rate 20)
@@ -89,7 +91,7 @@ if [ "$CUDA" = 1 ]; then
   ENGINE=(--repeats 3 --configs reference,loop,cuda-graphs)
   FAST=(--repeats 3 --configs reference,compile,compile+graphs)
   PREFETCH=(--options eager)      # compile with streaming is checked on the CPU; here it would not fit the cap
-  QUANT=(--skip-quality --preset none --kernels)   # W4A16 / W8A16 / W4A8 Triton kernels vs dense bf16, m = 1..64
+  QUANT=(--skip-quality --preset none --kernels --kernel-ms 1,4,16,64 --kernel-shapes 4096x4096,11008x4096)
 else                            # the dry run: CPU sizes, the interpreter's quick kernel tests
   DEV=cpu; SIZE=small
   TESTS=(tests/kernels/test_kernels_pointwise.py tests/kernels/test_kernels_attention.py tests/transforms/test_cuda_graphs.py)
@@ -100,6 +102,7 @@ else                            # the dry run: CPU sizes, the interpreter's quic
   FAST=(--repeats 2 --num-prompts 2 --max-tokens 8 --configs reference,compile)
   PREFETCH=(--options eager)
   QUANT=(--recipes fp32,w4a16:g128,w8a8 --docs 1 --context 64 --preset tiny --decode-steps 2)   # no GPU kernels here
+  QUANT_TESTS=(tests/kernels/test_kernels_quant.py -k "unpacking or errors")
 fi
 
 step() {   # step NAME CAP_S command...: stdout -> $WORK/NAME.out, stderr -> $WORK/NAME.log
@@ -123,15 +126,16 @@ step() {   # step NAME CAP_S command...: stdout -> $WORK/NAME.out, stderr -> $WO
 
 WB=("$PY" -m workbench.cli.main)
 echo "device check: $DEV, $PY, tables -> $DIR"
-step tests 90 "$PY" -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"
-step kernels_bench 95 "${WB[@]}" kernels-bench --device "$DEV" --size "$SIZE" --csv "$WORK/kernel_bench.csv" --quiet
+step tests 85 "$PY" -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"
+step kernels_bench 85 "${WB[@]}" kernels-bench --device "$DEV" --size "$SIZE" --csv "$WORK/kernel_bench.csv" --quiet
 step sched_bench 45 "${WB[@]}" sched-bench --device "$DEV" "${SCHED[@]}" --json --quiet
-step engine_bench 50 "${WB[@]}" bench --device "$DEV" "${ENGINE[@]}" --json --quiet
+step engine_bench 45 "${WB[@]}" bench --device "$DEV" "${ENGINE[@]}" --json --quiet
 step engine_fast 45 "${WB[@]}" bench --device "$DEV" "${FAST[@]}" --json --quiet
 step prefix_bench 30 "${WB[@]}" prefix-bench --device "$DEV" "${PREFIX[@]}" --json --quiet
-step prefetch_bench 50 "${WB[@]}" prefetch-bench --device "$DEV" "${PREFETCH[@]}" --json --quiet
+step prefetch_bench 45 "${WB[@]}" prefetch-bench --device "$DEV" "${PREFETCH[@]}" --json --quiet
 step tier_bench 30 "${WB[@]}" tier-bench --device "$DEV" --docs 1 --eval-tokens 48 --config default --json
-step quant_bench 30 "${WB[@]}" quant-bench "${QUANT[@]}" --json --quiet
+step quant_tests 30 "$PY" -m pytest -q -x -p no:cacheprovider "${QUANT_TESTS[@]}"
+step quant_bench 25 "${WB[@]}" quant-bench "${QUANT[@]}" --json --quiet
 
 echo
 echo "== tables"

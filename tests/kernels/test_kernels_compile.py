@@ -36,6 +36,8 @@ KERNELS = {
     "flash_prefill": {"_flash_prefill_kernel"},
     "paged_decode": {"_paged_decode_split_kernel", "_paged_decode_merge_kernel"},
     "sampling": {"_sampling_fwd_kernel"},
+    "quant_matmul": {"_wxa16_gemv_kernel", "_wxa16_gemm_kernel", "_wxa8_matmul_fwd_kernel",
+                     "_quantize_per_token_int8_fwd_kernel"},
 }
 ATTENTION_MMA = {"_flash_prefill_kernel", "_paged_decode_split_kernel"}   # the kernels that call tl.dot
 

@@ -45,6 +45,10 @@ from workbench.errors import ConfigError
 DEFAULT_RECIPES = ("fp32", "bf16", "w8a16", "w4a16:pt", "w4a16:pc", "w4a16:g32", "w4a16:g64", "w4a16:g128",
                    "w4a16:g128:awq", "w4a16:g128:gptq", "w4a8", "w8a8", "w8a8:smooth=0.5")
 PLAIN = ("fp32", "bf16")
+# (recipe, baseline) pairs compared token by token (quality_rows' "comparisons")
+PAIRS = (("w4a16:pc", "w4a16:pt"), ("w4a16:g128", "w4a16:pc"), ("w4a16:g128:awq", "w4a16:g128"),
+         ("w4a16:g128:gptq", "w4a16:g128"), ("w4a16:g128:gptq", "w4a16:g128:awq"), ("w4a8", "w4a16:pc"),
+         ("w8a8", "w8a16"), ("w8a8:smooth=0.5", "w8a8"))
 
 
 def _nll(model, seqs) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -98,7 +102,7 @@ def quality_rows(recipes=DEFAULT_RECIPES, docs: int = 4, calibration_docs: int =
     nll_ref, logp_ref = _nll(ref, ev)
     lin_fp32 = plain_linear_bytes(ref)
     del ref
-    rows = []
+    rows, nlls = [], {}
     for spec in recipes:
         if progress:
             progress(f"quality: {spec}")
@@ -109,6 +113,7 @@ def quality_rows(recipes=DEFAULT_RECIPES, docs: int = 4, calibration_docs: int =
             model = _load(spec, cal)
             row["prepare_s"] = time.perf_counter() - t
             nll, logp = _nll(model, ev)
+            nlls[spec] = nll
             st = paired_stats(nll, nll_ref)
             kl = sum(float((lr.exp() * (lr - lq)).sum()) for lr, lq in zip(logp_ref, logp)) / st["tokens"]
             top1 = sum(int((lr.argmax(-1) == lq.argmax(-1)).sum()) for lr, lq in zip(logp_ref, logp)) / st["tokens"]
@@ -120,8 +125,15 @@ def quality_rows(recipes=DEFAULT_RECIPES, docs: int = 4, calibration_docs: int =
             row.update(name=spec, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=3))
         gc.collect()
         rows.append(row)
+    comparisons = []
+    for a, b in PAIRS:                          # paired on the same tokens: far less noise than two rows vs fp32
+        if a in nlls and b in nlls:
+            st = paired_stats(nlls[a], nlls[b])
+            comparisons.append({"recipe": a, "baseline": b, "ppl_ratio": st["ppl"] / math.exp(float(nlls[b].mean())),
+                                "rel_ppl": st["rel_ppl"], "rel_ppl_se": st["rel_ppl_se"]})
     return {"context": context, "docs": split["evaluation_docs"][:docs], "calibration_docs": len(cal),
             "ppl_fp32": math.exp(float(nll_ref.mean())), "tokens": int(nll_ref.numel()), "rows": rows,
+            "comparisons": comparisons,
             "seconds": time.perf_counter() - t0,
             "activations": "fp32 (this CPU) for A16 recipes; bf16 row: the whole model in bfloat16"}
 
@@ -206,7 +218,7 @@ def claim_verdicts(quality: dict | None = None, preset: dict | None = None, gpu_
     """The source articles' quantization claims against this run's measurements, one row each:
     ``claim``, ``measured`` (text), ``verdict`` ("supported" / "not supported" / "within noise" /
     "not measured here").  A difference counts only beyond 2 standard errors (quality: the
-    paired standard errors of both rows, combined) or beyond the spread of the timed runs (speed:
+    paired standard error of the two recipes over the same tokens) or beyond the spread of the timed runs (speed:
     the slower side's best run must exceed the faster side's worst)."""
     out = []
     rows = {r["recipe"]: r for r in (quality or {}).get("rows", []) if not r.get("error")}
@@ -214,7 +226,8 @@ def claim_verdicts(quality: dict | None = None, preset: dict | None = None, gpu_
     claim = ("W4A16 with one scale per output channel recovers most of the INT4 loss "
              "(article: C-Eval 62.3 per-tensor -> 68.7 per-channel, FP16 69.6)")
     if pt and pc:
-        se = math.hypot(pt["rel_ppl_se"], pc["rel_ppl_se"])
+        c = next((c for c in (quality or {}).get("comparisons", []) if (c["recipe"], c["baseline"]) == ("w4a16:pc", "w4a16:pt")), None)
+        se = c["rel_ppl_se"] if c else math.hypot(pt["rel_ppl_se"], pc["rel_ppl_se"])
         recovered = 1 - pc["rel_ppl"] / pt["rel_ppl"] if pt["rel_ppl"] > 0 else float("nan")
         verdict = ("within noise" if not _beyond(pt["rel_ppl"] - pc["rel_ppl"], se) else
                    "supported" if recovered > 0.5 else "not supported")
@@ -224,16 +237,18 @@ def claim_verdicts(quality: dict | None = None, preset: dict | None = None, gpu_
                                 f"{100 * recovered:.0f}% of the per-tensor loss recovered"})
     else:
         out.append({"claim": claim, "verdict": "not measured here", "measured": "needs rows w4a16:pt and w4a16:pc"})
-    aw, rtn = rows.get("w4a16:g128:awq"), rows.get("w4a16:g128")
-    claim = "AWQ beats round-to-nearest at W4 g128 (AWQ paper, Llama-2-7B: 5.60 vs 5.73 perplexity)"
-    for other, label in ((aw, "AWQ"), (rows.get("w4a16:g128:gptq"), "GPTQ")):
-        if other and rtn:
-            se = math.hypot(other["rel_ppl_se"], rtn["rel_ppl_se"])
-            d = rtn["rel_ppl"] - other["rel_ppl"]
-            out.append({"claim": claim.replace("AWQ", label, 1) if label == "GPTQ" else claim,
-                        "verdict": "within noise" if not _beyond(d, se) else "supported" if d > 0 else "not supported",
-                        "measured": f"rel ppl {label} {100 * other['rel_ppl']:+.2f}% vs RTN {100 * rtn['rel_ppl']:+.2f}% "
-                                    f"(difference {100 * d:+.2f} points, 2 se = {200 * se:.2f})"})
+    pairs = {(c["recipe"], c["baseline"]): c for c in (quality or {}).get("comparisons", [])}
+    for spec, label, anchor in (("w4a16:g128:awq", "AWQ", "AWQ paper, Llama-2-7B g128: 5.60 vs 5.73"),
+                                ("w4a16:g128:gptq", "GPTQ", "GPTQ paper: below RTN at 4 bits")):
+        c = pairs.get((spec, "w4a16:g128"))
+        if c is None:
+            continue
+        out.append({"claim": f"{label} beats round-to-nearest at W4 g128 ({anchor} perplexity)",
+                    "verdict": "within noise" if not _beyond(c["rel_ppl"], c["rel_ppl_se"]) else
+                               "supported" if c["rel_ppl"] < 0 else "not supported",
+                    "measured": f"perplexity {label} / RTN - 1 = {100 * c['rel_ppl']:+.2f}% +-{100 * c['rel_ppl_se']:.2f} "
+                                f"(paired over the same tokens; rel ppl vs fp32: {label} "
+                                f"{100 * rows[spec]['rel_ppl']:+.2f}%, RTN {100 * rows['w4a16:g128']['rel_ppl']:+.2f}%)"})
     prows = {r["variant"]: r for r in (preset or {}).get("rows", []) if not r.get("error")}
     claim = "INT4 weights decode faster than 16-bit (article, A100 at 1K tokens: FP16 320 ms, AWQ 185 ms, INT4 152 ms)"
     w4, b16 = prows.get("w4a16:g128"), prows.get("bf16")

@@ -16,6 +16,11 @@ def _pct(r: dict) -> str:
     return f"{100 * r['rel_ppl']:+.2f}% +-{100 * r['rel_ppl_se']:.2f}"
 
 
+# a kernel's error against the float32 product of the same quantized weight, relative to max |ref|:
+# bf16 output rounding is ~4e-3; an indexing or unpacking bug is O(1).  Beyond it the command exits 1.
+KERNEL_TOLERANCE = 1e-2
+
+
 def format_quality(q: dict) -> str:
     out = [f"quality: bundled model, {len(q['docs'])} evaluation docs x {q['context']} tokens ({q['tokens']} scored "
            f"tokens), calibration {q['calibration_docs']} other docs; fp32 perplexity {q['ppl_fp32']:.3f}; "
@@ -28,6 +33,12 @@ def format_quality(q: dict) -> str:
         rows.append([r["recipe"], f"{r['ppl']:.3f}", _pct(r), f"{r['kl']:.4f}", f"{r['top1']:.3f}",
                      _size(r["linear_bytes"]), f"{r['linear_vs_bf16']:.3f}x", f"{r['prepare_s']:.1f}"])
     out.append(_table(["recipe", "ppl", "rel ppl +- se", "KL", "top-1", "linear bytes", "vs bf16", "prepare s"], rows))
+    if q.get("comparisons"):
+        out += ["", "paired over the same tokens (perplexity of the recipe / of the baseline - 1; a difference "
+                    "counts beyond 2 se)"]
+        out.append(_table(["recipe", "vs", "ppl ratio - 1 +- se", "beyond 2 se"],
+                          [[c["recipe"], c["baseline"], f"{100 * c['rel_ppl']:+.2f}% +-{100 * c['rel_ppl_se']:.2f}",
+                            "yes" if abs(c["rel_ppl"]) > 2 * c["rel_ppl_se"] else "no"] for c in q["comparisons"]]))
     return "\n".join(out)
 
 
@@ -68,7 +79,7 @@ def format_ops(ops: list[dict]) -> str:
 def cmd_quant_bench(args) -> int:
     import torch
 
-    from workbench.bench.quant import DEFAULT_RECIPES, preset_rows, quality_rows
+    from workbench.bench.quant import DEFAULT_RECIPES, claim_verdicts, preset_rows, quality_rows
     from workbench.errors import ConfigError
     from workbench.quant.cpu_ops import cpu_op_timing
 
@@ -93,14 +104,30 @@ def cmd_quant_bench(args) -> int:
     if args.kernels:
         from workbench.bench.quant_kernels import format_table, quant_kernel_rows
 
-        res["kernels"] = quant_kernel_rows()
+        ms = tuple(int(m) for m in args.kernel_ms.split(","))
+        try:
+            shapes = tuple(tuple(int(v) for v in s.lower().split("x")) for s in args.kernel_shapes.split(","))
+        except ValueError:
+            raise ConfigError(f"--kernel-shapes: expected OUTxIN,... (e.g. 4096x4096), got {args.kernel_shapes!r}") from None
+        res["kernels"] = quant_kernel_rows(ms=ms, shapes=shapes)
         res["kernels_table"] = format_table(res["kernels"])
+        bad = [f"{r['N']}x{r['K']} m={r['m']} {k}={r[k]:.2g}" for r in res["kernels"] for k in r
+               if k.endswith("_max_rel_err") and not k.startswith("dense") and r[k] is not None
+               and not r[k] <= KERNEL_TOLERANCE]
+        res["kernel_errors_beyond_tolerance"] = bad
+    gpu = res.get("kernels")
+    if gpu is None:                      # the latest committed GPU table, when one exists
+        from workbench.measure.gpu_results import latest
+
+        t = latest("quant_bench")
+        gpu = t.frame.to_dict("records") if t is not None else None
+    res["claims"] = claim_verdicts(res.get("quality"), res.get("preset"), gpu)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=2, default=str)
     if args.json:
         print(json.dumps(res, indent=2, default=str))
-        return 0
+        return 1 if res.get("kernel_errors_beyond_tolerance") else 0
     parts = []
     if "quality" in res:
         parts.append(format_quality(res["quality"]))
@@ -108,10 +135,15 @@ def cmd_quant_bench(args) -> int:
         parts.append(format_preset(res["preset"]))
     if "ops" in res:
         parts.append(format_ops(res["ops"]))
+    parts.append("\n".join(["verdicts on the source articles' claims (MEASURED in this run; GPU: the latest committed table)"]
+                           + [f"- {c['claim']}\n    {c['verdict'].upper()}: {c['measured']}" for c in res["claims"]]))
     if "kernels" in res:
         parts.append(res["kernels_table"])
+        if res["kernel_errors_beyond_tolerance"]:
+            parts.append(f"kernel errors beyond {KERNEL_TOLERANCE:g} (relative to max |ref|): "
+                         + "; ".join(res["kernel_errors_beyond_tolerance"]))
     print("\n\n".join(parts))
-    return 0
+    return 1 if res.get("kernel_errors_beyond_tolerance") else 0
 
 
 def add_quant_bench_parser(sub) -> None:
@@ -127,6 +159,9 @@ def add_quant_bench_parser(sub) -> None:
     p.add_argument("--decode-steps", type=int, default=None)
     p.add_argument("--ops", action="store_true", help="also time one 8192x2048 layer through torch's CPU ops (m=1, 8, 64)")
     p.add_argument("--kernels", action="store_true", help="also time the Triton kernels against dense bf16 (GPU only)")
+    p.add_argument("--kernel-ms", default="1,2,4,8,16,32,64", help="rows m of the kernel table")
+    p.add_argument("--kernel-shapes", default="4096x4096,11008x4096,4096x11008",
+                   help="OUTxIN layer shapes of the kernel table (default: Llama-2-7B's)")
     p.add_argument("--threads", default=None, help="torch threads: N or auto (default min(2, CPUs))")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", default=None, help="also write the result as JSON")

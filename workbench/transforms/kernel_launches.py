@@ -37,7 +37,7 @@ DECODE_BATCH = 64             # decode attention: 64 sequences, one new token ea
 LONG_CONTEXT = 4096           # decode of one sequence with a long context (split-K)
 NUM_BLOCKS = 4096             # pool size of a layer's paged cache (blocks of BLOCK_SIZE tokens)
 
-KERNEL_FILES = ("rmsnorm", "rope", "swiglu", "flash_prefill", "paged_decode", "sampling")
+KERNEL_FILES = ("rmsnorm", "rope", "swiglu", "flash_prefill", "paged_decode", "sampling", "quant_matmul")
 DTYPES = ("bfloat16", "float16", "float32")
 DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
@@ -135,6 +135,23 @@ def _cases(file: str, dtype, capability: int) -> list[tuple[str, Callable[[Any],
                  lambda m: m.greedy_tokens(empty(B, VOCAB, **meta))),
                 (f"sample_tokens B={B} V={VOCAB} top-k 50 top-p 0.9",
                  lambda m: m.sample_tokens(empty(B, VOCAB, **meta), temperature=0.8, top_k=50, top_p=0.9))]
+    if file == "quant_matmul":   # the MLP's up projection (out 8192, in 2048) quantized, group 128
+        N, K, g = INTERMEDIATE, HIDDEN, 128
+        u8, i8, f32 = (dict(device="meta", dtype=t) for t in (torch.uint8, torch.int8, torch.float32))
+
+        def call(m, op, rows):
+            x = empty(rows, K, **meta)
+            s = empty(N, K // g, **f32)
+            if op == "w4a16":
+                m.w4a16_matmul(x, empty(N, K // 2, **u8), s, None, g)
+            elif op == "w8a16":
+                m.w8a16_matmul(x, empty(N, K, **i8), s, None, g)
+            else:
+                m.w4a8_matmul(x, empty(N, K // 2, **u8), s, g)
+
+        return [(f"{op} {'decode' if rows == 1 else 'batch'} {rows}x{K} -> {N} g{g}",
+                 lambda m, op=op, rows=rows: call(m, op, rows))
+                for op in ("w4a16", "w8a16", "w4a8") for rows in (1, 64)]
     raise ValueError(f"unknown kernel file {file!r}; expected one of {', '.join(KERNEL_FILES)}")
 
 
