@@ -41,6 +41,12 @@ EXPECTED_KEYS = {
                     "best_tier_reduction", "best_tier_rel_ppl", "prefix_ttft_verdict", "offload_host_verdict",
                     "physical_reduction_measured", "physical_measured_vs_formula", "physical_identical_to_accounted",
                     "claim_8k_64k_verdict", "threads", "noise_threshold"},
+    "05_quantization": {"rel_ppl_bf16", "rel_ppl_w8a16", "rel_ppl_w4a16_pt", "rel_ppl_w4a16_pc", "rel_ppl_w4a16_g128",
+                        "rel_ppl_se_w4a16_g128", "rel_ppl_w4a16_g128_awq", "rel_ppl_w4a16_g128_gptq", "rel_ppl_w4a8",
+                        "rel_ppl_w8a8", "rel_ppl_w8a8_smooth_0_5", "linear_bytes_w4a16_vs_bf16",
+                        "identical_greedy_tokens", "awq_vs_rtn_verdict", "gptq_vs_rtn_verdict",
+                        "per_channel_claim_verdict", "int4_decode_cpu_verdict", "outlier_max_median_down_proj",
+                        "max_err_w4a16_kernel", "cpu_int4pack_speedup_m1", "threads", "noise_threshold"},
 }
 
 
