@@ -149,3 +149,26 @@ def test_serve_names_the_scheme(bundled_llm):
         assert info["quant"]["name"] == "w8a16-per-channel-sym-rtn" and "fp32 on a CPU" in info["quant"]["activations"]
         assert info["quant"]["placement"]["layers"] == {"cpu": 42}
         assert 'quant="w8a16-per-channel-sym-rtn"' in h.get("/metrics").text
+
+
+def test_refusals_name_what_and_why(random_llm):
+    import workbench as wb
+    from workbench.model.decoder import CausalLM, init_weights
+    from workbench.prefetch.weights import WeightStreamConfig
+    from workbench.quant.apply import set_quant_backend
+
+    def fresh():
+        return init_weights(CausalLM(random_llm.model.config), seed=3).eval()
+
+    with pytest.raises(ConfigError, match="LM head"):
+        quantize_model(fresh(), QuantRecipe(weight_bits=8, skip=("embed_tokens",)))
+    with pytest.raises(ConfigError, match="unknown fields"):
+        QuantRecipe(weight_bits=4, overrides=(("down_proj", {"method": "gptq"}),))
+    m = quantize_model(fresh(), "w4a16:pc")                   # per channel: no int4 CPU op, no GPU here
+    with pytest.raises(ConfigError, match="runs none of the 14 quantized layers"):
+        set_quant_backend(m, "cpu")
+    assert set_quant_backend(m, "auto")["fallbacks"] == {"int4 op: groups of (32, 64, 128, 256) only "
+                                                         "(this layer: no group)": 14}
+    with pytest.raises(ConfigError, match="stream_weights"):
+        wb.LLM(fresh(), tokenizer=random_llm.tokenizer, quant="w8a16",
+               stream_weights=WeightStreamConfig(resident_layers=1))

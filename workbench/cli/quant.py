@@ -53,7 +53,7 @@ def format_preset(p: dict) -> str:
             continue
         pl = r.get("placement") or {}
         where = ", ".join(f"{k} {v}" for k, v in pl.get("layers", {}).items()) or "dense"
-        extra = f" +{_size(pl['extra_bytes'])} op copy" if pl.get("extra_bytes", 0) > 1 << 20 else ""
+        extra = f" (incl. {_size(pl['extra_bytes'])} op copy)" if pl.get("extra_bytes") else ""
         rows.append([r["variant"], _size(r["linear_bytes"]), f"{r.get('linear_vs_bf16', float('nan')):.3f}x",
                      _size(r["total_bytes"]) + extra, f"{r.get('total_vs_bf16', float('nan')):.3f}x",
                      f"{r['ms_per_token']:.1f} [{r['ms_min']:.1f}..{r['ms_max']:.1f}]", f"{r['tokens_per_s']:.2f}",

@@ -146,6 +146,9 @@ class LLM:
                  compile: bool = False, cuda_graphs: bool = False, static_decode: bool = False,
                  check_finite: bool = True, stream_weights=None, quant=None, quant_calibration=None,
                  quant_backend: str = "auto") -> None:
+        if quant is not None and stream_weights is not None:
+            raise ConfigError("LLM: quant= and stream_weights= together are not supported yet (the streamer moves "
+                              "parameters; a quantized layer keeps its weight in buffers, which would stay resident)")
         self.loaded = LoadedModel.load(model, tokenizer=tokenizer, device=device, dtype=dtype,
                                        max_model_len=max_model_len, threads=threads, check_finite=check_finite)
         if quant is not None:        # weights quantized in place (a model object passed in is changed too)

@@ -148,11 +148,28 @@ def describe(engine: LLMEngine) -> str:
     if engine.weight_streamer is not None:
         parts.append(engine.weight_streamer.describe())
     if getattr(engine.model, "recipe", None) is not None:
-        parts.append(f"quant {engine.model.recipe.name}")
+        parts.append(describe_quant(engine.model))
     ops = {op: b for op, b in current_backends(engine.model).items() if b != "eager"}
     if ops:
         parts.append("backends " + ",".join(f"{op}={b}" for op, b in ops.items()))
     return " ".join(parts)
+
+
+def describe_quant(model) -> str:
+    """``quant <recipe>``, the layers whose group fell back, where the layers compute."""
+    from workbench.quant.apply import QuantLinear
+
+    out = f"quant {model.recipe.name}"
+    falls: dict[str, int] = {}
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear) and mod.settings.get("fallback"):
+            falls[mod.settings["fallback"]] = falls.get(mod.settings["fallback"], 0) + 1
+    if falls:
+        out += " (" + ", ".join(f"{n} layers {f}" for f, n in falls.items()) + ")"
+    pl = getattr(model, "quant_backend", None)
+    if pl:
+        out += " on " + ",".join(f"{b}={n}" for b, n in pl["layers"].items())
+    return out
 
 
 def describe_kv(engine: LLMEngine) -> str:

@@ -11,7 +11,9 @@
 computes ``x @ dequantize(W)^T`` in the activation's dtype: the torch reference every
 low-bit kernel backend is checked against.  With int8 activations (W4A8 / W8A8) the input is
 first rounded per token, ``x -> round(x / s_t) * s_t`` with ``s_t = max|x_t| / 127``: the same
-numbers an integer kernel multiplies, in floating point.  The model's ``recipe`` attribute names what was
+numbers an integer kernel multiplies, in floating point.  With bf16 / fp16 activations the
+dequantized weight is rounded to that dtype before the matmul (a kernel that keeps it in fp32
+registers differs from this reference by that rounding, ~0.5-1.5% relative on logits).  The model's ``recipe`` attribute names what was
 done (:class:`~workbench.quant.recipe.QuantRecipe`), so results always carry their settings.
 """
 
@@ -83,6 +85,9 @@ def quantize_model(model: nn.Module, recipe: QuantRecipe | str, calibration=None
         raise ConfigError(f"quantize_model: the model is already quantized ({model.recipe.name}); load it again")
     targets = [(name, mod) for name, mod in model.named_modules()
                if isinstance(mod, nn.Linear) and not any(s in name.split(".") for s in recipe.skip)]
+    if any(name.split(".")[-1] == "lm_head" for name, _ in targets):
+        raise ConfigError("quantize_model: the LM head cannot be quantized here (the engine reads its weight for "
+                          "device and dtype, and a tied head is the embedding); keep 'lm_head' in the recipe's skip")
     if not targets:
         raise ConfigError("quantize_model: no nn.Linear left to quantize after 'skip' "
                           f"({', '.join(recipe.skip)})")
@@ -143,7 +148,8 @@ def set_quant_backend(model: nn.Module, backend: str = "auto") -> dict:
     ``F.linear``: the definition), ``cpu`` (torch's packed CPU ops,
     :mod:`workbench.quant.cpu_ops`), ``triton`` (the fused kernels of
     ``workbench_kernels.quant_matmul``), or ``auto`` (``cpu`` on a CPU, ``triton`` on a GPU).
-    A layer whose format the backend cannot run keeps the reference, and the returned summary
+    A layer whose format the backend cannot run keeps the reference (an explicit ``cpu`` /
+    ``triton`` that runs no layer at all is a ConfigError), and the returned summary
     says how many layers run where and why: ``{"backend": b, "layers": {backend: n}, "fallbacks":
     {reason: n}, "extra_bytes": n}`` - ``extra_bytes``: what the ops keep beside the stored
     weights (torch's int4 CPU op repacks the weight into its own layout: a second copy)."""
@@ -169,6 +175,10 @@ def set_quant_backend(model: nn.Module, backend: str = "auto") -> dict:
         layers[mod.backend] = layers.get(mod.backend, 0) + 1
         if op is None and want != "reference":
             fallbacks[why] = fallbacks.get(why, 0) + 1
+    if backend in ("cpu", "triton") and backend not in layers:
+        raise ConfigError(f"quant backend {backend!r} runs none of the {sum(layers.values())} quantized layers: "
+                          + "; ".join(f"{why} ({n} layers)" for why, n in fallbacks.items())
+                          + " (use 'auto' to take what this machine has)")
     model.quant_backend = {"backend": backend, "layers": layers, "fallbacks": fallbacks, "extra_bytes": extra}
     return model.quant_backend
 

@@ -82,7 +82,6 @@ def cpu_op(layer, inner_k_tiles: int = 8, row_fallback: bool = True):
             y = torch._int_mm(xq, wt).float() * st * sw
             y = y if layer.bias is None else y + layer.bias
             return y.reshape(*shape[:-1], -1).to(x.dtype)
-        w8a8.extra_bytes = sw.numel() * 4
         return w8a8
     if layer.bits == 8:
         w, s = layer.qweight, layer.scales[:, 0].contiguous()
@@ -94,7 +93,6 @@ def cpu_op(layer, inner_k_tiles: int = 8, row_fallback: bool = True):
             y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).float(), w, s)
             y = y if layer.bias is None else y + layer.bias
             return y.reshape(*shape[:-1], -1).to(x.dtype)
-        int8.extra_bytes = s.numel() * 4
         return int8
     q = layer.quantized
     vals = q.int_values()                                                  # symmetric: -7..7; asym: 0..15

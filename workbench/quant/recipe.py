@@ -78,7 +78,8 @@ class QuantRecipe:
         if self.group_fallback not in FALLBACKS:
             raise ConfigError(f"QuantRecipe field 'group_fallback' must be one of {FALLBACKS}, "
                               f"got {self.group_fallback!r}")
-        allowed = {f.name for f in dataclasses.fields(self)} - {"overrides", "skip"}
+        # method and smooth act on the whole model (calibration, folding): not per layer
+        allowed = {f.name for f in dataclasses.fields(self)} - {"overrides", "skip", "method", "smooth"}
         for item in self.overrides:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], dict)):
                 raise ConfigError(f"QuantRecipe field 'overrides': expected (name suffix, {{field: value}}) pairs, "
