@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from workbench.bench.quant import perplexity
 from workbench.errors import ConfigError
 from workbench.model.config import ModelConfig
 from workbench.model.decoder import CausalLM, init_weights
@@ -20,17 +21,6 @@ from workbench.quant.fold import fold_scales, scale_groups, skipped_groups
 from workbench.quant.recipe import QuantRecipe
 from workbench.quant.rtn import quantize_weight
 from workbench.quant.smooth import outlier_ratio, smooth_model
-
-
-def _ppl(model, docs):
-    nll = n = 0.0
-    with torch.no_grad():
-        for d in docs:
-            ids = torch.tensor(d)[None]
-            lp = torch.log_softmax(model(ids)[0].float(), -1)
-            nll += -float(lp[:-1].gather(1, ids[0, 1:, None]).sum())
-            n += ids.shape[1] - 1
-    return math.exp(nll / n)
 
 
 def _tiny(gqa: bool, seed: int = 0) -> CausalLM:
@@ -66,7 +56,7 @@ def split(bundled_llm):
 
 @pytest.fixture(scope="module")
 def fp32_ppl(bundled_llm, split):
-    return _ppl(bundled_llm.model, split["evaluation"])
+    return perplexity(bundled_llm.model, split["evaluation"])
 
 
 # ---------------------------------------------------------------------------------------- folding
@@ -156,7 +146,7 @@ def test_w8a8_with_and_without_smoothing(bundled_llm, split, fp32_ppl):
         quantize_model(model, spec, calibration=split["calibration"])
         with torch.no_grad():
             assert torch.isfinite(model(torch.tensor(split["evaluation"][0][:64])[None])).all()
-        ppl[spec] = _ppl(model, split["evaluation"])
+        ppl[spec] = perplexity(model, split["evaluation"])
         assert math.isfinite(ppl[spec]) and ppl[spec] < 1.5 * fp32_ppl
     assert model.recipe.name == "w8a8-per-channel-sym-rtn-smooth=0.5"
     assert len(model.quant_calibration["smooth"]) == 24
@@ -201,7 +191,7 @@ def test_awq_end_to_end_on_the_bundled_model(bundled_llm, split, fp32_ppl):
     clips = [c for r in rows for c in r.get("clip", {}).values() if c["searched"]]
     assert len(clips) == 30                                                  # 7 - 2 per layer (q, k: none)
     assert all(c["loss_after"] <= c["loss_before"] for c in clips)
-    ppl_awq, ppl_rtn = _ppl(model, split["evaluation"]), _ppl(rtn, split["evaluation"])
+    ppl_awq, ppl_rtn = perplexity(model, split["evaluation"]), perplexity(rtn, split["evaluation"])
     assert math.isfinite(ppl_awq) and ppl_awq < 1.2 * fp32_ppl
     print(f"\nppl on {len(split['evaluation'])} evaluation windows of 256 tokens: fp32 {fp32_ppl:.3f}, "
           f"RTN w4a16:g128 {ppl_rtn:.3f}, AWQ w4a16:g128 {ppl_awq:.3f} (AWQ search {seconds:.1f} s on "

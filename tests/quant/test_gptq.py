@@ -5,11 +5,11 @@ layers, and quantize_model(..., "w4a16:g128:gptq") on the bundled model."""
 from __future__ import annotations
 
 import collections
-import math
 
 import pytest
 import torch
 
+from workbench.bench.quant import perplexity
 from workbench.errors import ConfigError
 from workbench.quant.gptq import gptq_quantize, gptq_weight, proxy_loss, sequential_steps, target_names
 from workbench.quant.recipe import QuantRecipe
@@ -176,16 +176,6 @@ def test_config_errors():
 
 # --- the bundled model ----------------------------------------------------------------------
 
-def _ppl(model, docs):                              # as tests/quant/test_rtn.py
-    nll = n = 0.0
-    with torch.no_grad():
-        for d in docs:
-            ids = torch.tensor(d)[None]
-            lp = torch.log_softmax(model(ids)[0].float(), -1)
-            nll += -float(lp[:-1].gather(1, ids[0, 1:, None]).sum())
-            n += ids.shape[1] - 1
-    return math.exp(nll / n)
-
 
 @pytest.fixture(scope="module")
 def split(bundled_llm):
@@ -223,7 +213,7 @@ def test_gptq_on_the_bundled_model(bundled_llm, split):
     with torch.no_grad():
         assert torch.isfinite(model(torch.tensor(docs[0][:64])[None])).all()
     rtn = quantize_model(wb.load_model().eval(), "w4a16:g128")
-    p0, pr, pg = _ppl(bundled_llm.model, docs), _ppl(rtn, docs), _ppl(model, docs)
+    p0, pr, pg = perplexity(bundled_llm.model, docs), perplexity(rtn, docs), perplexity(model, docs)
     print(f"  perplexity on {len(docs)} evaluation windows of 256 tokens: fp32 {p0:.3f}, "
           f"RTN w4a16:g128 {pr:.3f} ({pr / p0 - 1:+.2%}), GPTQ w4a16:g128 {pg:.3f} ({pg / p0 - 1:+.2%})")
     assert pg / p0 - 1 < 0.10

@@ -3,11 +3,11 @@ fallback, the quantized model against the plain one, and LLM(quant=...) in the b
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
+from workbench.bench.quant import perplexity
 from workbench.errors import ConfigError
 from workbench.quant.apply import QuantLinear, quantization_report, quantize_model, weight_bytes
 from workbench.quant.recipe import QuantRecipe
@@ -71,17 +71,6 @@ def test_recipe_names_parses_and_states_the_group_fallback():
         QuantRecipe(overrides=(("down_proj", {"colour": 1}),))
 
 
-def _ppl(model, docs):
-    nll = n = 0.0
-    with torch.no_grad():
-        for d in docs:
-            ids = torch.tensor(d)[None]
-            lp = torch.log_softmax(model(ids)[0].float(), -1)
-            nll += -float(lp[:-1].gather(1, ids[0, 1:, None]).sum())
-            n += ids.shape[1] - 1
-    return math.exp(nll / n)
-
-
 @pytest.fixture(scope="module")
 def docs(bundled_llm):
     from workbench.bench.tier_eval import heldout_split
@@ -92,12 +81,12 @@ def docs(bundled_llm):
 def test_quantized_bundled_model(bundled_llm, docs):
     import workbench as wb
 
-    p0 = _ppl(bundled_llm.model, docs)
+    p0 = perplexity(bundled_llm.model, docs)
     res = {}
     for spec in ("w8a16", "w4a16:g128"):
         m = wb.load_model().eval()
         quantize_model(m, spec)
-        res[spec] = (_ppl(m, docs), weight_bytes(m), quantization_report(m))
+        res[spec] = (perplexity(m, docs), weight_bytes(m), quantization_report(m))
         assert m.recipe.name.startswith(spec.split(":")[0])
         assert m.lm_head.__class__.__name__ == "Linear" and not isinstance(m.model.embed_tokens, QuantLinear)
         with pytest.raises(ConfigError, match="already quantized"):

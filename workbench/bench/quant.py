@@ -63,6 +63,11 @@ def _nll(model, seqs) -> tuple[torch.Tensor, list[torch.Tensor]]:
     return torch.cat(nll), logps
 
 
+def perplexity(model, seqs) -> float:
+    """exp(mean next-token NLL) of ``model`` over token-id sequences, every position scored."""
+    return math.exp(float(_nll(model, seqs)[0].mean()))
+
+
 def paired_stats(nll: torch.Tensor, nll_ref: torch.Tensor) -> dict:
     """ppl, rel_ppl and its standard error from paired per-token NLL differences."""
     d = nll - nll_ref

@@ -14,27 +14,17 @@ and from the quantization benchmarks (perplexity and kernel rows); this module o
 
 from __future__ import annotations
 
-import dataclasses
 import html
 import math
 
 import numpy as np
 
+from workbench.lab.prefetch_view import _records      # rows from dicts, dataclasses or a DataFrame
+
 COLORS = ("#4c78a8", "#f58518", "#54a24b", "#b279a2", "#72b7b2", "#eeca3b", "#9d755d", "#bab0ac")
 OUTLIER_COLOR = "#d62728"
 REST_COLOR = "#4c78a8"
 SOURCE_DASH = {"CPU": "solid", "GPU": "dash"}
-
-
-def _records(rows) -> list[dict]:
-    """Dicts from a DataFrame, dataclasses, objects or dicts; NaN values dropped (= missing)."""
-    if hasattr(rows, "to_dict") and hasattr(rows, "columns"):
-        rows = rows.to_dict("records")
-    out = []
-    for r in rows or []:
-        d = dataclasses.asdict(r) if dataclasses.is_dataclass(r) else dict(r if isinstance(r, dict) else vars(r))
-        out.append({k: v for k, v in d.items() if not (isinstance(v, float) and math.isnan(v))})
-    return out
 
 
 def _array(matrix) -> np.ndarray:
