@@ -69,3 +69,140 @@ def heldout_split(tokenizer, context: int = 1024) -> dict:
     ev, cal = long_docs[0::2], long_docs[1::2]
     return {"evaluation": [ids[:context] for _, ids in ev], "evaluation_docs": [p for p, _ in ev],
             "calibration": [ids[:context] for _, ids in cal], "calibration_docs": [p for p, _ in cal]}
+
+
+# ---- a user's JSONL text file (calibration / evaluation sets) --------------------------------
+
+CALIBRATION_DIR = DATA_DIR / "calibration"
+
+
+def read_jsonl(path: str | Path, text_field: str = "text") -> list[dict]:
+    """The rows of a JSONL file, one JSON object per line, each with a non-empty string under
+    ``text_field``: ``[{"line": n, "text": str, **the row's other fields}]``.  Blank lines are
+    skipped.  Anything else is a :class:`~workbench.errors.DataError` naming the file and the
+    line: a missing file, an empty file, bytes that are not UTF-8, bad JSON, a line that is
+    not an object, a missing / non-string / empty text field."""
+    from workbench.errors import DataError
+
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"{p}: {'not a file' if p.exists() else 'file not found'} (expected a JSONL file: "
+                        f"one JSON object per line with a {text_field!r} field)")
+    raw = p.read_bytes()
+    rows: list[dict] = []
+    for lineno, bline in enumerate(raw.split(b"\n"), 1):
+        try:
+            line = bline.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{p}, line {lineno}: not UTF-8 (byte 0x{bline[e.start]:02x} at column {e.start + 1}); "
+                            "save the file as UTF-8") from None
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{p}, line {lineno}: bad JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise DataError(f"{p}, line {lineno}: expected a JSON object with a {text_field!r} field, "
+                            f"got {type(obj).__name__}")
+        if text_field not in obj:
+            fields = ", ".join(repr(k) for k in list(obj)[:6]) or "none"
+            raise DataError(f"{p}, line {lineno}: no {text_field!r} field (fields: {fields}); name the text field "
+                            "with --text-field")
+        text = obj[text_field]
+        if not isinstance(text, str):
+            raise DataError(f"{p}, line {lineno}: field {text_field!r} must be a string, got {type(text).__name__}")
+        if not text.strip():
+            raise DataError(f"{p}, line {lineno}: field {text_field!r} is empty")
+        rows.append({**{k: v for k, v in obj.items() if k != text_field}, "line": lineno, "text": text})
+    if not rows:
+        raise DataError(f"{p}: the file is empty (expected one JSON object per line with a {text_field!r} field)")
+    return rows
+
+
+def split_rows(rows: list, evaluation_fraction: float = 0.5) -> tuple[list, list]:
+    """``(calibration, evaluation)``: row ``i`` (file order) is an evaluation row when
+    ``floor((i + 1) f) > floor(i f)`` - every other row at ``f = 0.5``, interleaved so both
+    halves see the whole file.  No row is in both."""
+    from workbench.errors import ConfigError
+
+    if not 0 < evaluation_fraction < 1:
+        raise ConfigError(f"evaluation_fraction must be in (0, 1), got {evaluation_fraction!r}")
+    ev = [int((i + 1) * evaluation_fraction) > int(i * evaluation_fraction) for i in range(len(rows))]
+    return [r for r, e in zip(rows, ev) if not e], [r for r, e in zip(rows, ev) if e]
+
+
+def pack_windows(token_rows: list[list[int]], length: int, max_windows: int | None = None) -> list[list[int]]:
+    """Rows of token ids (each starting with its BOS, as ``Tokenizer.encode`` gives them) joined
+    into one stream and cut into windows of exactly ``length`` tokens, at most ``max_windows``;
+    the tail shorter than a window is dropped unless no whole window exists, when the one
+    window is the whole stream."""
+    stream = [t for ids in token_rows for t in ids]
+    n = len(stream) // length
+    if n == 0:
+        return [stream] if len(stream) >= 2 else []
+    if max_windows is not None:
+        n = min(n, max_windows)
+    return [stream[i * length:(i + 1) * length] for i in range(n)]
+
+
+def file_sha256(path: str | Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def ngram_overlap(ids: list[list[int]], reference: list[list[int]], n: int = 8) -> float:
+    """Share of the distinct ``n``-token sequences of ``ids`` that also occur in ``reference``
+    (0: nothing shared; 1: every n-gram is there) - how much of a set repeats another."""
+    grams = lambda rows: {tuple(r[i:i + n]) for r in rows for i in range(len(r) - n + 1)}  # noqa: E731
+    mine = grams(ids)
+    return len(mine & grams(reference)) / len(mine) if mine else 0.0
+
+
+def calibration_set(name: str) -> Path:
+    """The path of a shipped calibration set (``data/calibration/<name>.jsonl``)."""
+    from workbench.errors import DataError
+
+    p = CALIBRATION_DIR / f"{name}.jsonl"
+    if not p.is_file():
+        have = sorted(q.stem for q in CALIBRATION_DIR.glob("*.jsonl")) if CALIBRATION_DIR.is_dir() else []
+        raise DataError(f"no shipped calibration set {name!r} (have: {', '.join(have) or 'none'}; see data/README.md)")
+    return p
+
+
+def jsonl_windows(path: str | Path, tokenizer, context: int, max_windows: int | None = None, split: str = "all",
+                  evaluation_fraction: float = 0.5, text_field: str = "text") -> tuple[list[list[int]], dict]:
+    """Token windows of a JSONL text file (:func:`read_jsonl`, :func:`split_rows`,
+    :func:`pack_windows`) and the *spec* that rebuilds them: ``split`` is ``"all"``,
+    ``"calibration"`` or ``"evaluation"``.  The spec (path, SHA-256, field, split, sizes) is what
+    a recipe file records as its calibration source (:func:`windows_from_spec`)."""
+    from workbench.errors import ConfigError
+
+    if split not in ("all", "calibration", "evaluation"):
+        raise ConfigError(f"split must be 'all', 'calibration' or 'evaluation', got {split!r}")
+    rows = read_jsonl(path, text_field)
+    if split != "all":
+        rows = split_rows(rows, evaluation_fraction)[split == "evaluation"]
+    windows = pack_windows([tokenizer.encode(r["text"]) for r in rows], context, max_windows)
+    spec = {"dataset": str(Path(path).resolve()), "sha256": file_sha256(path), "text_field": text_field,
+            "split": split, "evaluation_fraction": evaluation_fraction, "context": context,
+            "max_windows": max_windows, "windows": len(windows), "rows": len(rows)}
+    return windows, spec
+
+
+def windows_from_spec(spec: dict, tokenizer) -> list[list[int]]:
+    """The windows :func:`jsonl_windows` built for ``spec``, from the same file: a
+    :class:`~workbench.errors.DataError` when the file is gone or its bytes changed (its
+    SHA-256 differs), so a recipe is never recalibrated on other text without saying so."""
+    from workbench.errors import DataError
+
+    path = Path(spec["dataset"])
+    if not path.is_file():
+        raise DataError(f"{path}: the calibration file this recipe was made with is not there")
+    if spec.get("sha256") and file_sha256(path) != spec["sha256"]:
+        raise DataError(f"{path}: the file changed since the recipe was made (SHA-256 differs); "
+                        "calibrate again or restore the file")
+    windows, _ = jsonl_windows(path, tokenizer, spec["context"], spec.get("max_windows"), spec.get("split", "all"),
+                               spec.get("evaluation_fraction", 0.5), spec.get("text_field", "text"))
+    return windows

@@ -21,3 +21,8 @@ class CheckpointError(WorkbenchError):
 
 class TokenizerError(WorkbenchError):
     """The tokenizer is missing or cannot be read."""
+
+
+class DataError(WorkbenchError, ValueError):
+    """A data file (a calibration or evaluation JSONL) cannot be read: the message names the
+    file and the line."""

@@ -129,8 +129,10 @@ class LLM:
     ``check_finite``: the loader refuses NaN / Inf weights unless this is False.
     ``stream_weights``: a :class:`~workbench.prefetch.weights.WeightStreamConfig` (some decoder
     layers resident, the rest fetched ahead of use from disk or host memory).
-    ``quant``: a :class:`~workbench.quant.recipe.QuantRecipe` or its string (``"w4a16:g128"``,
-    ``"w4a16:g128:awq"``, ``"w8a8:smooth=0.5"``): the linear layers quantized in place
+    ``quant``: a :class:`~workbench.quant.recipe.QuantRecipe`, its string (``"w4a16:g128"``,
+    ``"w4a16:g128:awq"``, ``"w8a8:smooth=0.5"``) or a recipe file's path (``"recipe.json"``, as
+    ``workbench calibrate-quant`` writes it: a per-layer mix, calibrated on the text the file
+    names unless ``quant_calibration`` is given): the linear layers quantized in place
     (:func:`workbench.quant.apply.quantize_model`).  ``quant_calibration``: token-id sequences
     for AWQ / GPTQ / SmoothQuant (default: 8 windows of 512 tokens from the calibration half of
     the bundled held-out corpus, :func:`workbench.data.heldout_split`).  ``quant_backend``: how
@@ -164,9 +166,15 @@ class LLM:
 
     def _quantize(self, quant, calibration, backend: str) -> None:
         from workbench.quant.apply import quantize_model, set_quant_backend
-        from workbench.quant.recipe import QuantRecipe
+        from workbench.quant.recipe import resolve_recipe
 
-        recipe = QuantRecipe.parse(quant) if isinstance(quant, str) else quant
+        recipe, doc = resolve_recipe(quant)          # a QuantRecipe, a scheme string or a recipe file
+        if recipe.needs_calibration and calibration is None and (doc or {}).get("calibration"):
+            if self.loaded.tokenizer is None:
+                raise ConfigError(f"LLM: the recipe file {quant} calibrates on text and this model has no tokenizer")
+            from workbench.data import windows_from_spec
+
+            calibration = windows_from_spec(doc["calibration"], self.loaded.tokenizer)   # the recipe's own text
         if recipe.needs_calibration and calibration is None:
             if self.loaded.tokenizer is None:
                 raise ConfigError(f"LLM: {recipe.name} reads activations and this model has no tokenizer; "

@@ -84,7 +84,7 @@ def quantize_model(model: nn.Module, recipe: QuantRecipe | str, calibration=None
     if getattr(model, "recipe", None) is not None:
         raise ConfigError(f"quantize_model: the model is already quantized ({model.recipe.name}); load it again")
     targets = [(name, mod) for name, mod in model.named_modules()
-               if isinstance(mod, nn.Linear) and not any(s in name.split(".") for s in recipe.skip)]
+               if isinstance(mod, nn.Linear) and not recipe.skips(name)]
     if any(name.split(".")[-1] == "lm_head" for name, _ in targets):
         raise ConfigError("quantize_model: the LM head cannot be quantized here (the engine reads its weight for "
                           "device and dtype, and a tied head is the embedding); keep 'lm_head' in the recipe's skip")

@@ -82,7 +82,7 @@ class AWQResult:
 
 
 def _quantized(recipe: QuantRecipe, name: str) -> bool:
-    return not any(s in name.split(".") for s in recipe.skip)
+    return not recipe.skips(name)
 
 
 def _qdq(w: torch.Tensor, st: dict, mult: torch.Tensor | None = None) -> torch.Tensor:

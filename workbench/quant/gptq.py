@@ -231,9 +231,9 @@ def gptq_weight(w: torch.Tensor, h: torch.Tensor, bits: int = 4, group: int | No
 
 def target_names(model: nn.Module, recipe: QuantRecipe) -> list[str]:
     """The layers :func:`~workbench.quant.apply.quantize_model` quantizes: every ``nn.Linear``
-    whose dotted name has no component in ``recipe.skip``, in module order."""
+    that no entry of ``recipe.skip`` names (:meth:`QuantRecipe.skips`), in module order."""
     return [n for n, m in model.named_modules()
-            if isinstance(m, nn.Linear) and not any(s in n.split(".") for s in recipe.skip)]
+            if isinstance(m, nn.Linear) and not recipe.skips(n)]
 
 
 def sequential_steps(names: list[str]) -> list[list[str]]:

@@ -32,21 +32,40 @@ multiple of ``group`` (the bundled model's ``down_proj``: 704 = 5 x 128 + 64):
 
 The chosen granularity of every layer is recorded in the model's recipe report
 (:func:`workbench.quant.apply.quantization_report`).  The embedding and the LM head are not
-quantized unless ``skip`` says otherwise; ``overrides`` give per-layer settings by name
-suffix (``(("down_proj", {"weight_bits": 8}),)``).
+quantized unless ``skip`` says otherwise; ``overrides`` give per-layer settings by dotted name
+suffix (``(("down_proj", {"weight_bits": 8}),)``; later entries win).
+
+**Per-layer mixes** (what ``workbench calibrate-quant`` writes): ``skip`` and ``overrides`` name
+layers by a dotted suffix of the module name - one component (``"lm_head"``, ``"down_proj"``),
+or as many as needed up to the full name (``"model.layers.3.mlp.down_proj"``) - so a mix is a
+base recipe, the layers it leaves dense in ``skip``, and the layers with other settings in
+``overrides``.  :meth:`QuantRecipe.to_dict` / :meth:`QuantRecipe.from_dict` round-trip a recipe
+through JSON; :func:`save_recipe` / :func:`load_recipe` write and read a *recipe file* (the recipe
+plus where its calibration text came from and what quality was measured with it), which
+``LLM(quant="path/recipe.json")`` and ``--quant path/recipe.json`` accept.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from workbench.errors import ConfigError
 
 SCHEMES = {"w8a16": (8, None), "w4a16": (4, None), "w4a8": (4, 8), "w8a8": (8, 8)}
 FALLBACKS = ("pow2", "per-channel")
 METHODS = ("rtn", "awq", "gptq")
+RECIPE_FORMAT = "workbench-quant-recipe"
+
+
+def name_matches(name: str, suffix: str) -> bool:
+    """``suffix`` names ``name`` by whole dotted components from the end: ``"down_proj"`` and
+    ``"layers.3.mlp.down_proj"`` match ``"model.layers.3.mlp.down_proj"``; ``"3.mlp.down_proj"``
+    does not match ``"model.layers.13.mlp.down_proj"``."""
+    return name == suffix or name.endswith("." + suffix)
 
 
 @dataclass(frozen=True)
@@ -78,6 +97,8 @@ class QuantRecipe:
         if self.group_fallback not in FALLBACKS:
             raise ConfigError(f"QuantRecipe field 'group_fallback' must be one of {FALLBACKS}, "
                               f"got {self.group_fallback!r}")
+        if isinstance(self.skip, str) or not all(isinstance(x, str) and x for x in self.skip):
+            raise ConfigError(f"QuantRecipe field 'skip' must be a tuple of layer names, got {self.skip!r}")
         # method and smooth act on the whole model (calibration, folding): not per layer
         allowed = {f.name for f in dataclasses.fields(self)} - {"overrides", "skip", "method", "smooth"}
         for item in self.overrides:
@@ -87,6 +108,10 @@ class QuantRecipe:
             bad = set(item[1]) - allowed
             if bad:
                 raise ConfigError(f"QuantRecipe field 'overrides' for {item[0]!r}: unknown fields {sorted(bad)}")
+
+    def skips(self, name: str) -> bool:
+        """Whether the linear layer ``name`` stays dense (one of ``skip`` names it)."""
+        return any(name_matches(name, s) for s in self.skip)
 
     @property
     def scheme(self) -> str:
@@ -108,7 +133,8 @@ class QuantRecipe:
             base += f"-smooth={self.smooth:g}"
         if self.group:
             base += f"-fallback={self.group_fallback}"
-        return base + ("-overrides" if self.overrides else "")
+        extra_skip = [s for s in self.skip if s not in ("embed_tokens", "lm_head")]
+        return base + (f"-dense={len(extra_skip)}" if extra_skip else "") + ("-overrides" if self.overrides else "")
 
     @classmethod
     def parse(cls, spec: str) -> "QuantRecipe":
@@ -147,7 +173,7 @@ class QuantRecipe:
         """The settings one linear layer gets: overrides applied, then the group fallback."""
         r = self
         for suffix, changes in self.overrides:
-            if name.endswith(suffix):
+            if name_matches(name, suffix):
                 r = dataclasses.replace(r, **changes)
         group, per_channel, note = r.group, r.per_channel, None
         if group is not None and in_features % group:
@@ -168,3 +194,74 @@ class QuantRecipe:
                  activations="int8, dynamic, one scale per token" if self.act_bits else
                  "the model's dtype (fp32 on a CPU, bf16/fp16 on a GPU)")
         return d
+
+    def to_dict(self) -> dict:
+        """The fields only, JSON-ready (tuples as lists): :meth:`from_dict` gives the recipe back."""
+        d = dataclasses.asdict(self)
+        d["skip"] = list(self.skip)
+        d["overrides"] = [[suffix, dict(changes)] for suffix, changes in self.overrides]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "recipe") -> "QuantRecipe":
+        """A recipe from :meth:`to_dict`'s fields (or :meth:`as_dict`'s: its derived keys are
+        ignored); an unknown field is a ConfigError naming it and ``where``."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"{where}: expected a JSON object of QuantRecipe fields, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        derived = {"name", "scheme", "activations"}
+        bad = set(d) - known - derived
+        if bad:
+            raise ConfigError(f"{where}: unknown QuantRecipe fields {sorted(bad)} (known: {', '.join(sorted(known))})")
+        kw = {k: v for k, v in d.items() if k in known}
+        if "skip" in kw:
+            kw["skip"] = tuple(kw["skip"]) if isinstance(kw["skip"], (list, tuple)) else kw["skip"]
+        if "overrides" in kw:
+            items = kw["overrides"]
+            if not isinstance(items, (list, tuple)):
+                raise ConfigError(f"{where}: field 'overrides' must be a list of [layer suffix, {{field: value}}]")
+            kw["overrides"] = tuple((it[0], dict(it[1])) if isinstance(it, (list, tuple)) and len(it) == 2
+                                    and isinstance(it[1], dict) else it for it in items)
+        return cls(**kw)
+
+
+def save_recipe(path: str | Path, recipe: QuantRecipe, calibration: dict | None = None, **extra) -> Path:
+    """Write a recipe file: ``{"format", "version", "name", "recipe": fields, "calibration":
+    where the calibration text came from (or None), **extra}`` (``extra``: what the writer
+    measured with it, e.g. the calibrator's quality figure)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"format": RECIPE_FORMAT, "version": 1, "name": recipe.name, "recipe": recipe.to_dict(),
+           "calibration": calibration, **extra}
+    path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    return path
+
+
+def load_recipe(path: str | Path) -> tuple[QuantRecipe, dict]:
+    """``(recipe, document)`` of a recipe file written by :func:`save_recipe`; every problem is
+    a ConfigError naming the file."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: recipe file not found") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: not a JSON recipe file ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != RECIPE_FORMAT:
+        raise ConfigError(f"{path}: not a workbench recipe file (expected \"format\": \"{RECIPE_FORMAT}\")")
+    return QuantRecipe.from_dict(doc.get("recipe"), where=f"{path}: field 'recipe'"), doc
+
+
+def is_recipe_file(spec) -> bool:
+    """Whether a ``quant=`` value names a recipe file rather than a scheme string."""
+    return isinstance(spec, (str, Path)) and str(spec).lower().endswith(".json")
+
+
+def resolve_recipe(spec) -> tuple[QuantRecipe, dict | None]:
+    """``quant=`` as given (a QuantRecipe, a scheme string, or a recipe file's path) ->
+    ``(recipe, recipe file document or None)``."""
+    if isinstance(spec, QuantRecipe):
+        return spec, None
+    if is_recipe_file(spec):
+        return load_recipe(spec)
+    return QuantRecipe.parse(spec), None
