@@ -41,6 +41,7 @@ import traceback
 import torch
 
 from workbench.errors import ConfigError
+from workbench.quant.quality import paired_stats, perplexity, token_nll as _nll  # noqa: F401 - perplexity: this module's API too
 
 DEFAULT_RECIPES = ("fp32", "bf16", "w8a16", "w4a16:pt", "w4a16:pc", "w4a16:g32", "w4a16:g64", "w4a16:g128",
                    "w4a16:g128:awq", "w4a16:g128:gptq", "w4a8", "w8a8", "w8a8:smooth=0.5")
@@ -49,31 +50,6 @@ PLAIN = ("fp32", "bf16")
 PAIRS = (("w4a16:pc", "w4a16:pt"), ("w4a16:g128", "w4a16:pc"), ("w4a16:g128:awq", "w4a16:g128"),
          ("w4a16:g128:gptq", "w4a16:g128"), ("w4a16:g128:gptq", "w4a16:g128:awq"), ("w4a8", "w4a16:pc"),
          ("w8a8", "w8a16"), ("w8a8:smooth=0.5", "w8a8"))
-
-
-def _nll(model, seqs) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Per-token NLL (all windows concatenated, float64) and the log-probs per window."""
-    nll, logps = [], []
-    with torch.no_grad():
-        for s in seqs:
-            ids = torch.as_tensor(s, dtype=torch.long, device=next(model.parameters()).device)[None]
-            lp = torch.log_softmax(model(ids)[0].float(), -1)[:-1]
-            logps.append(lp)
-            nll.append(-lp.gather(-1, ids[0, 1:, None])[:, 0].double())
-    return torch.cat(nll), logps
-
-
-def perplexity(model, seqs) -> float:
-    """exp(mean next-token NLL) of ``model`` over token-id sequences, every position scored."""
-    return math.exp(float(_nll(model, seqs)[0].mean()))
-
-
-def paired_stats(nll: torch.Tensor, nll_ref: torch.Tensor) -> dict:
-    """ppl, rel_ppl and its standard error from paired per-token NLL differences."""
-    d = nll - nll_ref
-    ppl, ppl_ref = math.exp(float(nll.mean())), math.exp(float(nll_ref.mean()))
-    se = float(d.std() / math.sqrt(d.numel())) if d.numel() > 1 else float("nan")
-    return {"ppl": ppl, "rel_ppl": ppl / ppl_ref - 1, "rel_ppl_se": (ppl / ppl_ref) * se, "tokens": int(d.numel())}
 
 
 def _load(recipe: str, calibration):
@@ -150,30 +126,13 @@ def plain_linear_bytes(model) -> int:
                for t in (m.weight, m.bias) if t is not None)
 
 
-def _decode_ms(model, prompt_len: int, steps: int, seed: int = 0) -> list[float]:
-    from workbench.model.kv_cache import KVCache
-
-    cfg = model.config
-    p = next(model.parameters())
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=g)
-    cache = KVCache(cfg, 1, prompt_len + steps + 1, device=p.device, dtype=p.dtype)
-    times = []
-    with torch.no_grad():
-        tok = model(ids, 0, cache)[:, -1:].argmax(-1)
-        for i in range(steps):
-            t = time.perf_counter()
-            tok = model(tok, prompt_len + i, cache)[:, -1:].argmax(-1)
-            times.append(1e3 * (time.perf_counter() - t))
-    return times
-
-
 def preset_rows(preset: str = "llama-3.2-1b", variants=("fp32", "bf16", "w8a16", "w4a16:g128", "w8a8"),
                 decode_steps: int = 8, prompt_len: int = 16, backend: str = "auto", progress=None) -> dict:
     """Resident weight bytes and CPU decode ms/token per variant at ``preset``'s shape (random
     weights), each variant loaded alone (peak memory: one fp32 copy plus its quantized form)."""
     from workbench.model.loader import load_model
     from workbench.quant.apply import quantize_model, set_quant_backend, weight_bytes
+    from workbench.quant.costs import decode_step_ms
 
     rows = []
     for spec in variants:
@@ -194,7 +153,7 @@ def preset_rows(preset: str = "llama-3.2-1b", variants=("fp32", "bf16", "w8a16",
             if spec in PLAIN:
                 lin = plain_linear_bytes(model)
                 wb = {"quantized_linears": lin, "other": wb["total"] - lin, "total": wb["total"]}
-            ms = _decode_ms(model, prompt_len, decode_steps)
+            ms = decode_step_ms(model, steps=decode_steps, prompt_len=prompt_len)
             med = statistics.median(ms)
             extra = (placement or {}).get("extra_bytes", 0)      # the backend's own copies (torch's int4 CPU op)
             row.update(linear_bytes=wb["quantized_linears"], other_bytes=wb["other"], op_copy_bytes=extra,

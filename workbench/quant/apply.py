@@ -93,20 +93,32 @@ def quantize_model(model: nn.Module, recipe: QuantRecipe | str, calibration=None
                           f"({', '.join(recipe.skip)})")
     calib = _calibrate(model, recipe, calibration, [n for n, _ in targets])
     for name, lin in targets:
-        st = recipe.layer_settings(name, lin.in_features)
-        w = lin.weight.detach()
-        if name in calib["weights"]:
-            q = calib["weights"][name]
-        else:
-            q = quantize_weight(w, bits=st["bits"], group=st["group"], per_channel=st["per_channel"],
-                                symmetric=st["symmetric"], scale_multiplier=calib["clip"].get(name))
-        err = float((q.dequantize(torch.float32) - w.float()).norm() / w.float().norm().clamp_min(1e-30))
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, QuantLinear(q, lin.bias, st, err))
+        set_module(model, name, quantize_linear(lin, recipe.layer_settings(name, lin.in_features),
+                                                weight=calib["weights"].get(name), clip=calib["clip"].get(name)))
     model.recipe = recipe
     model.quant_calibration = calib["report"]
     return model
+
+
+def quantize_linear(lin: nn.Linear, settings: dict, weight: QuantizedWeight | None = None,
+                    clip: torch.Tensor | None = None) -> QuantLinear:
+    """One ``nn.Linear`` as a :class:`QuantLinear` with ``settings`` (``recipe.layer_settings``):
+    round-to-nearest (scales times ``clip``, AWQ's multipliers), or ``weight`` as GPTQ stored it."""
+    w = lin.weight.detach()
+    q = weight if weight is not None else quantize_weight(
+        w, bits=settings["bits"], group=settings["group"], per_channel=settings["per_channel"],
+        symmetric=settings["symmetric"], scale_multiplier=clip)
+    err = float((q.dequantize(torch.float32) - w.float()).norm() / w.float().norm().clamp_min(1e-30))
+    return QuantLinear(q, lin.bias, settings, err)
+
+
+def set_module(model: nn.Module, name: str, module: nn.Module) -> nn.Module:
+    """Put ``module`` at the dotted ``name`` of ``model``; returns the module it replaced."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    old = getattr(parent, child)
+    setattr(parent, child, module)
+    return old
 
 
 def _calibrate(model: nn.Module, recipe: QuantRecipe, calibration, names: list[str]) -> dict:

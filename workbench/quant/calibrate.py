@@ -1,0 +1,433 @@
+"""The precision calibrator: per-layer precision searched against quality *and* measured cost,
+on a user's JSONL text (``workbench calibrate-quant``).
+
+::
+
+    res = calibrate("data/calibration/prose.jsonl", target_metric="ppl", max_degradation=0.02,
+                    search_space="w8a16,w4a16:g128,w4a8", objective="memory")
+    res["recommendation"]["label"], res["recommendation"]["reasons"]
+    write_outputs(res, "runs/calib")      # recipe.json, pareto.csv, sensitivity.csv, report.json, recommendation.txt
+
+**Steps** (every number measured in this run):
+
+1. **Data.** The file's rows (:func:`workbench.data.read_jsonl`: a bad line is an error naming it)
+   are split by row into a *calibration* part (AWQ / GPTQ / SmoothQuant statistics) and an
+   *evaluation* part (every quality figure), packed into windows of ``context`` tokens; the
+   diagnostics say how many tokens each part has, how long the rows are, and how much of the text
+   repeats the evaluation part and the bundled held-out perplexity split (8-token n-grams).
+2. **Reference.** The unquantized model on the evaluation windows, once
+   (:class:`~workbench.quant.quality.Reference`).
+3. **Sensitivity.** Every layer alone under every option of the search space
+   (:mod:`workbench.quant.sensitivity`): the target metric's degradation per (layer, option).
+4. **Costs.** Every (layer, option) measured (:mod:`workbench.quant.costs`): resident bytes
+   (``objective="memory"``) or one matrix-vector product's time (``"latency"``).
+5. **Candidates.** The uniform mixes (every layer the same option) and the mixes of the
+   predicted Pareto front (:func:`~workbench.quant.search.lagrangian_front`); a binary search
+   along the front, cheapest first, finds where the *measured* degradation crosses the limit,
+   and more front points fill up to ``max_measured`` measured mixes.  Each measured mix is
+   quantized for real (:func:`~workbench.quant.apply.quantize_model`, on ``backend``) and scored
+   on the evaluation windows: the quality figures in the table are measured, never summed.
+6. **Cost, measured.** ``memory``: the whole model's resident bytes (storages + the backend's
+   copies).  ``latency``: single-sequence decode steps of every measured mix and of the
+   unquantized model, interleaved over ``rounds`` (each round's median of ``decode_steps`` steps
+   is one sample), compared with the noise-aware rule of :mod:`workbench.measure.compare`.
+7. **Recommendation.** The measured mix of least cost whose measured degradation is within the
+   limit (the unquantized model always is), with its reasons: which layers kept more precision
+   and why, what the uniform alternatives measured, and whether its gain over the unquantized
+   model is beyond the noise.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import statistics
+import time
+
+import torch
+
+from workbench.errors import ConfigError
+from workbench.quant.quality import METRICS, UNITS, EvalSet, Reference, describe_degradation, measure, parse_degradation
+from workbench.quant.search import DENSE, Mix, lagrangian_front, mix_recipe, search_space, uniform_mix
+from workbench.quant.sensitivity import layer_kind, layer_sensitivity, linear_targets
+
+OBJECTIVES = ("latency", "memory")
+DEFAULT_SPACE = "w8a16,w4a16:g128,w4a8"
+
+
+def _quantiles(xs: list[int]) -> dict:
+    s = sorted(xs)
+    q = lambda f: s[min(len(s) - 1, int(f * (len(s) - 1) + 0.5))]  # noqa: E731
+    return {"rows": len(s), "min": s[0], "p10": q(0.1), "median": q(0.5), "p90": q(0.9), "max": s[-1]}
+
+
+def dataset_diagnostics(tokenizer, calib_rows, eval_rows, heldout_eval_ids, heldout_texts=()) -> dict:
+    """Token counts, row-length spread and n-gram overlap of a split dataset (see step 1);
+    ``heldout_*``: the bundled perplexity split's documents (token ids, texts)."""
+    from workbench.data import ngram_overlap
+
+    cal_ids = [tokenizer.encode(r["text"]) for r in calib_rows]
+    ev_ids = [tokenizer.encode(r["text"]) for r in eval_rows]
+    lengths = [len(x) for x in cal_ids + ev_ids]
+    return {"rows": len(lengths), "calibration_rows": len(cal_ids), "evaluation_rows": len(ev_ids),
+            "tokens": sum(lengths), "calibration_tokens": sum(map(len, cal_ids)), "evaluation_tokens": sum(map(len, ev_ids)),
+            "row_tokens": _quantiles(lengths),
+            "overlap_calibration_vs_evaluation_8gram": ngram_overlap(cal_ids, ev_ids, 8) if cal_ids and ev_ids else 0.0,
+            "overlap_with_heldout_perplexity_split_8gram": ngram_overlap(cal_ids + ev_ids, heldout_eval_ids, 8),
+            "rows_verbatim_in_heldout": sum(any(r["text"] in h for h in heldout_texts) for r in calib_rows + eval_rows)}
+
+
+def _heldout_eval_ids(tokenizer) -> tuple[list[list[int]], list[str]]:
+    """Token ids and texts of the bundled held-out corpus's evaluation documents (the
+    perplexity split of :func:`workbench.data.heldout_split`); empty without the corpus."""
+    from workbench.data import heldout_documents, heldout_split
+    from workbench.errors import WorkbenchError
+
+    try:
+        paths = set(heldout_split(tokenizer, 1024)["evaluation_docs"])
+        docs = [d for d in heldout_documents() if d["path"] in paths]
+    except WorkbenchError:
+        return [], []
+    return [tokenizer.encode(d["text"]) for d in docs], [d["text"] for d in docs]
+
+
+def _sync_models_cost(models: dict, objective: str, decode_steps: int, rounds: int) -> dict:
+    """Measured cost of each model: ``memory`` -> bytes; ``latency`` -> decode samples (ms)."""
+    from workbench.quant.apply import weight_bytes
+    from workbench.quant.costs import decode_step_ms
+
+    out = {}
+    if objective == "memory":
+        for k, m in models.items():
+            extra = (getattr(m, "quant_backend", None) or {}).get("extra_bytes", 0)
+            out[k] = {"bytes": weight_bytes(m)["total"] + extra}
+        return out
+    keys = list(models)
+    samples: dict = {k: [] for k in keys}
+    for r in range(rounds):
+        for k in (keys if r % 2 == 0 else keys[::-1]):
+            samples[k].append(statistics.median(decode_step_ms(models[k], steps=decode_steps, seed=r)))
+    for k, s in samples.items():
+        out[k] = {"ms": statistics.median(s), "ms_min": min(s), "ms_max": max(s), "samples": s}
+    return out
+
+
+def _select(front: list[Mix], measure_mix, limit: float, budget: int) -> list[int]:
+    """Indices of ``front`` (cheapest first) to measure: a binary search for the cheapest mix
+    whose measured degradation is within ``limit`` (degradation falls along the front, so
+    passing is near-monotone in the index), then evenly spaced others up to ``budget``."""
+    chosen: list[int] = []
+    lo, hi = 0, len(front) - 1
+    while lo <= hi and len(chosen) < budget:
+        mid = (lo + hi) // 2
+        chosen.append(mid)
+        if measure_mix(mid) <= limit:
+            hi = mid - 1
+        else:
+            lo = mid + 1
+    n_more = budget - len(chosen)
+    if n_more > 0 and len(front) > len(chosen):
+        step = (len(front) - 1) / max(n_more, 1)
+        for j in range(n_more + 1):
+            i = int(round(j * step))
+            if i not in chosen and len(chosen) < budget:
+                chosen.append(i)
+                measure_mix(i)
+    return chosen
+
+
+def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_space_spec=DEFAULT_SPACE,
+              objective: str = "memory", model=None, device="cpu", dtype=None, text_field: str = "text",
+              context: int = 256, eval_windows: int = 8, calib_windows: int = 8, evaluation_fraction: float = 0.5,
+              em_prompt: int = 64, em_tokens: int = 4, em_prompts: int = 32, backend: str = "auto",
+              max_measured: int = 10, decode_steps: int = 16, rounds: int = 5, latency_rows: int = 1,
+              sensitivity: list[dict] | None = None, progress=None) -> dict:
+    """Run the calibrator (see the module docstring); returns a JSON-ready result dict.
+    ``sensitivity``: the ``"sensitivity"`` rows of an earlier result on the same model, data,
+    evaluation settings and search space (e.g. to run the other objective without measuring
+    every layer again); they are checked to cover every (layer, option) of this search."""
+    import workbench
+    from workbench.data import jsonl_windows, pack_windows, read_jsonl, split_rows
+    from workbench.model.loader import BUNDLED_MODEL, load_model
+    from workbench.quant.apply import quantize_model, set_quant_backend
+    from workbench.quant.costs import layer_bytes, layer_latency
+
+    t_start = time.perf_counter()
+    say = progress or (lambda msg: None)
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    limit = parse_degradation(target_metric, max_degradation)
+    options = search_space(search_space_spec)
+    for name, v in (("context", context), ("eval_windows", eval_windows), ("calib_windows", calib_windows),
+                    ("max_measured", max_measured), ("decode_steps", decode_steps), ("rounds", rounds)):
+        if not isinstance(v, int) or v < 1:
+            raise ConfigError(f"calibrate: {name} must be an integer >= 1, got {v!r}")
+    folder = BUNDLED_MODEL if model in (None, "bundled") else model
+    if str(folder).startswith("preset:"):
+        raise ConfigError("calibrate: a preset has random weights and no tokenizer: quality cannot be measured on "
+                          "it; give a trained model folder")
+    tok = workbench.Tokenizer(folder)
+    base = load_model(folder, device=device, dtype=dtype).eval()
+    context = min(context, base.config.max_position_embeddings)
+
+    # 1. data
+    rows = read_jsonl(dataset, text_field)
+    cal_rows, ev_rows = split_rows(rows, evaluation_fraction)
+    if not ev_rows or not cal_rows:
+        raise ConfigError(f"{dataset}: {len(rows)} row(s): the calibrator needs at least 2 (one to calibrate on, "
+                          "one to evaluate on)")
+    heldout_ids, heldout_texts = _heldout_eval_ids(tok)
+    diag = dataset_diagnostics(tok, cal_rows, ev_rows, heldout_ids, heldout_texts)
+    ev_windows = pack_windows([tok.encode(r["text"]) for r in ev_rows], context, eval_windows)
+    cal_windows, cal_spec = jsonl_windows(dataset, tok, context, calib_windows, "calibration", evaluation_fraction,
+                                          text_field)
+    _, ev_spec = jsonl_windows(dataset, tok, context, eval_windows, "evaluation", evaluation_fraction, text_field)
+    diag.update(evaluation_windows=len(ev_windows), evaluation_scored_tokens=sum(len(w) - 1 for w in ev_windows),
+                calibration_windows=len(cal_windows), context=context)
+    warnings = []
+    if diag["evaluation_scored_tokens"] < 1000:
+        warnings.append(f"only {diag['evaluation_scored_tokens']} evaluation tokens: standard errors will be large")
+    if diag["overlap_calibration_vs_evaluation_8gram"] > 0.2:
+        warnings.append(f"{100 * diag['overlap_calibration_vs_evaluation_8gram']:.0f}% of the calibration part's 8-grams "
+                        "also occur in the evaluation part: quality may be overstated for new text")
+
+    # 2. reference
+    say("reference: the unquantized model on the evaluation windows")
+    ev = EvalSet.build(ev_windows, em_prompt=em_prompt, em_tokens=em_tokens, em_prompts=em_prompts)
+    ref = Reference(base, ev, exact_match=target_metric == "exact_match")
+    needs_cal = any(r is not None and r.needs_calibration for r in options.values())
+    calibration = cal_windows if needs_cal else None
+
+    # 3. sensitivity
+    targets = linear_targets(base)
+    t0 = time.perf_counter()
+    if sensitivity is None:
+        sens = layer_sensitivity(base, ref, options, targets, calibration=calibration, backend=backend, progress=say)
+    else:
+        sens = [dict(r) for r in sensitivity if r["option"] in options]
+        have = {(r["layer"], r["option"]) for r in sens}
+        lacking = [(l, o) for l in targets for o in options if o != DENSE and (l, o) not in have]
+        if lacking or any(target_metric not in r for r in sens):
+            raise ConfigError(f"calibrate: the given sensitivity rows do not cover this search ({len(lacking)} "
+                              f"(layer, option) pairs missing, e.g. {lacking[:2]}, or no {target_metric!r} column)")
+    t_sens = time.perf_counter() - t0
+    delta = {(l, DENSE): 0.0 for l in targets}
+    for r in sens:
+        delta[(r["layer"], r["option"])] = max(r[target_metric][0], 0.0)      # negative = noise: no gain
+
+    # 4. per-layer costs
+    say(f"costs per layer ({objective})")
+    t0 = time.perf_counter()
+    if objective == "memory":
+        raw = layer_bytes(base, targets, options, backend)
+        cost = {k: float(v) for k, v in raw.items()}
+        layer_cost = [{"layer": l, "option": o, "bytes": raw[(l, o)]} for l in targets for o in options]
+    else:
+        raw = layer_latency(base, targets, options, rows=latency_rows, backend=backend)
+        cost = {k: v["ms"] for k, v in raw.items()}
+        layer_cost = [{"layer": l, "option": o, **raw[(l, o)]} for l in targets for o in options]
+    t_cost = time.perf_counter() - t0
+
+    # 5. candidates, measured
+    names = list(options)
+    front = lagrangian_front(targets, names, delta, cost)
+    measured: dict[str, dict] = {}
+    models: dict[str, torch.nn.Module] = {"unquantized": base}
+
+    by_assignment: dict[tuple, str] = {}
+
+    def run_mix(key: str, mix: Mix, kind: str) -> dict:
+        sig = tuple(sorted(mix.assignment.items()))
+        if sig in by_assignment:                 # the same mix under another name: measured once
+            return measured[by_assignment[sig]]
+        by_assignment[sig] = key
+        recipe = mix_recipe(mix.assignment, options)
+        row = {"key": key, "kind": kind, "label": mix.label(), "counts": mix.counts(), "predicted_cost": mix.cost,
+               "predicted_degradation": mix.degradation, "recipe": recipe.name if recipe else None,
+               "recipe_fields": recipe.to_dict() if recipe else None, "assignment": mix.assignment}
+        if recipe is None:
+            q = measure(base, ref)
+            models[key] = base
+        else:
+            say(f"measure {key}: {mix.label()}")
+            m = copy.deepcopy(base)
+            quantize_model(m, recipe, calibration=calibration)
+            row["placement"] = set_quant_backend(m, backend)
+            q = measure(m, ref)
+            models[key] = m
+        d, se = q["degradation"][target_metric]
+        row.update(degradation=d, degradation_se=se, passes=d <= limit, passes_beyond_noise=d + 2 * se <= limit,
+                   metrics={k: v for k, v in q.items() if k != "degradation"},
+                   degradations={k: list(v) for k, v in q["degradation"].items()})
+        measured[key] = row
+        return row
+
+    say("measure the uniform mixes and the predicted front")
+    for o in names:
+        run_mix("unquantized" if o == DENSE else f"uniform {o}", uniform_mix(targets, o, delta, cost), "uniform")
+    front_keys = {}
+
+    def measure_front(i: int) -> float:
+        row = run_mix(f"front {i}", front[i], "front")
+        front_keys[i] = row["key"]
+        return row["degradation"]
+
+    _select(front, measure_front, limit, max(1, max_measured - len(names)))
+
+    # 6. measured cost of every measured mix (and the unquantized model)
+    say(f"measured cost ({objective}): {len(models)} models")
+    uniq: dict[int, str] = {}
+    for k, m in models.items():
+        uniq.setdefault(id(m), k)
+    costs = _sync_models_cost({k: models[k] for k in uniq.values()}, objective, decode_steps, rounds)
+    for k, row in measured.items():
+        c = costs[uniq[id(models[k])]]
+        row.update(c)
+        row["cost"] = c["bytes"] if objective == "memory" else c["ms"]
+    unq = measured["unquantized"]
+    for row in measured.values():
+        row["cost_vs_unquantized"] = row["cost"] / unq["cost"] if unq["cost"] else float("nan")
+        row["pareto"] = not any(o is not row and o["cost"] <= row["cost"] and o["degradation"] <= row["degradation"]
+                                and (o["cost"] < row["cost"] or o["degradation"] < row["degradation"])
+                                for o in measured.values())
+
+    # 7. recommendation
+    passing = [r for r in measured.values() if r["passes"]]
+    best = min(passing, key=lambda r: (r["cost"], r["degradation"]))
+    verdict = None
+    if objective == "latency" and best["key"] != "unquantized":
+        from workbench.measure.compare import compare_samples
+
+        cmpn = compare_samples(best["samples"], unq["samples"], names=("recommended", "unquantized"))
+        verdict = cmpn.as_dict()
+        best["verdict_vs_unquantized"] = cmpn.verdict
+    rec = {"key": best["key"], "label": best["label"], "recipe": best["recipe"], "recipe_fields": best["recipe_fields"],
+           "degradation": best["degradation"], "degradation_se": best["degradation_se"], "limit": limit,
+           "passes_beyond_noise": best["passes_beyond_noise"], "cost": best["cost"],
+           "cost_vs_unquantized": best["cost_vs_unquantized"], "metrics": best["metrics"],
+           "assignment": best["assignment"], "latency_comparison": verdict}
+    rec["reasons"] = reasons(rec, measured, sens, target_metric, objective, limit)
+
+    return {"dataset": str(dataset), "model": str(folder), "device": str(device), "target_metric": target_metric,
+            "max_degradation": limit, "degradation_units": UNITS[target_metric],
+            "objective": objective, "search_space": names, "backend": backend, "threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(), "diagnostics": diag, "warnings": warnings,
+            "reference": {"ppl": ref.ppl, "top1": float(ref.top1_hits.double().mean()),
+                          "exact_match": None if ref.em_hits is None else float(ref.em_hits.mean()),
+                          "tokens": ev.tokens, "prompts": len(ev.prompts)},
+            "evaluation": {**ev_spec, "em_prompt": em_prompt, "em_tokens": em_tokens, "em_prompts": em_prompts},
+            "calibration": cal_spec if needs_cal else None,
+            "sensitivity": sens, "layer_costs": layer_cost,
+            "front": [{"index": i, "label": m.label(), "predicted_cost": m.cost, "predicted_degradation": m.degradation,
+                       "measured_as": front_keys.get(i)} for i, m in enumerate(front)],
+            "candidates": sorted(measured.values(), key=lambda r: r["cost"]), "recommendation": rec,
+            "latency": {"decode_steps": decode_steps, "rounds": rounds, "layer_rows": latency_rows} if objective == "latency" else None,
+            "seconds": {"sensitivity": t_sens, "layer_costs": t_cost, "total": time.perf_counter() - t_start}}
+
+
+def reasons(rec: dict, measured: dict, sens: list[dict], metric: str, objective: str, limit: float) -> list[str]:
+    """Why the recommendation is what it is, in sentences built from the measurements."""
+    out = []
+    unit = "bytes" if objective == "memory" else "ms per decode step"
+    cost_s = (lambda c: f"{c / 2**20:.2f} MiB") if objective == "memory" else (lambda c: f"{c:.3f} ms")
+    lim = describe_degradation(metric, limit)
+    out.append(f"least measured {objective} ({unit}) among the measured mixes whose {metric} degradation is within "
+               f"{lim}: {rec['label']} at {cost_s(rec['cost'])} ({rec['cost_vs_unquantized']:.3f}x the unquantized "
+               f"model), degradation {describe_degradation(metric, rec['degradation'], rec['degradation_se'])}"
+               + ("" if rec["passes_beyond_noise"] else " - within 2 standard errors of the limit: another sample of "
+                  "text could put it over"))
+    if rec.get("latency_comparison"):
+        out.append(f"decode step vs the unquantized model: {rec['latency_comparison']['verdict']}")
+    for key, r in measured.items():
+        if r["kind"] == "uniform" and key != rec["key"] and key != "unquantized":
+            state = "within the limit" if r["passes"] else "over the limit"
+            out.append(f"{key} everywhere: {describe_degradation(metric, r['degradation'], r['degradation_se'])} "
+                       f"({state}), {cost_s(r['cost'])}")
+    a = rec.get("assignment") or {}
+    if a:
+        lowest = {}
+        for r in sens:
+            lowest.setdefault(r["option"], []).append(r)
+        by_opt: dict[str, list[str]] = {}
+        for l, o in a.items():
+            by_opt.setdefault(o, []).append(l)
+        cheapest_q = [o for o in by_opt if o != DENSE]
+        for o, layers in sorted(by_opt.items(), key=lambda kv: len(kv[1])):
+            if len(layers) == len(a):
+                continue
+            short = ", ".join(_short(l) for l in layers[:6]) + (f" and {len(layers) - 6} more" if len(layers) > 6 else "")
+            if o == DENSE:
+                out.append(f"left unquantized: {short}" + (" - no option was cheaper there, or their single-layer "
+                                                          "degradation was the largest" if cheapest_q else ""))
+            else:
+                worst = [r for r in sens if r["layer"] in layers and r["option"] != o]
+                if worst:
+                    w = max(worst, key=lambda r: r[metric][0])
+                    out.append(f"{o}: {short} (e.g. {_short(w['layer'])} alone under {w['option']}: "
+                               f"{describe_degradation(metric, *w[metric])})")
+                else:
+                    out.append(f"{o}: {short}")
+    return out
+
+
+def _short(layer: str) -> str:
+    block, kind = layer_kind(layer)
+    return f"L{block}.{kind}" if block is not None else kind
+
+
+def write_outputs(res: dict, out_dir) -> dict:
+    """``recipe.json`` (the recommendation, unless it is the unquantized model), ``pareto.csv``,
+    ``sensitivity.csv``, ``layer_costs.csv``, ``report.json``, ``recommendation.txt``; returns
+    their paths."""
+    import json
+    from pathlib import Path
+
+    import pandas as pd
+
+    from workbench.quant.recipe import QuantRecipe, save_recipe
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    rec = res["recommendation"]
+    if rec["recipe_fields"] is not None:
+        reported = {"target_metric": res["target_metric"], "degradation": rec["degradation"],
+                    "degradation_se": rec["degradation_se"], "max_degradation": res["max_degradation"],
+                    "metrics": rec["metrics"], "objective": res["objective"], "cost": rec["cost"],
+                    "cost_vs_unquantized": rec["cost_vs_unquantized"], "backend": res["backend"],
+                    "evaluation": res["evaluation"], "model": res["model"]}
+        paths["recipe"] = save_recipe(out / "recipe.json", QuantRecipe.from_dict(rec["recipe_fields"]),
+                                      calibration=res["calibration"], reported=reported)
+    cols = ["key", "kind", "label", "degradation", "degradation_se", "passes", "passes_beyond_noise", "cost",
+            "cost_vs_unquantized", "pareto", "predicted_cost", "predicted_degradation", "recipe"]
+    pd.DataFrame([{c: r.get(c) for c in cols} | {"recommended": r["key"] == rec["key"]} for r in res["candidates"]]
+                 ).to_csv(out / "pareto.csv", index=False)
+    paths["pareto"] = out / "pareto.csv"
+    sens = pd.DataFrame([{**{k: v for k, v in r.items() if k not in METRICS},
+                          **{f"{m}_delta": r[m][0] for m in METRICS if m in r},
+                          **{f"{m}_se": r[m][1] for m in METRICS if m in r}} for r in res["sensitivity"]])
+    sens.to_csv(out / "sensitivity.csv", index=False)
+    paths["sensitivity"] = out / "sensitivity.csv"
+    pd.DataFrame(res["layer_costs"]).drop(columns=["samples"], errors="ignore").to_csv(out / "layer_costs.csv", index=False)
+    paths["layer_costs"] = out / "layer_costs.csv"
+    (out / "report.json").write_text(json.dumps(res, indent=2, default=_json_default) + "\n")
+    paths["report"] = out / "report.json"
+    (out / "recommendation.txt").write_text(format_recommendation(res) + "\n")
+    paths["recommendation"] = out / "recommendation.txt"
+    return paths
+
+
+def _json_default(o):
+    if isinstance(o, float) and not math.isfinite(o):
+        return str(o)
+    return str(o)
+
+
+def format_recommendation(res: dict) -> str:
+    rec = res["recommendation"]
+    lines = [f"recommendation ({res['objective']}, {res['target_metric']} within "
+             f"{describe_degradation(res['target_metric'], res['max_degradation'])}): {rec['label']}"
+             + (f"  [{rec['recipe']}]" if rec["recipe"] else "  [no quantization]")]
+    lines += [f"- {r}" for r in rec["reasons"]]
+    return "\n".join(lines)

@@ -1,0 +1,148 @@
+"""What a precision choice costs, measured: resident bytes and time per layer, and a whole
+model's decode step.
+
+::
+
+    mem = layer_bytes(model, targets, options)              # {(layer, option): bytes}, from real allocations
+    lat = layer_latency(model, targets, options, rows=1)    # {(layer, option): {"ms", "ms_min", "ms_max"}}
+    decode_step_ms(model, steps=16)                         # ms of each of 16 single-sequence decode steps
+
+``options`` maps a name to a :class:`~workbench.quant.recipe.QuantRecipe` (``None``: the layer
+stays dense, in the model's dtype).  A layer's cost under an option is measured on the module the
+option would really build - :func:`~workbench.quant.apply.quantize_linear` with the recipe's
+settings for that layer (group fallbacks included), put on the quantization backend
+(:func:`~workbench.quant.apply.set_quant_backend`) - so it counts what the backend keeps beside
+the stored weight (torch's int4 CPU op holds a repacked copy) and runs the kernel that would run.
+
+**Bytes** are the storages of the module's tensors (integers, scales, zero points, bias) plus
+the backend's own copies: exact, no noise.  **Time** is one forward of ``rows`` input rows
+(1 = a decode step's matrix-vector product), median of ``repeats`` calls, the options of one
+layer shape interleaved over ``rounds`` (A B C, C B A, ...) so that drift hits all of them; layers
+of the same shape and settings share one measurement.  Layer times do not add up to a step's
+time (norms, attention and launch overheads are outside them): the calibrator ranks mixes by
+the sum and then measures whole decode steps (:func:`decode_step_ms`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from workbench.measure.memory import storage_bytes
+
+
+def _own_tensors(mod: nn.Module) -> list[torch.Tensor]:
+    return list(mod.parameters()) + list(mod.buffers())
+
+
+def build_option(lin: nn.Linear, name: str, recipe, backend: str = "auto") -> nn.Module:
+    """The module ``lin`` becomes under ``recipe`` (None: ``lin`` itself), on ``backend``."""
+    from workbench.quant.apply import quantize_linear, set_quant_backend
+
+    if recipe is None:
+        return lin
+    q = quantize_linear(lin, recipe.layer_settings(name, lin.in_features))
+    set_quant_backend(q, backend)
+    return q
+
+
+def module_bytes(mod: nn.Module) -> int:
+    """Resident bytes of one (quantized) linear: its storages plus the backend's own copies."""
+    extra = getattr(getattr(mod, "_op", None), "extra_bytes", 0)
+    return storage_bytes(_own_tensors(mod)) + extra
+
+
+def _class_key(lin: nn.Linear, name: str, option: str, recipe) -> tuple:
+    st = None if recipe is None else tuple(sorted(recipe.layer_settings(name, lin.in_features).items()))
+    return (lin.in_features, lin.out_features, lin.bias is not None, option, st)
+
+
+def layer_bytes(model: nn.Module, targets: list[str], options: dict, backend: str = "auto") -> dict:
+    """``{(layer, option): bytes}`` for every target layer (an ``nn.Linear``) and option."""
+    out, cache = {}, {}
+    for name in targets:
+        lin = model.get_submodule(name)
+        for opt, recipe in options.items():
+            key = _class_key(lin, name, opt, recipe)
+            if key not in cache:
+                cache[key] = module_bytes(build_option(lin, name, recipe, backend))
+            out[(name, opt)] = cache[key]
+    return out
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _time_call(fn, x, repeats: int) -> float:
+    dev = x.device
+    fn(x)
+    _sync(dev)
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(x)
+        _sync(dev)
+        ts.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(ts)
+
+
+@torch.no_grad()
+def layer_latency(model: nn.Module, targets: list[str], options: dict, rows: int = 1, backend: str = "auto",
+                  repeats: int = 30, rounds: int = 5, seed: int = 0) -> dict:
+    """``{(layer, option): {"ms": median over rounds, "ms_min", "ms_max", "rounds"}}``: one
+    forward of ``rows`` rows through the module each option builds (see the module docstring)."""
+    out: dict = {}
+    by_shape: dict[tuple, list[str]] = {}
+    for name in targets:
+        lin = model.get_submodule(name)
+        by_shape.setdefault((lin.in_features, lin.out_features, lin.bias is not None), []).append(name)
+    g = torch.Generator().manual_seed(seed)
+    for (inp, _, _), names in by_shape.items():
+        # one measurement per (shape, settings): the first layer of the shape stands for the others
+        classes: dict[tuple, tuple[str, str]] = {}
+        for name in names:
+            lin = model.get_submodule(name)
+            for opt, recipe in options.items():
+                classes.setdefault(_class_key(lin, name, opt, recipe), (name, opt))
+        first = model.get_submodule(names[0])
+        x = torch.randn(rows, inp, generator=g).to(device=first.weight.device, dtype=first.weight.dtype)
+        mods = {k: build_option(model.get_submodule(n), n, options[o], backend) for k, (n, o) in classes.items()}
+        times: dict[tuple, list[float]] = {k: [] for k in mods}
+        keys = list(mods)
+        for r in range(rounds):
+            for k in (keys if r % 2 == 0 else keys[::-1]):
+                times[k].append(_time_call(mods[k], x, repeats))
+        for name in names:
+            lin = model.get_submodule(name)
+            for opt, recipe in options.items():
+                t = times[_class_key(lin, name, opt, recipe)]
+                out[(name, opt)] = {"ms": statistics.median(t), "ms_min": min(t), "ms_max": max(t), "rounds": rounds}
+    return out
+
+
+@torch.no_grad()
+def decode_step_ms(model: nn.Module, steps: int = 16, prompt_len: int = 16, seed: int = 0) -> list[float]:
+    """Milliseconds of each of ``steps`` greedy single-sequence decode steps after a
+    ``prompt_len``-token random prompt (contiguous KV cache), one warm-up step first."""
+    from workbench.model.kv_cache import KVCache
+
+    cfg = model.config
+    p = next(model.parameters())
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=g).to(p.device)
+    cache = KVCache(cfg, 1, prompt_len + steps + 2, device=p.device, dtype=p.dtype)
+    tok = model(ids, 0, cache)[:, -1:].argmax(-1)
+    tok = model(tok, prompt_len, cache)[:, -1:].argmax(-1)          # warm-up step
+    times = []
+    for i in range(steps):
+        _sync(p.device)
+        t = time.perf_counter()
+        tok = model(tok, prompt_len + 1 + i, cache)[:, -1:].argmax(-1)
+        _sync(p.device)
+        times.append(1e3 * (time.perf_counter() - t))
+    return times
