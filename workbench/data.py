@@ -171,19 +171,34 @@ def calibration_set(name: str) -> Path:
     return p
 
 
-def jsonl_windows(path: str | Path, tokenizer, context: int, max_windows: int | None = None, split: str = "all",
-                  evaluation_fraction: float = 0.5, text_field: str = "text") -> tuple[list[list[int]], dict]:
-    """Token windows of a JSONL text file (:func:`read_jsonl`, :func:`split_rows`,
-    :func:`pack_windows`) and the *spec* that rebuilds them: ``split`` is ``"all"``,
-    ``"calibration"`` or ``"evaluation"``.  The spec (path, SHA-256, field, split, sizes) is what
-    a recipe file records as its calibration source (:func:`windows_from_spec`)."""
+SPLITS = ("all", "calibration", "evaluation", "search", "confirmation")
+
+
+def dataset_split(rows: list, split: str, evaluation_fraction: float = 0.5) -> list:
+    """The rows of one part of a dataset: ``all``; ``calibration`` / ``evaluation``
+    (:func:`split_rows` with ``evaluation_fraction``); ``search`` / ``confirmation``, the two
+    halves of the evaluation rows (every other one): a search chooses on the first and is
+    confirmed on the second, text it never chose with."""
     from workbench.errors import ConfigError
 
-    if split not in ("all", "calibration", "evaluation"):
-        raise ConfigError(f"split must be 'all', 'calibration' or 'evaluation', got {split!r}")
-    rows = read_jsonl(path, text_field)
-    if split != "all":
-        rows = split_rows(rows, evaluation_fraction)[split == "evaluation"]
+    if split not in SPLITS:
+        raise ConfigError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    if split == "all":
+        return list(rows)
+    cal, ev = split_rows(rows, evaluation_fraction)
+    if split in ("calibration", "evaluation"):
+        return cal if split == "calibration" else ev
+    search, confirm = split_rows(ev, 0.5)
+    return search if split == "search" else confirm
+
+
+def jsonl_windows(path: str | Path, tokenizer, context: int, max_windows: int | None = None, split: str = "all",
+                  evaluation_fraction: float = 0.5, text_field: str = "text") -> tuple[list[list[int]], dict]:
+    """Token windows of one part of a JSONL text file (:func:`read_jsonl`,
+    :func:`dataset_split`, :func:`pack_windows`) and the *spec* that rebuilds them.  The spec
+    (path, SHA-256, field, split, sizes) is what a recipe file records as its calibration and
+    evaluation source (:func:`windows_from_spec`)."""
+    rows = dataset_split(read_jsonl(path, text_field), split, evaluation_fraction)
     windows = pack_windows([tokenizer.encode(r["text"]) for r in rows], context, max_windows)
     spec = {"dataset": str(Path(path).resolve()), "sha256": file_sha256(path), "text_field": text_field,
             "split": split, "evaluation_fraction": evaluation_fraction, "context": context,

@@ -172,3 +172,93 @@ def kernel_speed_figure(rows, title: str = "Quantized matmul: speedup over the d
     ms = sorted({int(r["m"]) for r in rows})
     fig.update_xaxes(type="log", title_text="m (tokens per matmul)", tickvals=ms, ticktext=[str(m) for m in ms])
     return fig
+
+
+KIND_STYLE = {"unquantized": ("#222222", "square"), "uniform": ("#4c78a8", "circle"), "front": ("#f58518", "diamond")}
+
+
+def _cost_axis(res: dict) -> tuple[str, float]:
+    if res["objective"] == "memory":
+        return "resident bytes of the model (MiB, measured)", 2.0 ** 20
+    return "decode step (ms, median of interleaved rounds, measured)", 1.0
+
+
+def calibration_pareto_figure(res: dict, title: str | None = None):
+    """Quality against cost for a :func:`workbench.quant.calibrate.calibrate` result: every
+    measured mix (error bars: 2 paired standard errors of its degradation; cost ranges for
+    latency), the predicted front mixes not measured (grey), the limit (dashed), the
+    recommendation (star)."""
+    import plotly.graph_objects as go
+
+    metric = res["target_metric"]
+    scale = 100.0 if metric == "ppl" else 1.0          # ppl degradation in percent
+    y_title = {"ppl": "perplexity increase (%)", "kl": "KL to the unquantized model (nats)",
+               "top1": "top-1 accuracy lost (points)", "exact_match": "exact match lost (points)"}[metric]
+    x_title, div = _cost_axis(res)
+    fig = go.Figure()
+    measured = {r["key"] for r in res["candidates"]}
+    pred = [f for f in res.get("front", []) if not f.get("measured_as")]
+    if pred and res["objective"] == "memory":          # predicted costs are on the measured axis only for bytes
+        fig.add_trace(go.Scatter(x=[f["predicted_cost"] / div for f in pred],
+                                 y=[scale * f["predicted_degradation"] for f in pred], mode="markers",
+                                 name="front, predicted (not measured)", text=[f["label"] for f in pred],
+                                 marker=dict(color="#bbbbbb", symbol="diamond-open", size=7),
+                                 hovertemplate="%{text}<br>predicted: %{y:.3g}<extra></extra>"))
+    for kind, (color, symbol) in KIND_STYLE.items():
+        rows = [r for r in res["candidates"] if (r["key"] == "unquantized") == (kind == "unquantized")
+                and (kind == "unquantized" or r["kind"] == kind)]
+        if not rows:
+            continue
+        x = [r["cost"] / div for r in rows]
+        err_x = None
+        if res["objective"] == "latency":
+            err_x = dict(type="data", symmetric=False, array=[r["ms_max"] - r["ms"] for r in rows],
+                         arrayminus=[r["ms"] - r["ms_min"] for r in rows], thickness=1, color=color)
+        fig.add_trace(go.Scatter(
+            x=x, y=[scale * r["degradation"] for r in rows], mode="markers", name=f"{kind} (measured)",
+            text=[f"{r['key']}: {r['label']}" for r in rows], error_x=err_x,
+            error_y=dict(type="data", array=[2 * scale * (r["degradation_se"] or 0) for r in rows], thickness=1,
+                         color=color),
+            marker=dict(color=color, symbol=symbol, size=10, line=dict(width=1, color="white")),
+            hovertemplate="%{text}<br>cost %{x:.4g}<br>degradation %{y:.3g}<extra></extra>"))
+    rec = res["recommendation"]
+    fig.add_trace(go.Scatter(x=[rec["cost"] / div], y=[scale * rec["degradation"]], mode="markers",
+                             name="recommended", text=[rec["label"]],
+                             marker=dict(color="#d62728", symbol="star", size=18, line=dict(width=1, color="black")),
+                             hovertemplate="recommended: %{text}<extra></extra>"))
+    fig.add_hline(y=scale * res["max_degradation"], line_dash="dash", line_color="#d62728",
+                  annotation_text="limit", annotation_position="top left")
+    ds = str(res["dataset"]).rsplit("/", 1)[-1]
+    fig.update_layout(title=title or f"{ds}: {metric} degradation vs {res['objective']} ({len(measured)} mixes measured)",
+                      xaxis_title=x_title, yaxis_title=y_title, template="plotly_white", height=430,
+                      legend=dict(orientation="h", y=-0.2))
+    return fig
+
+
+def sensitivity_heatmap(res: dict, option: str | None = None, title: str | None = None):
+    """Decoder block x layer kind: the target metric's degradation with only that layer
+    quantized under ``option`` (default: the search space's last scheme)."""
+    import plotly.graph_objects as go
+
+    metric = res["target_metric"]
+    opts = [o for o in res["search_space"] if o != "dense"]
+    option = option or opts[-1]
+    rows = [r for r in res["sensitivity"] if r["option"] == option]
+    if not rows:
+        return _empty(go.Figure(), f"no sensitivity rows for {option}")
+    kinds = list(dict.fromkeys(r["kind"] for r in rows))
+    blocks = sorted({r["block"] for r in rows})
+    scale = 100.0 if metric == "ppl" else 1.0
+    z = [[None] * len(kinds) for _ in blocks]
+    se = [[None] * len(kinds) for _ in blocks]
+    for r in rows:
+        i, j = blocks.index(r["block"]), kinds.index(r["kind"])
+        z[i][j], se[i][j] = scale * r[metric][0], scale * r[metric][1]
+    unit = "%" if metric == "ppl" else ""
+    fig = go.Figure(go.Heatmap(z=z, x=kinds, y=[f"L{b}" for b in blocks], customdata=se, colorscale="Reds",
+                               colorbar=dict(title=f"{metric} {unit}".strip()),
+                               hovertemplate="%{y}.%{x}: %{z:.3g} +- %{customdata:.2g}<extra></extra>"))
+    fig.update_yaxes(autorange="reversed")
+    fig.update_layout(title=title or f"Sensitivity: {metric} degradation with one layer under {option}",
+                      template="plotly_white", height=320)
+    return fig

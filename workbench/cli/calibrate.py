@@ -1,0 +1,189 @@
+"""``workbench calibrate-quant``: the per-layer precision that minimises measured latency or
+memory while a quality target holds, on a JSONL text file (:mod:`workbench.quant.calibrate`).
+
+::
+
+    workbench calibrate-quant --dataset data/calibration/prose.jsonl --target-metric ppl \\
+        --search-space w8a16,w4a16:g128,w4a8 --objective memory --max-degradation 0.02 --out runs/calib
+    workbench calibrate-quant --check runs/calib/recipe.json      # LLM(quant=recipe) against the reported figure
+
+Writes ``recipe.json`` (for ``LLM(quant=...)``, ``--quant`` and ``workbench quantize --recipe``),
+``pareto.csv`` / ``pareto.html``, ``sensitivity.csv``, ``layer_costs.csv``, ``report.json`` and
+``recommendation.txt`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from workbench.cli.prefetch import _table
+
+DEFAULT_LIMITS = {"ppl": "0.02", "kl": "0.01", "top1": "1.0", "exact_match": "3.0"}
+
+
+def _dataset(spec: str) -> Path:
+    """A path, or the name of a shipped calibration set (``reference``, ``prose``)."""
+    p = Path(spec)
+    if p.exists() or p.suffix or "/" in spec:
+        return p
+    from workbench.data import calibration_set
+
+    return calibration_set(spec)
+
+
+def format_result(res: dict) -> str:
+    from workbench.quant.quality import describe_degradation
+
+    metric, d = res["target_metric"], res["diagnostics"]
+    rt = d["row_tokens"]
+    out = [f"dataset {res['dataset']}: {d['rows']} rows ({d['calibration_rows']} calibration, {d['evaluation_rows']} "
+           f"evaluation), {d['tokens']:,} tokens; tokens per row {rt['min']}..{rt['max']} (p10 {rt['p10']}, median "
+           f"{rt['median']}, p90 {rt['p90']}); windows of {d['context']} tokens: search {d['search_windows']} "
+           f"({d['search_scored_tokens']:,} scored tokens from {d['search_rows']} rows), confirmation "
+           f"{d['confirmation_windows']} ({d['confirmation_scored_tokens']:,} from {d['confirmation_rows']} rows), "
+           f"calibration {d['calibration_windows']}",
+           f"overlap (8-token n-grams): calibration part vs evaluation part {100 * d['overlap_calibration_vs_evaluation_8gram']:.2f}%, "
+           f"with the bundled held-out perplexity split {100 * d['overlap_with_heldout_perplexity_split_8gram']:.2f}%; "
+           f"rows found verbatim there: {d['rows_verbatim_in_heldout']}"]
+    out += [f"warning: {w}" for w in res["warnings"]]
+    r = res["reference"]["search"]
+    out.append(f"unquantized model on the search text: ppl {r['ppl']:.3f}, top-1 {100 * r['top1']:.1f}%"
+               + (f", exact match {100 * r['exact_match']:.1f}% of {r['prompts']} prompts" if r["exact_match"] is not None else "")
+               + f"; target: {metric} degradation <= {describe_degradation(metric, res['max_degradation'])} "
+               f"({res['degradation_units']}); objective: {res['objective']}; backend {res['backend']}, "
+               f"{res['threads']} thread(s)")
+    worst = sorted(res["sensitivity"], key=lambda s: -s[metric][0])[:8]
+    out += ["", f"most sensitive layers (one layer quantized at a time; {len(res['sensitivity'])} measured in "
+                f"{res['seconds']['sensitivity']:.0f} s; MEASURED)"]
+    out.append(_table(["layer", "option", f"{metric} degradation", "agreement"],
+                      [[s["layer"], s["option"], describe_degradation(metric, *s[metric]), f"{s['agreement']:.3f}"]
+                       for s in worst]))
+    cost_h = "MiB" if res["objective"] == "memory" else "ms/step [min..max]"
+    rows = []
+    for c in res["candidates"]:
+        cost = (f"{c['cost'] / 2**20:.3f}" if res["objective"] == "memory"
+                else f"{c['ms']:.3f} [{c['ms_min']:.3f}..{c['ms_max']:.3f}]")
+        conf = ("-" if "confirmation_degradation" not in c else
+                describe_degradation(metric, c["confirmation_degradation"], c["confirmation_degradation_se"])
+                + ("" if c["confirmed"] else " (over)"))
+        rows.append([c["key"] + (" *" if c["key"] == res["recommendation"]["key"] else ""), c["label"][:48],
+                     describe_degradation(metric, c["degradation"], c["degradation_se"]),
+                     "yes" if c["passes"] else "no", conf, cost, f"{c['cost_vs_unquantized']:.3f}x",
+                     "yes" if c["pareto"] else ""])
+    out += ["", f"measured mixes ({len(rows)}; * = recommended; degradation +- paired se on the search text; the "
+                "confirmation text measured for the cheapest mixes within the limit until one holds; MEASURED)",
+            _table(["mix", "layers", f"{metric} degradation", "within limit", "confirmation", cost_h, "vs unquantized",
+                    "pareto"], rows)]
+    from workbench.quant.calibrate_report import format_recommendation
+
+    out += ["", format_recommendation(res), f"({res['seconds']['total']:.0f} s in all)"]
+    return "\n".join(out)
+
+
+def cmd_calibrate_quant(args) -> int:
+    import torch
+
+    from workbench.errors import ConfigError
+
+    if args.check:
+        return _check(args)
+    if not args.dataset:
+        raise ConfigError("--dataset FILE.jsonl is required (or --check recipe.json)")
+    from workbench.measure.threads import parse_threads
+    from workbench.quant.calibrate import calibrate
+    from workbench.quant.calibrate_report import write_outputs
+
+    n = parse_threads(args.threads, where="--threads") if args.threads is not None else min(2, torch.get_num_threads())
+    if n is not None:
+        torch.set_num_threads(n)
+    progress = None if args.json or args.quiet else (lambda msg: print(f"... {msg}", file=sys.stderr))
+    limit = args.max_degradation if args.max_degradation is not None else DEFAULT_LIMITS.get(args.target_metric, "0")
+    res = calibrate(_dataset(args.dataset), target_metric=args.target_metric, max_degradation=limit,
+                    search_space_spec=args.search_space, objective=args.objective, model=args.model,
+                    device=args.device, dtype=args.dtype, text_field=args.text_field, context=args.context,
+                    eval_windows=args.eval_windows, calib_windows=args.calib_windows,
+                    evaluation_fraction=args.evaluation_fraction, em_prompt=args.em_prompt, em_tokens=args.em_tokens,
+                    em_prompts=args.em_prompts, backend=args.backend, max_measured=args.max_measured,
+                    decode_steps=args.decode_steps, rounds=args.rounds, progress=progress)
+    out = Path(args.out or f"runs/calibrate/{time.strftime('%Y%m%d-%H%M%S')}")
+    paths = write_outputs(res, out)
+    try:
+        from workbench.lab.quant_view import calibration_pareto_figure
+
+        calibration_pareto_figure(res).write_html(str(out / "pareto.html"), include_plotlyjs=True)
+        paths["plot"] = out / "pareto.html"
+    except ImportError:                     # plotly is optional for the core package
+        pass
+    if args.json:
+        print(json.dumps({"result": res, "files": {k: str(v) for k, v in paths.items()}}, indent=2, default=str))
+        return 0
+    print(format_result(res))
+    print("\nwrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def _check(args) -> int:
+    """``--check recipe.json``: LLM(quant=recipe) measured on the recipe's evaluation windows."""
+    import workbench
+    from workbench.model.loader import load_model
+    from workbench.quant.calibrate_report import check_reported
+    from workbench.quant.quality import describe_degradation
+    from workbench.quant.recipe import load_recipe
+
+    _, doc = load_recipe(args.check)
+    model = (doc.get("reported") or {}).get("model") if args.model is None else args.model
+    llm = workbench.LLM(model, device=args.device, dtype=args.dtype, quant=args.check,
+                        quant_backend=(doc.get("reported") or {}).get("backend", "auto"))
+    ref = load_model(model, device=args.device, dtype=args.dtype).eval()
+    r = check_reported(doc, llm.model, ref, llm.tokenizer)
+    if args.json:
+        print(json.dumps(r, indent=2))
+    else:
+        m = r["metric"]
+        print(f"{args.check}: {m} degradation reported {describe_degradation(m, r['reported'], r['reported_se'])}, "
+              f"measured now with LLM(quant=recipe) {describe_degradation(m, r['measured'], r['measured_se'])} "
+              f"(difference {r['difference']:+.2e}); limit {describe_degradation(m, r['limit'])}: "
+              f"{'holds' if r['passes'] else 'does not hold'}")
+    return 0
+
+
+def add_calibrate_parser(sub) -> None:
+    from workbench.quant.calibrate import DEFAULT_SPACE, OBJECTIVES
+    from workbench.quant.quality import METRICS
+
+    p = sub.add_parser("calibrate-quant", help="search per-layer precision against a quality target and measured "
+                                               "latency or memory on a JSONL text file; writes a recipe")
+    p.add_argument("--dataset", default=None, help="JSONL file, one {\"text\": ...} per line (or a shipped set: "
+                                                   "reference, prose)")
+    p.add_argument("--text-field", default="text", help="the field holding each row's text")
+    p.add_argument("--target-metric", choices=METRICS, default="ppl")
+    p.add_argument("--max-degradation", default=None,
+                   help="ppl: relative increase (0.02 or 2%%); kl: nats; top1 / exact_match: points lost "
+                        f"(defaults {', '.join(f'{k} {v}' for k, v in DEFAULT_LIMITS.items())})")
+    p.add_argument("--search-space", default=DEFAULT_SPACE, help="comma-separated schemes (each layer may also stay dense)")
+    p.add_argument("--objective", choices=OBJECTIVES, default="memory",
+                   help="minimise measured resident bytes or measured decode-step latency")
+    p.add_argument("--model", default=None, help="model folder (default: the bundled model)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--backend", default="auto", help="quantized layers on: auto, reference, cpu, triton")
+    p.add_argument("--context", type=int, default=256, help="tokens per window")
+    p.add_argument("--eval-windows", type=int, default=8)
+    p.add_argument("--calib-windows", type=int, default=8)
+    p.add_argument("--evaluation-fraction", type=float, default=0.5, help="share of rows held out for evaluation")
+    p.add_argument("--em-prompt", type=int, default=64, help="exact_match: prompt tokens")
+    p.add_argument("--em-tokens", type=int, default=4, help="exact_match: continuation tokens to match")
+    p.add_argument("--em-prompts", type=int, default=32, help="exact_match: prompts")
+    p.add_argument("--max-measured", type=int, default=10, help="mixes quantized and measured for real")
+    p.add_argument("--decode-steps", type=int, default=16, help="latency: decode steps per round")
+    p.add_argument("--rounds", type=int, default=5, help="latency: interleaved rounds per mix")
+    p.add_argument("--threads", default=None, help="torch threads: N or auto (default min(2, CPUs))")
+    p.add_argument("--out", default=None, help="output folder (default runs/calibrate/<time>)")
+    p.add_argument("--check", default=None, metavar="RECIPE", help="measure LLM(quant=RECIPE) against the figure "
+                                                                  "the calibrator reported")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_calibrate_quant)
