@@ -173,12 +173,23 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
     if str(folder).startswith("preset:"):
         raise ConfigError("calibrate: a preset has random weights and no tokenizer: quality cannot be measured on "
                           "it; give a trained model folder")
+    rows = read_jsonl(dataset, text_field)              # a bad file fails before any model loads
     tok = workbench.Tokenizer(folder)
     base = load_model(folder, device=device, dtype=dtype).eval()
+    if getattr(base, "recipe", None) is not None:
+        raise ConfigError(f"calibrate: {folder} is already quantized ({base.recipe.name}); give the unquantized model")
     context = min(context, base.config.max_position_embeddings)
+    targets = linear_targets(base)
+    sens = None
+    if sensitivity is not None:                # given rows must cover this search (checked before any work)
+        sens = [dict(r) for r in sensitivity if r["option"] in options]
+        have = {(r["layer"], r["option"]) for r in sens}
+        lacking = [(l, o) for l in targets for o in options if o != DENSE and (l, o) not in have]
+        if lacking or any(target_metric not in r for r in sens):
+            raise ConfigError(f"calibrate: the given sensitivity rows do not cover this search ({len(lacking)} "
+                              f"(layer, option) pairs missing, e.g. {lacking[:2]}, or no {target_metric!r} column)")
 
     # 1. data
-    rows = read_jsonl(dataset, text_field)
     parts = {k: dataset_split(rows, k, evaluation_fraction) for k in ("calibration", "evaluation", "search", "confirmation")}
     if min(len(v) for v in parts.values()) == 0:
         raise ConfigError(f"{dataset}: {len(rows)} row(s): the calibrator needs at least 4 (calibration, and evaluation "
@@ -210,17 +221,9 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
     calibration = win["calibration"] if needs_cal else None
 
     # 3. sensitivity
-    targets = linear_targets(base)
     t0 = time.perf_counter()
-    if sensitivity is None:
+    if sens is None:
         sens = layer_sensitivity(base, ref, options, targets, calibration=calibration, backend=backend, progress=say)
-    else:
-        sens = [dict(r) for r in sensitivity if r["option"] in options]
-        have = {(r["layer"], r["option"]) for r in sens}
-        lacking = [(l, o) for l in targets for o in options if o != DENSE and (l, o) not in have]
-        if lacking or any(target_metric not in r for r in sens):
-            raise ConfigError(f"calibrate: the given sensitivity rows do not cover this search ({len(lacking)} "
-                              f"(layer, option) pairs missing, e.g. {lacking[:2]}, or no {target_metric!r} column)")
     t_sens = time.perf_counter() - t0
     delta = {(l, DENSE): 0.0 for l in targets}
     for r in sens:

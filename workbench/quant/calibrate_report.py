@@ -151,3 +151,115 @@ def check_reported(doc: dict, model, reference_model, tokenizer) -> dict:
     return {"metric": metric, "reported": rep["degradation"], "reported_se": rep["degradation_se"],
             "measured": d, "measured_se": se, "difference": d - rep["degradation"],
             "limit": rep["max_degradation"], "passes": d <= rep["max_degradation"]}
+
+
+P_BEYOND_2SE = 0.0455          # two-sided normal tail beyond 2 standard errors
+
+
+def binomial_tail(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p)."""
+    from math import comb
+
+    return float(sum(comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k, n + 1)))
+
+
+def _rank(xs: list[float]) -> list[float]:
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    r = [0.0] * len(xs)
+    i = 0
+    while i < len(order):                       # average ranks over ties
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            r[order[k]] = (i + j) / 2
+        i = j + 1
+    return r
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Rank correlation of two equally long lists (nan when either is constant)."""
+    ra, rb = _rank(a), _rank(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    va, vb = sum((x - ma) ** 2 for x in ra), sum((y - mb) ** 2 for y in rb)
+    return cov / (va * vb) ** 0.5 if va > 0 and vb > 0 else float("nan")
+
+
+def compare_domains(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> dict:
+    """Two calibrator results on different text (same model, metric, objective and search space):
+    do their recommendations differ, and is what separates them beyond the noise?
+
+    * ``same_recommendation``; ``layers_assigned_differently`` (layer -> (option in A, in B));
+    * ``uniform``: each uniform mix's degradation on both texts' search halves (unpaired: the
+      texts differ, so the standard errors add in quadrature) and whether the difference is
+      beyond 2 of them;
+    * ``sensitivity``: per option, the rank correlation of the single-layer degradations and the
+      layers whose two deltas differ beyond 2 standard errors;
+    * ``explanation``: sentences built from the above."""
+    import math
+
+    if (a["target_metric"], a["objective"], a["search_space"]) != (b["target_metric"], b["objective"], b["search_space"]):
+        raise ConfigError("compare_domains: the two results need the same target metric, objective and search space")
+    metric = a["target_metric"]
+    ra, rb = a["recommendation"], b["recommendation"]
+    aa, ab = ra.get("assignment") or {}, rb.get("assignment") or {}
+    diff = {l: (aa.get(l, DENSE), ab.get(l, DENSE)) for l in sorted(set(aa) | set(ab)) if aa.get(l, DENSE) != ab.get(l, DENSE)}
+    ua = {r["key"]: r for r in a["candidates"] if r["kind"] == "uniform"}
+    ub = {r["key"]: r for r in b["candidates"] if r["kind"] == "uniform"}
+    uniform = []
+    for k in ua:
+        if k in ub and k != "unquantized":
+            d = ua[k]["degradation"] - ub[k]["degradation"]
+            se = math.hypot(ua[k]["degradation_se"], ub[k]["degradation_se"])
+            uniform.append({"mix": k, names[0]: ua[k]["degradation"], f"{names[0]}_se": ua[k]["degradation_se"],
+                            names[1]: ub[k]["degradation"], f"{names[1]}_se": ub[k]["degradation_se"],
+                            "difference": d, "difference_se": se, "beyond_2se": abs(d) > 2 * se,
+                            f"{names[0]}_within_limit": ua[k]["passes"], f"{names[1]}_within_limit": ub[k]["passes"]})
+    sens = []
+    sa = {(r["layer"], r["option"]): r[metric] for r in a["sensitivity"]}
+    sb = {(r["layer"], r["option"]): r[metric] for r in b["sensitivity"]}
+    for opt in (o for o in a["search_space"] if o != DENSE):
+        keys = [k for k in sa if k[1] == opt and k in sb]
+        if len(keys) < 3:
+            continue
+        beyond = [k[0] for k in keys if abs(sa[k][0] - sb[k][0]) > 2 * math.hypot(sa[k][1], sb[k][1])]
+        sens.append({"option": opt, "layers": len(keys), "rank_correlation": spearman([sa[k][0] for k in keys],
+                                                                                     [sb[k][0] for k in keys]),
+                     "layers_beyond_2se": beyond,
+                     f"mean_{names[0]}": sum(sa[k][0] for k in keys) / len(keys),
+                     f"mean_{names[1]}": sum(sb[k][0] for k in keys) / len(keys)})
+    same = ra["label"] == rb["label"] and not diff
+    expl = []
+    if same:
+        expl.append(f"both texts get the same recommendation: {ra['label']}")
+    else:
+        expl.append(f"the recommendations differ: {names[0]} {ra['label']}; {names[1]} {rb['label']} "
+                    f"({len(diff)} of {max(len(aa), len(ab), 1)} layers assigned differently)")
+    for u in uniform:
+        if u[f"{names[0]}_within_limit"] != u[f"{names[1]}_within_limit"]:
+            inside = names[0] if u[f"{names[0]}_within_limit"] else names[1]
+            expl.append(f"{u['mix']} everywhere is within the limit on {inside} only: "
+                        f"{describe_degradation(metric, u[names[0]], u[f'{names[0]}_se'])} on {names[0]} vs "
+                        f"{describe_degradation(metric, u[names[1]], u[f'{names[1]}_se'])} on {names[1]}; the difference "
+                        + ("is beyond 2 standard errors" if u["beyond_2se"] else
+                           "is within 2 standard errors: the limit falls between two figures the noise does not separate"))
+    for s in sens:
+        k, n = len(s["layers_beyond_2se"]), s["layers"]
+        s["chance_expected"], s["chance_p"] = n * P_BEYOND_2SE, binomial_tail(k, n, P_BEYOND_2SE)
+        expl.append(f"{s['option']} single-layer sensitivities: rank correlation {s['rank_correlation']:.2f} between the "
+                    f"texts; {k} of {n} layers differ beyond 2 standard errors, where chance alone gives "
+                    f"{s['chance_expected']:.1f} on average (probability of {k} or more by chance: {s['chance_p']:.2f})")
+    decisive = [u for u in uniform if u[f"{names[0]}_within_limit"] != u[f"{names[1]}_within_limit"]]
+    layer_signal = any(s["chance_p"] < 0.05 for s in sens)
+    if not same and not any(u["beyond_2se"] for u in decisive):
+        expl.append("what decides between the recommendations is within the noise: the different choices come from "
+                    "where figures with overlapping error bars fall against the limit"
+                    + (", although some single-layer sensitivities differ between the texts more often than chance "
+                       "would make them" if layer_signal else ", not from a measured difference between the domains"))
+    elif not same:
+        expl.append("the domains differ measurably where it decides: " + "; ".join(
+            f"{u['mix']} {describe_degradation(metric, u['difference'], u['difference_se'])} between them"
+            for u in decisive if u["beyond_2se"]))
+    return {"names": list(names), "same_recommendation": same, "recommendations": [ra["label"], rb["label"]],
+            "layers_assigned_differently": diff, "uniform": uniform, "sensitivity": sens, "explanation": expl}
