@@ -1,5 +1,5 @@
 """``workbench`` command line: generate, bench, run-notebooks, info, kv-inspect, prefix-bench,
-sched-bench, serve, load, kernels-bench, kernels-aot, prefetch-bench, tier-bench, quant-bench.
+sched-bench, serve, load, kernels-bench, kernels-aot, prefetch-bench, tier-bench, quant-bench, quantize.
 
 argparse lives only in this package; each subcommand calls a plain function with the same parameters.
 A :class:`WorkbenchError` is printed as one line and the exit status is 2 (no traceback).
@@ -8,7 +8,8 @@ This module builds the parser from the subcommands' modules (in the order ``--he
 prefix-bench, sched-bench), :mod:`~workbench.cli.notebooks` (run-notebooks),
 :mod:`~workbench.cli.serve`, :mod:`~workbench.cli.kernels` (kernels-bench, kernels-aot),
 :mod:`~workbench.cli.load`, :mod:`~workbench.cli.prefetch` (prefetch-bench), :mod:`~workbench.cli.tiers`
-(tier-bench) and :mod:`~workbench.cli.quant` (quant-bench); the shared options are in :mod:`~workbench.cli.options`.
+(tier-bench), :mod:`~workbench.cli.quant` (quant-bench) and :mod:`~workbench.cli.quantize` (quantize: a
+compressed-tensors checkpoint); the shared options are in :mod:`~workbench.cli.options`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from workbench.cli.notebooks import add_run_notebooks_parser
 from workbench.cli.options import prepare_threads, prepare_triton
 from workbench.cli.prefetch import add_prefetch_bench_parser
 from workbench.cli.quant import add_quant_bench_parser
+from workbench.cli.quantize import add_quantize_parser
 from workbench.cli.serve import add_serve_parser
 from workbench.cli.tiers import add_tier_bench_parser
 
@@ -45,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_prefetch_bench_parser(sub)
     add_tier_bench_parser(sub)
     add_quant_bench_parser(sub)
+    add_quantize_parser(sub)
     return ap
 
 

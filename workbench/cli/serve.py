@@ -16,7 +16,8 @@ def cmd_serve(args) -> int:
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                             chunked_prefill=not args.no_chunked_prefill, micro_batch_window_s=args.window_ms / 1e3,
                             preemption_mode=args.preemption, max_queue_len=args.max_queue_len)
-    config = ServerConfig(host=args.host, port=args.port, model_name=args.served_model_name,
+    # the engine is built here, so the server cannot see where the model came from: name it (the --help promise)
+    config = ServerConfig(host=args.host, port=args.port, model_name=args.served_model_name or args.model,
                           api_key=args.api_key or os.environ.get("WORKBENCH_API_KEY") or None,
                           max_tokens_cap=args.max_tokens_cap, max_body_bytes=args.max_body_bytes,
                           log_level=args.log_level)

@@ -31,7 +31,7 @@ import torch
 
 from workbench.engine.types import RequestOutput, StreamEvent
 from workbench.errors import ConfigError
-from workbench.engine.loaded import LoadedModel, Prompt
+from workbench.engine.loaded import LoadedModel, Prompt, is_compressed
 from workbench.engine.metrics import requests_frame, summarize
 from workbench.model.decoder import CausalLM
 from workbench.engine.sampling import SamplingParams, sample
@@ -138,7 +138,10 @@ class LLM:
     the bundled held-out corpus, :func:`workbench.data.heldout_split`).  ``quant_backend``: how
     the quantized layers compute (:func:`workbench.quant.apply.set_quant_backend`: ``auto`` =
     torch's packed CPU ops on a CPU, the Triton kernels on a GPU; ``reference`` = dequantize,
-    then matmul); layers a backend cannot run keep the reference.
+    then matmul); layers a backend cannot run keep the reference.  A ``model`` folder holding a
+    compressed-tensors ``pack-quantized`` checkpoint (``workbench quantize`` writes them; vLLM and
+    transformers read them) loads quantized as stored (:func:`workbench.quant.compressed.load_compressed`,
+    ``model.recipe`` set); its layers go on ``quant_backend`` and ``quant=`` is refused.
     """
 
     def __init__(self, model: str | CausalLM | None = None, tokenizer=None, device=None, dtype=None,
@@ -148,13 +151,21 @@ class LLM:
                  compile: bool = False, cuda_graphs: bool = False, static_decode: bool = False,
                  check_finite: bool = True, stream_weights=None, quant=None, quant_calibration=None,
                  quant_backend: str = "auto") -> None:
-        if quant is not None and stream_weights is not None:
-            raise ConfigError("LLM: quant= and stream_weights= together are not supported yet (the streamer moves "
-                              "parameters; a quantized layer keeps its weight in buffers, which would stay resident)")
+        compressed = is_compressed(model)          # a quantized checkpoint (compressed-tensors)
+        if compressed and quant is not None:
+            raise ConfigError(f"LLM: {model} is a quantized checkpoint (compressed-tensors) already; drop quant= "
+                              "(its layers run as stored; quant_backend= chooses where they compute)")
+        if (quant is not None or compressed) and stream_weights is not None:
+            raise ConfigError("LLM: a quantized model and stream_weights= together are not supported yet (the streamer "
+                              "moves parameters; a quantized layer keeps its weight in buffers, which would stay resident)")
         self.loaded = LoadedModel.load(model, tokenizer=tokenizer, device=device, dtype=dtype,
                                        max_model_len=max_model_len, threads=threads, check_finite=check_finite)
         if quant is not None:        # weights quantized in place (a model object passed in is changed too)
             self._quantize(quant, quant_calibration, quant_backend)
+        elif compressed:             # loaded quantized: only where the layers compute is chosen here
+            from workbench.quant.apply import set_quant_backend
+
+            self.quant_placement = set_quant_backend(self.loaded.model, quant_backend)
         if kv is not None and tiers is not None:
             raise ConfigError("LLM: give kv= (paged pool) or tiers= (tiered cache), not both")
         self.engine = LLMEngine(self.loaded, kv=kv if kv is not None or tiers is not None else "contiguous",

@@ -21,6 +21,15 @@ from workbench.model.tokenizer import Tokenizer
 Prompt = str | Sequence[int]
 
 
+def is_compressed(model) -> bool:
+    """Whether ``model`` (an LLM / LoadedModel argument) names a compressed-tensors checkpoint folder."""
+    if model is None or isinstance(model, CausalLM) or str(model) == "bundled" or str(model).startswith("preset:"):
+        return False
+    from workbench.quant.compressed import is_compressed_checkpoint
+
+    return is_compressed_checkpoint(model)
+
+
 class LoadedModel:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer | None, max_model_len: int | None = None,
                  thread_choice=None) -> None:
@@ -35,7 +44,9 @@ class LoadedModel:
     def load(cls, model: str | CausalLM | None = None, tokenizer=None, device=None, dtype=None,
              max_model_len: int | None = None, threads: int | str | None = None,
              check_finite: bool = True) -> "LoadedModel":
-        """``model``: a path, ``"preset:<name>"``, None for the bundled model, or a loaded CausalLM;
+        """``model``: a path (a compressed-tensors checkpoint loads through
+        :func:`workbench.quant.compressed.load_compressed`), ``"preset:<name>"``, None for the
+        bundled model, or a loaded CausalLM;
         ``tokenizer``: a folder / tokenizer.json, a :class:`Tokenizer`, or None for the model
         folder's (presets have none: prompts are token-id lists).  ``threads``: see
         :mod:`workbench.measure.threads` (measured on this model unless given).  ``check_finite``:
@@ -45,6 +56,11 @@ class LoadedModel:
         parse_threads(threads, where="LLM(threads=...)")    # bad input fails before a model loads
         if isinstance(model, CausalLM):
             net, source = model, None
+        elif is_compressed(model):     # a quantized checkpoint: its layers hold the stored integers
+            from workbench.quant.compressed import load_compressed
+
+            net = load_compressed(model, device=device, dtype=dtype, check_finite=check_finite)
+            source = model
         else:
             net = load_model(model, device=device, dtype=dtype, check_finite=check_finite)
             source = BUNDLED_MODEL if model in (None, "bundled") else model

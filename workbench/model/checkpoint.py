@@ -34,7 +34,11 @@ _QUANTIZED_DTYPES = ("I32", "I16", "I8", "U32", "U16", "U8", "F8_E4M3", "F8_E5M2
 _QUANTIZED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx", ".weight_scale", ".weight_scale_inv",
                        ".input_scale", ".weight_packed", ".weight_zero_point", ".weight_shape", ".SCB",
                        ".absmax", ".quant_map", ".quant_state")
-_QUANTIZED_HINT = "quantized checkpoints are not loaded yet; use a float16 / bfloat16 / float32 checkpoint"
+_QUANTIZED_HINT = ("quantized checkpoints are not loaded yet, except compressed-tensors 'pack-quantized' ones "
+                   "(workbench.LLM(folder), --model DIR); use a float16 / bfloat16 / float32 checkpoint")
+# How a compressed-tensors checkpoint is loaded (the quantization layer reads it, not this loader).
+_COMPRESSED_HINT = ("load it through workbench.LLM(folder), workbench.quant.load_compressed(folder) or "
+                    "`workbench generate|serve --model DIR` (load_model reads dense checkpoints only)")
 # Buffers some exporters write that are recomputed here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # The safetensors reader refuses headers above 100 MB; JSON side files are a few kB to a few MB.
@@ -212,10 +216,15 @@ def _files_desc(paths) -> str:
 
 def check_quantization(cfg: ModelConfig, folder: Path) -> None:
     """Refuse a config.json that declares a quantized checkpoint (GPTQ, AWQ, FP8...): clearly,
-    before the packed tensors fail the shape checks with a less helpful message."""
+    before the packed tensors fail the shape checks with a less helpful message.  A
+    compressed-tensors checkpoint is named with the way to load it
+    (:func:`workbench.quant.compressed.load_compressed`)."""
     q = cfg.extra.get("quantization_config")
     if q:
         method = q.get("quant_method", "?") if isinstance(q, dict) else q
+        if method == "compressed-tensors":
+            raise CheckpointError(f"{folder / 'config.json'}: field 'quantization_config' declares a compressed-tensors "
+                                  f"checkpoint (format {q.get('format', '?')!r}); {_COMPRESSED_HINT}")
         raise CheckpointError(f"{folder / 'config.json'}: field 'quantization_config' (quant_method "
                               f"{method!r}) declares a quantized checkpoint; {_QUANTIZED_HINT}")
 
@@ -233,12 +242,20 @@ def check_size(cfg: ModelConfig, files: list[Path], folder: Path) -> None:
             "config.json does not match these weights")
 
 
-def check_headers(cfg: ModelConfig, headers: dict[Path, dict[str, dict]], folder: Path) -> dict[str, Path]:
+def check_headers(cfg: ModelConfig, headers: dict[Path, dict[str, dict]], folder: Path,
+                  replaced: dict[str, tuple[str, ...]] | None = None) -> dict[str, Path]:
     """Check the tensors listed in the safetensors headers against the config, naming the config
     field, its value, the file and the tensor on a mismatch.  Returns ``{tensor: file}`` of the
-    tensors to read (ignored buffers and a tied ``lm_head.weight`` left out), in model order."""
+    tensors to read (ignored buffers and a tied ``lm_head.weight`` left out), in model order.
+
+    ``replaced``: ``{expected tensor: the tensors stored in its place}`` (a quantized layer's
+    ``weight`` held as ``weight_packed`` + ``weight_scale`` ...): the caller checks and reads
+    those itself; here they count for the layer check, are not "unexpected", the expected
+    tensor is not "missing", and neither is in the plan.  Holding both forms is an error."""
     config = folder / "config.json"
     expected = expected_shapes(cfg)
+    replaced = replaced or {}
+    stand_ins = {name for names in replaced.values() for name in names}
     tied = cfg.tie_word_embeddings
     where: dict[str, Path] = {}
     for path, header in headers.items():
@@ -276,6 +293,11 @@ def check_headers(cfg: ModelConfig, headers: dict[Path, dict[str, dict]], folder
 
     # 2. names the config does not expect
     for name, path in where.items():
+        if name in replaced:
+            raise CheckpointError(f"{path}: tensor '{name}' is stored dense, and also as "
+                                  f"{', '.join(repr(n) for n in replaced[name])}; a layer must be stored in one form")
+        if name in stand_ins:
+            continue
         if name not in expected:
             info = headers[path][name]
             hint = ""
@@ -287,7 +309,7 @@ def check_headers(cfg: ModelConfig, headers: dict[Path, dict[str, dict]], folder
     # 3. shapes, in model order: the first mismatch names the config field behind the dimension
     for name, (shape, fields) in expected.items():
         path = where.get(name)
-        if path is None:
+        if path is None or name in replaced:
             continue
         got = tuple(headers[path][name]["shape"])
         if got == shape:
@@ -302,17 +324,17 @@ def check_headers(cfg: ModelConfig, headers: dict[Path, dict[str, dict]], folder
     # 4. dtypes: float weights only today
     for name, path in where.items():
         dtype = headers[path][name]["dtype"]
-        if dtype not in _ST_DTYPES:
+        if dtype not in _ST_DTYPES and name not in stand_ins:
             hint = f"; {_QUANTIZED_HINT}" if dtype in _QUANTIZED_DTYPES else ""
             raise CheckpointError(f"{path}: tensor '{name}' has dtype {dtype}; expected a float type "
                                   f"({', '.join(_ST_DTYPES)}){hint}")
 
     # 5. nothing missing
-    missing = [k for k in expected if k not in where]
+    missing = [k for k in expected if k not in where and k not in replaced]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"{folder}: tensor(s) missing from the checkpoint: {shown}")
-    return {k: where[k] for k in expected}
+    return {k: where[k] for k in expected if k not in replaced}
 
 
 def read_tensors(plan: dict[str, Path]) -> dict[str, torch.Tensor]:

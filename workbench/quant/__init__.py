@@ -18,7 +18,12 @@ model, beside ``transforms``, below ``engine``.
   granularity does to them;
 * ``cpu_ops`` - torch's packed int8 / int4 CPU matmuls and ``torch._int_mm`` for a QuantLinear
   (:func:`cpu_op`) and their timing (:func:`cpu_op_timing`); ``kernel_ops`` - the Triton kernels
-  of ``workbench_kernels.quant_matmul`` as a backend (:func:`kernel_op`).
+  of ``workbench_kernels.quant_matmul`` as a backend (:func:`kernel_op`);
+* ``compressed`` - quantized checkpoints in the compressed-tensors ``pack-quantized`` format that
+  vLLM and transformers load (:func:`save_compressed`, :func:`load_compressed`,
+  :func:`is_compressed_checkpoint`), with ``compressed_config`` (the ``quantization_config``) and
+  ``compressed_layout`` (the packed tensors, bit for bit); ``export`` - quantize a model folder
+  and write such a checkpoint (:func:`quantize_checkpoint`, ``workbench quantize``).
 
 ``LLM(quant="w4a16:g128:awq")`` / ``workbench generate|serve --quant ...`` use it;
 ``workbench quant-bench`` and notebook 05 measure it.
@@ -38,6 +43,8 @@ _EXPORTS = exports({
     "workbench.quant.outliers": "activation_map compare_stats range_setters recurring_channels scheme_errors weight_map",
     "workbench.quant.cpu_ops": "cpu_op cpu_op_reason cpu_op_timing",
     "workbench.quant.kernel_ops": "kernel_op kernel_op_reason",
+    "workbench.quant.compressed": "is_compressed_checkpoint load_compressed save_compressed",
+    "workbench.quant.export": "quantize_checkpoint",
 })
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy(__name__, _EXPORTS)
