@@ -92,6 +92,10 @@ if [ "$CUDA" = 1 ]; then
   FAST=(--repeats 3 --configs reference,compile,compile+graphs)
   PREFETCH=(--options eager)      # compile with streaming is checked on the CPU; here it would not fit the cap
   QUANT=(--skip-quality --preset none --kernels --kernel-ms 1,4,16,64 --kernel-shapes 4096x4096,11008x4096)
+  # the calibrator with the latency objective on the GPU's own kernels (Triton W4A16 / W8A16 at the
+  # bundled model's shapes, decode steps of each measured mix against the unquantized model)
+  CALIB=(--dataset reference --objective latency --search-space w8a16,w4a16:g128 --context 128 --eval-windows 2
+         --calib-windows 2 --max-measured 4 --rounds 3 --decode-steps 8)
 else                            # the dry run: CPU sizes, the interpreter's quick kernel tests
   DEV=cpu; SIZE=small
   TESTS=(tests/kernels/test_kernels_pointwise.py tests/kernels/test_kernels_attention.py tests/transforms/test_cuda_graphs.py)
@@ -103,6 +107,8 @@ else                            # the dry run: CPU sizes, the interpreter's quic
   PREFETCH=(--options eager)
   QUANT=(--recipes fp32,w4a16:g128,w8a8 --docs 1 --context 64 --preset tiny --decode-steps 2)   # no GPU kernels here
   QUANT_TESTS=(tests/kernels/test_kernels_quant.py -k "unpacking or errors")
+  CALIB=(--dataset reference --objective latency --search-space w8a16 --context 32 --eval-windows 1
+         --calib-windows 1 --max-measured 2 --rounds 3 --decode-steps 2)
 fi
 
 step() {   # step NAME CAP_S command...: stdout -> $WORK/NAME.out, stderr -> $WORK/NAME.log
@@ -126,16 +132,17 @@ step() {   # step NAME CAP_S command...: stdout -> $WORK/NAME.out, stderr -> $WO
 
 WB=("$PY" -m workbench.cli.main)
 echo "device check: $DEV, $PY, tables -> $DIR"
-step tests 85 "$PY" -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"
-step kernels_bench 85 "${WB[@]}" kernels-bench --device "$DEV" --size "$SIZE" --csv "$WORK/kernel_bench.csv" --quiet
+step tests 80 "$PY" -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"
+step kernels_bench 80 "${WB[@]}" kernels-bench --device "$DEV" --size "$SIZE" --csv "$WORK/kernel_bench.csv" --quiet
 step sched_bench 45 "${WB[@]}" sched-bench --device "$DEV" "${SCHED[@]}" --json --quiet
 step engine_bench 45 "${WB[@]}" bench --device "$DEV" "${ENGINE[@]}" --json --quiet
 step engine_fast 45 "${WB[@]}" bench --device "$DEV" "${FAST[@]}" --json --quiet
 step prefix_bench 30 "${WB[@]}" prefix-bench --device "$DEV" "${PREFIX[@]}" --json --quiet
-step prefetch_bench 45 "${WB[@]}" prefetch-bench --device "$DEV" "${PREFETCH[@]}" --json --quiet
+step prefetch_bench 40 "${WB[@]}" prefetch-bench --device "$DEV" "${PREFETCH[@]}" --json --quiet
 step tier_bench 30 "${WB[@]}" tier-bench --device "$DEV" --docs 1 --eval-tokens 48 --config default --json
 step quant_tests 30 "$PY" -m pytest -q -x -p no:cacheprovider "${QUANT_TESTS[@]}"
 step quant_bench 25 "${WB[@]}" quant-bench "${QUANT[@]}" --json --quiet
+step calibrate 25 "${WB[@]}" calibrate-quant --device "$DEV" "${CALIB[@]}" --out "$WORK/calibrate" --json --quiet
 
 echo
 echo "== tables"

@@ -46,7 +46,9 @@ EXPECTED_KEYS = {
                         "rel_ppl_w8a8", "rel_ppl_w8a8_smooth_0_5", "linear_bytes_w4a16_vs_bf16",
                         "identical_greedy_tokens", "awq_vs_rtn_verdict", "gptq_vs_rtn_verdict",
                         "per_channel_claim_verdict", "int4_decode_cpu_verdict", "outlier_max_median_down_proj",
-                        "max_err_w4a16_kernel", "cpu_int4pack_speedup_m1", "threads", "noise_threshold"},
+                        "max_err_w4a16_kernel", "cpu_int4pack_speedup_m1", "threads", "noise_threshold",
+                        "calib_memory_reference", "calib_memory_prose", "calib_memory_prose_ppl_pct",
+                        "calib_latency_reference", "calib_domains_differ_memory", "calib_recipe_reproduced"},
 }
 
 

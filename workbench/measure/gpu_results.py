@@ -18,6 +18,8 @@ One folder holds (see ``results/gpu/README.md``)::
     tier_bench.csv     `workbench tier-bench --json` (physical KV tiers), long format
     quant_bench.csv    `workbench quant-bench --kernels --json`: one row per (shape, m): dense bf16 vs
                        the W4A16 / W8A16 / W4A8 Triton kernels
+    calibrate.csv      `workbench calibrate-quant --objective latency --json`: one row per measured mix
+                       (degradation on the search / confirmation text, decode ms, the recommendation)
     device_check.log   the last lines of every step's output
 
 A notebook shows the latest GPU table next to its CPU figures::
@@ -58,7 +60,7 @@ DRY_RUN_DIR = REPO / "runs" / "device_check"     # git-ignored: a run without CU
 # the CSV `workbench kernels-bench` has always written)
 TABLES = {"engine_bench": "engine_bench", "engine_fast": "engine_fast_bench", "kernels_bench": "kernel_bench",
           "sched_bench": "sched_bench", "prefix_bench": "prefix_bench", "prefetch_bench": "prefetch_bench",
-          "tier_bench": "tier_bench", "quant_bench": "quant_bench"}
+          "tier_bench": "tier_bench", "quant_bench": "quant_bench", "calibrate": "calibrate"}
 ENGINE_STEPS = ("engine_bench", "engine_fast")      # `workbench bench --json` outputs: one row per side
 SUMMARY_COLUMNS = ["step", "status", "seconds", "limit_s"]
 LONG_COLUMNS = ["section", "config", "metric", "value"]
@@ -313,6 +315,11 @@ def write_tables(out_dir: str | Path, work_dir: str | Path) -> dict[str, str]:
                 data = read_json_output(work / f"{step}.out")
                 if step == "quant_bench":                   # already one flat row per measurement
                     rows = [{k: v for k, v in r.items() if _scalar(v)} for r in data["kernels"]]
+                    write_csv(rows, out / f"{table}.csv")
+                elif step == "calibrate":                   # one row per measured mix
+                    res = data["result"]
+                    rows = [{k: v for k, v in r.items() if _scalar(v)} | {"recommended": r["key"] == res["recommendation"]["key"]}
+                            for r in res["candidates"]]
                     write_csv(rows, out / f"{table}.csv")
                 else:
                     rows = engine_rows(data) if step in ENGINE_STEPS else long_rows(data)

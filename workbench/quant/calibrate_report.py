@@ -236,7 +236,7 @@ def compare_domains(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> di
     else:
         expl.append(f"the recommendations differ: {names[0]} {ra['label']}; {names[1]} {rb['label']} "
                     f"({len(diff)} of {max(len(aa), len(ab), 1)} layers assigned differently)")
-    for u in uniform:
+    for u in (uniform if not same else []):          # what may have decided between two different choices
         if u[f"{names[0]}_within_limit"] != u[f"{names[1]}_within_limit"]:
             inside = names[0] if u[f"{names[0]}_within_limit"] else names[1]
             expl.append(f"{u['mix']} everywhere is within the limit on {inside} only: "
@@ -251,12 +251,14 @@ def compare_domains(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> di
                     f"texts; {k} of {n} layers differ beyond 2 standard errors, where chance alone gives "
                     f"{s['chance_expected']:.1f} on average (probability of {k} or more by chance: {s['chance_p']:.2f})")
     decisive = [u for u in uniform if u[f"{names[0]}_within_limit"] != u[f"{names[1]}_within_limit"]]
-    layer_signal = any(s["chance_p"] < 0.05 for s in sens)
+    layer_signal = any(s["chance_p"] < 0.05 / max(len(sens), 1) for s in sens)      # Bonferroni over the options
     if not same and not any(u["beyond_2se"] for u in decisive):
         expl.append("what decides between the recommendations is within the noise: the different choices come from "
                     "where figures with overlapping error bars fall against the limit"
                     + (", although some single-layer sensitivities differ between the texts more often than chance "
-                       "would make them" if layer_signal else ", not from a measured difference between the domains"))
+                       "would make them" if layer_signal else
+                       "; no scheme's single-layer sensitivities differ between the texts more often than chance "
+                       "would make them (at 5 %, over all schemes)"))
     elif not same:
         expl.append("the domains differ measurably where it decides: " + "; ".join(
             f"{u['mix']} {describe_degradation(metric, u['difference'], u['difference_se'])} between them"
