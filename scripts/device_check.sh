@@ -134,8 +134,8 @@ WB=("$PY" -m workbench.cli.main)
 echo "device check: $DEV, $PY, tables -> $DIR"
 step tests 80 "$PY" -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"
 step kernels_bench 80 "${WB[@]}" kernels-bench --device "$DEV" --size "$SIZE" --csv "$WORK/kernel_bench.csv" --quiet
-step sched_bench 45 "${WB[@]}" sched-bench --device "$DEV" "${SCHED[@]}" --json --quiet
-step engine_bench 45 "${WB[@]}" bench --device "$DEV" "${ENGINE[@]}" --json --quiet
+step sched_bench 40 "${WB[@]}" sched-bench --device "$DEV" "${SCHED[@]}" --json --quiet
+step engine_bench 40 "${WB[@]}" bench --device "$DEV" "${ENGINE[@]}" --json --quiet
 step engine_fast 45 "${WB[@]}" bench --device "$DEV" "${FAST[@]}" --json --quiet
 step prefix_bench 30 "${WB[@]}" prefix-bench --device "$DEV" "${PREFIX[@]}" --json --quiet
 step prefetch_bench 40 "${WB[@]}" prefetch-bench --device "$DEV" "${PREFETCH[@]}" --json --quiet

@@ -233,6 +233,20 @@ def test_quant_bench_is_one_row_per_kernel_measurement(tmp_path):
     assert [r["m"] for r in got] == ["1", "64"] and "nested" not in got[0] and got[0]["w4a16_speedup"] == "2.5"
 
 
+def test_calibrate_is_one_row_per_measured_mix(tmp_path):
+    work = _work(tmp_path, [("calibrate", "ok")])
+    cands = [{"key": "unquantized", "label": "42 dense", "degradation": 0.0, "cost": 3.1, "ms": 3.1, "samples": [3, 3.2]},
+             {"key": "uniform w4a16:g128", "label": "42 w4a16:g128", "degradation": 0.012, "cost": 1.9, "ms": 1.9,
+              "assignment": {"a": "w4a16:g128"}}]
+    res = {"candidates": cands, "recommendation": {"key": "uniform w4a16:g128"}}
+    (work / "calibrate.out").write_text(json.dumps({"result": res, "files": {}}))
+    out = tmp_path / "out"
+    assert gr.write_tables(out, work)["calibrate"] == "ok"
+    got = _read(out / "calibrate.csv")
+    assert [r["key"] for r in got] == ["unquantized", "uniform w4a16:g128"]
+    assert [r["recommended"] for r in got] == ["False", "True"] and "samples" not in got[0] and "assignment" not in got[1]
+
+
 def test_read_json_output_skips_a_line_before_the_object(tmp_path):
     p = tmp_path / "x.out"
     p.write_text("some warning\n" + json.dumps({"a": {"b": 1}}) + "\n")
@@ -284,7 +298,7 @@ def test_start_and_write_tables_on_a_gpu(tmp_path):
     done = gr.write_tables(out, work)
     assert done == {"engine_bench": "ok", "kernel_bench": "ok", "sched_bench": "step timeout", "prefix_bench": "ok",
                     "engine_fast_bench": "not run", "prefetch_bench": "not run", "tier_bench": "not run",
-                    "quant_bench": "not run"}
+                    "quant_bench": "not run", "calibrate": "not run"}
     names = sorted(p.name for p in out.iterdir())
     assert names == ["device_check.log", "engine_bench.csv", "kernel_bench.csv", "meta.json", "prefix_bench.csv",
                      "summary.csv"]
