@@ -120,30 +120,87 @@ def read_jsonl(path: str | Path, text_field: str = "text") -> list[dict]:
     return rows
 
 
-def split_rows(rows: list, evaluation_fraction: float = 0.5) -> tuple[list, list]:
+def split_rows(rows: list, evaluation_fraction: float = 0.5, group_field: str | None = None) -> tuple[list, list]:
     """``(calibration, evaluation)``: row ``i`` (file order) is an evaluation row when
     ``floor((i + 1) f) > floor(i f)`` - every other row at ``f = 0.5``, interleaved so both
-    halves see the whole file.  No row is in both."""
+    halves see the whole file.  With ``group_field`` (e.g. ``"source"``: the document a row
+    was cut from) the rule applies to the groups in order of first appearance and every row
+    follows its group, so no document is in both parts.  No row is in both."""
     from workbench.errors import ConfigError
 
     if not 0 < evaluation_fraction < 1:
         raise ConfigError(f"evaluation_fraction must be in (0, 1), got {evaluation_fraction!r}")
-    ev = [int((i + 1) * evaluation_fraction) > int(i * evaluation_fraction) for i in range(len(rows))]
+    is_ev = lambda i: int((i + 1) * evaluation_fraction) > int(i * evaluation_fraction)  # noqa: E731
+    if group_field is None:
+        ev = [is_ev(i) for i in range(len(rows))]
+    else:
+        order: dict = {}
+        for r in rows:
+            order.setdefault(r[group_field], len(order))
+        ev = [is_ev(order[r[group_field]]) for r in rows]
     return [r for r, e in zip(rows, ev) if not e], [r for r, e in zip(rows, ev) if e]
 
 
-def pack_windows(token_rows: list[list[int]], length: int, max_windows: int | None = None) -> list[list[int]]:
+def group_field_of(rows: list, group_field: str | None = "auto") -> str | None:
+    """``"auto"``: ``"source"`` when every row has one (the shipped sets do), else None (split by
+    row); a named field must be in every row."""
+    from workbench.errors import DataError
+
+    if group_field == "auto":
+        return "source" if rows and all(isinstance(r, dict) and "source" in r for r in rows) else None
+    if group_field is not None:
+        missing = next((r for r in rows if group_field not in r), None)
+        if missing is not None:
+            raise DataError(f"line {missing.get('line', '?')}: no {group_field!r} field to group rows by")
+    return group_field
+
+
+SPLITS = ("all", "calibration", "evaluation", "search", "confirmation")
+
+
+def dataset_split(rows: list, split: str, evaluation_fraction: float = 0.5, group_field: str | None = None) -> list:
+    """The rows of one part of a dataset: ``all``; ``calibration`` / ``evaluation``
+    (:func:`split_rows` with ``evaluation_fraction``); ``search`` / ``confirmation``, the two
+    halves of the evaluation rows (every other row, or group): a search chooses on the first and
+    is confirmed on the second, text it never chose with."""
+    from workbench.errors import ConfigError
+
+    if split not in SPLITS:
+        raise ConfigError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    if split == "all":
+        return list(rows)
+    cal, ev = split_rows(rows, evaluation_fraction, group_field)
+    if split in ("calibration", "evaluation"):
+        return cal if split == "calibration" else ev
+    search, confirm = split_rows(ev, 0.5, group_field)
+    return search if split == "search" else confirm
+
+
+def pack_windows(token_rows: list[list[int]], length: int, max_windows: int | None = None,
+                 with_rows: bool = False):
     """Rows of token ids (each starting with its BOS, as ``Tokenizer.encode`` gives them) joined
-    into one stream and cut into windows of exactly ``length`` tokens, at most ``max_windows``;
-    the tail shorter than a window is dropped unless no whole window exists, when the one
-    window is the whole stream."""
+    into one stream and cut into windows of exactly ``length`` tokens; with more windows than
+    ``max_windows``, that many spread evenly over the stream (window ``floor(i n / max)``), so
+    they sample every part of the text, not only its start.  The tail shorter than a window is
+    dropped unless no whole window exists, when the one window is the whole stream.
+    ``with_rows``: also return the number of rows the chosen windows touch."""
     stream = [t for ids in token_rows for t in ids]
     n = len(stream) // length
     if n == 0:
-        return [stream] if len(stream) >= 2 else []
-    if max_windows is not None:
-        n = min(n, max_windows)
-    return [stream[i * length:(i + 1) * length] for i in range(n)]
+        spans = [(0, len(stream))] if len(stream) >= 2 else []
+    else:
+        k = n if max_windows is None else min(n, max_windows)
+        spans = [((i * n // k) * length, (i * n // k) * length + length) for i in range(k)]
+    windows = [stream[a:b] for a, b in spans]
+    if not with_rows:
+        return windows
+    ends, pos = [], 0
+    for ids in token_rows:
+        pos += len(ids)
+        ends.append(pos)
+    starts = [e - len(ids) for e, ids in zip(ends, token_rows)]
+    used = sum(any(s < b and e > a for a, b in spans) for s, e in zip(starts, ends))
+    return windows, used
 
 
 def file_sha256(path: str | Path) -> str:
@@ -171,53 +228,52 @@ def calibration_set(name: str) -> Path:
     return p
 
 
-SPLITS = ("all", "calibration", "evaluation", "search", "confirmation")
-
-
-def dataset_split(rows: list, split: str, evaluation_fraction: float = 0.5) -> list:
-    """The rows of one part of a dataset: ``all``; ``calibration`` / ``evaluation``
-    (:func:`split_rows` with ``evaluation_fraction``); ``search`` / ``confirmation``, the two
-    halves of the evaluation rows (every other one): a search chooses on the first and is
-    confirmed on the second, text it never chose with."""
-    from workbench.errors import ConfigError
-
-    if split not in SPLITS:
-        raise ConfigError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
-    if split == "all":
-        return list(rows)
-    cal, ev = split_rows(rows, evaluation_fraction)
-    if split in ("calibration", "evaluation"):
-        return cal if split == "calibration" else ev
-    search, confirm = split_rows(ev, 0.5)
-    return search if split == "search" else confirm
-
-
 def jsonl_windows(path: str | Path, tokenizer, context: int, max_windows: int | None = None, split: str = "all",
-                  evaluation_fraction: float = 0.5, text_field: str = "text") -> tuple[list[list[int]], dict]:
+                  evaluation_fraction: float = 0.5, text_field: str = "text",
+                  group_field: str | None = "auto") -> tuple[list[list[int]], dict]:
     """Token windows of one part of a JSONL text file (:func:`read_jsonl`,
-    :func:`dataset_split`, :func:`pack_windows`) and the *spec* that rebuilds them.  The spec
-    (path, SHA-256, field, split, sizes) is what a recipe file records as its calibration and
+    :func:`dataset_split` by :func:`group_field_of`, :func:`pack_windows`) and the *spec* that
+    rebuilds them.  The spec (path - also relative to ``data/`` for a shipped file - SHA-256,
+    fields, split, sizes, rows used) is what a recipe file records as its calibration and
     evaluation source (:func:`windows_from_spec`)."""
-    rows = dataset_split(read_jsonl(path, text_field), split, evaluation_fraction)
-    windows = pack_windows([tokenizer.encode(r["text"]) for r in rows], context, max_windows)
-    spec = {"dataset": str(Path(path).resolve()), "sha256": file_sha256(path), "text_field": text_field,
-            "split": split, "evaluation_fraction": evaluation_fraction, "context": context,
-            "max_windows": max_windows, "windows": len(windows), "rows": len(rows)}
+    rows = read_jsonl(path, text_field)
+    group = group_field_of(rows, group_field)
+    part = dataset_split(rows, split, evaluation_fraction, group)
+    windows, used = pack_windows([tokenizer.encode(r["text"]) for r in part], context, max_windows, with_rows=True)
+    resolved = Path(path).resolve()
+    try:
+        in_data = resolved.relative_to(DATA_DIR.resolve()).as_posix()
+    except ValueError:
+        in_data = None
+    spec = {"dataset": str(resolved), "data_relative": in_data, "sha256": file_sha256(path), "text_field": text_field,
+            "group_field": group, "split": split, "evaluation_fraction": evaluation_fraction, "context": context,
+            "max_windows": max_windows, "windows": len(windows), "rows": len(part), "rows_used": used,
+            "groups": len({r[group] for r in part}) if group else None}
     return windows, spec
 
 
+SPEC_KEYS = ("dataset", "context", "split")
+
+
 def windows_from_spec(spec: dict, tokenizer) -> list[list[int]]:
-    """The windows :func:`jsonl_windows` built for ``spec``, from the same file: a
+    """The windows :func:`jsonl_windows` built for ``spec``, from the same file (found at its
+    recorded path, or for a shipped set under this checkout's ``data/``): a
     :class:`~workbench.errors.DataError` when the file is gone or its bytes changed (its
     SHA-256 differs), so a recipe is never recalibrated on other text without saying so."""
     from workbench.errors import DataError
 
+    if not isinstance(spec, dict) or any(k not in spec for k in SPEC_KEYS):
+        raise DataError(f"a data spec needs the fields {', '.join(SPEC_KEYS)}; got "
+                        f"{sorted(spec) if isinstance(spec, dict) else type(spec).__name__}")
     path = Path(spec["dataset"])
+    if not path.is_file() and spec.get("data_relative"):
+        path = DATA_DIR / spec["data_relative"]            # a shipped set, in another checkout
     if not path.is_file():
-        raise DataError(f"{path}: the calibration file this recipe was made with is not there")
+        raise DataError(f"{spec['dataset']}: the text file this recipe was made with is not there")
     if spec.get("sha256") and file_sha256(path) != spec["sha256"]:
         raise DataError(f"{path}: the file changed since the recipe was made (SHA-256 differs); "
                         "calibrate again or restore the file")
-    windows, _ = jsonl_windows(path, tokenizer, spec["context"], spec.get("max_windows"), spec.get("split", "all"),
-                               spec.get("evaluation_fraction", 0.5), spec.get("text_field", "text"))
+    windows, _ = jsonl_windows(path, tokenizer, spec["context"], spec.get("max_windows"), spec["split"],
+                               spec.get("evaluation_fraction", 0.5), spec.get("text_field", "text"),
+                               spec.get("group_field"))
     return windows

@@ -221,3 +221,115 @@ def test_calibrated_options_and_a_recipe_file_that_names_its_calibration_text(sm
     direct = quantize_model(load_model(device="cpu").eval(), recipe, calibration=cal)
     for t in targets:
         assert torch.equal(llm.model.get_submodule(t).qweight, direct.get_submodule(t).qweight)
+
+
+# ---- the recommendation rule on synthetic rows -----------------------------------------------
+
+def _row(key, d, se, cost, samples=None):
+    return {"key": key, "degradation": d, "degradation_se": se, "cost": cost, "samples": samples}
+
+
+def test_recommend_confirms_the_pick_once_and_falls_back_beyond_noise():
+    from workbench.quant.recommend import recommend
+
+    rows = [_row("unquantized", 0.0, 0.0, 100), _row("cheap", 0.018, 0.004, 40),   # within 2 %, not beyond 2 se
+            _row("safe", 0.005, 0.002, 60), _row("over", 0.03, 0.01, 30)]
+    seen = []
+
+    def confirm(r, fails=("cheap",)):
+        seen.append(r["key"])
+        return (0.025, 0.004) if r["key"] in fails else (0.006, 0.002)
+
+    best, tries = recommend(rows, confirm, 0.02, "memory")
+    assert best["key"] == "safe" and seen == ["cheap", "safe"] and [r["key"] for r in tries] == ["cheap", "safe"]
+    assert best["confirmation_degradation"] == 0.006 and rows[1]["confirmed"] is False
+    seen.clear()
+    best, tries = recommend([dict(r) for r in rows], lambda r: confirm(r, fails=()), 0.02, "memory")
+    assert best["key"] == "cheap" and seen == ["cheap"] and len(tries) == 1          # confirmed at once: one look
+    best, _ = recommend([dict(r) for r in rows], lambda r: (0.5, 0.01), 0.02, "memory")
+    assert best["key"] == "unquantized" and best["confirmed"]                          # nothing holds: unquantized
+
+
+def test_recommend_latency_prefers_quality_when_speed_is_within_noise():
+    from workbench.quant.recommend import recommend
+
+    unq = _row("unquantized", 0.0, 0.0, 10.0, [10.0, 10.2, 9.9, 10.1, 10.0])
+    close = _row("close", 0.01, 0.002, 9.9, [9.8, 10.1, 9.9, 10.0, 10.2])           # overlaps: within noise
+    fast = _row("fast", 0.015, 0.002, 5.0, [5.0, 5.1, 4.9, 5.0, 5.2])               # beyond noise
+    best, _ = recommend([unq, close], lambda r: (0.0, 0.0), 0.02, "latency", noise=0.05)
+    assert best["key"] == "unquantized"              # the 1 % faster median is no measured speed-up
+    best, _ = recommend([dict(unq), dict(close), fast], lambda r: (0.01, 0.002), 0.02, "latency", noise=0.05)
+    assert best["key"] == "fast"
+
+
+# ---- review fixes: units, stored bytes, names that match nothing, splits by document ----------
+
+def test_fused_layers_are_one_unit_and_memory_counts_the_stored_format(run):
+    _, res = run
+    assert res["tie_fused"] and len(res["units"]) == 24 and {len(v) for v in res["units"].values()} == {1, 2, 3}
+    for r in res["candidates"]:                           # q/k/v and gate/up of a block share one option
+        a = r["assignment"]
+        for u, layers in res["units"].items():
+            assert len({a[l] for l in layers}) == 1, (r["key"], u)
+    assert res["memory"] == "stored"
+    for r in res["candidates"]:
+        assert r["cost"] == r["stored_bytes"] and r["resident_bytes"] == r["stored_bytes"] + r["op_copy_bytes"]
+
+
+def test_int4_cpu_op_copy_is_counted_only_when_resident_is_asked():
+    model = load_model(device="cpu").eval()
+    t = linear_targets(model)[:1]
+    opts = search_space("w4a16:g128")
+    stored = layer_bytes(model, t, opts, backend="cpu")[(t[0], "w4a16:g128")]
+    resident = layer_bytes(model, t, opts, backend="cpu", op_copies=True)[(t[0], "w4a16:g128")]
+    assert resident > stored == layer_bytes(model, t, opts, backend="reference")[(t[0], "w4a16:g128")]
+
+
+def test_recipe_entries_that_name_no_layer_are_errors(tmp_path):
+    from workbench.quant.recipe import save_recipe
+
+    bad = QuantRecipe(weight_bits=4, skip=("embed_tokens", "lm_head", "model.layers.99.mlp.down_proj"))
+    with pytest.raises(ConfigError, match="names 'model.layers.99.mlp.down_proj', which is no linear layer"):
+        quantize_model(load_model(device="cpu").eval(), bad)
+    with pytest.raises(ConfigError, match="overrides.*'layers.7.mlp.up_proj'"):
+        quantize_model(load_model(device="cpu").eval(),
+                       QuantRecipe(weight_bits=4, overrides=(("layers.7.mlp.up_proj", {"weight_bits": 8}),)))
+    assert quantize_model(load_model(device="cpu").eval(), QuantRecipe(weight_bits=8, skip=("embed_tokens", "lm_head",
+                                                                                            "mlp"))).recipe.skips(
+        "model.layers.0.mlp.up_proj")                    # one component: wherever it occurs
+    p = tmp_path / "r.json"
+    save_recipe(p, QuantRecipe())
+    doc = json.loads(p.read_text())
+    for field, value, message in (("skip", 5, "'skip' must be a tuple"), ("weight_bits", 3, "must be 4 or 8"),
+                                  ("overrides", [["down_proj", {"group": 3}]], "overrides' for 'down_proj'")):
+        p.write_text(json.dumps({**doc, "recipe": {**doc["recipe"], field: value}}))
+        with pytest.raises(ConfigError, match=message) as e:
+            load_recipe(p)
+        assert str(p) in str(e.value)
+
+
+def test_rows_of_one_document_stay_in_one_part_and_windows_spread_over_the_part(bundled_tokenizer):
+    from workbench.data import dataset_split, group_field_of, read_jsonl
+
+    rows = read_jsonl(calibration_set("prose"))
+    g = group_field_of(rows)
+    assert g == "source"
+    parts = {k: dataset_split(rows, k, 0.5, g) for k in ("calibration", "search", "confirmation")}
+    docs = {k: {r["source"] for r in v} for k, v in parts.items()}
+    assert not docs["calibration"] & docs["search"] and not docs["search"] & docs["confirmation"]
+    assert not docs["calibration"] & docs["confirmation"]
+    w, spec = jsonl_windows(calibration_set("prose"), bundled_tokenizer, 64, 4, "search")
+    assert spec["group_field"] == "source" and spec["rows_used"] >= 3 and len(w) == 4   # not the first 4 windows
+    first, _ = jsonl_windows(calibration_set("prose"), bundled_tokenizer, 64, 1000, "search")
+    assert w[0] == first[0] and w[-1] != first[3]
+
+
+def test_check_exits_1_when_the_figure_is_not_reproduced(run, tmp_path):
+    out, _ = run
+    doc = json.loads((out / "recipe.json").read_text())
+    assert main(["calibrate-quant", "--check", str(out / "recipe.json"), "--json"]) == 0
+    doc["reported"]["degradation"] += 0.01
+    (tmp_path / "r.json").write_text(json.dumps(doc))
+    assert main(["calibrate-quant", "--check", str(tmp_path / "r.json"), "--json"]) == 1
+    (tmp_path / "r.json").write_text(json.dumps({k: v for k, v in doc.items() if k != "reported"}))
+    assert main(["calibrate-quant", "--check", str(tmp_path / "r.json")]) == 2

@@ -41,10 +41,11 @@ def format_result(res: dict) -> str:
     rt = d["row_tokens"]
     out = [f"dataset {res['dataset']}: {d['rows']} rows ({d['calibration_rows']} calibration, {d['evaluation_rows']} "
            f"evaluation), {d['tokens']:,} tokens; tokens per row {rt['min']}..{rt['max']} (p10 {rt['p10']}, median "
-           f"{rt['median']}, p90 {rt['p90']}); windows of {d['context']} tokens: search {d['search_windows']} "
-           f"({d['search_scored_tokens']:,} scored tokens from {d['search_rows']} rows), confirmation "
-           f"{d['confirmation_windows']} ({d['confirmation_scored_tokens']:,} from {d['confirmation_rows']} rows), "
-           f"calibration {d['calibration_windows']}",
+           f"{rt['median']}, p90 {rt['p90']}); split by {repr(d['group_field']) if d['group_field'] else 'row'}; "
+           f"windows of {d['context']} tokens spread over each part: search {d['search_windows']} "
+           f"({d['search_scored_tokens']:,} scored tokens from {d['search_rows_used']} of its {d['search_rows']} rows), "
+           f"confirmation {d['confirmation_windows']} ({d['confirmation_scored_tokens']:,} from "
+           f"{d['confirmation_rows_used']} of {d['confirmation_rows']} rows), calibration {d['calibration_windows']}",
            f"overlap (8-token n-grams): calibration part vs evaluation part {100 * d['overlap_calibration_vs_evaluation_8gram']:.2f}%, "
            f"with the bundled held-out perplexity split {100 * d['overlap_with_heldout_perplexity_split_8gram']:.2f}%; "
            f"rows found verbatim there: {d['rows_verbatim_in_heldout']}"]
@@ -56,12 +57,13 @@ def format_result(res: dict) -> str:
                f"({res['degradation_units']}); objective: {res['objective']}; backend {res['backend']}, "
                f"{res['threads']} thread(s)")
     worst = sorted(res["sensitivity"], key=lambda s: -s[metric][0])[:8]
-    out += ["", f"most sensitive layers (one layer quantized at a time; {len(res['sensitivity'])} measured in "
+    what = "q/k/v and gate/up of a block tied" if res.get("tie_fused") else "every layer on its own"
+    out += ["", f"most sensitive units (one unit quantized at a time, {what}; {len(res['sensitivity'])} measured in "
                 f"{res['seconds']['sensitivity']:.0f} s; MEASURED)"]
-    out.append(_table(["layer", "option", f"{metric} degradation", "agreement"],
+    out.append(_table(["unit", "option", f"{metric} degradation", "agreement"],
                       [[s["layer"], s["option"], describe_degradation(metric, *s[metric]), f"{s['agreement']:.3f}"]
                        for s in worst]))
-    cost_h = "MiB" if res["objective"] == "memory" else "ms/step [min..max]"
+    cost_h = f"MiB ({res['memory']})" if res["objective"] == "memory" else "ms/step [min..max]"
     rows = []
     for c in res["candidates"]:
         cost = (f"{c['cost'] / 2**20:.3f}" if res["objective"] == "memory"
@@ -74,7 +76,7 @@ def format_result(res: dict) -> str:
                      "yes" if c["passes"] else "no", conf, cost, f"{c['cost_vs_unquantized']:.3f}x",
                      "yes" if c["pareto"] else ""])
     out += ["", f"measured mixes ({len(rows)}; * = recommended; degradation +- paired se on the search text; the "
-                "confirmation text measured for the cheapest mixes within the limit until one holds; MEASURED)",
+                "pick measured on the confirmation text, and a fallback if it fails there; MEASURED)",
             _table(["mix", "layers", f"{metric} degradation", "within limit", "confirmation", cost_h, "vs unquantized",
                     "pareto"], rows)]
     from workbench.quant.calibrate_report import format_recommendation
@@ -103,7 +105,9 @@ def cmd_calibrate_quant(args) -> int:
     limit = args.max_degradation if args.max_degradation is not None else DEFAULT_LIMITS.get(args.target_metric, "0")
     res = calibrate(_dataset(args.dataset), target_metric=args.target_metric, max_degradation=limit,
                     search_space_spec=args.search_space, objective=args.objective, model=args.model,
-                    device=args.device, dtype=args.dtype, text_field=args.text_field, context=args.context,
+                    device=args.device or "cpu", dtype=args.dtype, text_field=args.text_field,
+                    group_field=None if args.group_field == "none" else args.group_field, memory=args.memory,
+                    tie_fused=not args.untie_fused, context=args.context,
                     eval_windows=args.eval_windows, calib_windows=args.calib_windows,
                     evaluation_fraction=args.evaluation_fraction, em_prompt=args.em_prompt, em_tokens=args.em_tokens,
                     em_prompts=args.em_prompts, backend=args.backend, max_measured=args.max_measured,
@@ -121,23 +125,33 @@ def cmd_calibrate_quant(args) -> int:
         print(json.dumps({"result": res, "files": {k: str(v) for k, v in paths.items()}}, indent=2, default=str))
         return 0
     print(format_result(res))
+    if "recipe" not in paths:
+        print("\nno recipe.json: the recommendation is the unquantized model")
     print("\nwrote " + ", ".join(str(p) for p in paths.values()))
     return 0
 
 
 def _check(args) -> int:
-    """``--check recipe.json``: LLM(quant=recipe) measured on the recipe's evaluation windows."""
+    """``--check recipe.json``: LLM(quant=recipe) measured on the recipe's evaluation windows;
+    exit 1 when the figure is not reproduced or no longer within the limit."""
     import workbench
     from workbench.model.loader import load_model
     from workbench.quant.calibrate_report import check_reported
     from workbench.quant.quality import describe_degradation
     from workbench.quant.recipe import load_recipe
 
+    from workbench.errors import ConfigError
+
     _, doc = load_recipe(args.check)
-    model = (doc.get("reported") or {}).get("model") if args.model is None else args.model
-    llm = workbench.LLM(model, device=args.device, dtype=args.dtype, quant=args.check,
-                        quant_backend=(doc.get("reported") or {}).get("backend", "auto"))
-    ref = load_model(model, device=args.device, dtype=args.dtype).eval()
+    rep = doc.get("reported")
+    if not isinstance(rep, dict):
+        raise ConfigError(f"{args.check}: no 'reported' figure to check (this recipe file was not written by "
+                          "calibrate-quant)")
+    model = rep.get("model") if args.model is None else args.model
+    device = args.device or rep.get("device") or "cpu"
+    llm = workbench.LLM(model, device=device, dtype=args.dtype or rep.get("dtype"), quant=args.check,
+                        quant_backend=rep.get("backend", "auto"))
+    ref = load_model(model, device=device, dtype=args.dtype or rep.get("dtype")).eval()
     r = check_reported(doc, llm.model, ref, llm.tokenizer)
     if args.json:
         print(json.dumps(r, indent=2))
@@ -145,9 +159,10 @@ def _check(args) -> int:
         m = r["metric"]
         print(f"{args.check}: {m} degradation reported {describe_degradation(m, r['reported'], r['reported_se'])}, "
               f"measured now with LLM(quant=recipe) {describe_degradation(m, r['measured'], r['measured_se'])} "
-              f"(difference {r['difference']:+.2e}); limit {describe_degradation(m, r['limit'])}: "
+              f"(difference {r['difference']:+.2e}: {'reproduced' if r['reproduced'] else 'NOT reproduced'} within "
+              f"{r['tolerance']:g}); limit {describe_degradation(m, r['limit'])}: "
               f"{'holds' if r['passes'] else 'does not hold'}")
-    return 0
+    return 0 if r["reproduced"] and r["passes"] else 1
 
 
 def add_calibrate_parser(sub) -> None:
@@ -159,6 +174,9 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--dataset", default=None, help="JSONL file, one {\"text\": ...} per line (or a shipped set: "
                                                    "reference, prose)")
     p.add_argument("--text-field", default="text", help="the field holding each row's text")
+    p.add_argument("--group-field", default="auto",
+                   help="rows with the same value of this field (e.g. the document they come from) stay in one part "
+                        "of the split; 'auto': 'source' when every row has it; 'none': split row by row")
     p.add_argument("--target-metric", choices=METRICS, default="ppl")
     p.add_argument("--max-degradation", default=None,
                    help="ppl: relative increase (0.02 or 2%%); kl: nats; top1 / exact_match: points lost "
@@ -166,8 +184,13 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--search-space", default=DEFAULT_SPACE, help="comma-separated schemes (each layer may also stay dense)")
     p.add_argument("--objective", choices=OBJECTIVES, default="memory",
                    help="minimise measured resident bytes or measured decode-step latency")
+    p.add_argument("--memory", choices=("stored", "resident"), default="stored",
+                   help="memory objective: the stored format's bytes (what a GPU's kernels hold), or also what the "
+                        "backend keeps beside them (torch's int4 CPU op: a repacked second copy)")
+    p.add_argument("--untie-fused", action="store_true",
+                   help="choose q/k/v and gate/up separately (engines that fuse them need one setting per group)")
     p.add_argument("--model", default=None, help="model folder (default: the bundled model)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default=None, help="default cpu (--check: the recipe's)")
     p.add_argument("--dtype", default=None)
     p.add_argument("--backend", default="auto", help="quantized layers on: auto, reference, cpu, triton")
     p.add_argument("--context", type=int, default=256, help="tokens per window")

@@ -1,5 +1,6 @@
 """``workbench quantize``: quantize a model and write a compressed-tensors ``pack-quantized``
-checkpoint that vLLM, transformers and ``workbench generate|serve --model DIR`` load
+checkpoint in the format vLLM and transformers load (transformers checked by the tests, vLLM not run here) and
+``workbench generate|serve --model DIR`` runs
 (:func:`workbench.quant.export.quantize_checkpoint`)."""
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def cmd_quantize(args) -> int:
 
 def add_quantize_parser(sub) -> None:
     q = sub.add_parser("quantize", help="quantize a model and write a compressed-tensors (pack-quantized) checkpoint "
-                                        "that vLLM / transformers / generate --model DIR load")
+                                        "(the format vLLM / transformers load; generate --model DIR runs it)")
     q.add_argument("model", help="Hugging Face–format folder, 'bundled', or preset:<name> (random weights)")
     q.add_argument("--scheme", default=None,
                    help="w8a16 | w4a16 | w4a8 | w8a8 with options joined by ':' (gN, pc, pt, asym, fallback=..., "

@@ -185,9 +185,9 @@ def _cost_axis(res: dict) -> tuple[str, float]:
 
 def calibration_pareto_figure(res: dict, title: str | None = None):
     """Quality against cost for a :func:`workbench.quant.calibrate.calibrate` result: every
-    measured mix (error bars: 2 paired standard errors of its degradation; cost ranges for
-    latency), the predicted front mixes not measured (grey), the limit (dashed), the
-    recommendation (star)."""
+    measured mix on the search text (error bars: 2 paired standard errors of its degradation;
+    cost ranges for latency), the predicted front mixes not measured (grey; memory only), the
+    limit (dashed), the recommendation at its confirmation-text figure (star)."""
     import plotly.graph_objects as go
 
     metric = res["target_metric"]
@@ -198,8 +198,12 @@ def calibration_pareto_figure(res: dict, title: str | None = None):
     fig = go.Figure()
     measured = {r["key"] for r in res["candidates"]}
     pred = [f for f in res.get("front", []) if not f.get("measured_as")]
-    if pred and res["objective"] == "memory":          # predicted costs are on the measured axis only for bytes
-        fig.add_trace(go.Scatter(x=[f["predicted_cost"] / div for f in pred],
+    if pred and res["objective"] == "memory":
+        # predicted bytes sum the linear layers only; the offset (everything else, measured on the
+        # unquantized model) puts them on the measured axis.  Predicted latency has no such offset
+        # (a step is more than its matmuls), so unmeasured latency mixes are not drawn.
+        off = res.get("cost_offset", 0.0)
+        fig.add_trace(go.Scatter(x=[(f["predicted_cost"] + off) / div for f in pred],
                                  y=[scale * f["predicted_degradation"] for f in pred], mode="markers",
                                  name="front, predicted (not measured)", text=[f["label"] for f in pred],
                                  marker=dict(color="#bbbbbb", symbol="diamond-open", size=7),
@@ -223,7 +227,7 @@ def calibration_pareto_figure(res: dict, title: str | None = None):
             hovertemplate="%{text}<br>cost %{x:.4g}<br>degradation %{y:.3g}<extra></extra>"))
     rec = res["recommendation"]
     fig.add_trace(go.Scatter(x=[rec["cost"] / div], y=[scale * rec["degradation"]], mode="markers",
-                             name="recommended", text=[rec["label"]],
+                             name="recommended (on the confirmation text)", text=[rec["label"]],
                              marker=dict(color="#d62728", symbol="star", size=18, line=dict(width=1, color="black")),
                              hovertemplate="recommended: %{text}<extra></extra>"))
     fig.add_hline(y=scale * res["max_degradation"], line_dash="dash", line_color="#d62728",
@@ -236,8 +240,9 @@ def calibration_pareto_figure(res: dict, title: str | None = None):
 
 
 def sensitivity_heatmap(res: dict, option: str | None = None, title: str | None = None):
-    """Decoder block x layer kind: the target metric's degradation with only that layer
-    quantized under ``option`` (default: the search space's last scheme)."""
+    """Decoder block x unit kind (a layer, or ``qkv_proj`` / ``gate_up_proj`` when the fused
+    layers are tied): the target metric's degradation with only that unit quantized under
+    ``option`` (default: the search space's last scheme)."""
     import plotly.graph_objects as go
 
     metric = res["target_metric"]

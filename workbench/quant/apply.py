@@ -83,6 +83,7 @@ def quantize_model(model: nn.Module, recipe: QuantRecipe | str, calibration=None
     recipe = QuantRecipe.parse(recipe) if isinstance(recipe, str) else recipe
     if getattr(model, "recipe", None) is not None:
         raise ConfigError(f"quantize_model: the model is already quantized ({model.recipe.name}); load it again")
+    _check_names(model, recipe)
     targets = [(name, mod) for name, mod in model.named_modules()
                if isinstance(mod, nn.Linear) and not recipe.skips(name)]
     if any(name.split(".")[-1] == "lm_head" for name, _ in targets):
@@ -98,6 +99,23 @@ def quantize_model(model: nn.Module, recipe: QuantRecipe | str, calibration=None
     model.recipe = recipe
     model.quant_calibration = calib["report"]
     return model
+
+
+def _check_names(model: nn.Module, recipe: QuantRecipe) -> None:
+    """Every ``skip`` entry beyond the defaults and every ``overrides`` entry must name a linear
+    layer of ``model``: one that names none was made for another model (or is a typo), and
+    ignoring it would quantize the layer it meant to protect."""
+    from workbench.quant.recipe import name_matches
+
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    default = QuantRecipe().skip
+    unmatched = [("skip", e) for e in recipe.skip if e not in default and not any(name_matches(n, e) for n in linears)]
+    unmatched += [("overrides", e) for e, _ in recipe.overrides if not any(name_matches(n, e) for n in linears)]
+    if unmatched:
+        where, entry = unmatched[0]
+        raise ConfigError(f"quantize_model: recipe field {where!r} names {entry!r}, which is no linear layer of this "
+                          f"model ({len(unmatched)} such entr{'y' if len(unmatched) == 1 else 'ies'}; e.g. "
+                          f"{linears[0] if linears else '-'}): was the recipe made for another model?")
 
 
 def quantize_linear(lin: nn.Linear, settings: dict, weight: QuantizedWeight | None = None,

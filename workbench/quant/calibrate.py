@@ -98,25 +98,14 @@ def _heldout_eval_ids(tokenizer) -> tuple[list[list[int]], list[str]]:
     return [tokenizer.encode(d["text"]) for d in docs], [d["text"] for d in docs]
 
 
-def _sync_models_cost(models: dict, objective: str, decode_steps: int, rounds: int) -> dict:
-    """Measured cost of each model: ``memory`` -> bytes; ``latency`` -> decode samples (ms)."""
-    from workbench.quant.apply import weight_bytes
-    from workbench.quant.costs import decode_step_ms
+def _decode_samples(models: dict, decode_steps: int, rounds: int) -> dict:
+    """Each model's decode-step ms: one sample per interleaved round (the median of
+    ``decode_steps`` steps), rounds alternating the order (:func:`~workbench.quant.costs.interleaved`)."""
+    from workbench.quant.costs import decode_step_ms, interleaved
 
-    out = {}
-    if objective == "memory":
-        for k, m in models.items():
-            extra = (getattr(m, "quant_backend", None) or {}).get("extra_bytes", 0)
-            out[k] = {"bytes": weight_bytes(m)["total"] + extra}
-        return out
-    keys = list(models)
-    samples: dict = {k: [] for k in keys}
-    for r in range(rounds):
-        for k in (keys if r % 2 == 0 else keys[::-1]):
-            samples[k].append(statistics.median(decode_step_ms(models[k], steps=decode_steps, seed=r)))
-    for k, s in samples.items():
-        out[k] = {"ms": statistics.median(s), "ms_min": min(s), "ms_max": max(s), "samples": s}
-    return out
+    samples = interleaved({k: (lambda r, m=m: statistics.median(decode_step_ms(m, steps=decode_steps, seed=r)))
+                           for k, m in models.items()}, rounds)
+    return {k: {"ms": statistics.median(s), "ms_min": min(s), "ms_max": max(s), "samples": s} for k, s in samples.items()}
 
 
 def _select(front: list[Mix], measure_mix, limit: float, budget: int) -> list[int]:
@@ -145,24 +134,35 @@ def _select(front: list[Mix], measure_mix, limit: float, budget: int) -> list[in
 
 def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_space_spec=DEFAULT_SPACE,
               objective: str = "memory", model=None, device="cpu", dtype=None, text_field: str = "text",
-              context: int = 256, eval_windows: int = 8, calib_windows: int = 8, evaluation_fraction: float = 0.5,
-              em_prompt: int = 64, em_tokens: int = 4, em_prompts: int = 32, backend: str = "auto",
-              max_measured: int = 10, decode_steps: int = 16, rounds: int = 5, latency_rows: int = 1,
-              sensitivity: list[dict] | None = None, progress=None) -> dict:
+              group_field: str | None = "auto", context: int = 256, eval_windows: int = 8, calib_windows: int = 8,
+              evaluation_fraction: float = 0.5, em_prompt: int = 64, em_tokens: int = 4, em_prompts: int = 32,
+              backend: str = "auto", memory: str = "stored", tie_fused: bool = True, max_measured: int = 10,
+              decode_steps: int = 16, rounds: int = 5, latency_rows: int = 1, sensitivity: list[dict] | None = None,
+              progress=None) -> dict:
     """Run the calibrator (see the module docstring); returns a JSON-ready result dict.
+
+    ``memory``: what the memory objective counts - ``"stored"`` (the format's bytes: integers,
+    scales, zero points, and every tensor left dense) or ``"resident"`` (also what the backend
+    keeps beside them: torch's int4 CPU op holds a repacked second copy).  ``tie_fused``: q/k/v
+    and gate/up of a block get one precision (one unit), as the engines that fuse them need.
     ``sensitivity``: the ``"sensitivity"`` rows of an earlier result on the same model, data,
-    evaluation settings and search space (e.g. to run the other objective without measuring
-    every layer again); they are checked to cover every (layer, option) of this search."""
+    evaluation settings, units and search space (e.g. to run the other objective without
+    measuring every unit again); they must cover every (unit, option) of this search."""
     import workbench
-    from workbench.data import dataset_split, jsonl_windows, read_jsonl
+    from workbench.data import dataset_split, group_field_of, jsonl_windows, read_jsonl
     from workbench.model.loader import BUNDLED_MODEL, load_model
-    from workbench.quant.apply import quantize_model, set_quant_backend
+    from workbench.quant.apply import quantize_model, set_quant_backend, weight_bytes
     from workbench.quant.costs import layer_bytes, layer_latency
+    from workbench.quant.recommend import recommend
+    from workbench.quant.search import expand
+    from workbench.quant.sensitivity import layer_units
 
     t_start = time.perf_counter()
     say = progress or (lambda msg: None)
     if objective not in OBJECTIVES:
         raise ConfigError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    if memory not in ("stored", "resident"):
+        raise ConfigError(f"memory must be 'stored' or 'resident', got {memory!r}")
     limit = parse_degradation(target_metric, max_degradation)
     options = search_space(search_space_spec)
     for name, v in (("context", context), ("eval_windows", eval_windows), ("calib_windows", calib_windows),
@@ -173,37 +173,43 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
     if str(folder).startswith("preset:"):
         raise ConfigError("calibrate: a preset has random weights and no tokenizer: quality cannot be measured on "
                           "it; give a trained model folder")
+    from workbench.quant.compressed import is_compressed_checkpoint
+
+    if is_compressed_checkpoint(folder):
+        raise ConfigError(f"calibrate: {folder} is a quantized (compressed-tensors) checkpoint; give the unquantized "
+                          "model it was made from")
     rows = read_jsonl(dataset, text_field)              # a bad file fails before any model loads
+    group = group_field_of(rows, group_field)
     tok = workbench.Tokenizer(folder)
     base = load_model(folder, device=device, dtype=dtype).eval()
-    if getattr(base, "recipe", None) is not None:
-        raise ConfigError(f"calibrate: {folder} is already quantized ({base.recipe.name}); give the unquantized model")
     context = min(context, base.config.max_position_embeddings)
     targets = linear_targets(base)
+    units = layer_units(targets, tie_fused)
     sens = None
     if sensitivity is not None:                # given rows must cover this search (checked before any work)
         sens = [dict(r) for r in sensitivity if r["option"] in options]
         have = {(r["layer"], r["option"]) for r in sens}
-        lacking = [(l, o) for l in targets for o in options if o != DENSE and (l, o) not in have]
+        lacking = [(u, o) for u in units for o in options if o != DENSE and (u, o) not in have]
         if lacking or any(target_metric not in r for r in sens):
             raise ConfigError(f"calibrate: the given sensitivity rows do not cover this search ({len(lacking)} "
-                              f"(layer, option) pairs missing, e.g. {lacking[:2]}, or no {target_metric!r} column)")
+                              f"(unit, option) pairs missing, e.g. {lacking[:2]}, or no {target_metric!r} column)")
 
     # 1. data
-    parts = {k: dataset_split(rows, k, evaluation_fraction) for k in ("calibration", "evaluation", "search", "confirmation")}
+    parts = {k: dataset_split(rows, k, evaluation_fraction, group)
+             for k in ("calibration", "evaluation", "search", "confirmation")}
     if min(len(v) for v in parts.values()) == 0:
-        raise ConfigError(f"{dataset}: {len(rows)} row(s): the calibrator needs at least 4 (calibration, and evaluation "
-                          "rows split into a search half and a confirmation half)")
+        what = f"{len({r[group] for r in rows})} {group!r} groups" if group else f"{len(rows)} row(s)"
+        raise ConfigError(f"{dataset}: {what}: the calibrator needs at least 4 (calibration, and evaluation split "
+                          "into a search half and a confirmation half)")
     heldout_ids, heldout_texts = _heldout_eval_ids(tok)
     diag = dataset_diagnostics(tok, parts["calibration"], parts["evaluation"], heldout_ids, heldout_texts)
     win, spec = {}, {}
     for k, n in (("calibration", calib_windows), ("search", eval_windows), ("confirmation", eval_windows)):
-        win[k], spec[k] = jsonl_windows(dataset, tok, context, n, k, evaluation_fraction, text_field)
-    diag.update(search_rows=len(parts["search"]), confirmation_rows=len(parts["confirmation"]),
-                search_windows=len(win["search"]), confirmation_windows=len(win["confirmation"]),
-                search_scored_tokens=sum(len(w) - 1 for w in win["search"]),
-                confirmation_scored_tokens=sum(len(w) - 1 for w in win["confirmation"]),
-                calibration_windows=len(win["calibration"]), context=context)
+        win[k], spec[k] = jsonl_windows(dataset, tok, context, n, k, evaluation_fraction, text_field, group)
+    diag.update(group_field=group, groups={k: spec[k]["groups"] for k in spec}, context=context,
+                **{f"{k}_rows": len(parts[k]) for k in ("search", "confirmation")},
+                **{f"{k}_windows": len(win[k]) for k in win}, **{f"{k}_rows_used": spec[k]["rows_used"] for k in spec},
+                **{f"{k}_scored_tokens": sum(len(w) - 1 for w in win[k]) for k in ("search", "confirmation")})
     warnings = []
     for k in ("search", "confirmation"):
         if diag[f"{k}_scored_tokens"] < 1000:
@@ -211,6 +217,9 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
     if diag["overlap_calibration_vs_evaluation_8gram"] > 0.2:
         warnings.append(f"{100 * diag['overlap_calibration_vs_evaluation_8gram']:.0f}% of the calibration part's 8-grams "
                         "also occur in the evaluation part: quality may be overstated for new text")
+    if group is None:
+        warnings.append("rows are split one by one (no 'source' field): rows cut from one document can land in "
+                        "both halves, which makes the halves less independent than they look (--group-field)")
 
     # 2. reference
     say("reference: the unquantized model on the search and confirmation windows")
@@ -220,37 +229,49 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
     needs_cal = any(r is not None and r.needs_calibration for r in options.values())
     calibration = win["calibration"] if needs_cal else None
 
-    # 3. sensitivity
+    # 3. sensitivity, per unit
     t0 = time.perf_counter()
     if sens is None:
-        sens = layer_sensitivity(base, ref, options, targets, calibration=calibration, backend=backend, progress=say)
+        sens = layer_sensitivity(base, ref, options, targets, calibration=calibration, backend=backend,
+                                 units=units, progress=say)
     t_sens = time.perf_counter() - t0
-    delta = {(l, DENSE): 0.0 for l in targets}
+    delta = {(u, DENSE): 0.0 for u in units}
     for r in sens:
         delta[(r["layer"], r["option"])] = max(r[target_metric][0], 0.0)      # negative = noise: no gain
 
-    # 4. per-layer costs
+    # 4. per-layer costs, summed per unit
     say(f"costs per layer ({objective})")
     t0 = time.perf_counter()
     if objective == "memory":
-        raw = layer_bytes(base, targets, options, backend)
-        cost = {k: float(v) for k, v in raw.items()}
+        raw = layer_bytes(base, targets, options, backend, op_copies=memory == "resident")
         layer_cost = [{"layer": l, "option": o, "bytes": raw[(l, o)]} for l in targets for o in options]
+        per_layer = {k: float(v) for k, v in raw.items()}
     else:
         raw = layer_latency(base, targets, options, rows=latency_rows, backend=backend)
-        cost = {k: v["ms"] for k, v in raw.items()}
         layer_cost = [{"layer": l, "option": o, **raw[(l, o)]} for l in targets for o in options]
+        per_layer = {k: v["ms"] for k, v in raw.items()}
+    cost = {(u, o): sum(per_layer[(l, o)] for l in ls) for u, ls in units.items() for o in options}
     t_cost = time.perf_counter() - t0
 
     # 5. candidates, measured
     names = list(options)
-    front = lagrangian_front(targets, names, delta, cost)
+    front = lagrangian_front(list(units), names, delta, cost)
     measured: dict[str, dict] = {}
-    models: dict[str, torch.nn.Module] = {"unquantized": base}
-
+    models: dict[str, torch.nn.Module] = {}
     by_assignment: dict[tuple, str] = {}
 
-    def run_mix(key: str, mix: Mix, kind: str) -> dict:
+    def build(row: dict) -> torch.nn.Module:
+        if row["recipe_fields"] is None:
+            return base
+        from workbench.quant.recipe import QuantRecipe
+
+        m = copy.deepcopy(base)
+        quantize_model(m, QuantRecipe.from_dict(row["recipe_fields"]), calibration=calibration)
+        row["placement"] = set_quant_backend(m, backend)
+        return m
+
+    def run_mix(key: str, unit_mix: Mix, kind: str) -> dict:
+        mix = expand(unit_mix, units)
         sig = tuple(sorted(mix.assignment.items()))
         if sig in by_assignment:                 # the same mix under another name: measured once
             return measured[by_assignment[sig]]
@@ -259,16 +280,17 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
         row = {"key": key, "kind": kind, "label": mix.label(), "counts": mix.counts(), "predicted_cost": mix.cost,
                "predicted_degradation": mix.degradation, "recipe": recipe.name if recipe else None,
                "recipe_fields": recipe.to_dict() if recipe else None, "assignment": mix.assignment}
-        if recipe is None:
-            q = measure(base, ref)
-            models[key] = base
-        else:
+        if recipe is not None:
             say(f"measure {key}: {mix.label()}")
-            m = copy.deepcopy(base)
-            quantize_model(m, recipe, calibration=calibration)
-            row["placement"] = set_quant_backend(m, backend)
-            q = measure(m, ref)
-            models[key] = m
+        m = build(row)
+        q = measure(m, ref)
+        if objective == "memory":
+            stored = weight_bytes(m)["total"]
+            op = (row.get("placement") or {}).get("extra_bytes", 0)
+            row.update(stored_bytes=stored, op_copy_bytes=op, resident_bytes=stored + op,
+                       bytes=stored if memory == "stored" else stored + op)
+        else:
+            models[key] = m                      # kept for the interleaved decode timing
         d, se = q["degradation"][target_metric]
         row.update(degradation=d, degradation_se=se, passes=d <= limit, passes_beyond_noise=d + 2 * se <= limit,
                    metrics={k: v for k, v in q.items() if k != "degradation"},
@@ -278,8 +300,8 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
 
     say("measure the uniform mixes and the predicted front")
     for o in names:
-        run_mix("unquantized" if o == DENSE else f"uniform {o}", uniform_mix(targets, o, delta, cost), "uniform")
-    front_keys = {}
+        run_mix("unquantized" if o == DENSE else f"uniform {o}", uniform_mix(list(units), o, delta, cost), "uniform")
+    front_keys: dict[int, str] = {}
 
     def measure_front(i: int) -> float:
         row = run_mix(f"front {i}", front[i], "front")
@@ -288,38 +310,33 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
 
     _select(front, measure_front, limit, max(1, max_measured - len(names)))
 
-    # 6. measured cost of every measured mix (and the unquantized model)
-    say(f"measured cost ({objective}): {len(models)} models")
-    uniq: dict[int, str] = {}
-    for k, m in models.items():
-        uniq.setdefault(id(m), k)
-    costs = _sync_models_cost({k: models[k] for k in uniq.values()}, objective, decode_steps, rounds)
-    for k, row in measured.items():
-        c = costs[uniq[id(models[k])]]
-        row.update(c)
-        row["cost"] = c["bytes"] if objective == "memory" else c["ms"]
+    # 6. measured cost of every measured mix
+    if objective == "latency":
+        say(f"decode steps of {len(models)} models, {rounds} interleaved rounds")
+        for k, c in _decode_samples(models, decode_steps, rounds).items():
+            measured[k].update(c)
+    for row in measured.values():
+        row["cost"] = row["bytes"] if objective == "memory" else row["ms"]
     unq = measured["unquantized"]
     for row in measured.values():
         row["cost_vs_unquantized"] = row["cost"] / unq["cost"] if unq["cost"] else float("nan")
         row["pareto"] = not any(o is not row and o["cost"] <= row["cost"] and o["degradation"] <= row["degradation"]
                                 and (o["cost"] < row["cost"] or o["degradation"] < row["degradation"])
                                 for o in measured.values())
+    # what the per-layer costs leave out (norms, embedding, attention...): the measured total of the
+    # unquantized model minus its summed dense layers, so predictions can be drawn on the measured axis
+    offset = unq["cost"] - unq["predicted_cost"]
 
-    # 7. recommendation: the cheapest mix within the limit on the search text that is also within
-    # it on the confirmation text (chosen on one sample, confirmed on another)
-    say("confirm on the confirmation text, cheapest first")
-    for row in sorted((r for r in measured.values() if r["passes"]), key=lambda r: (r["cost"], r["degradation"])):
-        if row["key"] == "unquantized":
-            q = measure(base, ref_c)
-        else:
-            q = measure(models[row["key"]], ref_c)
-        d, se = q["degradation"][target_metric]
-        row.update(confirmation_degradation=d, confirmation_degradation_se=se, confirmed=d <= limit,
-                   confirmed_beyond_noise=d + 2 * se <= limit,
-                   confirmation_metrics={k: v for k, v in q.items() if k != "degradation"})
-        if row["confirmed"]:
-            best = row
-            break
+    # 7. recommendation: picked on the search text, confirmed on the confirmation text
+    say("confirm the pick on the confirmation text")
+
+    def confirm(row: dict) -> tuple[float, float]:
+        m = models.get(row["key"]) or build(row)
+        q = measure(m, ref_c)
+        row["confirmation_metrics"] = {k: v for k, v in q.items() if k != "degradation"}
+        return tuple(q["degradation"][target_metric])
+
+    best, tries = recommend(list(measured.values()), confirm, limit, objective)
     verdict = None
     if objective == "latency" and best["key"] != "unquantized":
         from workbench.measure.compare import compare_samples
@@ -327,20 +344,22 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
         cmpn = compare_samples(best["samples"], unq["samples"], names=("recommended", "unquantized"))
         verdict = cmpn.as_dict()
         best["verdict_vs_unquantized"] = cmpn.verdict
-    rejected = [r["key"] for r in measured.values() if r.get("confirmed") is False]
     rec = {"key": best["key"], "label": best["label"], "recipe": best["recipe"], "recipe_fields": best["recipe_fields"],
            "degradation": best["confirmation_degradation"], "degradation_se": best["confirmation_degradation_se"],
            "search_degradation": best["degradation"], "search_degradation_se": best["degradation_se"], "limit": limit,
-           "passes_beyond_noise": best["confirmed_beyond_noise"], "cost": best["cost"],
-           "cost_vs_unquantized": best["cost_vs_unquantized"], "metrics": best["confirmation_metrics"],
-           "assignment": best["assignment"], "latency_comparison": verdict, "not_confirmed": rejected}
+           "passes_beyond_noise": best["confirmation_degradation"] + 2 * best["confirmation_degradation_se"] <= limit,
+           "cost": best["cost"], "cost_vs_unquantized": best["cost_vs_unquantized"],
+           "metrics": best.get("confirmation_metrics") or best["metrics"], "assignment": best["assignment"],
+           "latency_comparison": verdict, "confirmation_tries": [r["key"] for r in tries],
+           "not_confirmed": [r["key"] for r in tries if not r["confirmed"]]}
     from workbench.quant.calibrate_report import reasons
 
-    rec["reasons"] = reasons(rec, measured, sens, target_metric, objective, limit)
+    rec["reasons"] = reasons(rec, measured, sens, target_metric, objective, limit, cost=cost, units=units)
 
-    return {"dataset": str(dataset), "model": str(folder), "device": str(device), "target_metric": target_metric,
-            "max_degradation": limit, "degradation_units": UNITS[target_metric],
-            "objective": objective, "search_space": names, "backend": backend, "threads": torch.get_num_threads(),
+    return {"dataset": str(dataset), "model": str(folder), "device": str(device), "dtype": str(next(base.parameters()).dtype),
+            "target_metric": target_metric, "max_degradation": limit, "degradation_units": UNITS[target_metric],
+            "objective": objective, "memory": memory if objective == "memory" else None, "search_space": names,
+            "backend": backend, "tie_fused": tie_fused, "units": units, "threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count(), "diagnostics": diag, "warnings": warnings,
             "reference": {k: {"ppl": r.ppl, "top1": float(r.top1_hits.double().mean()),
                               "exact_match": None if r.em_hits is None else float(r.em_hits.mean()),
@@ -348,9 +367,11 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
                           for k, r in (("search", ref), ("confirmation", ref_c))},
             "evaluation": {**spec["confirmation"], **em}, "search_evaluation": {**spec["search"], **em},
             "calibration": spec["calibration"] if needs_cal else None,
-            "sensitivity": sens, "layer_costs": layer_cost,
-            "front": [{"index": i, "label": m.label(), "predicted_cost": m.cost, "predicted_degradation": m.degradation,
-                       "measured_as": front_keys.get(i)} for i, m in enumerate(front)],
+            "sensitivity": sens, "layer_costs": layer_cost, "cost_offset": offset,
+            "front": [{"index": i, "label": expand(m, units).label(), "predicted_cost": m.cost,
+                       "predicted_degradation": m.degradation, "measured_as": front_keys.get(i)}
+                      for i, m in enumerate(front)],
             "candidates": sorted(measured.values(), key=lambda r: r["cost"]), "recommendation": rec,
-            "latency": {"decode_steps": decode_steps, "rounds": rounds, "layer_rows": latency_rows} if objective == "latency" else None,
+            "latency": {"decode_steps": decode_steps, "rounds": rounds, "layer_rows": latency_rows}
+            if objective == "latency" else None,
             "seconds": {"sensitivity": t_sens, "layer_costs": t_cost, "total": time.perf_counter() - t_start}}

@@ -19,53 +19,62 @@ from workbench.quant.search import DENSE
 from workbench.quant.sensitivity import layer_kind
 
 
-def reasons(rec: dict, measured: dict, sens: list[dict], metric: str, objective: str, limit: float) -> list[str]:
-    """Why the recommendation is what it is, in sentences built from the measurements."""
+def reasons(rec: dict, measured: dict, sens: list[dict], metric: str, objective: str, limit: float,
+            cost: dict | None = None, units: dict | None = None) -> list[str]:
+    """Why the recommendation is what it is, in sentences built from the measurements
+    (``cost``: the per-unit costs, ``units``: unit -> layers, as the search used them)."""
     out = []
     unit = "bytes" if objective == "memory" else "ms per decode step"
     cost_s = (lambda c: f"{c / 2**20:.2f} MiB") if objective == "memory" else (lambda c: f"{c:.3f} ms")
     lim = describe_degradation(metric, limit)
-    out.append(f"least measured {objective} ({unit}) among the measured mixes whose {metric} degradation is within "
-               f"{lim} on the search text and on the confirmation text: {rec['label']} at {cost_s(rec['cost'])} "
-               f"({rec['cost_vs_unquantized']:.3f}x the unquantized model); degradation "
+    tries = rec.get("confirmation_tries") or []
+    out.append(f"least measured {objective} ({unit}) among the measured mixes within {lim} on the search text, "
+               f"confirmed on the confirmation text: {rec['label']} at {cost_s(rec['cost'])} "
+               f"({rec['cost_vs_unquantized']:.3f}x the unquantized model); {metric} degradation "
                f"{describe_degradation(metric, rec['degradation'], rec['degradation_se'])} on the confirmation text "
                f"(search text: {describe_degradation(metric, rec['search_degradation'], rec['search_degradation_se'])})"
                + ("" if rec["passes_beyond_noise"] else " - within 2 standard errors of the limit: another sample of "
                   "text could put it over"))
     if rec.get("not_confirmed"):
-        out.append(f"cheaper mixes within the limit on the search text but over it on the confirmation text: "
-                   f"{', '.join(rec['not_confirmed'])} (chosen on noise)")
+        out.append(f"within the limit on the search text but over it on the confirmation text: "
+                   f"{', '.join(rec['not_confirmed'])}; the recommendation is the fallback (a mix within the limit "
+                   f"beyond 2 standard errors on the search text{', or the unquantized model' if rec['key'] == 'unquantized' else ''})"
+                   + (f", and its figure was measured on a confirmation text already used once ({len(tries)} tries): "
+                      "read it as slightly optimistic" if len(tries) > 1 and rec["key"] != "unquantized" else ""))
     if rec.get("latency_comparison"):
         out.append(f"decode step vs the unquantized model: {rec['latency_comparison']['verdict']}")
     for key, r in measured.items():
         if r["kind"] == "uniform" and key != rec["key"] and key != "unquantized":
             state = "within the limit" if r["passes"] else "over the limit"
             out.append(f"{key} everywhere: {describe_degradation(metric, r['degradation'], r['degradation_se'])} "
-                       f"({state}), {cost_s(r['cost'])}")
+                       f"on the search text ({state}), {cost_s(r['cost'])}")
     a = rec.get("assignment") or {}
-    if a:
-        lowest = {}
-        for r in sens:
-            lowest.setdefault(r["option"], []).append(r)
-        by_opt: dict[str, list[str]] = {}
-        for l, o in a.items():
-            by_opt.setdefault(o, []).append(l)
-        cheapest_q = [o for o in by_opt if o != DENSE]
-        for o, layers in sorted(by_opt.items(), key=lambda kv: len(kv[1])):
-            if len(layers) == len(a):
-                continue
-            short = ", ".join(_short(l) for l in layers[:6]) + (f" and {len(layers) - 6} more" if len(layers) > 6 else "")
-            if o == DENSE:
-                out.append(f"left unquantized: {short}" + (" - no option was cheaper there, or their single-layer "
-                                                          "degradation was the largest" if cheapest_q else ""))
-            else:
-                worst = [r for r in sens if r["layer"] in layers and r["option"] != o]
-                if worst:
-                    w = max(worst, key=lambda r: r[metric][0])
-                    out.append(f"{o}: {short} (e.g. {_short(w['layer'])} alone under {w['option']}: "
-                               f"{describe_degradation(metric, *w[metric])})")
-                else:
-                    out.append(f"{o}: {short}")
+    if not a or cost is None or units is None:
+        return out
+    unit_opt = {u: a[ls[0]] for u, ls in units.items() if ls[0] in a}
+    d = {(r["layer"], r["option"]): r[metric] for r in sens}
+    by_opt: dict[str, list[str]] = {}
+    for u, o in unit_opt.items():
+        by_opt.setdefault(o, []).append(u)
+    for o, us in sorted(by_opt.items(), key=lambda kv: len(kv[1])):
+        if len(us) == len(unit_opt):
+            continue
+        short = ", ".join(_short(u) for u in us[:6]) + (f" and {len(us) - 6} more" if len(us) > 6 else "")
+        # the cheaper options these units did not get, and what the worst of them measured alone
+        cheaper = [(u, o2) for u in us for o2 in {k[1] for k in cost if k[0] == u}
+                   if cost[(u, o2)] < cost[(u, o)] and (u, o2) in d]
+        if cheaper:
+            u, o2 = max(cheaper, key=lambda k: d[k][0])
+            out.append(f"{'left unquantized' if o == DENSE else o}: {short} - a cheaper option costs quality there: "
+                       f"{_short(u)} alone under {o2} measured {describe_degradation(metric, *d[(u, o2)])}")
+        elif o == DENSE:
+            fastest_q = min((cost[(u, o2)] for u in us for o2 in {k[1] for k in cost if k[0] == u} if o2 != DENSE),
+                            default=None)
+            out.append(f"left unquantized: {short} - no option is cheaper there"
+                       + (f" (dense {cost_s(sum(cost[(u, DENSE)] for u in us) / len(us))} per unit, the cheapest "
+                          f"quantized option {cost_s(fastest_q)})" if fastest_q is not None else ""))
+        else:
+            out.append(f"{o}: {short} - the cheapest option there")
     return out
 
 
@@ -91,12 +100,14 @@ def write_outputs(res: dict, out_dir) -> dict:
                     "degradation_se": rec["degradation_se"], "max_degradation": res["max_degradation"],
                     "metrics": rec["metrics"], "objective": res["objective"], "cost": rec["cost"],
                     "cost_vs_unquantized": rec["cost_vs_unquantized"], "backend": res["backend"],
+                    "device": res["device"], "dtype": res.get("dtype"), "memory": res.get("memory"),
                     "evaluation": res["evaluation"], "model": res["model"]}
         paths["recipe"] = save_recipe(out / "recipe.json", QuantRecipe.from_dict(rec["recipe_fields"]),
                                       calibration=res["calibration"], reported=reported)
     cols = ["key", "kind", "label", "degradation", "degradation_se", "passes", "passes_beyond_noise",
             "confirmation_degradation", "confirmation_degradation_se", "confirmed", "cost", "cost_vs_unquantized",
-            "pareto", "predicted_cost", "predicted_degradation", "recipe"]
+            "stored_bytes", "op_copy_bytes", "ms", "ms_min", "ms_max", "pareto", "predicted_cost",
+            "predicted_degradation", "recipe"]
     pd.DataFrame([{c: r.get(c) for c in cols} | {"recommended": r["key"] == rec["key"]} for r in res["candidates"]]
                  ).to_csv(out / "pareto.csv", index=False)
     paths["pareto"] = out / "pareto.csv"
@@ -135,22 +146,32 @@ def evaluation_set(doc: dict, tokenizer) -> EvalSet:
     ev = (doc.get("reported") or {}).get("evaluation")
     if not ev:
         raise ConfigError("this recipe file has no 'reported.evaluation': it was not written by the calibrator")
-    return EvalSet.build(windows_from_spec(ev, tokenizer), em_prompt=ev["em_prompt"], em_tokens=ev["em_tokens"],
-                         em_prompts=ev["em_prompts"])
+    return EvalSet.build(windows_from_spec(ev, tokenizer), em_prompt=ev.get("em_prompt", 64),
+                         em_tokens=ev.get("em_tokens", 4), em_prompts=ev.get("em_prompts", 32))
 
 
 def check_reported(doc: dict, model, reference_model, tokenizer) -> dict:
     """Measure ``model`` (quantized with the recipe of ``doc``, e.g. ``LLM(quant=path).model``)
     on the recipe's evaluation windows against ``reference_model`` (the unquantized one) and
     set the result beside what the calibrator reported."""
-    rep = doc["reported"]
+    rep = doc.get("reported")
+    if not isinstance(rep, dict) or any(k not in rep for k in ("target_metric", "degradation", "max_degradation")):
+        raise ConfigError("this recipe file has no complete 'reported' figure (target_metric, degradation, "
+                          "max_degradation): it was not written by the calibrator")
     metric = rep["target_metric"]
     ev = evaluation_set(doc, tokenizer)
     q = measure(model, Reference(reference_model, ev, exact_match=metric == "exact_match"))
     d, se = q["degradation"][metric]
-    return {"metric": metric, "reported": rep["degradation"], "reported_se": rep["degradation_se"],
-            "measured": d, "measured_se": se, "difference": d - rep["degradation"],
-            "limit": rep["max_degradation"], "passes": d <= rep["max_degradation"]}
+    diff = d - rep["degradation"]
+    return {"metric": metric, "reported": rep["degradation"], "reported_se": rep.get("degradation_se"),
+            "measured": d, "measured_se": se, "difference": diff, "tolerance": REPRODUCE_TOLERANCE,
+            "reproduced": abs(diff) <= REPRODUCE_TOLERANCE, "limit": rep["max_degradation"],
+            "passes": d <= rep["max_degradation"]}
+
+
+# the same recipe measured again on the same windows differs only by float reductions (thread
+# count, op order): ~1e-9 relative here; a different number means different weights or text
+REPRODUCE_TOLERANCE = 1e-6
 
 
 P_BEYOND_2SE = 0.0455          # two-sided normal tail beyond 2 standard errors

@@ -1,4 +1,5 @@
-"""Quantized checkpoints that vLLM and transformers load: compressed-tensors, format ``pack-quantized``.
+"""Quantized checkpoints in the format vLLM and transformers load: compressed-tensors, ``pack-quantized``
+(transformers is checked against it in the tests; vLLM is not run here).
 
 ::
 
@@ -42,7 +43,7 @@ from workbench.model.checkpoint import (_check_finite, _read_json, check_headers
                                         expected_shapes, read_safetensors_header, read_tensors, regular_file)
 from workbench.model.decoder import CausalLM
 from workbench.model.loader import _model_folder, default_dtype, parse_dtype, read_config, resolve_device
-from workbench.quant.apply import QuantLinear
+from workbench.quant.apply import QuantLinear, set_module
 from workbench.quant.compressed_config import (LayerScheme, assign_layers, build_config, check_recipe,
                                                derive_recipe, vllm_notes)
 from workbench.quant.compressed_layout import expected_tensors, from_compressed, strategy_of, to_compressed
@@ -280,7 +281,7 @@ def load_compressed(folder: str | Path, device: str | torch.device | None = None
     with torch.device("meta"):
         model = CausalLM(cfg)
     for n in layers:                     # placeholders: no meta weight to move, scales keep float32 below
-        _set(model, n, nn.Identity())
+        set_module(model, n, nn.Identity())
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -294,7 +295,7 @@ def load_compressed(folder: str | Path, device: str | torch.device | None = None
                             q.bits, q.group, q.shape, dt)
         bias = state.get(f"{n}.bias")
         rel = errors.get(n, {}).get("rel_error") if isinstance(errors.get(n), dict) else None
-        _set(model, n, QuantLinear(q, None if bias is None else bias.to(dev, dt), recipe.layer_settings(n, inp), rel))
+        set_module(model, n, QuantLinear(q, None if bias is None else bias.to(dev, dt), recipe.layer_settings(n, inp), rel))
     left = [k for k, v in list(model.named_parameters()) + list(model.named_buffers()) if v.is_meta]
     if left:
         raise CheckpointError(f"{folder}: no values for {', '.join(left[:5])} after loading")
@@ -304,8 +305,3 @@ def load_compressed(folder: str | Path, device: str | torch.device | None = None
                               "groups": sorted({s.group_name for s in layers.values()}),
                               "method_recorded": doc is not None}
     return model.eval()
-
-
-def _set(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, module)

@@ -14,8 +14,9 @@ settings for that layer (group fallbacks included), put on the quantization back
 (:func:`~workbench.quant.apply.set_quant_backend`) - so it counts what the backend keeps beside
 the stored weight (torch's int4 CPU op holds a repacked copy) and runs the kernel that would run.
 
-**Bytes** are the storages of the module's tensors (integers, scales, zero points, bias) plus
-the backend's own copies: exact, no noise.  **Time** is one forward of ``rows`` input rows
+**Bytes** are the storages of the module's tensors (integers, scales, zero points, bias: what
+the format stores, and what a GPU's kernels hold), and with ``op_copies`` also the backend's own
+copies (torch's int4 CPU op repacks every int4 weight into a second buffer): exact, no noise.  **Time** is one forward of ``rows`` input rows
 (1 = a decode step's matrix-vector product), median of ``repeats`` calls, the options of one
 layer shape interleaved over ``rounds`` (A B C, C B A, ...) so that drift hits all of them; layers
 of the same shape and settings share one measurement.  Layer times do not add up to a step's
@@ -49,9 +50,10 @@ def build_option(lin: nn.Linear, name: str, recipe, backend: str = "auto") -> nn
     return q
 
 
-def module_bytes(mod: nn.Module) -> int:
-    """Resident bytes of one (quantized) linear: its storages plus the backend's own copies."""
-    extra = getattr(getattr(mod, "_op", None), "extra_bytes", 0)
+def module_bytes(mod: nn.Module, op_copies: bool = False) -> int:
+    """Bytes of one (quantized) linear: its storages (integers, scales, zero points, bias: the
+    stored format) plus, with ``op_copies``, what its backend keeps beside them."""
+    extra = getattr(getattr(mod, "_op", None), "extra_bytes", 0) if op_copies else 0
     return storage_bytes(_own_tensors(mod)) + extra
 
 
@@ -60,17 +62,30 @@ def _class_key(lin: nn.Linear, name: str, option: str, recipe) -> tuple:
     return (lin.in_features, lin.out_features, lin.bias is not None, option, st)
 
 
-def layer_bytes(model: nn.Module, targets: list[str], options: dict, backend: str = "auto") -> dict:
-    """``{(layer, option): bytes}`` for every target layer (an ``nn.Linear``) and option."""
+def layer_bytes(model: nn.Module, targets: list[str], options: dict, backend: str = "auto",
+                op_copies: bool = False) -> dict:
+    """``{(layer, option): bytes}`` for every target layer (an ``nn.Linear``) and option: the
+    stored format's bytes, plus the backend's own copies with ``op_copies``."""
     out, cache = {}, {}
     for name in targets:
         lin = model.get_submodule(name)
         for opt, recipe in options.items():
             key = _class_key(lin, name, opt, recipe)
             if key not in cache:
-                cache[key] = module_bytes(build_option(lin, name, recipe, backend))
+                cache[key] = module_bytes(build_option(lin, name, recipe, backend), op_copies)
             out[(name, opt)] = cache[key]
     return out
+
+
+def interleaved(sides: dict, rounds: int) -> dict[str, list[float]]:
+    """``{name: [one sample per round]}``: each side's function called once a round, in order
+    on even rounds and reversed on odd ones (A B C, C B A, ...), so drift hits every side."""
+    keys = list(sides)
+    samples: dict = {k: [] for k in keys}
+    for r in range(rounds):
+        for k in (keys if r % 2 == 0 else keys[::-1]):
+            samples[k].append(sides[k](r))
+    return samples
 
 
 def _sync(dev: torch.device) -> None:
@@ -112,11 +127,7 @@ def layer_latency(model: nn.Module, targets: list[str], options: dict, rows: int
         first = model.get_submodule(names[0])
         x = torch.randn(rows, inp, generator=g).to(device=first.weight.device, dtype=first.weight.dtype)
         mods = {k: build_option(model.get_submodule(n), n, options[o], backend) for k, (n, o) in classes.items()}
-        times: dict[tuple, list[float]] = {k: [] for k in mods}
-        keys = list(mods)
-        for r in range(rounds):
-            for k in (keys if r % 2 == 0 else keys[::-1]):
-                times[k].append(_time_call(mods[k], x, repeats))
+        times = interleaved({k: (lambda r, m=m: _time_call(m, x, repeats)) for k, m in mods.items()}, rounds)
         for name in names:
             lin = model.get_submodule(name)
             for opt, recipe in options.items():

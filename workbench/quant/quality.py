@@ -22,8 +22,10 @@ than the unquantized one (what ``--max-degradation`` bounds):
 
 Every degradation comes with its standard error from the *paired* per-token (per-prompt)
 differences: both models score the same tokens, so what makes a token hard cancels.  Tokens of
-one document are correlated: read it as a lower bound on the noise.  ``agreement`` (share of
-positions whose argmax equals the reference's) is reported beside them.
+one window are correlated, so the per-token error understates the noise; the error reported is
+the larger of the per-token one and the per-window one (the spread of the windows' mean
+differences over the square root of their number), which counts each window once.
+``agreement`` (share of positions whose argmax equals the reference's) is reported beside them.
 
 The unquantized model's log-probabilities are kept for the KL: ``tokens x vocab x 4`` bytes
 (2,048 tokens of the bundled 8,192-token vocabulary: 64 MiB).
@@ -74,9 +76,15 @@ def paired_stats(nll: torch.Tensor, nll_ref: torch.Tensor) -> dict:
     return {"ppl": ppl, "rel_ppl": ppl / ppl_ref - 1, "rel_ppl_se": (ppl / ppl_ref) * se, "tokens": int(d.numel())}
 
 
-def _mean_se(x: torch.Tensor) -> tuple[float, float]:
+def _mean_se(x: torch.Tensor, sizes: list[int] | None = None) -> tuple[float, float]:
+    """Mean and standard error of per-token values; with ``sizes`` (tokens per window, in
+    order) the larger of the per-token and the per-window error (see the module docstring)."""
     x = x.double()
-    return float(x.mean()), (float(x.std() / math.sqrt(x.numel())) if x.numel() > 1 else float("nan"))
+    se = float(x.std() / math.sqrt(x.numel())) if x.numel() > 1 else float("nan")
+    if sizes and len(sizes) > 1:
+        means = torch.stack([c.mean() for c in torch.split(x, sizes)])
+        se = max(se, float(means.std() / math.sqrt(len(sizes))))
+    return float(x.mean()), se
 
 
 @dataclass
@@ -157,12 +165,14 @@ def measure(model, ref: Reference) -> dict:
     """Every metric of ``model`` on ``ref``'s tokens, each paired with the reference (see the
     module docstring); ``degradation``: ``{metric: (value, se)}``."""
     nll, logps = token_nll(model, ref.evalset.windows)
+    sizes = [len(w) - 1 for w in ref.evalset.windows]
     st = paired_stats(nll, ref.nll)
+    st["rel_ppl_se"] = (st["ppl"] / ref.ppl) * _mean_se(nll - ref.nll, sizes)[1]     # per window, when larger
     kl_t = torch.cat([(lr.exp() * (lr - lq)).sum(-1) for lr, lq in zip(ref.logps, logps)])
     arg = torch.cat([lq.argmax(-1) for lq in logps])
     hits = arg == ref.next_ids
-    kl, kl_se = _mean_se(kl_t)
-    drop, drop_se = _mean_se(ref.top1_hits.double() - hits.double())
+    kl, kl_se = _mean_se(kl_t, sizes)
+    drop, drop_se = _mean_se(ref.top1_hits.double() - hits.double(), sizes)
     out = {**st, "ppl_ref": ref.ppl, "kl": kl, "kl_se": kl_se,
            "top1": float(hits.double().mean()), "top1_ref": float(ref.top1_hits.double().mean()),
            "agreement": float((arg == torch.cat([lr.argmax(-1) for lr in ref.logps])).double().mean()),

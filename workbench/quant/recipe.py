@@ -36,10 +36,11 @@ quantized unless ``skip`` says otherwise; ``overrides`` give per-layer settings 
 suffix (``(("down_proj", {"weight_bits": 8}),)``; later entries win).
 
 **Per-layer mixes** (what ``workbench calibrate-quant`` writes): ``skip`` and ``overrides`` name
-layers by a dotted suffix of the module name - one component (``"lm_head"``, ``"down_proj"``),
-or as many as needed up to the full name (``"model.layers.3.mlp.down_proj"``) - so a mix is a
-base recipe, the layers it leaves dense in ``skip``, and the layers with other settings in
-``overrides``.  :meth:`QuantRecipe.to_dict` / :meth:`QuantRecipe.from_dict` round-trip a recipe
+layers (:func:`name_matches`): one component wherever it occurs (``"lm_head"``, ``"down_proj"``,
+``"mlp"``), or a dotted suffix of the module name up to the full name
+(``"model.layers.3.mlp.down_proj"``) - so a mix is a base recipe, the layers it leaves dense in
+``skip``, and the layers with other settings in ``overrides``.  An entry that names no layer of
+the model is an error when the model is quantized (a recipe made for another model).  :meth:`QuantRecipe.to_dict` / :meth:`QuantRecipe.from_dict` round-trip a recipe
 through JSON; :func:`save_recipe` / :func:`load_recipe` write and read a *recipe file* (the recipe
 plus where its calibration text came from and what quality was measured with it), which
 ``LLM(quant="path/recipe.json")`` and ``--quant path/recipe.json`` accept.
@@ -61,11 +62,15 @@ METHODS = ("rtn", "awq", "gptq")
 RECIPE_FORMAT = "workbench-quant-recipe"
 
 
-def name_matches(name: str, suffix: str) -> bool:
-    """``suffix`` names ``name`` by whole dotted components from the end: ``"down_proj"`` and
-    ``"layers.3.mlp.down_proj"`` match ``"model.layers.3.mlp.down_proj"``; ``"3.mlp.down_proj"``
-    does not match ``"model.layers.13.mlp.down_proj"``."""
-    return name == suffix or name.endswith("." + suffix)
+def name_matches(name: str, entry: str) -> bool:
+    """Whether a ``skip`` / ``overrides`` entry names the module ``name``: one component
+    (``"down_proj"``, ``"mlp"``, ``"lm_head"``) matches wherever it occurs in the dotted name;
+    a dotted entry matches whole components from the end (``"layers.3.mlp.down_proj"`` and the
+    full name match ``"model.layers.3.mlp.down_proj"``; ``"3.mlp.down_proj"`` does not match
+    ``"model.layers.13.mlp.down_proj"``)."""
+    if "." not in entry:
+        return entry in name.split(".")
+    return name == entry or name.endswith("." + entry)
 
 
 @dataclass(frozen=True)
@@ -97,17 +102,25 @@ class QuantRecipe:
         if self.group_fallback not in FALLBACKS:
             raise ConfigError(f"QuantRecipe field 'group_fallback' must be one of {FALLBACKS}, "
                               f"got {self.group_fallback!r}")
-        if isinstance(self.skip, str) or not all(isinstance(x, str) and x for x in self.skip):
+        if not isinstance(self.skip, tuple) or not all(isinstance(x, str) and x for x in self.skip):
             raise ConfigError(f"QuantRecipe field 'skip' must be a tuple of layer names, got {self.skip!r}")
+        if not isinstance(self.overrides, tuple):
+            raise ConfigError(f"QuantRecipe field 'overrides' must be a tuple of (layer name, {{field: value}}) pairs, "
+                              f"got {self.overrides!r}")
         # method and smooth act on the whole model (calibration, folding): not per layer
         allowed = {f.name for f in dataclasses.fields(self)} - {"overrides", "skip", "method", "smooth"}
         for item in self.overrides:
-            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], dict)):
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and item[0]
+                    and isinstance(item[1], dict)):
                 raise ConfigError(f"QuantRecipe field 'overrides': expected (name suffix, {{field: value}}) pairs, "
                                   f"got {item!r}")
             bad = set(item[1]) - allowed
             if bad:
                 raise ConfigError(f"QuantRecipe field 'overrides' for {item[0]!r}: unknown fields {sorted(bad)}")
+            try:            # the settings the layer would get must be a valid recipe themselves
+                dataclasses.replace(self, overrides=(), **item[1])
+            except ConfigError as e:
+                raise ConfigError(f"QuantRecipe field 'overrides' for {item[0]!r}: {e}") from None
 
     def skips(self, name: str) -> bool:
         """Whether the linear layer ``name`` stays dense (one of ``skip`` names it)."""
@@ -174,7 +187,7 @@ class QuantRecipe:
         r = self
         for suffix, changes in self.overrides:
             if name_matches(name, suffix):
-                r = dataclasses.replace(r, **changes)
+                r = dataclasses.replace(r, overrides=(), **changes)     # (the overrides were checked once, on self)
         group, per_channel, note = r.group, r.per_channel, None
         if group is not None and in_features % group:
             if r.group_fallback == "pow2":
@@ -222,7 +235,12 @@ class QuantRecipe:
                 raise ConfigError(f"{where}: field 'overrides' must be a list of [layer suffix, {{field: value}}]")
             kw["overrides"] = tuple((it[0], dict(it[1])) if isinstance(it, (list, tuple)) and len(it) == 2
                                     and isinstance(it[1], dict) else it for it in items)
-        return cls(**kw)
+        try:
+            return cls(**kw)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        except TypeError as e:          # a field of the wrong JSON type deep inside
+            raise ConfigError(f"{where}: {e}") from None
 
 
 def save_recipe(path: str | Path, recipe: QuantRecipe, calibration: dict | None = None, **extra) -> Path:

@@ -46,11 +46,13 @@ def search_space(spec: str | list[str]) -> dict:
         raise ConfigError("--search-space: give at least one scheme, e.g. w8a16,w4a16:g128,w4a8")
     opts: dict = {DENSE: None}
     for s in items:
-        if s.lower() == DENSE:
+        s = s.lower()
+        if s == DENSE:
             continue
         r = QuantRecipe.parse(s)
-        if s in opts:
-            raise ConfigError(f"--search-space: {s!r} is listed twice")
+        same = next((k for k, v in opts.items() if v == r), None)
+        if same is not None:
+            raise ConfigError(f"--search-space: {s!r} is the same scheme as {same!r}")
         opts[s] = r
     recipes = [r for r in opts.values() if r is not None]
     if not recipes:
@@ -70,7 +72,6 @@ class Mix:
     assignment: dict[str, str]
     cost: float
     degradation: float
-    lam: float | None = None
 
     def counts(self) -> dict[str, int]:
         return dict(Counter(self.assignment.values()))
@@ -88,7 +89,7 @@ def _choose(layer: str, options: list[str], delta: dict, cost: dict, lam: float)
 
 def _mix(layers, options, delta, cost, lam) -> Mix:
     a = {l: _choose(l, options, delta, cost, lam) for l in layers}
-    return Mix(a, sum(cost[(l, o)] for l, o in a.items()), sum(delta[(l, o)] for l, o in a.items()), lam)
+    return Mix(a, sum(cost[(l, o)] for l, o in a.items()), sum(delta[(l, o)] for l, o in a.items()))
 
 
 def lagrangian_front(layers: list[str], options: list[str], delta: dict, cost: dict) -> list[Mix]:
@@ -121,6 +122,11 @@ def lagrangian_front(layers: list[str], options: list[str], delta: dict, cost: d
 def uniform_mix(layers: list[str], option: str, delta: dict, cost: dict) -> Mix:
     a = {l: option for l in layers}
     return Mix(a, sum(cost[(l, option)] for l in layers), sum(delta[(l, option)] for l in layers))
+
+
+def expand(mix: Mix, units: dict[str, list[str]]) -> Mix:
+    """A mix over units as a mix over their layers (same predicted cost and degradation)."""
+    return Mix({layer: o for u, o in mix.assignment.items() for layer in units[u]}, mix.cost, mix.degradation)
 
 
 def mix_recipe(assignment: dict[str, str], options: dict, skip_default: tuple = ("embed_tokens", "lm_head")
