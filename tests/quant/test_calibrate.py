@@ -243,6 +243,12 @@ def test_recommend_confirms_the_pick_once_and_falls_back_beyond_noise():
     best, tries = recommend(rows, confirm, 0.02, "memory")
     assert best["key"] == "safe" and seen == ["cheap", "safe"] and [r["key"] for r in tries] == ["cheap", "safe"]
     assert best["confirmation_degradation"] == 0.006 and rows[1]["confirmed"] is False
+    # a fallback that passes on the confirmation text only by its point estimate is not enough at
+    # the second look: the next fallback (here the unquantized model) is taken
+    seen.clear()
+    best, tries = recommend([dict(r) for r in rows], lambda r: (0.025, 0.004) if r["key"] == "cheap" else (0.019, 0.004),
+                            0.02, "memory")
+    assert best["key"] == "unquantized" and [r["key"] for r in tries] == ["cheap", "safe"]
     seen.clear()
     best, tries = recommend([dict(r) for r in rows], lambda r: confirm(r, fails=()), 0.02, "memory")
     assert best["key"] == "cheap" and seen == ["cheap"] and len(tries) == 1          # confirmed at once: one look

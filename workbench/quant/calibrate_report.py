@@ -36,11 +36,12 @@ def reasons(rec: dict, measured: dict, sens: list[dict], metric: str, objective:
                + ("" if rec["passes_beyond_noise"] else " - within 2 standard errors of the limit: another sample of "
                   "text could put it over"))
     if rec.get("not_confirmed"):
-        out.append(f"within the limit on the search text but over it on the confirmation text: "
-                   f"{', '.join(rec['not_confirmed'])}; the recommendation is the fallback (a mix within the limit "
-                   f"beyond 2 standard errors on the search text{', or the unquantized model' if rec['key'] == 'unquantized' else ''})"
-                   + (f", and its figure was measured on a confirmation text already used once ({len(tries)} tries): "
-                      "read it as slightly optimistic" if len(tries) > 1 and rec["key"] != "unquantized" else ""))
+        out.append(f"within the limit on the search text but not confirmed on the confirmation text: "
+                   f"{', '.join(rec['not_confirmed'])}; the recommendation is "
+                   + ("the unquantized model, after every fallback failed" if rec["key"] == "unquantized" else
+                      "the first fallback (within the limit beyond 2 standard errors on the search text) that held "
+                      f"beyond 2 standard errors on the confirmation text, after {len(tries)} looks at it")
+                   + "")
     if rec.get("latency_comparison"):
         out.append(f"decode step vs the unquantized model: {rec['latency_comparison']['verdict']}")
     for key, r in measured.items():
@@ -215,8 +216,8 @@ def compare_domains(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> di
     * ``uniform``: each uniform mix's degradation on both texts' search halves (unpaired: the
       texts differ, so the standard errors add in quadrature) and whether the difference is
       beyond 2 of them;
-    * ``sensitivity``: per option, the rank correlation of the single-layer degradations and the
-      layers whose two deltas differ beyond 2 standard errors;
+    * ``sensitivity``: per option, the rank correlation of the single-unit degradations and the
+      units whose two deltas differ beyond 2 standard errors;
     * ``explanation``: sentences built from the above."""
     import math
 
@@ -268,17 +269,18 @@ def compare_domains(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> di
     for s in sens:
         k, n = len(s["layers_beyond_2se"]), s["layers"]
         s["chance_expected"], s["chance_p"] = n * P_BEYOND_2SE, binomial_tail(k, n, P_BEYOND_2SE)
-        expl.append(f"{s['option']} single-layer sensitivities: rank correlation {s['rank_correlation']:.2f} between the "
-                    f"texts; {k} of {n} layers differ beyond 2 standard errors, where chance alone gives "
-                    f"{s['chance_expected']:.1f} on average (probability of {k} or more by chance: {s['chance_p']:.2f})")
+        expl.append(f"{s['option']} single-unit sensitivities: rank correlation {s['rank_correlation']:.2f} between the "
+                    f"texts; " + (f"{k} of {n} units differ beyond 2 standard errors, where chance alone gives "
+                                  f"{s['chance_expected']:.1f} on average (probability of {k} or more by chance: "
+                                  f"{s['chance_p']:.2f})" if k else f"none of {n} units differs beyond 2 standard errors"))
     decisive = [u for u in uniform if u[f"{names[0]}_within_limit"] != u[f"{names[1]}_within_limit"]]
     layer_signal = any(s["chance_p"] < 0.05 / max(len(sens), 1) for s in sens)      # Bonferroni over the options
     if not same and not any(u["beyond_2se"] for u in decisive):
         expl.append("what decides between the recommendations is within the noise: the different choices come from "
                     "where figures with overlapping error bars fall against the limit"
-                    + (", although some single-layer sensitivities differ between the texts more often than chance "
+                    + (", although some single-unit sensitivities differ between the texts more often than chance "
                        "would make them" if layer_signal else
-                       "; no scheme's single-layer sensitivities differ between the texts more often than chance "
+                       "; no scheme's single-unit sensitivities differ between the texts more often than chance "
                        "would make them (at 5 %, over all schemes)"))
     elif not same:
         expl.append("the domains differ measurably where it decides: " + "; ".join(
@@ -286,3 +288,24 @@ def compare_domains(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> di
             for u in decisive if u["beyond_2se"]))
     return {"names": list(names), "same_recommendation": same, "recommendations": [ra["label"], rb["label"]],
             "layers_assigned_differently": diff, "uniform": uniform, "sensitivity": sens, "explanation": expl}
+
+
+def uniform_on_texts(texts: dict[str, list[list[int]]], schemes: list[str], model=None, device="cpu", dtype=None,
+                     metric: str = "ppl") -> list[dict]:
+    """Each scheme everywhere (round-to-nearest) on each text's windows, against the
+    unquantized model on the same windows: ``{"text", "scheme", "degradation", "se", "tokens"}``.
+    With all of a set's evaluation text this has far more tokens than a calibrator run's search
+    half, so it can tell whether two domains degrade differently beyond the noise."""
+    from workbench.model.loader import load_model
+    from workbench.quant.apply import quantize_model
+
+    base = load_model(model, device=device, dtype=dtype).eval()
+    rows = []
+    for name, windows in texts.items():
+        ref = Reference(base, EvalSet.build(windows), exact_match=metric == "exact_match")
+        for spec in schemes:
+            q = quantize_model(load_model(model, device=device, dtype=dtype).eval(), spec)
+            d, se = measure(q, ref)["degradation"][metric]
+            rows.append({"text": name, "scheme": spec, "degradation": d, "se": se, "tokens": ref.evalset.tokens,
+                         "windows": len(windows)})
+    return rows
