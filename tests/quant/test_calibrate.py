@@ -266,6 +266,10 @@ def test_recommend_latency_prefers_quality_when_speed_is_within_noise():
     assert best["key"] == "unquantized"              # the 1 % faster median is no measured speed-up
     best, _ = recommend([dict(unq), dict(close), fast], lambda r: (0.01, 0.002), 0.02, "latency", noise=0.05)
     assert best["key"] == "fast"
+    # slower with overlapping ranges and a degradation within noise of the fastest's: the fastest stays
+    slow = _row("slow", -0.0001, 0.0002, 23.0, [23.0, 22.0, 9.0, 24.0, 25.0])
+    best, _ = recommend([dict(unq), slow], lambda r: (0.0, 0.0), 0.02, "latency", noise=0.05)
+    assert best["key"] == "unquantized"
 
 
 # ---- review fixes: units, stored bytes, names that match nothing, splits by document ----------

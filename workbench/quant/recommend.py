@@ -12,9 +12,10 @@ interleaved round); the unquantized model is one of them (``key == "unquantized"
 
 1. **Pick on the search text.** Among mixes within the limit there (point estimate): for
    ``memory``, the fewest bytes (exact, so no noise; ties to the lower degradation); for
-   ``latency``, the fastest median *and every mix whose decode steps are not slower beyond the
-   noise* (:func:`workbench.measure.compare.compare_samples`), and of those the lowest
-   degradation - a speed-up nobody can measure does not justify a loss anyone can.
+   ``latency``, the fastest median - unless a mix whose decode steps are not slower beyond the
+   noise (:func:`workbench.measure.compare.compare_samples`) degrades less beyond 2 standard
+   errors, then the fastest of those: a speed-up nobody can measure does not justify a loss
+   anyone can (and a quality difference within the noise does not justify a slower median).
 2. **Confirm it once** on the confirmation text, which took no part in the pick: its figure
    there is the one reported.
 3. **If it fails there**, the pick was within the limit by noise.  The fallbacks are the mixes
@@ -39,9 +40,11 @@ def _pick(rows: list[dict], objective: str, noise: float | None = None) -> dict:
     from workbench.measure.compare import compare_samples
 
     fastest = min(rows, key=lambda r: (r["cost"], r["degradation"]))
-    tied = [r for r in rows if r is fastest or
-            compare_samples(fastest["samples"], r["samples"], names=("fastest", "other"), noise=noise).winner is None]
-    return min(tied, key=lambda r: (r["degradation"], r["cost"]))
+    # mixes the fastest does not beat beyond the noise, and whose quality beats the fastest's
+    # beyond 2 standard errors: a measured gain in quality for an unmeasurable loss in speed
+    better = [r for r in rows if r is not fastest and r["degradation"] + 2 * r["degradation_se"] < fastest["degradation"]
+              and compare_samples(fastest["samples"], r["samples"], names=("fastest", "other"), noise=noise).winner is None]
+    return min(better, key=lambda r: (r["cost"], r["degradation"])) if better else fastest
 
 
 def recommend(candidates: list[dict], confirm: Callable[[dict], tuple[float, float]], limit: float,
