@@ -101,7 +101,7 @@ def read_jsonl(path: str | Path, text_field: str = "text") -> list[dict]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"{p}, line {lineno}: bad JSON ({e.msg} at column {e.colno})") from None
+            raise DataError(f"{p}, line {lineno}: bad JSON ({e.msg}: column {e.colno})") from None
         if not isinstance(obj, dict):
             raise DataError(f"{p}, line {lineno}: expected a JSON object with a {text_field!r} field, "
                             f"got {type(obj).__name__}")
