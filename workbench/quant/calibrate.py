@@ -226,6 +226,10 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
     em = dict(em_prompt=em_prompt, em_tokens=em_tokens, em_prompts=em_prompts)
     ref = Reference(base, EvalSet.build(win["search"], **em), exact_match=target_metric == "exact_match")
     ref_c = Reference(base, EvalSet.build(win["confirmation"], **em), exact_match=target_metric == "exact_match")
+    if target_metric == "exact_match" and min(len(ref.evalset.prompts), len(ref_c.evalset.prompts)) < 20:
+        warnings.append(f"exact_match on {len(ref.evalset.prompts)} search / {len(ref_c.evalset.prompts)} confirmation "
+                        "prompts: each prompt moves the figure by several points (more or longer windows, or "
+                        "shorter --em-prompt)")
     needs_cal = any(r is not None and r.needs_calibration for r in options.values())
     calibration = win["calibration"] if needs_cal else None
 
