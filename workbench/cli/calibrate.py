@@ -200,7 +200,7 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--em-prompt", type=int, default=64, help="exact_match: prompt tokens")
     p.add_argument("--em-tokens", type=int, default=4, help="exact_match: continuation tokens to match")
     p.add_argument("--em-prompts", type=int, default=32, help="exact_match: prompts")
-    p.add_argument("--max-measured", type=int, default=10, help="mixes quantized and measured for real")
+    p.add_argument("--max-measured", type=int, default=10, help="mixes quantized and measured for real (at least the uniform ones: one per scheme)")
     p.add_argument("--decode-steps", type=int, default=16, help="latency: decode steps per round")
     p.add_argument("--rounds", type=int, default=5, help="latency: interleaved rounds per mix")
     p.add_argument("--threads", default=None, help="torch threads: N or auto (default min(2, CPUs))")

@@ -139,8 +139,8 @@ class LLM:
     the quantized layers compute (:func:`workbench.quant.apply.set_quant_backend`: ``auto`` =
     torch's packed CPU ops on a CPU, the Triton kernels on a GPU; ``reference`` = dequantize,
     then matmul); layers a backend cannot run keep the reference.  A ``model`` folder holding a
-    compressed-tensors ``pack-quantized`` checkpoint (``workbench quantize`` writes them; vLLM and
-    transformers read them) loads quantized as stored (:func:`workbench.quant.compressed.load_compressed`,
+    compressed-tensors ``pack-quantized`` checkpoint (``workbench quantize`` writes them; the format
+    vLLM and transformers read) loads quantized as stored (:func:`workbench.quant.compressed.load_compressed`,
     ``model.recipe`` set); its layers go on ``quant_backend`` and ``quant=`` is refused.
     """
 

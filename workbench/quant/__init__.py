@@ -20,10 +20,17 @@ model, beside ``transforms``, below ``engine``.
   (:func:`cpu_op`) and their timing (:func:`cpu_op_timing`); ``kernel_ops`` - the Triton kernels
   of ``workbench_kernels.quant_matmul`` as a backend (:func:`kernel_op`);
 * ``compressed`` - quantized checkpoints in the compressed-tensors ``pack-quantized`` format that
-  vLLM and transformers load (:func:`save_compressed`, :func:`load_compressed`,
+  vLLM and transformers load (transformers checked by the tests; vLLM not run here) (:func:`save_compressed`, :func:`load_compressed`,
   :func:`is_compressed_checkpoint`), with ``compressed_config`` (the ``quantization_config``) and
   ``compressed_layout`` (the packed tensors, bit for bit); ``export`` - quantize a model folder
-  and write such a checkpoint (:func:`quantize_checkpoint`, ``workbench quantize``).
+  and write such a checkpoint (:func:`quantize_checkpoint`, ``workbench quantize``);
+* the calibrator (``workbench calibrate-quant``): ``quality`` (ppl / KL / top-1 / exact match paired
+  with the unquantized model), ``sensitivity`` (one unit quantized at a time), ``costs`` (measured
+  bytes and time per layer and option; decode steps), ``search`` (the search space, the Lagrangian
+  front, a mix as one recipe), ``recommend`` (the rule: picked on the search text, confirmed on the
+  confirmation text), ``calibrate`` (:func:`calibrate`, the whole run) and ``calibrate_report``
+  (reasons, outputs, :func:`compare_domains`, the reproduction check); recipe files
+  (:func:`save_recipe` / :func:`load_recipe`) carry a mix and the text it was measured on.
 
 ``LLM(quant="w4a16:g128:awq")`` / ``workbench generate|serve --quant ...`` use it;
 ``workbench quant-bench`` and notebook 05 measure it.
@@ -33,7 +40,7 @@ from workbench._exports import exports, lazy
 
 _EXPORTS = exports({
     "workbench.quant.rtn": "QuantizedWeight compute_scales encode_weight pack_int4 quantize_weight unpack_int4",
-    "workbench.quant.recipe": "QuantRecipe",
+    "workbench.quant.recipe": "QuantRecipe load_recipe save_recipe",
     "workbench.quant.apply": "QuantLinear quantization_report quantize_model set_quant_backend weight_bytes",
     "workbench.quant.calib": "LinearInputs collect_linear_inputs",
     "workbench.quant.fold": "fold_scales scale_groups",
@@ -45,6 +52,8 @@ _EXPORTS = exports({
     "workbench.quant.kernel_ops": "kernel_op kernel_op_reason",
     "workbench.quant.compressed": "is_compressed_checkpoint load_compressed save_compressed",
     "workbench.quant.export": "quantize_checkpoint",
+    "workbench.quant.calibrate": "calibrate",
+    "workbench.quant.calibrate_report": "check_reported compare_domains write_outputs",
 })
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy(__name__, _EXPORTS)
