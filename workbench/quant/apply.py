@@ -84,8 +84,7 @@ def quantize_model(model: nn.Module, recipe: QuantRecipe | str, calibration=None
     if getattr(model, "recipe", None) is not None:
         raise ConfigError(f"quantize_model: the model is already quantized ({model.recipe.name}); load it again")
     _check_names(model, recipe)
-    targets = [(name, mod) for name, mod in model.named_modules()
-               if isinstance(mod, nn.Linear) and not recipe.skips(name)]
+    targets = [(name, model.get_submodule(name)) for name in target_names(model, recipe)]
     if any(name.split(".")[-1] == "lm_head" for name, _ in targets):
         raise ConfigError("quantize_model: the LM head cannot be quantized here (the engine reads its weight for "
                           "device and dtype, and a tied head is the embedding); keep 'lm_head' in the recipe's skip")
@@ -99,6 +98,12 @@ def quantize_model(model: nn.Module, recipe: QuantRecipe | str, calibration=None
     model.recipe = recipe
     model.quant_calibration = calib["report"]
     return model
+
+
+def target_names(model: nn.Module, recipe: QuantRecipe) -> list[str]:
+    """The layers :func:`quantize_model` quantizes: every ``nn.Linear`` that no entry of
+    ``recipe.skip`` names (:meth:`QuantRecipe.skips`), in module order."""
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not recipe.skips(n)]
 
 
 def _check_names(model: nn.Module, recipe: QuantRecipe) -> None:

@@ -96,6 +96,7 @@ import torch
 from torch import nn
 
 from workbench.errors import ConfigError
+from workbench.quant.apply import target_names  # noqa: F401 - also this module's API (the layers GPTQ solves)
 from workbench.quant.recipe import QuantRecipe
 from workbench.quant.rtn import QuantizedWeight, compute_scales, encode_weight, qrange, quantize_weight
 
@@ -227,13 +228,6 @@ def gptq_weight(w: torch.Tensor, h: torch.Tensor, bits: int = 4, group: int | No
     stored = encode_weight(Q, scales, zeros, bits, group, per_channel if group is None else True)
     stored = dataclasses.replace(stored, dtype=w.dtype)
     return stored, Q, {"damp": used, "dead": int(dead.sum())}
-
-
-def target_names(model: nn.Module, recipe: QuantRecipe) -> list[str]:
-    """The layers :func:`~workbench.quant.apply.quantize_model` quantizes: every ``nn.Linear``
-    that no entry of ``recipe.skip`` names (:meth:`QuantRecipe.skips`), in module order."""
-    return [n for n, m in model.named_modules()
-            if isinstance(m, nn.Linear) and not recipe.skips(n)]
 
 
 def sequential_steps(names: list[str]) -> list[list[str]]:

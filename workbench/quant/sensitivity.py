@@ -36,8 +36,9 @@ from workbench.quant.recipe import QuantRecipe
 def linear_targets(model: nn.Module, recipe: QuantRecipe | None = None) -> list[str]:
     """The ``nn.Linear`` layers a recipe quantizes (not in its ``skip``; default: all but the
     embedding and the LM head), in module order."""
-    recipe = recipe or QuantRecipe()
-    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not recipe.skips(n)]
+    from workbench.quant.apply import target_names
+
+    return target_names(model, recipe or QuantRecipe())
 
 
 def layer_kind(name: str) -> tuple[int | None, str]:
