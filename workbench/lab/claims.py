@@ -1,0 +1,278 @@
+"""The claims lab: every testable claim of the two source articles, measured here, with a verdict.
+
+::
+
+    results = run_claims(mode="smoke")                 # every claim, small sizes (about a minute on 2 cores)
+    results = run_claims(["prefix_ttft_spread"], mode="full")
+    print(format_claims(results)); claims_table(results)   # text / DataFrame
+    workbench claims --json                               # the same from the command line
+
+A claim (:class:`Claim`) is one sentence of an article with its number, where it comes from
+(``A §…`` is ``seeds/000_…``, the "GPT Pro 4x" field report; ``B §…`` is ``seeds/001_…``, the
+architecture teardown), the layer it is about, and a ``measure`` function that returns a
+:class:`Finding`: the measured figure, the verdict and the reason for it.
+
+**Verdicts.**
+
+* ``holds`` / ``does not hold``: measured in this run.  A verdict rests on a comparison beyond
+  the machine's measured noise (:mod:`workbench.measure.compare`: interleaved runs, ranges that
+  do not overlap, ratios beyond the noise floor) or on an exact count (bytes, hit rates,
+  launches).  A claimed effect that this run cannot separate from the noise *does not hold*
+  here, and the finding says how large an effect the run could have seen.
+* ``cannot be tested here``: the claim needs something this machine does not have; the reason
+  says what.  Claims marked ``device="cpu"`` are built to be measured on any CPU, so for them
+  this verdict is recorded as a defect (:func:`problems`).
+* ``not measured``: a GPU claim with no committed GPU results (``results/gpu/``) to read.
+* ``error``: the measurement raised; the error is recorded and the other claims still run.
+
+The article's absolute numbers (ms on an H100, QPS of a hosted service) are not this machine's;
+each finding says which part of a claim is checked: the mechanism and its direction, the ratio,
+or the exact figure when the claim is arithmetic (bytes of a KV cache).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+HOLDS = "holds"
+FAILS = "does not hold"
+UNTESTABLE = "cannot be tested here"
+NOT_MEASURED = "not measured"
+ERROR = "error"
+VERDICTS = (HOLDS, FAILS, UNTESTABLE, NOT_MEASURED, ERROR)
+MODES = ("smoke", "full")
+
+SOURCES = {"A": "seeds/000_065ae5fdb3d95309.txt (the 'GPT Pro 4x' field report)",
+           "B": "seeds/001_0eb65aeb4169625e.txt (the architecture teardown)"}
+
+
+@dataclass
+class Finding:
+    """What a measurement found: the verdict, the figure in one line, and why."""
+
+    verdict: str
+    figure: str                                   # "TTFT sd 3.1 -> 0.4 ms; hit rate 96.0 %"
+    reason: str                                   # the comparison and the noise behind the verdict
+    values: dict[str, Any] = field(default_factory=dict)    # the numbers, JSON-ready
+    table: list[dict] | None = None               # rows behind the figure (optional)
+
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"Finding: verdict {self.verdict!r} is not one of {VERDICTS}")
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One testable claim of an article and the function that measures it."""
+
+    id: str
+    claim: str                                    # the article's statement, with its number
+    source: str                                   # "A §2 (layer 2)", "B §5.3"
+    layer: str                                    # "prefix cache", "scheduler", "serving", ...
+    device: str                                   # "cpu": measured on any machine; "gpu": read from results/gpu
+    measure: Callable[["ClaimContext"], Finding]
+
+
+@dataclass
+class ClaimResult:
+    """One row of the claims table."""
+
+    id: str
+    claim: str
+    source: str
+    layer: str
+    device: str
+    verdict: str
+    figure: str
+    reason: str
+    values: dict[str, Any]
+    table: list[dict] | None
+    seconds: float
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        return _jsonable(asdict(self))
+
+
+def _jsonable(v):
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, float) and v != v:            # NaN -> null
+        return None
+    if hasattr(v, "item") and getattr(v, "shape", None) == ():
+        return _jsonable(v.item())
+    if isinstance(v, (str, int, float, bool)) or v is None:
+        return v
+    return str(v)
+
+
+class ClaimContext:
+    """What the claims share in one run: the mode, one loaded model, the noise floor, a scratch dict.
+
+    ``ctx.llm()`` loads the model once (the thread count measured once) and returns the same
+    ``LLM``; build other engines on ``ctx.llm().loaded`` (``LLMEngine(ctx.llm().loaded, ...)``)
+    so that nothing loads twice.  ``ctx.size(smoke, full)`` picks a size by mode.
+    ``ctx.noise`` is the relative noise floor of this machine (one probe per run).
+    """
+
+    def __init__(self, mode: str = "smoke", model=None, device: str | None = "cpu", threads=None,
+                 gpu_root=None) -> None:
+        if mode not in MODES:
+            from workbench.errors import ConfigError
+            raise ConfigError(f"claims: mode must be one of {MODES}, got {mode!r}")
+        self.mode, self.model, self.device, self.threads, self.gpu_root = mode, model, device, threads, gpu_root
+        self.smoke = mode == "smoke"
+        self.scratch: dict[str, Any] = {}
+        self._llm = None
+        self._probe = None
+
+    def size(self, smoke, full):
+        return smoke if self.smoke else full
+
+    def llm(self):
+        if self._llm is None:
+            from workbench.engine.llm import LLM
+
+            self._llm = LLM(self.model, device=self.device, threads=self.threads)
+        return self._llm
+
+    @property
+    def probe(self):
+        if self._probe is None:
+            from workbench.measure.probe import noise_probe
+
+            self._probe = noise_probe()
+        return self._probe
+
+    @property
+    def noise(self) -> float:
+        return float(self.probe.threshold)
+
+    def gpu_table(self, name: str):
+        """The newest committed GPU table ``name`` (``workbench.measure.gpu_results.latest``), or None."""
+        from workbench.measure import gpu_results
+
+        return gpu_results.latest(name, root=self.gpu_root)
+
+
+def all_claims() -> list[Claim]:
+    """Every claim, in the order of the articles' layers."""
+    from workbench.lab import claims_gpu, claims_model, claims_serving
+
+    out = [*claims_serving.CLAIMS, *claims_model.CLAIMS, *claims_gpu.CLAIMS]
+    ids = [c.id for c in out]
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        raise RuntimeError(f"claims: duplicate ids {dup}")
+    return out
+
+
+def select(ids=None) -> list[Claim]:
+    """The claims named by ``ids`` (a list or a comma-separated string), all when None."""
+    claims = all_claims()
+    if not ids:
+        return claims
+    if isinstance(ids, str):
+        ids = [i.strip() for i in ids.split(",") if i.strip()]
+    by_id = {c.id: c for c in claims}
+    unknown = [i for i in ids if i not in by_id]
+    if unknown:
+        from workbench.errors import ConfigError
+        raise ConfigError(f"claims: unknown claim id(s) {unknown}; known: {', '.join(by_id)}")
+    return [by_id[i] for i in ids]
+
+
+def measure_claim(claim: Claim, ctx: ClaimContext) -> ClaimResult:
+    """Measure one claim; a measurement that raises becomes an ``error`` row (never raises)."""
+    t0 = time.perf_counter()
+    err = None
+    try:
+        f = claim.measure(ctx)
+        if not isinstance(f, Finding):
+            raise TypeError(f"{claim.id}: measure returned {type(f).__name__}, expected a Finding")
+    except Exception as e:  # noqa: BLE001 - one claim's failure must not end the others
+        err = f"{type(e).__name__}: {e}"
+        tb = traceback.format_exc(limit=4)
+        f = Finding(ERROR, "-", f"the measurement raised {err}", values={"traceback": tb})
+    return ClaimResult(id=claim.id, claim=claim.claim, source=claim.source, layer=claim.layer, device=claim.device,
+                       verdict=f.verdict, figure=f.figure, reason=f.reason, values=dict(f.values), table=f.table,
+                       seconds=time.perf_counter() - t0, error=err)
+
+
+def run_claims(ids=None, mode: str = "smoke", model=None, device: str | None = "cpu", threads=None,
+               gpu_root=None, progress: bool = False, ctx: ClaimContext | None = None) -> list[ClaimResult]:
+    """Measure the claims named by ``ids`` (all when None), one after another, in one context."""
+    claims = select(ids)
+    ctx = ctx or ClaimContext(mode=mode, model=model, device=device, threads=threads, gpu_root=gpu_root)
+    out = []
+    for c in claims:
+        if progress:
+            print(f"[claims] {c.id} ...", flush=True)
+        r = measure_claim(c, ctx)
+        if progress:
+            print(f"[claims] {c.id}: {r.verdict} ({r.seconds:.1f} s): {r.figure}", flush=True)
+        out.append(r)
+    return out
+
+
+def problems(results: list[ClaimResult]) -> list[str]:
+    """What makes a claims run incomplete: errors, and CPU claims without a measured verdict."""
+    bad = []
+    for r in results:
+        if r.verdict == ERROR:
+            bad.append(f"{r.id}: {r.error}")
+        elif r.device == "cpu" and r.verdict not in (HOLDS, FAILS):
+            bad.append(f"{r.id}: a CPU claim must be measured here, got {r.verdict!r} ({r.reason})")
+        elif r.verdict in (HOLDS, FAILS) and not r.figure.strip("- "):
+            bad.append(f"{r.id}: a verdict without a measured figure")
+    return bad
+
+
+def claims_table(results: list[ClaimResult]):
+    """A DataFrame, one row per claim: id, source, claim, figure, verdict, reason, seconds."""
+    import pandas as pd
+
+    return pd.DataFrame([{"id": r.id, "layer": r.layer, "source": r.source, "claim": r.claim, "measured": r.figure,
+                          "verdict": r.verdict, "why": r.reason, "device": r.device, "seconds": round(r.seconds, 1)}
+                         for r in results]).set_index("id")
+
+
+def verdict_counts(results: list[ClaimResult]) -> dict[str, int]:
+    return {v: sum(r.verdict == v for r in results) for v in VERDICTS if any(r.verdict == v for r in results)}
+
+
+def format_claims(results: list[ClaimResult], width: int = 100) -> str:
+    """The claims as plain text: one block per claim."""
+    import textwrap
+
+    lines = []
+    for r in results:
+        lines.append(f"[{r.verdict.upper()}] {r.id} ({r.source}; {r.layer}; {r.seconds:.1f} s)")
+        for label, text in (("claim", r.claim), ("measured", r.figure), ("why", r.reason)):
+            lines.extend(textwrap.wrap(text, width=width, initial_indent=f"  {label + ':':<10}",
+                                       subsequent_indent=" " * 12) or [f"  {label}:"])
+    counts = ", ".join(f"{n} {v}" for v, n in verdict_counts(results).items())
+    lines.append(f"{len(results)} claims: {counts}")
+    return "\n".join(lines)
+
+
+def claims_report(results: list[ClaimResult], ctx: ClaimContext | None = None) -> dict:
+    """The JSON document of ``workbench claims --json``: the run's facts and one object per claim."""
+    meta = {"format": "workbench-claims/1", "mode": ctx.mode if ctx else None, "machine": platform.machine(),
+            "python": platform.python_version(), "sources": SOURCES, "counts": verdict_counts(results)}
+    if ctx is not None and ctx._llm is not None:
+        from workbench.lab.context import run_facts
+
+        meta.update(_jsonable(run_facts(ctx._llm, ctx._probe)))
+    return {"meta": meta, "claims": [r.to_dict() for r in results], "problems": problems(results)}
+
+
+def dumps(results: list[ClaimResult], ctx: ClaimContext | None = None) -> str:
+    return json.dumps(claims_report(results, ctx), indent=2)
