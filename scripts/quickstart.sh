@@ -25,7 +25,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 echo "== installing the workbench, its test tools and the real clients the tests drive (lm-eval, guidellm)"
 # the constraints file keeps the torch installed above: neither client may pull another (CUDA) build
-.venv/bin/pip install -q -e ".[dev,real-clients]" -c constraints/real-clients.txt
+.venv/bin/pip install -q -e ".[dev,real-clients,ray]" -c constraints/real-clients.txt
 .venv/bin/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (workbench)" >/dev/null
 echo "== set up in $(( $(date +%s) - start )) s"
 

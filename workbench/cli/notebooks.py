@@ -1,5 +1,6 @@
 """``workbench run-notebooks``: execute notebooks with papermill (parameters, sweeps) and write
-an HTML report."""
+an HTML report; the points run here (``--jobs N`` at once) or as Ray tasks on a cluster
+(``--executor ray --address ... --num-gpus 1``)."""
 
 from __future__ import annotations
 
@@ -13,31 +14,52 @@ def _json_or_str(v: str):
         return v
 
 
+def _resources(text: str | None) -> dict | None:
+    from workbench.errors import ConfigError
+
+    if text is None:
+        return None
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--resources {text!r}: not JSON ({e}); expected an object, e.g. "
+                          "'{\"accelerator_type:H100\": 1}'") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"--resources {text!r}: expected a JSON object {{name: amount}}")
+    return d
+
+
 def cmd_run_notebooks(args) -> int:
+    from workbench.errors import ConfigError
     from workbench.lab.runner import run_notebooks
 
     params = {}
     for item in args.param or []:
         if "=" not in item:
-            from workbench.errors import ConfigError
             raise ConfigError(f"--param {item!r}: expected NAME=VALUE (VALUE parsed as JSON when possible)")
         k, v = item.split("=", 1)
         params[k] = _json_or_str(v)
     sweep = {}
     for item in args.sweep or []:
         if "=" not in item:
-            from workbench.errors import ConfigError
             raise ConfigError(f"--sweep {item!r}: expected NAME=V1,V2,... (each value parsed as JSON when possible)")
         k, v = item.split("=", 1)
         sweep[k] = [_json_or_str(x) for x in v.split(",")]
     result = run_notebooks(args.notebooks or None, parameters=params, out_dir=args.out, timeout=args.timeout,
-                           progress=not args.quiet, sweep=sweep or None)
+                           progress=not args.quiet, sweep=sweep or None, executor=args.executor, jobs=args.jobs,
+                           address=args.address, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
+                           memory=args.memory, resources=_resources(args.resources),
+                           check_resources=not args.no_resource_check)
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     else:
         for nb in result["notebooks"]:
             status = "ok" if nb["status"] == "ok" else f"FAILED: {nb.get('error', '')}"
-            print(f"{nb['name']:<28} {nb['seconds']:>7.1f} s  {status}")
+            w = nb.get("worker") or {}
+            where = f"{w.get('ip') or w.get('host') or '?'}:{w.get('pid') or '?'}"
+            print(f"{nb['name']:<28} {nb['seconds']:>7.1f} s  {where:<22} {status}")
+        if "sweep_csv" in result:
+            print(f"sweep: {result['sweep_csv']}")
         print(f"report: {result['report']}")
     return 0 if all(nb["status"] == "ok" for nb in result["notebooks"]) else 1
 
@@ -52,4 +74,27 @@ def add_run_notebooks_parser(sub) -> None:
     r.add_argument("--timeout", type=int, default=900, help="per-cell timeout in seconds")
     r.add_argument("--json", action="store_true", help="print the run summary as JSON")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
+    x = r.add_argument_group("where the points run")
+    x.add_argument("--executor", choices=["local", "ray"], default="local",
+                   help="local: on this machine (see --jobs); ray: one Ray task per notebook and sweep point on "
+                        "an existing Ray cluster (needs pip install -e \".[ray]\", and the workbench on every node)")
+    x.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="local: run up to N points at once, one process each (default 1: one after another; "
+                        "each kernel uses its own threads)")
+    x.add_argument("--address", default=None,
+                   help="ray: the cluster, e.g. HOST:6379, 'auto' (on a cluster node) or ray://HOST:10001 (Ray "
+                        "Client); default: RAY_ADDRESS, else a cluster started by `ray start` here, else a new "
+                        "local one")
+    x.add_argument("--num-cpus", type=float, default=None, metavar="N",
+                   help="ray: CPUs one point asks for (default 1; Ray sets the kernel's OMP_NUM_THREADS to it)")
+    x.add_argument("--num-gpus", type=float, default=None, metavar="N",
+                   help="ray: GPUs one point asks for, e.g. 1 (Ray sets CUDA_VISIBLE_DEVICES for its kernel; "
+                        "0.5 lets two points share one)")
+    x.add_argument("--memory", default=None, metavar="SIZE",
+                   help="ray: memory one point reserves, e.g. 8GiB or 512MB (a scheduling reservation, not a limit)")
+    x.add_argument("--resources", default=None, metavar="JSON",
+                   help="ray: custom resources one point asks for, e.g. '{\"accelerator_type:H100\": 1}'")
+    x.add_argument("--no-resource-check", action="store_true",
+                   help="ray: submit even when no live node has what one point asks for (an autoscaling cluster "
+                        "whose nodes are not up yet); otherwise that is an error, not a wait forever")
     r.set_defaults(func=cmd_run_notebooks)

@@ -16,7 +16,9 @@ The file is JSON, one object::
 :func:`load_results` reads it back with tables as DataFrames and figures as plotly dicts
 (``plotly.io.from_json(json.dumps(d))`` or :func:`figure_html` turns one into a figure).
 :func:`collect_results` and :func:`write_report` turn a batch run's sidecars into one table
-and one offline HTML page (used by :mod:`workbench.lab.runner`).
+and one offline HTML page (used by :mod:`workbench.lab.runner`); a sweep's table
+(:func:`sweep_frame`, ``sweep.csv``) has one row per point and ends with the worker that ran it
+(:data:`WORKER_COLUMNS`: executor, host, IP, pid, Ray node and worker id, GPUs).
 """
 
 from __future__ import annotations
@@ -27,8 +29,12 @@ import math
 import numbers
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from workbench.errors import WorkbenchError
+
+if TYPE_CHECKING:
+    import pandas
 
 FORMAT = "workbench-results/1"
 
@@ -142,18 +148,36 @@ def collect_results(records: list[dict]) -> dict:
     return out
 
 
-def sweep_frame(records: list[dict], loaded: dict) -> "pandas.DataFrame":  # noqa: F821
-    """One row per sweep point: notebook, the point's parameters, status, seconds, error, and
-    every metric its sidecar holds (empty for a failed point, which keeps its row)."""
+WORKER_COLUMNS = ("executor", "worker_host", "worker_ip", "worker_pid", "worker_node_id", "worker_id", "worker_gpus")
+
+
+def worker_columns(rec: dict) -> dict:
+    """The record's worker as sweep-table columns (the same columns for every executor; empty
+    where an executor has nothing to say, e.g. no Ray node id for a local process)."""
+    w = rec.get("worker") or {}
+    return {"executor": w.get("executor"), "worker_host": w.get("host"), "worker_ip": w.get("ip"),
+            "worker_pid": w.get("pid"), "worker_node_id": w.get("node_id"), "worker_id": w.get("worker_id"),
+            "worker_gpus": w.get("gpus")}
+
+
+def sweep_frame(records: list[dict], loaded: dict) -> pandas.DataFrame:
+    """One row per sweep point, in the records' (grid) order: notebook, the point's parameters,
+    status, seconds, error, every metric its sidecar holds (empty for a failed point, which
+    keeps its row), then the worker that ran it (:data:`WORKER_COLUMNS`)."""
     import pandas as pd
 
-    rows = []
+    rows, front, metric_cols = [], ["notebook"], []
     for rec in records:
-        metrics = loaded.get(rec["name"], {}).get("metrics", {})
-        rows.append({"notebook": rec.get("notebook", rec["name"]), **(rec.get("point") or {}),
-                     "status": rec["status"], "seconds": rec["seconds"], "error": rec.get("error") or "",
-                     **{k: v for k, v in metrics.items() if isinstance(v, (int, float, bool, str)) or v is None}})
-    return pd.DataFrame(rows)
+        point = rec.get("point") or {}
+        metrics = {k: v for k, v in loaded.get(rec["name"], {}).get("metrics", {}).items()
+                   if isinstance(v, (int, float, bool, str)) or v is None}
+        front += [k for k in point if k not in front]
+        metric_cols += [k for k in metrics if k not in metric_cols]
+        rows.append({"notebook": rec.get("notebook", rec["name"]), **point, "status": rec["status"],
+                     "seconds": rec["seconds"], "error": rec.get("error") or "", **metrics, **worker_columns(rec)})
+    fixed = front + ["status", "seconds", "error"]
+    cols = fixed + [c for c in metric_cols if c not in fixed and c not in WORKER_COLUMNS] + list(WORKER_COLUMNS)
+    return pd.DataFrame(rows, columns=cols)
 
 
 def environment(parameters: dict | None = None) -> dict:
@@ -192,6 +216,16 @@ def _kv_table(d: dict) -> str:
     return "<table>" + "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in d.items()) + "</table>"
 
 
+def _worker_text(w: dict | None) -> str:
+    if not w or not w.get("executor"):
+        return ""
+    where = w.get("host") or "?"
+    if w.get("ip"):
+        where += f" ({w['ip']})"
+    text = f"{w['executor']}: {where}" + (f" pid {w['pid']}" if w.get("pid") else "")
+    return text + (f" GPU {w['gpus']}" if w.get("gpus") else "")
+
+
 def sweep_figure(table, params: list[str], metrics: list[str] | None = None):
     """Latency vs load for a sweep: x = the last swept parameter (e.g. the request rate), one
     line per combination of the others (e.g. the window), one panel per metric (default: every
@@ -204,7 +238,7 @@ def sweep_figure(table, params: list[str], metrics: list[str] | None = None):
         return None
     x, groups = params[-1], params[:-1]
     ok = table[table["status"] == "ok"] if "status" in table else table
-    known = set(params) | {"notebook", "status", "seconds", "error"}
+    known = set(params) | {"notebook", "status", "seconds", "error"} | set(WORKER_COLUMNS)
     numeric = [c for c in ok.columns if c not in known and pd.api.types.is_numeric_dtype(ok[c])]
     metrics = [m for m in (metrics or [c for c in numeric if "p95" in c.lower()] or numeric[:1]) if m in numeric]
     if ok.empty or not metrics or not pd.api.types.is_numeric_dtype(ok[x]):
@@ -224,24 +258,26 @@ def sweep_figure(table, params: list[str], metrics: list[str] | None = None):
 
 
 def write_report(path: str | Path, records: list[dict], results: dict, parameters: dict | None = None,
-                 started=None, kernel: str | None = None, sweep: dict | None = None) -> Path:
-    """One self-contained HTML page: environment, notebook summary (status, seconds, links),
-    metrics table, and each notebook's tables and figures (plotly.js inlined once)."""
+                 started=None, kernel: str | None = None, sweep: dict | None = None,
+                 executor: str | None = None) -> Path:
+    """One self-contained HTML page: environment, notebook summary (status, seconds, worker,
+    links), metrics table, and each notebook's tables and figures (plotly.js inlined once)."""
     path = Path(path)
     title = f"Workbench notebook run {path.parent.name}"
     parts = [f"<h1>{_esc(title)}</h1>", "<h2>Environment</h2>", _kv_table(environment(parameters))]
     parts.append("<p>Parameters given to every notebook: "
                  f"<code>{_esc(json.dumps(parameters or {}))}</code>; kernel <code>{_esc(kernel)}</code>"
-                 + (f"; started {started:%Y-%m-%d %H:%M:%S} UTC" if started else "") + ".</p>")
+                 + (f"; started {started:%Y-%m-%d %H:%M:%S} UTC" if started else "")
+                 + (f"; executor: {_esc(executor)}" if executor else "") + ".</p>")
 
     parts.append("<h2>Notebooks</h2><table><tr><th>notebook</th><th>status</th><th>seconds</th>"
-                 "<th>results</th><th>error</th></tr>")
+                 "<th>worker</th><th>results</th><th>error</th></tr>")
     for rec in records:
         link = Path(rec["output"]).name
         has = f"<a href='#nb-{_esc(rec['name'])}'>yes</a>" if rec["name"] in results["notebooks"] else "no"
         parts.append(f"<tr><td><a href='{_esc(link)}'>{_esc(rec['name'])}</a></td>"
                      f"<td class='{_esc(rec['status'])}'>{_esc(rec['status'])}</td><td>{rec['seconds']:.1f}</td>"
-                     f"<td>{has}</td>"
+                     f"<td>{_esc(_worker_text(rec.get('worker')))}</td><td>{has}</td>"
                      f"<td style='text-align:left'><pre>{_esc(rec.get('error') or '')}</pre></td></tr>")
     parts.append("</table>")
 

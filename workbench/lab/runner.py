@@ -5,6 +5,8 @@
     res = run_notebooks()                                  # every notebooks/*.ipynb, defaults
     res = run_notebooks(["00_tour"], parameters={"model": "/path/to/model", "mode": "full"})
     res["report"]                                          # runs/<UTC timestamp>/report.html
+    res = run_notebooks(["04_scheduler"], sweep={"window_ms": [0, 5], "rate": [4, 8]}, jobs=2)
+    res = run_notebooks(["04_scheduler"], sweep={"rate": [4, 8]}, executor="ray", address="auto", num_gpus=1)
 
 Each notebook runs in a fresh kernel with its folder as the working directory; its executed
 copy goes to the run folder, and the runner injects ``results_path`` (a JSON sidecar in the
@@ -13,10 +15,18 @@ fails is recorded (status, error, seconds) and the run goes on; a kernel that fa
 (a port race between kernels starting together) is retried once.  Then every sidecar is
 collected into ``results.csv`` (one row per notebook and metric) and ``report.html``, which
 works offline: plotly.js is inlined once for all figures.
+
+Where the notebooks run is the executor's business (:mod:`workbench.lab.executors`): here one
+after another (the default), up to ``jobs`` at once in local processes, or as Ray tasks on a
+cluster with per-point resources.  This module alone decides what runs and where its files
+go; records, results.csv and sweep.csv are in grid order whatever order the points finish in,
+and each record names the worker that ran it (host, pid; Ray node, IP and worker id).  Ray is
+imported only when a Ray run starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -27,6 +37,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from workbench.errors import ConfigError
+from workbench.lab.executors import Task, failed_record, make_executor
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
@@ -36,7 +47,7 @@ FALLBACK_KERNEL = "workbench-python"
 
 # Messages of a kernel that did not come up (nothing was executed): worth one retry.
 _START_ERRORS = re.compile(r"address already in use|kernel died before replying|kinfo|didn't respond|"
-                           r"did not respond|failed to start|startup|zmqerror", re.I)
+                           r"did not respond|failed to start|startup|zmqerror", re.IGNORECASE)
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
@@ -86,7 +97,7 @@ def resolve_kernel(kernel_name: str | None = None) -> str:
         return kernel_name
     from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 
-    bare = {"python", f"python{sys.version_info[0]}", "python%d.%d" % sys.version_info[:2]}
+    bare = {"python", f"python{sys.version_info[0]}", f"python{sys.version_info[0]}.{sys.version_info[1]}"}
     try:
         exe = KernelSpecManager().get_kernel_spec(KERNEL_NAME).argv[0]
         # Same bin/ folder = same environment (python and python3 are both links in a venv).
@@ -125,19 +136,21 @@ def _strip_widget_state(path: Path) -> None:
 
 
 def execute_one(nb: Path, output: Path, parameters: dict, timeout: int | None, kernel_name: str,
-                attempts: int = 2) -> dict:
-    """Execute one notebook with papermill; never raises for a notebook's own failure."""
+                attempts: int = 2, cwd: Path | None = None) -> dict:
+    """Execute one notebook with papermill (working directory ``cwd``, default the notebook's
+    folder); never raises for a notebook's own failure."""
     import papermill as pm
     from papermill.exceptions import PapermillExecutionError
 
+    cwd = Path(nb).parent if cwd is None else Path(cwd)
     rec = {"name": nb.stem, "status": "ok", "seconds": 0.0, "output": str(output), "error": None,
-           "source": str(nb), "attempts": 0}
+           "source": str(nb), "attempts": 0, "cwd": str(cwd)}
     t0 = time.perf_counter()
     for attempt in range(1, attempts + 1):
         rec["attempts"] = attempt
         try:
             pm.execute_notebook(str(nb), str(output), parameters=parameters, kernel_name=kernel_name,
-                                progress_bar=False, log_output=False, cwd=str(nb.parent),
+                                progress_bar=False, log_output=False, cwd=str(cwd),
                                 execution_timeout=timeout, store_widget_state=False)
             rec["status"], rec["error"] = "ok", None
             break
@@ -154,10 +167,8 @@ def execute_one(nb: Path, output: Path, parameters: dict, timeout: int | None, k
             break
     rec["seconds"] = time.perf_counter() - t0
     if output.is_file():
-        try:
+        with contextlib.suppress(Exception):       # a half-written output is still worth keeping
             _strip_widget_state(output)
-        except Exception:  # noqa: BLE001 - a half-written output is still worth keeping
-            pass
     return rec
 
 
@@ -179,15 +190,24 @@ def point_label(point: dict) -> str:
 
 
 def run_notebooks(notebooks=None, parameters: dict | None = None, out_dir=None, timeout: int | None = 900,
-                  progress: bool = True, kernel_name: str | None = None, sweep: dict | None = None) -> dict:
-    """Execute notebooks one after another; returns {"run_dir", "report", "results_csv",
-    "notebooks": [{"name", "status", "seconds", "output", "error", "point", ...}]}.
+                  progress: bool = True, kernel_name: str | None = None, sweep: dict | None = None,
+                  executor="local", jobs: int | None = None, address: str | None = None,
+                  num_cpus: float | None = None, num_gpus: float | None = None, memory=None,
+                  resources: dict | None = None, check_resources: bool = True) -> dict:
+    """Execute notebooks; returns {"run_dir", "report", "results_csv", "notebooks": [{"name",
+    "status", "seconds", "output", "error", "point", "worker", ...}]} (+ "sweep_csv").
 
     ``parameters`` go to every notebook (plus its own ``results_path``); ``timeout`` is per
     cell, in seconds (None: no limit).  ``sweep`` (``{name: [values]}``) runs every notebook
     once per point of the grid, the point's values overriding ``parameters``; each point is
     its own record (a failed point is recorded and the sweep goes on), and ``sweep.csv`` holds
-    one row per point with its parameters, status and metrics.
+    one row per point with its parameters, status, metrics and the worker that ran it.
+
+    ``executor``: ``"local"`` (``jobs`` points at once, default 1: one after another in this
+    process), ``"ray"`` (one Ray task per point on the cluster at ``address``, each asking for
+    ``num_cpus`` (default 1), ``num_gpus``, ``memory`` (bytes or "8GiB") and custom
+    ``resources``; ``check_resources=False`` skips the check that some node can hold one point),
+    or an executor object from :mod:`workbench.lab.executors`.
     """
     from tqdm.auto import tqdm
 
@@ -195,29 +215,47 @@ def run_notebooks(notebooks=None, parameters: dict | None = None, out_dir=None, 
     parameters = dict(parameters or {})
     if "results_path" in parameters:
         raise ConfigError("run_notebooks: results_path is set by the runner for each notebook; do not pass it")
-    run_dir = new_run_dir(out_dir)
-    kernel = resolve_kernel(kernel_name)
-    started = datetime.now(timezone.utc)
-
     points = sweep_points(sweep)
     if sweep and "results_path" in sweep:
         raise ConfigError("run_notebooks: results_path cannot be swept")
-    records, seen = [], set()
-    bar = tqdm(total=len(paths) * len(points), desc="notebooks", unit="nb", disable=not progress, file=sys.stderr)
-    for nb in paths:
-        for point in points:
-            stem = nb.stem + (f"__{point_label(point)}" if point else "")
-            stem = stem if stem not in seen else f"{stem}-{len(seen)}"
-            seen.add(stem)
-            bar.set_postfix_str(stem)
-            sidecar = run_dir / f"{stem}.results.json"
-            rec = execute_one(nb, run_dir / f"{stem}.ipynb", {**parameters, **point, "results_path": str(sidecar)},
-                              timeout, kernel)
-            rec["name"], rec["notebook"], rec["point"] = stem, nb.stem, dict(point)
-            rec["results"] = str(sidecar) if sidecar.is_file() else None
-            records.append(rec)
+    ex = make_executor(executor, jobs=jobs, address=address, num_cpus=num_cpus, num_gpus=num_gpus, memory=memory,
+                       resources=resources, check_resources=check_resources)
+    ex.prepare()                  # e.g. Ray missing, no cluster, no node fits a point: said before any run folder
+    try:
+        run_dir = new_run_dir(out_dir)
+        kernel = ex.kernel(kernel_name)
+        started = datetime.now(timezone.utc)
+
+        tasks, seen = [], set()
+        for nb in paths:
+            for point in points:
+                stem = nb.stem + (f"__{point_label(point)}" if point else "")
+                stem = stem if stem not in seen else f"{stem}-{len(seen)}"
+                seen.add(stem)
+                tasks.append(Task(index=len(tasks), name=stem, notebook=nb, parameters={**parameters, **point},
+                                  output=run_dir / f"{stem}.ipynb", results=run_dir / f"{stem}.results.json",
+                                  timeout=timeout, kernel=kernel, point=dict(point)))
+
+        records: list = [None] * len(tasks)
+        bar = tqdm(total=len(tasks), desc="notebooks", unit="nb", disable=not progress, file=sys.stderr)
+
+        def done(task: Task, rec: dict) -> None:
+            rec["name"], rec["notebook"], rec["point"] = task.name, task.notebook.stem, dict(task.point)
+            rec["output"], rec["source"] = str(task.output), str(task.notebook)
+            rec["results"] = str(task.results) if task.results.is_file() else None
+            records[task.index] = rec
+            bar.set_postfix_str(task.name)
             bar.update()
-    bar.close()
+
+        try:
+            ex.run(tasks, done)
+        finally:
+            bar.close()
+    finally:
+        ex.close()
+    for task in tasks:                               # an executor that lost a task: still one row for it
+        if records[task.index] is None:
+            done(task, failed_record(task, f"the {ex.name} executor returned no record for this point"))
 
     from workbench.lab.results import collect_results, write_report
 
@@ -230,5 +268,6 @@ def run_notebooks(notebooks=None, parameters: dict | None = None, out_dir=None, 
         results["sweep"].to_csv(out["sweep_csv"], index=False)
     (run_dir / "summary.json").write_text(json.dumps(records, indent=2, default=str))
     out["report"] = str(write_report(run_dir / "report.html", records, results, parameters=parameters,
-                                     started=started, kernel=kernel, sweep=sweep))
+                                     started=started, kernel=kernel or "each worker's own Python",
+                                     sweep=sweep, executor=ex.describe()))
     return out
