@@ -1,0 +1,170 @@
+"""The model / memory claims (workbench.lab.claims_model): each measured once in smoke mode (one
+module fixture: about 20 s on 2 cores) to a verdict with a figure; the exact-bytes claim against
+its formula; every verdict rule on synthetic inputs, both ways."""
+
+from __future__ import annotations
+
+import pytest
+
+from workbench.lab import claims as lab
+from workbench.lab import claims_model as cm
+
+IDS = ["compute_share", "prefill_scaling", "kv_size_llama2_7b_32k", "request_memory_release", "cold_zone_reuse",
+       "calibrator_domain"]
+
+
+@pytest.fixture(scope="module")
+def smoke():
+    # one torch thread: a test must not depend on the thread count measured at load (on a shared
+    # 2-core machine two threads can be 10x slower for minutes; the claims' own rules are what is tested)
+    ctx = lab.ClaimContext(mode="smoke", threads=1)
+    results = lab.run_claims(IDS, ctx=ctx)
+    for r in results:
+        print(f"{r.id}: {r.verdict} in {r.seconds:.1f} s")
+    return {r.id: r for r in results}
+
+
+def test_the_six_claims_are_registered_for_the_cpu():
+    ids = [c.id for c in cm.CLAIMS]
+    assert ids == IDS
+    assert all(c.device == "cpu" and c.source.startswith("B §") for c in cm.CLAIMS)
+    assert set(IDS) <= {c.id for c in lab.all_claims()}
+
+
+@pytest.mark.parametrize("cid", IDS)
+def test_each_claim_gets_a_measured_verdict(smoke, cid):
+    r = smoke[cid]
+    assert r.verdict in (lab.HOLDS, lab.FAILS), (r.verdict, r.error, r.reason)
+    assert r.figure.strip("- ") and len(r.reason) > 80
+    assert r.reason.count(r.verdict) >= 1              # the reason says which verdict and why
+
+
+def test_the_smoke_run_is_complete(smoke):
+    assert lab.problems(list(smoke.values())) == []
+    doc = lab.claims_report(list(smoke.values()))
+    assert [c["id"] for c in doc["claims"]] == IDS
+
+
+def test_kv_size_is_the_formula_in_exact_bytes(smoke):
+    v = smoke["kv_size_llama2_7b_32k"].values
+    formula = 32 * 2 * 32 * 128 * 32768 * 2                # layers x K,V x kv heads x head_dim x tokens x fp16
+    assert v["exact_bytes"] == v["layout_bytes"] == v["extrapolated_bytes"] == formula == 17_179_869_184
+    assert v["consistent"] and v["size_ok"] and v["cap_ok"] and v["fits"] == [4, 3]
+    assert smoke["kv_size_llama2_7b_32k"].verdict == lab.HOLDS
+    for alloc in smoke["kv_size_llama2_7b_32k"].table:   # real allocations: layers x K,V x tokens x 32 x 128 x 2 bytes
+        want = alloc["layers"] * 2 * alloc["tokens"] * 32 * 128 * 2
+        assert alloc["paged_bytes"] == alloc["contiguous_bytes"] == want
+
+
+def test_compute_share_and_release_figures_are_measured(smoke):
+    v = smoke["compute_share"].values
+    assert len(v["shares"]) == 3 and all(0 < s <= 1 for s in v["shares"])
+    m = smoke["request_memory_release"].values
+    assert m["kv_bytes"]["contiguous"] > 0 and m["kv_bytes"]["paged"] > 0
+    assert all(x is not None and x >= 0 for xs in m["release_s"].values() for x in xs)
+    # the request that stops early: the contiguous cache reserved its max_tokens, the paged one did not
+    assert m["early_kv_bytes"]["contiguous"] > m["early_kv_bytes"]["paged"]
+
+
+# ---- the rules, on synthetic numbers ---------------------------------------------------------------
+
+def test_share_rule_both_ways():
+    assert cm.share_rule([0.33, 0.37, 0.40], 0.36, 0.1)[0] == lab.HOLDS
+    v, why = cm.share_rule([0.90, 0.95, 0.97], 0.36, 0.1)
+    assert v == lab.FAILS and "more than the claimed" in why
+    assert cm.share_rule([0.10, 0.12], 0.36, 0.1)[0] == lab.FAILS
+    assert cm.share_rule([0.30, 0.31], 0.36, 0.25)[0] == lab.HOLDS          # within the noise floor
+
+
+def _slopes(minima, medians):
+    return {"of_minima": minima, "of_medians": medians, "min": min(minima, medians), "max": max(minima, medians),
+            "median": medians}
+
+
+def test_slope_rule_both_ways():
+    assert cm.slope_rule(_slopes(1.9, 2.0), _slopes(1.05, 1.1))[0] == lab.HOLDS
+    v, why = cm.slope_rule(_slopes(1.2, 1.3), _slopes(1.05, 1.1))
+    assert v == lab.FAILS and "eager" in why
+    v, why = cm.slope_rule(_slopes(1.9, 2.0), _slopes(1.4, 1.6))      # the two estimates disagree: no verdict
+    assert v == lab.FAILS and "fused" in why
+
+
+def test_prefill_loglog_slope_is_exact_on_power_laws():
+    from workbench.bench.prefill_scaling import loglog_slope, slope_summary
+
+    assert loglog_slope([256, 512, 1024], [n ** 2 * 1e-6 for n in (256, 512, 1024)]) == pytest.approx(2.0)
+    s = slope_summary([512, 1024], {512: [1.0, 1.1, 5.0], 1024: [2.0, 2.1, 2.2]})     # one slow round at 512
+    assert s["of_minima"] == pytest.approx(1.0) and s["min"] < 0 < s["of_medians"]
+
+
+def test_kv_size_rule_both_ways():
+    exact, weights = 17_179_869_184, 13_476_831_232
+    cards = [cm.A100_80GB_BYTES, 80 * 10 ** 9]
+    r = cm.kv_size_rule(exact, 18, weights, cards, 4)
+    assert r["verdict"] == lab.HOLDS and r["fits"] == [4, 3] and r["rel_gb"] == pytest.approx(0.0477, abs=1e-3)
+    assert cm.kv_size_rule(exact, 25, weights, cards, 4)["verdict"] == lab.FAILS       # size 45 % off
+    r = cm.kv_size_rule(exact, 18, weights, cards, 2)
+    assert r["verdict"] == lab.FAILS and not r["cap_ok"]                                 # 4 fit, more than 2
+
+
+def test_release_rule_both_ways():
+    v, parts = cm.release_rule([1e-4] * 3, [1.2, 1.3, 1.1], 800, 2100, noise=0.1)
+    assert v == lab.HOLDS and len(parts) == 3
+    v, parts = cm.release_rule([1e-4] * 3, [2e-4] * 3, 800, 2100, noise=0.1)           # both instant
+    assert v == lab.FAILS and "no delayed release" in parts[-1]
+    v, parts = cm.release_rule([1e-4] * 3, [1.2] * 3, 2100, 2100, noise=0.1)           # no byte saving
+    assert v == lab.FAILS and "no saving" in parts[0]
+
+
+def _row(name, reuse, loses):
+    return {"name": name, "cold_reuse": reuse, "loses_quality": loses}
+
+
+def test_reuse_rule_both_ways():
+    good = [_row("a", 0.05, True), _row("b", 0.10, True), _row("c", 0.30, False), _row("d", 0.2, False)]
+    assert cm.reuse_rule(good)[0] == lab.HOLDS
+    v, why, wrong = cm.reuse_rule(good[:2] + [_row("e", 0.4, True), _row("f", 0.08, False)])
+    assert v == lab.FAILS and {r["name"] for r in wrong} == {"e", "f"} and "misclassifies 2 of 4" in why
+    v, why, _ = cm.reuse_rule([_row("a", 0.05, True), _row("b", 0.1, True)])           # nothing above 15 %
+    assert v == lab.FAILS and "separates nothing" in why
+
+
+def _udom(values):
+    return [{"text": t, "scheme": s, "degradation": d, "se": se} for (t, s), (d, se) in values.items()]
+
+
+def test_domain_rule_both_ways():
+    flip = _udom({("reference", "w4a16:g128"): (0.05, 0.005), ("reference", "w4a8"): (0.02, 0.005),
+                  ("prose", "w4a16:g128"): (0.01, 0.005), ("prose", "w4a8"): (0.04, 0.005)})
+    r = cm.domain_rule(flip)
+    assert r["verdict"] == lab.HOLDS and r["preference"]["reference"]["better"] == "w4a8"
+    same = _udom({("reference", "w4a16:g128"): (0.020, 0.002), ("reference", "w4a8"): (0.022, 0.002),
+                  ("prose", "w4a16:g128"): (0.019, 0.002), ("prose", "w4a8"): (0.021, 0.002)})
+    r = cm.domain_rule(same)
+    assert r["verdict"] == lab.FAILS and not r["flips"] and not r["gaps"]["w4a8"]["beyond_2se"]
+    # the calibrator's recommendations differ, decided by a figure that differs beyond noise
+    cal = {"same_recommendation": False, "uniform": [{"mix": "uniform w4a8", "reference_within_limit": True,
+                                                      "prose_within_limit": False, "beyond_2se": True}]}
+    assert cm.domain_rule(same, calibrator=cal)["verdict"] == lab.HOLDS
+    cal["uniform"][0]["beyond_2se"] = False
+    assert cm.domain_rule(same, calibrator=cal)["verdict"] == lab.FAILS
+
+
+def test_cold_reuse_counts_the_routed_cold_tokens_of_the_last_steps():
+    from types import SimpleNamespace
+
+    import torch
+
+    from workbench.bench.tier_reuse import cold_reuse
+    from workbench.kv.tier_config import TierConfig
+
+    cfg = TierConfig(window=4, sink=0, rank=1, warm_tokens=0, chunk=4, block=4, budget=4)
+    sel = torch.zeros(1, 1, 3, 8, dtype=torch.bool)      # queries 29, 30, 31 route blocks 0, 1, 2
+    for q in range(3):
+        sel[0, 0, q, q] = True
+    cache = SimpleNamespace(cfg=cfg, model_cfg=SimpleNamespace(num_hidden_layers=1), last_selection={0: sel})
+    # cold tokens at p: whole 4-token chunks ending at or before p - 3 -> 24, 24, 28 tokens
+    assert cold_reuse(cache, 32, 3, last=3)["reuse"] == pytest.approx((4 / 24 + 8 / 24 + 12 / 28) / 3)
+    assert cold_reuse(cache, 32, 3, last=1)["reuse"] == pytest.approx((4 / 24 + 4 / 24 + 4 / 28) / 3)
+    cache.last_selection = {}                              # no routing: nothing fetched back
+    assert cold_reuse(cache, 32, 3)["reuse"] == 0.0
