@@ -120,18 +120,20 @@ class ClaimContext:
     ``LLM``; build other engines on ``ctx.llm().loaded`` (``LLMEngine(ctx.llm().loaded, ...)``)
     so that nothing loads twice.  ``ctx.size(smoke, full)`` picks a size by mode.
     ``ctx.noise`` is the relative noise floor of this machine (one probe per run).
+    ``ClaimContext(llm=llm, probe=probe)`` reuses a model and a noise probe a notebook has already.
     """
 
     def __init__(self, mode: str = "smoke", model=None, device: str | None = "cpu", threads=None,
-                 gpu_root=None) -> None:
+                 gpu_root=None, llm=None, probe=None) -> None:
         if mode not in MODES:
             from workbench.errors import ConfigError
             raise ConfigError(f"claims: mode must be one of {MODES}, got {mode!r}")
         self.mode, self.model, self.device, self.threads, self.gpu_root = mode, model, device, threads, gpu_root
         self.smoke = mode == "smoke"
         self.scratch: dict[str, Any] = {}
-        self._llm = None
-        self._probe = None
+        self._llm = llm             # an LLM already loaded (a notebook's): reused, not loaded again
+        self._probe = probe         # a noise probe already taken (the notebook's), else one when first needed
+        self._closers: list[Callable[[], None]] = []    # on_close() / close(): resources of this run
 
     def size(self, smoke, full):
         return smoke if self.smoke else full
@@ -154,6 +156,27 @@ class ClaimContext:
     @property
     def noise(self) -> float:
         return float(self.probe.threshold)
+
+    # ---- resources a run opens (a server, engine threads): released by close() -------------------
+    def on_close(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` when this run's resources are released (:meth:`close`; :func:`run_claims`
+        calls it when its claims are done): stop a server or engine thread a claim started and
+        cached in ``scratch``.  Called last-registered first."""
+        self._closers.append(fn)
+
+    def close(self) -> None:
+        """Release what the claims opened (every ``on_close`` function, last first; one that raises
+        does not stop the others).  The loaded model stays; a later claim may open things again."""
+        errors = []
+        while self._closers:
+            fn = self._closers.pop()
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - release the rest, then say what failed
+                errors.append(f"{getattr(fn, '__qualname__', fn)}: {type(e).__name__}: {e}")
+        if errors:
+            raise RuntimeError("claims: closing the run's resources failed: " + "; ".join(errors))
+    # ---- end of on_close / close -------------------------------------------------------------------
 
     def gpu_table(self, name: str):
         """The newest committed GPU table ``name`` (``workbench.measure.gpu_results.latest``), or None."""
@@ -212,13 +235,21 @@ def run_claims(ids=None, mode: str = "smoke", model=None, device: str | None = "
     claims = select(ids)
     ctx = ctx or ClaimContext(mode=mode, model=model, device=device, threads=threads, gpu_root=gpu_root)
     out = []
-    for c in claims:
-        if progress:
-            print(f"[claims] {c.id} ...", flush=True)
-        r = measure_claim(c, ctx)
-        if progress:
-            print(f"[claims] {c.id}: {r.verdict} ({r.seconds:.1f} s): {r.figure}", flush=True)
-        out.append(r)
+    try:
+        for c in claims:
+            if progress:
+                print(f"[claims] {c.id} ...", flush=True)
+            r = measure_claim(c, ctx)
+            if progress:
+                print(f"[claims] {c.id}: {r.verdict} ({r.seconds:.1f} s): {r.figure}", flush=True)
+            out.append(r)
+    finally:
+        try:
+            ctx.close()      # servers / engine threads the claims started (ClaimContext.on_close)
+        except RuntimeError as e:   # the results stand; what could not be released is said
+            import warnings
+
+            warnings.warn(str(e), RuntimeWarning, stacklevel=2)
     return out
 
 
