@@ -36,7 +36,27 @@ def test_each_claim_gets_a_measured_verdict(smoke, cid):
     r = smoke[cid]
     assert r.verdict in (lab.HOLDS, lab.FAILS), (r.verdict, r.error, r.reason)
     assert r.figure.strip("- ") and len(r.reason) > 80
-    assert r.reason.count(r.verdict) >= 1              # the reason says which verdict and why
+    assert r.verdict == _rule_verdict(r)               # the verdict is the claim's rule on the numbers it recorded
+    assert f": {r.verdict} here" in r.reason or f"Verdict {r.verdict}" in r.reason
+
+
+def _rule_verdict(r) -> str:
+    """The verdict each claim's rule gives on the figures the finding recorded (values / table)."""
+    v = r.values
+    if r.id == "compute_share":
+        return cm.share_rule(v["shares"], v["claimed_share"], v["noise"])[0]
+    if r.id == "prefill_scaling":
+        return cm.slope_rule(v["slopes"]["math"], v["slopes"]["flash"])[0]
+    if r.id == "kv_size_llama2_7b_32k":
+        return lab.HOLDS if v["consistent"] and v["size_ok"] and v["cap_ok"] else lab.FAILS
+    if r.id == "request_memory_release":
+        return cm.release_rule(v["release_s"]["paged"], v["release_s"]["contiguous"], v["kv_bytes"]["paged"],
+                               v["kv_bytes"]["contiguous"], v["noise"])[0]
+    if r.id == "cold_zone_reuse":
+        return cm.reuse_rule(r.table)[0]
+    if r.id == "calibrator_domain":
+        return cm.domain_rule(r.table)["verdict"]
+    raise AssertionError(r.id)
 
 
 def test_the_smoke_run_is_complete(smoke):
@@ -59,11 +79,20 @@ def test_kv_size_is_the_formula_in_exact_bytes(smoke):
 def test_compute_share_and_release_figures_are_measured(smoke):
     v = smoke["compute_share"].values
     assert len(v["shares"]) == 3 and all(0 < s <= 1 for s in v["shares"])
+    assert v["primary"] == "in-process" and v["http_shares"] == []          # smoke: no HTTP, one setting ruled on
     m = smoke["request_memory_release"].values
     assert m["kv_bytes"]["contiguous"] > 0 and m["kv_bytes"]["paged"] > 0
     assert all(x is not None and x >= 0 for xs in m["release_s"].values() for x in xs)
-    # the request that stops early: the contiguous cache reserved its max_tokens, the paged one did not
-    assert m["early_kv_bytes"]["contiguous"] > m["early_kv_bytes"]["paged"]
+    # the old layout reserves the whole context, the paged request its tokens rounded up to 16-token blocks
+    assert m["kv_bytes"]["contiguous"] == m["context"] * m["bytes_per_token"]
+    toks = m["prompt_tokens"] + m["new_tokens"] - 1                     # the last token is never written
+    assert m["kv_bytes"]["paged"] == -(-toks // 16) * 16 * m["bytes_per_token"]
+    assert m["byte_ratio"] == pytest.approx(4.0)                        # a quarter of the context: 4x, not 2.6x
+
+
+def test_prefill_fits_at_least_three_lengths(smoke):
+    v = smoke["prefill_scaling"].values
+    assert len(v["fit_lengths"]) >= 3 and len(v["slopes"]["math"]["per_repeat"]) == 3
 
 
 # ---- the rules, on synthetic numbers ---------------------------------------------------------------
@@ -76,17 +105,25 @@ def test_share_rule_both_ways():
     assert cm.share_rule([0.30, 0.31], 0.36, 0.25)[0] == lab.HOLDS          # within the noise floor
 
 
-def _slopes(minima, medians):
-    return {"of_minima": minima, "of_medians": medians, "min": min(minima, medians), "max": max(minima, medians),
-            "median": medians}
+def test_the_forward_only_bounds_pure_compute_from_above():
+    # a forward share above 36 % says nothing about pure compute; one below it puts pure compute below too
+    assert "says nothing" in cm.pure_compute_bound([0.80, 0.85], 0.36, 0.1)
+    assert "below 36 % here too" in cm.pure_compute_bound([0.20, 0.25], 0.36, 0.1)
 
 
-def test_slope_rule_both_ways():
-    assert cm.slope_rule(_slopes(1.9, 2.0), _slopes(1.05, 1.1))[0] == lab.HOLDS
+def _slopes(lo, hi):
+    return {"per_repeat": [lo, hi], "min": lo, "max": hi, "median": (lo + hi) / 2, "of_minima": (lo + hi) / 2,
+            "of_medians": (lo + hi) / 2}
+
+
+def test_slope_rule_needs_the_rounds_separated():
+    assert cm.slope_rule(_slopes(1.8, 2.1), _slopes(0.9, 1.2))[0] == lab.HOLDS
     v, why = cm.slope_rule(_slopes(1.2, 1.3), _slopes(1.05, 1.1))
+    assert v == lab.FAILS and "eager's lowest round (1.20)" in why
+    v, why = cm.slope_rule(_slopes(1.8, 2.1), _slopes(0.54, 1.53))     # the smoke run's straddling fused rounds
+    assert v == lab.FAILS and "fused's highest round (1.53)" in why and "within noise" in why
+    v, why = cm.slope_rule(_slopes(1.45, 2.1), _slopes(0.9, 1.2))      # median 1.78 > 1.5, one round below
     assert v == lab.FAILS and "eager" in why
-    v, why = cm.slope_rule(_slopes(1.9, 2.0), _slopes(1.4, 1.6))      # the two estimates disagree: no verdict
-    assert v == lab.FAILS and "fused" in why
 
 
 def test_prefill_loglog_slope_is_exact_on_power_laws():
@@ -105,49 +142,62 @@ def test_kv_size_rule_both_ways():
     assert cm.kv_size_rule(exact, 25, weights, cards, 4)["verdict"] == lab.FAILS       # size 45 % off
     r = cm.kv_size_rule(exact, 18, weights, cards, 2)
     assert r["verdict"] == lab.FAILS and not r["cap_ok"]                                 # 4 fit, more than 2
+    r = cm.kv_size_rule(exact, 18, weights, cards, 8)
+    assert r["verdict"] == lab.FAILS and not r["cap_ok"] and "fewer than" in r["why"]    # 4 fit: the cap is not 8
 
 
 def test_release_rule_both_ways():
-    v, parts = cm.release_rule([1e-4] * 3, [1.2, 1.3, 1.1], 800, 2100, noise=0.1)
-    assert v == lab.HOLDS and len(parts) == 3
-    v, parts = cm.release_rule([1e-4] * 3, [2e-4] * 3, 800, 2100, noise=0.1)           # both instant
+    mib = 2 ** 20
+    v, parts = cm.release_rule([1e-4] * 3, [1.2, 1.3, 1.1], 800 * mib, 2100 * mib, noise=0.1)
+    assert v == lab.HOLDS and len(parts) == 3 and "within 15%" in parts[0]
+    v, parts = cm.release_rule([1e-4] * 3, [2e-4] * 3, 800 * mib, 2100 * mib, noise=0.1)     # both instant
     assert v == lab.FAILS and "no delayed release" in parts[-1]
-    v, parts = cm.release_rule([1e-4] * 3, [1.2] * 3, 2100, 2100, noise=0.1)           # no byte saving
-    assert v == lab.FAILS and "no saving" in parts[0]
+    v, parts = cm.release_rule([1e-4] * 3, [1.2] * 3, 2100 * mib, 2100 * mib, noise=0.1)     # no byte saving
+    assert v == lab.FAILS and "1.00x" in parts[0]
+    v, parts = cm.release_rule([1e-4] * 3, [1.2] * 3, 1024 * mib, 4096 * mib, noise=0.1)     # 4x: a saving, not 2.6x
+    assert v == lab.FAILS and "+52%" in parts[0] and "beyond 15%" in parts[0]
+    v, parts = cm.release_rule([0.02] * 3, [1.2] * 3, 800 * mib, 2100 * mib, noise=0.1)      # paged not instant
+    assert v == lab.FAILS and "not < 5 ms" in parts[1]
 
 
 def _row(name, reuse, loses):
     return {"name": name, "cold_reuse": reuse, "loses_quality": loses}
 
 
-def test_reuse_rule_both_ways():
+def test_reuse_rule_one_way():
     good = [_row("a", 0.05, True), _row("b", 0.10, True), _row("c", 0.30, False), _row("d", 0.2, False)]
     assert cm.reuse_rule(good)[0] == lab.HOLDS
-    v, why, wrong = cm.reuse_rule(good[:2] + [_row("e", 0.4, True), _row("f", 0.08, False)])
-    assert v == lab.FAILS and {r["name"] for r in wrong} == {"e", "f"} and "misclassifies 2 of 4" in why
-    v, why, _ = cm.reuse_rule([_row("a", 0.05, True), _row("b", 0.1, True)])           # nothing above 15 %
-    assert v == lab.FAILS and "separates nothing" in why
+    # a setting above 15 % that loses quality does not contradict "below 15 % => quality lost"
+    v, why, _ = cm.reuse_rule(good + [_row("e", 0.4, True)])
+    assert v == lab.HOLDS and "1 of the 3 setting(s) at or above 15% lose quality" in why
+    v, why, wrong = cm.reuse_rule(good + [_row("f", 0.08, False)])      # below 15 %, quality within noise
+    assert v == lab.FAILS and [r["name"] for r in wrong] == ["f"] and "1 of the 3 setting(s) below 15%" in why
+    v, why, _ = cm.reuse_rule([_row("c", 0.3, False), _row("d", 0.2, True)])           # nothing below 15 %
+    assert v == lab.FAILS and "never triggered" in why
 
 
 def _udom(values):
     return [{"text": t, "scheme": s, "degradation": d, "se": se} for (t, s), (d, se) in values.items()]
 
 
-def test_domain_rule_both_ways():
+def test_domain_rule_needs_the_claimed_direction():
     flip = _udom({("reference", "w4a16:g128"): (0.05, 0.005), ("reference", "w4a8"): (0.02, 0.005),
                   ("prose", "w4a16:g128"): (0.01, 0.005), ("prose", "w4a8"): (0.04, 0.005)})
     r = cm.domain_rule(flip)
-    assert r["verdict"] == lab.HOLDS and r["preference"]["reference"]["better"] == "w4a8"
+    assert r["verdict"] == lab.HOLDS and r["preference"]["reference"]["better"] == "w4a8" and r["as_expected"]
+    # the same flip the wrong way round: reference prefers W4A16, prose W4A8
+    wrong = _udom({("reference", "w4a16:g128"): (0.02, 0.005), ("reference", "w4a8"): (0.05, 0.005),
+                   ("prose", "w4a16:g128"): (0.04, 0.005), ("prose", "w4a8"): (0.01, 0.005)})
+    r = cm.domain_rule(wrong)
+    assert r["verdict"] == lab.FAILS and r["flips"] and r["wrong_way"]
     same = _udom({("reference", "w4a16:g128"): (0.020, 0.002), ("reference", "w4a8"): (0.022, 0.002),
                   ("prose", "w4a16:g128"): (0.019, 0.002), ("prose", "w4a8"): (0.021, 0.002)})
     r = cm.domain_rule(same)
     assert r["verdict"] == lab.FAILS and not r["flips"] and not r["gaps"]["w4a8"]["beyond_2se"]
-    # the calibrator's recommendations differ, decided by a figure that differs beyond noise
-    cal = {"same_recommendation": False, "uniform": [{"mix": "uniform w4a8", "reference_within_limit": True,
-                                                      "prose_within_limit": False, "beyond_2se": True}]}
-    assert cm.domain_rule(same, calibrator=cal)["verdict"] == lab.HOLDS
-    cal["uniform"][0]["beyond_2se"] = False
-    assert cm.domain_rule(same, calibrator=cal)["verdict"] == lab.FAILS
+    # the expected direction on one text, within noise on the other: no verdict
+    half = _udom({("reference", "w4a16:g128"): (0.05, 0.005), ("reference", "w4a8"): (0.02, 0.005),
+                  ("prose", "w4a16:g128"): (0.020, 0.005), ("prose", "w4a8"): (0.022, 0.005)})
+    assert cm.domain_rule(half)["verdict"] == lab.FAILS
 
 
 def test_cold_reuse_counts_the_routed_cold_tokens_of_the_last_steps():

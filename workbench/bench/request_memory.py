@@ -20,6 +20,13 @@ Per request (driven alone, step by step, on an idle :class:`~workbench.engine.co
   paged, when the pool's ``"end"`` event fired (just before the block manager returns the blocks)
   -- checked afterwards: the blocks are back on the free list when the step returns.
   ``release_bound_s`` is the conservative bound: finish to the end of the step that freed it.
+* ``free_verified_s`` -- from the request's end as the client sees it (its finish timestamp; for a
+  request the client stops, the moment it calls ``engine.abort``) to the first moment the KV is
+  *verified* free, polled every 0.2 ms for up to ``wait_s`` after the request ends: paged, the pool's
+  used-block count back to its level before the request (the blocks are on the free list);
+  contiguous, the cache's finalizer has run (its tensors' storages went back to torch's CPU
+  allocator, which hands them to ``free``).  An upper bound on the release time; None when the KV
+  was not free within ``wait_s``.
 * ``rss_*`` -- the process's resident set (``/proc/self/statm``) before the request, at its peak
   (read after every step) and right after the release: what the OS sees, allocator caching
   included (None where /proc is missing).
@@ -52,7 +59,7 @@ def _cache_bytes(cache) -> int:
     return storage_bytes(list(getattr(cache, "k", [])) + list(getattr(cache, "v", [])))
 
 
-def request_memory(engine, prompt, params, abort_after: int | None = None) -> dict:
+def request_memory(engine, prompt, params, abort_after: int | None = None, wait_s: float = 2.0) -> dict:
     """One request alone on ``engine`` (contiguous or paged KV); see the module docstring."""
     if engine.kv_mode not in ("paged", "contiguous"):
         raise ValueError(f"request_memory: paged or contiguous KV, not {engine.kv_mode}")
@@ -94,6 +101,14 @@ def request_memory(engine, prompt, params, abort_after: int | None = None) -> di
             peak_kv = max(peak_kv, kv)
             r = rss_bytes()
             peak_rss = max(peak_rss, r) if r is not None and peak_rss is not None else peak_rss
+
+        def is_free() -> bool:
+            return pool.manager.num_used_blocks == base_used if paged else "finalized" in released
+
+        deadline = time.perf_counter() + wait_s
+        while not is_free() and time.perf_counter() < deadline:
+            time.sleep(0.0002)
+        t_verified = time.perf_counter() if is_free() else None
         rss_after = rss_bytes()
         out = engine.release(rid)
     finally:
@@ -111,6 +126,7 @@ def request_memory(engine, prompt, params, abort_after: int | None = None) -> di
             "pool_bytes": pool.nbytes() if paged else 0,
             "release_s": None if t_free is None else t_free - t_end,
             "release_bound_s": None if step_end is None else step_end - t_end,
+            "free_verified_s": None if t_verified is None else t_verified - t_end,
             "released": t_free is not None, "rss_before": rss0, "rss_peak": peak_rss, "rss_after": rss_after,
             "rss_delta_peak": None if rss0 is None or peak_rss is None else peak_rss - rss0,
             "rss_delta_after": None if rss0 is None or rss_after is None else rss_after - rss0,

@@ -77,19 +77,38 @@ def _reference_engine(ctx: ClaimContext, kv="contiguous"):
 # =====================================================================================================
 
 CLAIMED_COMPUTE_SHARE = 0.36
+PRIMARY_SETTING = "in-process"      # declared in advance: the verdict's setting in both modes (HTTP is reported)
 
 
 def share_rule(shares: list[float], claimed: float, noise: float) -> tuple[str, str]:
-    """``holds`` unless every measured share lies beyond ``claimed`` by more than the noise floor,
-    on one side (the claimed figure outside the measured range widened by ``1 + noise``)."""
+    """The measured forward share of E2E against ``claimed``: ``does not hold`` when every share lies
+    beyond ``claimed`` by more than the noise floor on one side (above ``claimed x (1 + noise)`` or
+    below ``claimed / (1 + noise)``), ``holds`` when ``claimed`` lies within the measured range
+    widened by ``1 + noise``.  Both ways: the figure ruled on is the one measured (the forward's
+    share), not the article's 'pure compute', which the forward only bounds from above."""
     lo, hi = min(shares), max(shares)
     if lo > claimed * (1 + noise):
-        return FAILS, (f"every request spent more than the claimed {_pct(claimed, 0)} in forward (lowest {_pct(lo)}, "
-                       f"above {_pct(claimed, 0)} x (1 + {noise:.0%} noise))")
+        return FAILS, (f"every request spent more than the claimed {_pct(claimed, 0)} of its E2E in the model's forward "
+                       f"(lowest {_pct(lo)}, above {_pct(claimed, 0)} x (1 + {noise:.0%} noise))")
     if hi < claimed / (1 + noise):
-        return FAILS, (f"every request spent less than the claimed {_pct(claimed, 0)} in forward (highest {_pct(hi)}, "
-                       f"below {_pct(claimed, 0)} / (1 + {noise:.0%} noise))")
-    return HOLDS, f"the claimed {_pct(claimed, 0)} lies within the measured {_pct(lo)}..{_pct(hi)} widened by the {noise:.0%} noise floor"
+        return FAILS, (f"every request spent less than the claimed {_pct(claimed, 0)} of its E2E in the model's forward "
+                       f"(highest {_pct(hi)}, below {_pct(claimed, 0)} / (1 + {noise:.0%} noise))")
+    return HOLDS, (f"the claimed {_pct(claimed, 0)} lies within the measured forward shares {_pct(lo)}..{_pct(hi)} "
+                   f"widened by the {noise:.0%} noise floor")
+
+
+def pure_compute_bound(shares: list[float], claimed: float, noise: float) -> str:
+    """What the forward share says about the article's *pure compute* share, which it bounds from
+    above (pure compute <= forward; overhead outside the model <= the article's overhead): only a
+    forward share below ``claimed`` beyond noise says something (pure compute is below it too)."""
+    hi = max(shares)
+    if hi < claimed / (1 + noise):
+        return (f"since pure compute is at most the forward, it is below {_pct(claimed, 0)} here too (the overhead is "
+                f"above {_pct(1 - claimed, 0)})")
+    return (f"a forward share at or above {_pct(claimed, 0)} says nothing about the article's 'pure compute' (the "
+            f"forward includes dispatch and Python inside the model, so it is only an upper bound on pure compute, and "
+            f"the {_pct(1 - max(shares))}..{_pct(1 - min(shares))} outside the model only a lower bound on the "
+            f"article's {_pct(1 - claimed, 0)} overhead)")
 
 
 def measure_compute_share(ctx: ClaimContext) -> Finding:
@@ -112,7 +131,7 @@ def measure_compute_share(ctx: ClaimContext) -> Finding:
     with forward_timer(loaded.model) as ft:
         request_breakdown(engine, prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), ft)  # warm-up
         rows = [request_breakdown(engine, prompt, params, ft) for _ in range(repeats)]
-        if not ctx.smoke:            # the same request over HTTP (the server on a thread of this process)
+        if not ctx.smoke:            # the same request over HTTP (the server on a thread of this process): reported
             from workbench.serve.server import start_server
 
             with start_server(_reference_engine(ctx), model_name="claims") as srv:
@@ -120,37 +139,36 @@ def measure_compute_share(ctx: ClaimContext) -> Finding:
                 http_rows = [http_request(srv.base_url, "claims", prompt, n_new, ft) for _ in range(repeats)]
     noise = ctx.noise
     shares = [r["forward_share"] for r in rows]
-    verdict, why = share_rule(shares, CLAIMED_COMPUTE_SHARE, noise)
-    settings = [("in-process", shares)]
-    if http_rows:
-        h_shares = [r["forward_share"] for r in http_rows]
-        h_verdict, h_why = share_rule(h_shares, CLAIMED_COMPUTE_SHARE, noise)
-        settings.append(("over HTTP", h_shares))
-        if h_verdict == HOLDS:
-            verdict, why = HOLDS, f"over HTTP {h_why}"
-        else:
-            why += f"; over HTTP too: {h_why}"
+    verdict, why = share_rule(shares, CLAIMED_COMPUTE_SHARE, noise)          # the primary setting only
+    bound = pure_compute_bound(shares, CLAIMED_COMPUTE_SHARE, noise)
+    h_shares = [r["forward_share"] for r in http_rows]
     med = {k: statistics.median(r[k] / r["e2e_s"] for r in rows) for k in
            ("forward_s", "sampling_s", "schedule_s", "post_s", "outside_s")}
     e2e_ms = statistics.median(r["e2e_s"] for r in rows) * 1e3
-    fig = "; ".join(f"forward {_pct(statistics.median(s))} of E2E {name} ({_pct(min(s))}..{_pct(max(s))})"
-                    for name, s in settings) + f"; claimed {_pct(CLAIMED_COMPUTE_SHARE, 0)}"
-    reason = (f"{repeats} requests of {plen} prompt + {n_new} generated tokens, one at a time on the reference "
-              f"configuration (contiguous KV, {llm.threads} thread(s); E2E median {e2e_ms:.0f} ms), after a warm-up; "
-              f"hooks on the model time its {rows[0]['forward_calls']} forward calls per request.  Median shares of E2E: "
-              f"forward {_pct(med['forward_s'])}, sampling and the token's host read {_pct(med['sampling_s'])}, "
-              f"scheduler {_pct(med['schedule_s'], 2)}, detokenize / stop checks {_pct(med['post_s'], 2)}, outside the "
-              f"steps {_pct(med['outside_s'], 2)}"
+    fig = (f"forward {_pct(statistics.median(shares))} of E2E in-process ({_pct(min(shares))}..{_pct(max(shares))}), "
+           f"outside the model {_pct(1 - statistics.median(shares))}"
+           + (f"; over HTTP {_pct(statistics.median(h_shares))} ({_pct(min(h_shares))}..{_pct(max(h_shares))}, "
+              "reported)" if h_shares else "")
+           + f"; claimed {_pct(CLAIMED_COMPUTE_SHARE, 0)} / {_pct(1 - CLAIMED_COMPUTE_SHARE, 0)}")
+    reason = (f"Checked here (the article: 'on an A100 80GB with 1K tokens of input, pure compute is only 36 % of the "
+              f"end-to-end time, the other 64 % goes to data movement, memory copies and Python object lifetimes'): the "
+              f"share of a ~1K-token request's end-to-end time spent in the model's forward calls for this engine on this "
+              f"CPU, against 36 %.  Primary setting, declared in advance and the only one the verdict rests on: "
+              f"{PRIMARY_SETTING} ({repeats} requests of {plen} prompt + {n_new} generated tokens, one at a time on the "
+              f"reference configuration -- contiguous KV, {llm.threads} thread(s); E2E median {e2e_ms:.0f} ms -- after a "
+              f"warm-up; hooks on the model time its {rows[0]['forward_calls']} forward calls per request).  Median "
+              f"shares of E2E: forward {_pct(med['forward_s'])}, sampling and the token's host read "
+              f"{_pct(med['sampling_s'])}, scheduler {_pct(med['schedule_s'], 2)}, detokenize / stop checks "
+              f"{_pct(med['post_s'], 2)}, outside the steps {_pct(med['outside_s'], 2)}"
               + (f"; over HTTP (a non-streaming /v1/completions with the same token ids, timed at an httpx client, the "
-                 f"server on a thread of this process) forward is {_pct(statistics.median(settings[1][1]))} of the "
-                 f"client's E2E" if http_rows else "; over HTTP: measured in full mode")
-              + f".  {_cap(why)}: {verdict} here.  What a CPU can check is the split of a request's time between the model "
-              "and everything around it for this engine; the forward interval includes torch's per-op dispatch, so it is "
-              "an upper bound on 'pure compute'.  On an A100 the forward is far faster while host-side costs are not, "
-              "so the share there is a GPU question (the engine vs the bare loop in results/gpu engine_bench).")
+                 f"server on a thread of this process) forward is {_pct(statistics.median(h_shares))} of the client's "
+                 f"E2E -- reported, not ruled on" if h_shares else "; over HTTP: reported in full mode, not ruled on")
+              + f".  {_cap(why)}: {verdict} here.  About the article's figure: {bound}.  The A100 part is a GPU "
+              "question: there the forward is far faster while host-side costs are not (the engine vs the bare loop "
+              "in results/gpu engine_bench).")
     return Finding(verdict, fig, reason,
-                   values={"claimed_share": CLAIMED_COMPUTE_SHARE, "shares": shares, "noise": noise,
-                           "http_shares": [r["forward_share"] for r in http_rows], "median_shares": med,
+                   values={"claimed_share": CLAIMED_COMPUTE_SHARE, "primary": PRIMARY_SETTING, "shares": shares,
+                           "noise": noise, "http_shares": h_shares, "median_shares": med,
                            "prompt_tokens": plen, "new_tokens": n_new, "e2e_ms_median": e2e_ms},
                    table=rows + [{"setting": "http", **r} for r in http_rows])
 
@@ -163,20 +181,19 @@ SLOPE_BOUNDARY = 1.5      # halfway between linear (1) and quadratic (2) on a lo
 
 
 def slope_rule(eager: dict, fused: dict, boundary: float = SLOPE_BOUNDARY) -> tuple[str, str]:
-    """``holds`` when the eager slope is above ``boundary`` (closer to O(n^2)) and the fused one below
-    it (closer to O(n)) by both robust estimates: through each length's fastest round
-    (``of_minima``) and through its median round (``of_medians``) -- one slow round cannot decide."""
+    """``holds`` only when the per-round slopes are separated by ``boundary``: eager's lowest round
+    above it (closer to O(n^2)) and fused's highest round below it (closer to O(n)).  A side whose
+    rounds straddle the boundary is within noise: ``does not hold``, with the ranges."""
+    e_lo, e_hi, f_lo, f_hi = eager["min"], eager["max"], fused["min"], fused["max"]
+    ranges = f"eager rounds {e_lo:.2f}..{e_hi:.2f}, fused rounds {f_lo:.2f}..{f_hi:.2f}"
     parts = []
-    for name, side, above in (("eager", eager, True), ("fused", fused, False)):
-        est = (side["of_minima"], side["of_medians"])
-        ok = all(e > boundary for e in est) if above else all(e < boundary for e in est)
-        if not ok:
-            parts.append(f"the {name} slope is {est[0]:.2f} (fastest rounds) / {est[1]:.2f} (median rounds), not "
-                         f"{'above' if above else 'below'} {boundary} by both")
+    if not e_lo > boundary:
+        parts.append(f"eager's lowest round ({e_lo:.2f}) is not above {boundary}")
+    if not f_hi < boundary:
+        parts.append(f"fused's highest round ({f_hi:.2f}) is not below {boundary}")
     if parts:
-        return FAILS, "; ".join(parts)
-    return HOLDS, (f"the eager slope ({eager['of_minima']:.2f} fastest / {eager['of_medians']:.2f} median rounds) is above "
-                   f"{boundary} and the fused one ({fused['of_minima']:.2f} / {fused['of_medians']:.2f}) below it")
+        return FAILS, f"{'; '.join(parts)} (within noise: {ranges})"
+    return HOLDS, f"every eager round's slope is above {boundary} and every fused round's below it ({ranges})"
 
 
 def measure_prefill_scaling(ctx: ClaimContext) -> Finding:
@@ -184,8 +201,8 @@ def measure_prefill_scaling(ctx: ClaimContext) -> Finding:
     from workbench.measure.compare import compare_samples
 
     model = ctx.llm().model
-    lengths = ctx.size((384, 768), (256, 512, 1024, 2048))
-    fit = ctx.size((384, 768), (512, 1024, 2048))
+    lengths = ctx.size((256, 512, 768), (256, 512, 1024, 2048))
+    fit = ctx.size((256, 512, 768), (512, 1024, 2048))           # at least 3 fit lengths in both modes
     res = prefill_scaling(model, lengths, repeats=3, fit_lengths=fit, threads=1)
     s, a = res["slopes"], res["attention_slopes"]
     verdict, why = slope_rule(s["math"], s["flash"])
@@ -203,8 +220,9 @@ def measure_prefill_scaling(ctx: ClaimContext) -> Finding:
               f"{res['dtype']}) at {', '.join(map(str, res['lengths']))} tokens, 3 interleaved rounds; 'eager' = torch "
               f"SDPA's math kernel (the [heads, n, n] score matrix materialised), 'fused' = its flash kernel (no score "
               f"matrix), chosen with sdpa_kernel around the unchanged model call; the slope of log time on log length is "
-              f"fitted over {fit[0]}..{fit[-1]} (the article's range is 512..2048) per round and through each length's "
-              f"fastest and median round.  {_cap(why)}: {verdict} here.  {cmp.describe()}.  "
+              f"fitted over {', '.join(map(str, fit))} (the article's range is 512..2048) per round; the verdict needs "
+              f"the rounds' ranges separated by {SLOPE_BOUNDARY} (the fits through each length's fastest and median "
+              f"round are reported).  {_cap(why)}: {verdict} here.  {cmp.describe()}.  "
               f"The attention core alone (RoPE, KV write and SDPA, timed in place by hooks: each self_attn minus its "
               f"projections) grows with slope {a['math']['of_medians']:.2f} eager and {a['flash']['of_medians']:.2f} fused: the flash kernel still does O(n^2) "
               f"FLOPs and only avoids the score matrix's memory traffic; the fused prefill grows near-linearly because its "
@@ -231,19 +249,21 @@ A100_80GB_BYTES = 81920 * MiB      # what nvidia-smi reports for an A100 80GB (8
 def kv_size_rule(exact_bytes: int, claimed_gb: float, weight_bytes: int, card_bytes: list[int], cap: int,
                  tolerance: float = 0.10) -> dict:
     """The size holds when ``claimed_gb`` (decimal GB) is within ``tolerance`` of the exact bytes;
-    the cap holds when, for every reading of the card's capacity, whole sequences of ``exact_bytes``
-    next to the weights number at most ``cap``.  Returns the verdict and the figures."""
+    the cap holds when the memory sets exactly that cap: whole sequences of ``exact_bytes`` next to the
+    weights number exactly ``cap`` on the largest reading of the card's capacity (so no reading allows
+    more, and the cap is not lower than claimed on every reading).  Returns the verdict and the figures."""
     rel_gb = claimed_gb * GB / exact_bytes - 1
     rel_gib = claimed_gb * GiB / exact_bytes - 1
     fits = [int((c - weight_bytes) // exact_bytes) for c in card_bytes]
     size_ok = abs(rel_gb) <= tolerance
-    cap_ok = max(fits) <= cap
+    cap_ok = max(fits) == cap
     why = []
     why.append(f"~{claimed_gb:g} GB is {rel_gb:+.1%} off the exact {exact_bytes / GB:.2f} GB "
                + ("(within" if size_ok else "(beyond") + f" {tolerance:.0%}); read as GiB it would be {rel_gib:+.1%}")
     why.append(f"sequences that fit beside {weight_bytes / GB:.2f} GB of weights: "
                + ", ".join(f"{n} in {c / GiB:.1f} GiB" for n, c in zip(fits, card_bytes))
-               + (f" -- at most {cap}" if cap_ok else f" -- more than {cap}"))
+               + (f" -- exactly {cap} at most" if cap_ok else
+                  f" -- {'more' if max(fits) > cap else 'fewer'} than the claimed {cap}"))
     return {"verdict": HOLDS if size_ok and cap_ok else FAILS, "size_ok": size_ok, "cap_ok": cap_ok,
             "rel_gb": rel_gb, "rel_gib": rel_gib, "fits": fits, "why": "; ".join(why)}
 
@@ -270,7 +290,7 @@ def measure_kv_size(ctx: ClaimContext) -> Finding:
                           for a in res["allocations"]) + " (a later allocation may reuse pages the allocator kept)"
     fig = (f"K+V of Llama-2-7B at 32K tokens, fp16: {exact / GB:.2f} GB = {exact / GiB:.2f} GiB (formula = layout = "
            f"allocation x {cfg.num_hidden_layers} layers); claimed ~18 GB ({rule['rel_gb']:+.1%}); fits beside "
-           f"{weights / GB:.2f} GB of weights: {rule['fits'][0]} (80 GiB) / {rule['fits'][1]} (80x10^9 B); claimed <= 4")
+           f"{weights / GB:.2f} GB of weights: {rule['fits'][0]} (80 GiB) / {rule['fits'][1]} (80x10^9 B); claimed cap 4")
     reason = (f"Formula {cfg.num_hidden_layers} layers x 2 x {cfg.num_key_value_heads} KV heads x {cfg.head_dim} x "
               f"{tokens:,} tokens x 2 bytes = {exact:,} B; workbench.kv.layout gives {res['layout_bytes']:,} B "
               f"({res['layout_bytes_per_token']:,} B per token).  Real allocations of the preset's shape on this CPU "
@@ -281,8 +301,8 @@ def measure_kv_size(ctx: ClaimContext) -> Finding:
               + ("" if consistent else " (IT DOES NOT: the package's layout disagrees with the formula)")
               + f".  {_cap(rule['why'])}.  Weights: {cfg.num_parameters():,} parameters x 2 bytes (fp16); activations "
               f"and workspace are not counted, so the real room is smaller still.  Verdict {verdict}: the claim is "
-              "arithmetic on a published shape, so it is checked exactly, size and cap both (the A100's 80 GB is read "
-              "as the 81,920 MiB nvidia-smi reports and as 80x10^9 B).")
+              "arithmetic on a published shape, so it is checked exactly, size and cap both: the cap holds when the most sequences that fit on either "
+              "reading of the A100's 80 GB (the 81,920 MiB nvidia-smi reports, 80x10^9 B) is exactly 4.")
     return Finding(verdict, fig, reason,
                    values={"exact_bytes": exact, "exact_gb": exact / GB, "exact_gib": exact / GiB,
                            "layout_bytes": res["layout_bytes"], "extrapolated_bytes": res["extrapolated_bytes"],
@@ -295,26 +315,35 @@ def measure_kv_size(ctx: ClaimContext) -> Finding:
 # =====================================================================================================
 
 INSTANT_S = 0.005
+CLAIMED_BYTES = (2.1, 0.8)                       # GB per 1K-token request: old architecture, new
+CLAIMED_BYTE_RATIO = CLAIMED_BYTES[0] / CLAIMED_BYTES[1]     # 2.625
+BYTE_RATIO_TOLERANCE = 0.15                      # the article's GB are rounded to 0.1 (0.8 may be 0.75..0.85)
 
 
 def release_rule(paged_release: list[float], contiguous_release: list[float], paged_bytes: int, contiguous_bytes: int,
-                 noise: float, instant: float = INSTANT_S) -> tuple[str, list[str]]:
-    """All three parts must reproduce: the paged request holds fewer KV bytes (exact), its KV is
-    free within ``instant`` of its end (every request), and the contiguous one's release is
-    delayed -- beyond ``instant`` in every request and beyond the noise of the paged one."""
+                 noise: float, instant: float = INSTANT_S, claimed_ratio: float = CLAIMED_BYTE_RATIO,
+                 tolerance: float = BYTE_RATIO_TOLERANCE) -> tuple[str, list[str]]:
+    """All three parts must reproduce: the old layout (a contiguous cache) holds ``claimed_ratio`` x the
+    paged request's KV bytes, within ``tolerance`` (exact bytes); the paged KV is verified free within
+    ``instant`` of the request's end (every request; the times are upper bounds, so they can confirm
+    'instant'); and the contiguous one's release is delayed -- beyond ``instant`` in every request and
+    beyond the noise of the paged one."""
     from workbench.measure.compare import compare_samples
 
     parts, ok = [], True
-    if paged_bytes < contiguous_bytes:
-        parts.append(f"paged holds {contiguous_bytes / paged_bytes:.2f}x fewer KV bytes")
+    ratio = contiguous_bytes / paged_bytes
+    if abs(ratio / claimed_ratio - 1) <= tolerance:
+        parts.append(f"the contiguous cache holds {ratio:.2f}x the paged request's KV bytes, within {tolerance:.0%} of "
+                     f"the claimed {claimed_ratio:.2f}x")
     else:
         ok = False
-        parts.append(f"paged holds {paged_bytes / contiguous_bytes:.2f}x the contiguous cache's KV bytes (no saving)")
+        parts.append(f"the contiguous cache holds {ratio:.2f}x the paged request's KV bytes, "
+                     f"{ratio / claimed_ratio - 1:+.0%} off the claimed {claimed_ratio:.2f}x (beyond {tolerance:.0%})")
     if max(paged_release) < instant:
-        parts.append(f"paged KV free within {_ms(max(paged_release))} of the end (< {instant * 1e3:g} ms)")
+        parts.append(f"paged KV verified free within {_ms(max(paged_release))} of the end (< {instant * 1e3:g} ms)")
     else:
         ok = False
-        parts.append(f"paged KV took up to {_ms(max(paged_release))} to be free (not < {instant * 1e3:g} ms)")
+        parts.append(f"paged KV took up to {_ms(max(paged_release))} to be verified free (not < {instant * 1e3:g} ms)")
     delayed = min(contiguous_release) >= instant
     if len(paged_release) >= 3 and len(contiguous_release) >= 3:
         c = compare_samples(contiguous_release, paged_release, names=("contiguous", "paged"), noise=noise,
@@ -324,7 +353,8 @@ def release_rule(paged_release: list[float], contiguous_release: list[float], pa
         parts.append(f"the contiguous cache's release is delayed ({_ms(min(contiguous_release))} or more)")
     else:
         ok = False
-        parts.append(f"the contiguous cache is free within {_ms(max(contiguous_release))} too (no delayed release)")
+        parts.append(f"the contiguous cache is verified free within {_ms(max(contiguous_release))} too (no delayed "
+                     "release)")
     return (HOLDS if ok else FAILS), parts
 
 
@@ -335,8 +365,8 @@ def _rss_text(rss_c: list[int], rss_p: list[int]) -> str:
     c, p = statistics.median(rss_c), statistics.median(rss_p)
     kept = ("the allocator keeps freed pages for reuse" if c > 0.5 * MiB else
             "the allocator returned the cache's pages, or reused pages it already held")
-    return (f"after the release the process's resident set is {c / MiB:+.1f} MiB from its level before a contiguous "
-            f"request ({kept}) and {p / MiB:+.1f} MiB for a paged one (the pool is allocated already)")
+    return (f"right after the release the process's resident set is {c / MiB:+.1f} MiB from its level before a "
+            f"contiguous request ({kept}) and {p / MiB:+.1f} MiB for a paged one (the pool is allocated already)")
 
 
 def measure_request_memory(ctx: ClaimContext) -> Finding:
@@ -347,60 +377,71 @@ def measure_request_memory(ctx: ClaimContext) -> Finding:
     from workbench.model.presets import preset_config
 
     loaded = ctx.llm().loaded
+    ctx_len = loaded.max_model_len
+    # the article's request scaled to this model: 1K tokens of a 4K context (Llama-2-7B's), i.e. a quarter
+    # of the context; the old architecture reserves the whole context (a server that does not know the
+    # output length reserves what is left of it), the request stops after n_new tokens (its client stops)
     n_new = 16
-    plen = min(1000, loaded.max_model_len - n_new)
+    total = max(ctx_len // 4, n_new + 16)
+    plen = total - n_new
     prompt = _prompt(ctx, plen, seed=1)
-    early_len = min(768, loaded.max_model_len // 2)
-    early_max = min(256, loaded.max_model_len - early_len)
     engines = {"contiguous": _reference_engine(ctx),
                "paged": _reference_engine(ctx, PagedKVConfig(block_size=16, enable_prefix_caching=False))}
-    full = SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True)
-    early = SamplingParams(temperature=0, max_tokens=early_max, ignore_eos=True)
-    repeats = ctx.size(2, 5)
+    params = SamplingParams(temperature=0, max_tokens=ctx_len - plen, ignore_eos=True)
+    repeats = ctx.size(3, 5)
     rows: list[dict] = []
     for eng in engines.values():                          # warm-up: first allocations, kernels
-        request_memory(eng, prompt[:32], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        request_memory(eng, prompt[:32], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), abort_after=2)
     for r in range(repeats):
         for name in (("contiguous", "paged") if r % 2 == 0 else ("paged", "contiguous")):
-            rows.append({"case": "runs to max_tokens", **request_memory(engines[name], prompt, full)})
-    for eng in engines.values():
-        rows.append({"case": f"ends after {n_new} of {early_max}",
-                     **request_memory(eng, prompt[:early_len], early, abort_after=n_new)})
-    main = [r for r in rows if r["case"] == "runs to max_tokens"]
-    by = {n: [r for r in main if r["layout"] == n] for n in engines}
-    rel = {n: [r["release_s"] for r in by[n]] for n in engines}
+            rows.append(request_memory(engines[name], prompt, params, abort_after=n_new))
+    by = {n: [r for r in rows if r["layout"] == n] for n in engines}
+    rel = {n: [r["free_verified_s"] for r in by[n]] for n in engines}
     kvb = {n: by[n][0]["kv_bytes"] for n in engines}
-    ear = {r["layout"]: r for r in rows if r["case"] != "runs to max_tokens"}
     if any(x is None for n in engines for x in rel[n]):
-        return Finding(FAILS, "a request's KV was not freed", "a request's KV was still held after it ended: "
-                       f"{[r for r in main if not r['released']]}", table=rows)
+        return Finding(FAILS, "a request's KV was not freed within 2 s", "a request's KV was still held 2 s after it "
+                       f"ended: {[r for r in rows if r['free_verified_s'] is None]}", table=rows)
     verdict, parts = release_rule(rel["paged"], rel["contiguous"], kvb["paged"], kvb["contiguous"], ctx.noise)
+    ratio = kvb["contiguous"] / kvb["paged"]
     rss_c = [r["rss_delta_after"] for r in by["contiguous"] if r["rss_delta_after"] is not None]
     rss_p = [r["rss_delta_after"] for r in by["paged"] if r["rss_delta_after"] is not None]
     pool_mib = by["paged"][0]["pool_bytes"] / MiB
+    bpt = engines["paged"].pool.layout.bytes_per_token
     lay7 = KVLayout.from_model_config(preset_config("llama-2-7b"), 16, "float16")
-    fig = (f"KV per {plen}+{n_new}-token request: contiguous {kvb['contiguous'] / MiB:.2f} MiB, paged "
-           f"{kvb['paged'] / MiB:.2f} MiB (ended early at {n_new} of {early_max}: {ear['contiguous']['kv_bytes'] / MiB:.2f} "
-           f"vs {ear['paged']['kv_bytes'] / MiB:.2f} MiB); KV free {_ms(statistics.median(rel['contiguous']))} / "
-           f"{_ms(statistics.median(rel['paged']))} after the end (claimed 1.2 s / < 5 ms)")
-    reason = (f"{repeats} requests per layout, interleaved, each alone on a fresh reference-configuration engine over the "
-              f"shared model: {plen} prompt tokens + {n_new} generated (ignore_eos), and one that a client stops after "
-              f"{n_new} of max_tokens={early_max} ({early_len}-token prompt).  Bytes from the allocations: the contiguous "
-              f"cache's tensor storages (it reserves prompt + max_tokens positions when the request is scheduled), the "
-              f"paged request's block table x {engines['paged'].pool.layout.bytes_per_token:,} B per token (the pool, {pool_mib:.0f} MiB, is allocated once with the engine: a request only takes blocks). "
-              f"Release = the request's end (its finish timestamp; for the stopped one, the abort call) to a weakref "
-              f"finalizer on the contiguous cache / the pool's end event for the paged blocks.  "
-              + _cap("; ".join(parts)) + f": {verdict} here.  Both layouts free a request's KV on the engine's end event, "
-              "synchronously; paging saves bytes only where the contiguous cache reserved positions the request never "
-              f"used (the early stop).  What the OS sees: {_rss_text(rss_c, rss_p)}"
-              + ".  On a GPU, PyTorch's caching allocator keeps freed blocks for reuse and nvidia-smi counts them as "
-              "still in use: a 'delayed release' that is the allocator's, not the KV cache's.  "
-              f"For scale: Llama-2-7B in fp16 holds {lay7.bytes_per_token:,} B of K+V per token (workbench.kv.layout), so "
-              f"a 1,024-token request's own KV is {lay7.bytes_for_tokens(1024) / GB:.2f} GB and a cache that reserves the "
-              f"model's whole 4,096-token context is {lay7.bytes_for_tokens(4096) / GB:.2f} GB.")
+    gb_own, gb_ctx = lay7.bytes_for_tokens(1024) / GB, lay7.bytes_for_tokens(4096) / GB
+    fig = (f"KV of a {plen}+{n_new}-token request in a {ctx_len}-token context: contiguous (whole context reserved) "
+           f"{kvb['contiguous'] / MiB:.2f} MiB vs paged {kvb['paged'] / MiB:.2f} MiB = {ratio:.2f}x (claimed 2.1 / 0.8 "
+           f"GB = {CLAIMED_BYTE_RATIO:.2f}x +-{BYTE_RATIO_TOLERANCE:.0%}); KV verified free "
+           f"{_ms(statistics.median(rel['contiguous']))} / {_ms(statistics.median(rel['paged']))} after the client's "
+           f"stop (claimed 1.2 s / < 5 ms)")
+    reason = (f"Checked here (the article: a 1K-token request adds 2.1 GB in the old architecture vs 0.8 GB in the new, "
+              f"and its memory is released 'instantly' (< 5 ms) vs 1.2 s later): the ratio of the KV bytes the two "
+              f"layouts hold for one request, and the time from the request's end until its KV is verified free.  The "
+              f"old architecture is taken to be a contiguous cache that reserves the whole context for every request "
+              f"(the article's 2.1 GB is what Llama-2-7B in fp16 reserves for its whole 4,096-token context, "
+              f"{gb_ctx:.2f} GB; a 1K-token request's own KV is {gb_own:.2f} GB, so the article's 0.8 GB is "
+              f"{0.8 / gb_own:.1f}x that).  Scaled to this model, the request is a quarter of its {ctx_len}-token "
+              f"context: {plen} prompt tokens, max_tokens = the rest of the context, stopped by the client after "
+              f"{n_new} tokens (engine.abort); {repeats} requests per layout, interleaved, each alone on a "
+              f"reference-configuration engine over the shared model.  Bytes from the allocations (exact): the "
+              f"contiguous cache's tensor storages (prompt + max_tokens positions, reserved when the request is "
+              f"scheduled), the paged request's block table x {bpt:,} B per token (the pool, {pool_mib:.0f} MiB, is "
+              f"allocated once with the engine).  The ratio follows from the sizes (the whole context over the "
+              f"request's tokens rounded up to 16-token blocks); what is measured is that each layout allocates "
+              f"exactly that.  Release = from the client's stop (the abort call) to the first poll (every 0.2 ms) that "
+              f"finds the KV free: the paged blocks back on the pool's free list, the contiguous cache's finalizer run "
+              f"(its storages returned to torch's CPU allocator) -- an upper bound.  "
+              + _cap("; ".join(parts)) + f": {verdict} here.  Both layouts free a request's KV synchronously on the "
+              f"engine's end event.  What the OS sees: {_rss_text(rss_c, rss_p)}.  Not visible here: the GPU "
+              "allocator.  The 1.2 s the article read from nvidia-smi is the device memory PyTorch's CUDA caching "
+              "allocator keeps after the tensors are freed (nvidia-smi counts it as used until it is reused or "
+              "emptied): that part of the claim needs a GPU and is not checked.")
     return Finding(verdict, fig, reason,
-                   values={"kv_bytes": kvb, "release_s": rel, "early_kv_bytes": {n: ear[n]["kv_bytes"] for n in ear},
-                           "rss_delta_after": {"contiguous": rss_c, "paged": rss_p}, "pool_bytes": by["paged"][0]["pool_bytes"],
+                   values={"kv_bytes": kvb, "byte_ratio": ratio, "claimed_ratio": CLAIMED_BYTE_RATIO,
+                           "tolerance": BYTE_RATIO_TOLERANCE, "release_s": rel, "noise": ctx.noise,
+                           "rss_delta_after": {"contiguous": rss_c, "paged": rss_p},
+                           "pool_bytes": by["paged"][0]["pool_bytes"], "bytes_per_token": bpt,
+                           "prompt_tokens": plen, "new_tokens": n_new, "context": ctx_len,
                            "instant_s": INSTANT_S, "parts": parts},
                    table=rows)
 
@@ -413,26 +454,33 @@ REUSE_THRESHOLD = 0.15
 
 
 def reuse_rule(rows: list[dict], threshold: float = REUSE_THRESHOLD) -> tuple[str, str, list[dict]]:
-    """``holds`` when the settings with ``cold_reuse < threshold`` are exactly those that lose
-    quality beyond noise (``loses_quality``), with settings on both sides of the threshold;
-    returns the verdict, why, and the settings the marker gets wrong."""
+    """The claim read one way: reuse below ``threshold`` => the setting loses quality.  ``holds`` when
+    there are settings below ``threshold`` and every one of them loses quality beyond 2 standard
+    errors (``loses_quality``); ``does not hold`` when none is below it (nothing to check) or one
+    below it keeps its quality within 2 se (within noise: the run could not see a smaller loss).
+    Settings at or above ``threshold`` that lose quality do not contradict a one-way marker; they
+    are counted.  Returns the verdict, why, and the settings below ``threshold`` that keep quality."""
     rated = [r for r in rows if r.get("cold_reuse") is not None]
-    wrong = [r for r in rated if (r["cold_reuse"] < threshold) != bool(r["loses_quality"])]
     low = [r for r in rated if r["cold_reuse"] < threshold]
-    if not low or len(low) == len(rated):
-        side = "below" if low else "at or above"
-        return FAILS, f"every setting's reuse is {side} {threshold:.0%}: the marker separates nothing here", wrong
+    high_losing = [r for r in rated if r["cold_reuse"] >= threshold and r["loses_quality"]]
+    extra = (f"; {len(high_losing)} of the {len(rated) - len(low)} setting(s) at or above {threshold:.0%} lose quality "
+             "too (a one-way marker does not rule on them)" if len(rated) > len(low) else "")
+    if not low:
+        return FAILS, f"no setting's reuse is below {threshold:.0%}: the marker is never triggered here{extra}", []
+    wrong = [r for r in low if not r["loses_quality"]]
     if wrong:
-        fp = [r["name"] for r in wrong if r["cold_reuse"] < threshold]
-        fn = [r["name"] for r in wrong if r["cold_reuse"] >= threshold]
-        bits = []
-        if fp:
-            bits.append(f"{len(fp)} setting(s) below {threshold:.0%} keep quality within noise")
-        if fn:
-            bits.append(f"{len(fn)} setting(s) at or above {threshold:.0%} lose quality")
-        return FAILS, f"the marker misclassifies {len(wrong)} of {len(rated)} settings: " + "; ".join(bits), wrong
-    return HOLDS, (f"the {len(low)} setting(s) below {threshold:.0%} reuse are exactly those that lose quality "
-                   f"beyond 2 standard errors ({len(rated)} settings)"), wrong
+        return FAILS, (f"{len(wrong)} of the {len(low)} setting(s) below {threshold:.0%} reuse keep their quality within "
+                       f"2 standard errors ({', '.join(_loss_txt(r) for r in wrong)}){extra}"), wrong
+    return HOLDS, (f"all {len(low)} setting(s) below {threshold:.0%} reuse lose quality beyond 2 standard errors"
+                   f"{extra}"), wrong
+
+
+def _loss_txt(r: dict) -> str:
+    """A setting's name and, when known, its loss and the smallest loss the run could have seen (2 se)."""
+    if r.get("rel_ppl") is None or r.get("rel_ppl_se") is None:
+        return r["name"]
+    return (f"{r['name']}: ppl {100 * r['rel_ppl']:+.1f} ± {100 * r['rel_ppl_se']:.1f} %, so a loss under "
+            f"{200 * r['rel_ppl_se']:.1f} % goes unseen")
 
 
 def measure_cold_zone_reuse(ctx: ClaimContext) -> Finding:
@@ -458,7 +506,7 @@ def measure_cold_zone_reuse(ctx: ClaimContext) -> Finding:
     lines = ", ".join(f"warm {r['warm_tokens']}/budget {r['budget']}: reuse {_pct(r['cold_reuse'], 0)}, ppl "
                       f"{100 * r['rel_ppl']:+.1f}±{100 * r['rel_ppl_se']:.1f} %" + (" (loses)" if r["loses_quality"] else "")
                       for r in rows)
-    fig = f"{lines}; claimed: reuse < 15 % marks the settings that lose quality"
+    fig = f"{lines}; claimed: reuse < 15 % => quality lost"
     min_se = min(r["rel_ppl_se"] for r in rows)
     reason = (f"The tiered cache (window 32, PCA rank 8 pre-RoPE, 16-token chunks and routing blocks) on {docs} held-out "
               f"window(s) of {context} tokens, the last {scored} predictions scored against the full cache; the knob the "
@@ -467,8 +515,10 @@ def measure_cold_zone_reuse(ctx: ClaimContext) -> Finding:
               "share of the cold tokens at a step that routing fetched back for it or one of the 2 steps before (the "
               "article's 'last 3 generations'), averaged over the scored steps, layers and KV heads "
               "(workbench.bench.tier_reuse).  A setting loses quality when its perplexity increase exceeds 2 paired "
-              f"standard errors (the smallest se here: {100 * min_se:.1f} points, so smaller losses go unseen).  "
-              f"{_cap(why)}: {verdict} here.  Reuse follows the routing budget (a larger budget fetches more cold blocks "
+              f"standard errors (the smallest se here: {100 * min_se:.1f} points, so smaller losses go unseen).  The "
+              "claim is read one way -- reuse below 15 % means the pruning is too aggressive, i.e. the setting loses "
+              "quality -- and the verdict is about the settings below 15 %: each must lose quality beyond 2 se (a "
+              f"'too aggressive' this run can see).  {_cap(why)}: {verdict} here.  Reuse follows the routing budget (a larger budget fetches more cold blocks "
               "back) more than warm_tokens, and quality follows both.")
     return Finding(verdict, fig, reason,
                    values={"threshold": REUSE_THRESHOLD, "misclassified": [r["name"] for r in wrong],
@@ -482,34 +532,46 @@ def measure_cold_zone_reuse(ctx: ClaimContext) -> Finding:
 
 DOMAINS = ("reference", "prose")
 DOMAIN_SCHEMES = ("w4a16:g128", "w4a8")
+# the claim's domains mapped to the shipped sets, declared in advance: the markup-heavy technical reference
+# text stands for finance (structured, symbol-sensitive) -> W4A8 best; prose stands for creative writing -> W4A16 best
+EXPECTED_BEST = {"reference": "w4a8", "prose": "w4a16:g128"}
 
 
-def domain_rule(rows: list[dict], names=DOMAINS, schemes=DOMAIN_SCHEMES, calibrator: dict | None = None) -> dict:
-    """Does the domain move the best scheme?  ``rows``: :func:`~workbench.quant.calibrate_report.uniform_on_texts`
-    rows (text, scheme, degradation, se).  ``holds`` when the better of the two schemes differs
-    between the texts and each preference is beyond 2 standard errors; or when the calibrator's
-    recommendations (``calibrator``: :func:`~workbench.quant.calibrate_report.compare_domains`) differ and
-    a figure that decides between them differs beyond 2 standard errors between the texts."""
+def domain_rule(rows: list[dict], names=DOMAINS, schemes=DOMAIN_SCHEMES, expected: dict | None = None) -> dict:
+    """Does the domain move the best scheme the way the claim says?  ``rows``:
+    :func:`~workbench.quant.calibrate_report.uniform_on_texts` rows (text, scheme, degradation, se).
+    ``holds`` when, on every text, the better of the two schemes is the one ``expected`` names for it
+    (:data:`EXPECTED_BEST`) and that preference is beyond 2 standard errors of the paired difference;
+    a flip the other way, or a preference within noise, ``does not hold``."""
+    expected = expected or EXPECTED_BEST
     deg = {(r["text"], r["scheme"]): (r["degradation"], r["se"]) for r in rows}
     a, b = schemes
     pref = {}
     for t in names:
         (da, sa), (db, sb) = deg[(t, a)], deg[(t, b)]
         d, se = db - da, math.hypot(sa, sb)
-        pref[t] = {"better": a if d > 0 else b, "difference": d, "se": se, "beyond_2se": abs(d) > 2 * se}
+        better = a if d > 0 else b
+        pref[t] = {"better": better, "expected": expected[t], "as_expected": better == expected[t],
+                   "difference": d, "se": se, "beyond_2se": abs(d) > 2 * se}
     gaps = {}
     for s in schemes:
         (d0, s0), (d1, s1) = deg[(names[0], s)], deg[(names[1], s)]
         gaps[s] = {"gap": d0 - d1, "se": math.hypot(s0, s1), "beyond_2se": abs(d0 - d1) > 2 * math.hypot(s0, s1)}
-    flips = (pref[names[0]]["better"] != pref[names[1]]["better"]
-             and all(pref[t]["beyond_2se"] for t in names))
-    cal_ok = False
-    if calibrator is not None and not calibrator["same_recommendation"]:
-        decisive = [u for u in calibrator["uniform"]
-                    if u[f"{names[0]}_within_limit"] != u[f"{names[1]}_within_limit"]]
-        cal_ok = any(u["beyond_2se"] for u in decisive)
-    return {"verdict": HOLDS if flips or cal_ok else FAILS, "preference": pref, "gaps": gaps, "flips": flips,
-            "calibrator_differs_beyond_noise": cal_ok}
+    flips = pref[names[0]]["better"] != pref[names[1]]["better"] and all(pref[t]["beyond_2se"] for t in names)
+    ok = all(p["as_expected"] and p["beyond_2se"] for p in pref.values())
+    wrong_way = flips and not ok
+    return {"verdict": HOLDS if ok else FAILS, "preference": pref, "gaps": gaps, "flips": flips,
+            "as_expected": ok, "wrong_way": wrong_way}
+
+
+def _char_shares(path) -> dict:
+    """The shares of digits and of markup characters in a JSONL text file's texts."""
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        text = "".join(json.loads(line).get("text", "") for line in f if line.strip())
+    n = max(len(text), 1)
+    return {"digits": sum(c.isdigit() for c in text) / n, "markup": sum(c in "<>[]{}|#*`=_/\\" for c in text) / n}
 
 
 def measure_calibrator_domain(ctx: ClaimContext) -> Finding:
@@ -529,32 +591,43 @@ def measure_calibrator_domain(ctx: ClaimContext) -> Finding:
                                 model=ctx.model, device=ctx.device, context=128, eval_windows=4, calib_windows=2,
                                 max_measured=6) for n in DOMAINS}
             cal = compare_domains(res[DOMAINS[0]], res[DOMAINS[1]], DOMAINS)
-    rule = domain_rule(rows, calibrator=cal)
+    rule = domain_rule(rows)
     deg = {(r["text"], r["scheme"]): r for r in rows}
     tokens = {n: deg[(n, DOMAIN_SCHEMES[0])]["tokens"] for n in DOMAINS}
     fig = "; ".join(f"{s}: ppl {100 * deg[(DOMAINS[0], s)]['degradation']:+.2f} % {DOMAINS[0]} vs "
                     f"{100 * deg[(DOMAINS[1], s)]['degradation']:+.2f} % {DOMAINS[1]} (gap "
                     f"{100 * rule['gaps'][s]['gap']:+.2f} ± {100 * rule['gaps'][s]['se']:.2f} points)" for s in DOMAIN_SCHEMES)
-    fig += "; better: " + ", ".join(f"{t} {rule['preference'][t]['better']}" for t in DOMAINS)
+    fig += ("; better: " + ", ".join(f"{t} {rule['preference'][t]['better']}" for t in DOMAINS)
+            + "; claimed: " + ", ".join(f"{t} {EXPECTED_BEST[t]}" for t in DOMAINS))
     pref_txt = "; ".join(f"on {t}, {p['better']} is better by {100 * abs(p['difference']):.2f} ± {100 * p['se']:.2f} points "
                          + ("(beyond 2 se)" if p["beyond_2se"] else "(within 2 se)") for t, p in rule["preference"].items())
     gap_txt = "; ".join(f"{s} {'moves' if g['beyond_2se'] else 'does not move'} beyond 2 se between the texts"
                         for s, g in rule["gaps"].items())
     cal_txt = ""
     if cal is not None:
-        cal_txt = (f"  The calibrator (memory objective, ppl within 2 %, W4A16 g128 or W4A8 per layer) on each "
-                   f"set: {cal['recommendations'][0]} vs {cal['recommendations'][1]}; " + " ".join(cal["explanation"][-1:]).rstrip(".") + ".")
-    reason = (f"Each scheme everywhere (round-to-nearest) against the unquantized model on the evaluation rows of the two "
-              f"shipped calibration sets ({DOMAINS[0]}: markup-heavy reference text, {DOMAINS[1]}: prose), "
-              f"{context}-token windows, {tokens[DOMAINS[0]]:,} / {tokens[DOMAINS[1]]:,} scored tokens "
-              f"(workbench.quant.calibrate_report.uniform_on_texts).  {_cap(pref_txt)}; {gap_txt}.{cal_txt}  Verdict "
-              f"{rule['verdict']}: the claim needs the domain to flip the better scheme beyond noise"
-              + (" -- it does" if rule["flips"] else " -- it does not")
-              + (" (the calibrator's choices differ beyond noise)" if rule["calibrator_differs_beyond_noise"] else "")
-              + ".  What this checks is whether the text's domain moves the choice between W4A16 and W4A8 on the shipped "
-              "domains; a finance set (digits) and creative writing are not shipped, and 'W4A8 for digits' is not tested.")
+        cal_txt = (f"  Reported, not ruled on: the calibrator (memory objective, ppl within 2 %, W4A16 g128 or W4A8 per "
+                   f"layer) on each set recommends {cal['recommendations'][0]} ({DOMAINS[0]}) vs "
+                   f"{cal['recommendations'][1]} ({DOMAINS[1]}); " + " ".join(cal["explanation"][-1:]).rstrip(".") + ".")
+    share = {n: _char_shares(calibration_set(n)) for n in DOMAINS}
+    outcome = ("each text prefers the scheme the claim names, beyond noise" if rule["as_expected"] else
+               "the domain flips the better scheme, but the wrong way round" if rule["wrong_way"] else
+               "not every text prefers the scheme the claim names beyond noise")
+    reason = (f"Checked here (the article: the calibrator finds W4A8 best for finance, which is digit-sensitive, and "
+              f"W4A16 for creative writing): whether the text's domain moves the better of W4A16 (g128) and W4A8 the "
+              f"way the claim says, on the two shipped calibration sets, mapped in advance: {DOMAINS[0]} (markup-heavy "
+              f"technical reference text: {_pct(share[DOMAINS[0]]['markup'])} markup characters, "
+              f"{_pct(share[DOMAINS[0]]['digits'])} digits) stands for finance -> W4A8 expected best; {DOMAINS[1]} "
+              f"({_pct(share[DOMAINS[1]]['markup'])} markup, {_pct(share[DOMAINS[1]]['digits'])} digits) for creative "
+              f"writing -> W4A16 expected best.  No finance set is shipped, and the reference set is not the "
+              f"digit-heavier one, so 'W4A8 for digits' itself is not tested.  Each scheme everywhere (round-to-nearest) "
+              f"against the unquantized model on the evaluation rows, {context}-token windows, "
+              f"{tokens[DOMAINS[0]]:,} / {tokens[DOMAINS[1]]:,} scored tokens "
+              f"(workbench.quant.calibrate_report.uniform_on_texts).  {_cap(pref_txt)}; {gap_txt}.  Verdict "
+              f"{rule['verdict']}: {outcome}.{cal_txt}")
     return Finding(rule["verdict"], fig, reason,
                    values={k: v for k, v in rule.items() if k != "verdict"} | {"context": context, "tokens": tokens,
+                                                                               "expected_best": EXPECTED_BEST,
+                                                                               "char_shares": share,
                                                                                "calibrator": cal and {
                                                                                    "recommendations": cal["recommendations"],
                                                                                    "explanation": cal["explanation"]}},
@@ -562,17 +635,23 @@ def measure_calibrator_domain(ctx: ClaimContext) -> Finding:
 
 
 CLAIMS = [
-    Claim("compute_share", "On an A100 with 1K-token input, pure compute is 36 % of end-to-end time; 64 % goes to data "
-          "movement, copies and Python object management", "B §2.1", "model", device="cpu", measure=measure_compute_share),
+    Claim("compute_share", "The model's forward is 36 % of a ~1K-token request's end-to-end time; the other 64 % is the "
+          "serving stack's overhead around the model (the article: on an A100, 'pure compute' is 36 %, 64 % goes to data "
+          "movement, copies and Python object management; checked here: the forward's share on this CPU)", "B §2.1",
+          "model", device="cpu", measure=measure_compute_share),
     Claim("prefill_scaling", "From 512 to 2048 input tokens the old architecture's latency grows O(n^2), the fused one's "
-          "close to O(n)", "B §2.1", "model", device="cpu", measure=measure_prefill_scaling),
+          "close to O(n) (checked here: the log-log slope of prefill time, eager SDPA vs flash, rounds separated by 1.5)",
+          "B §2.1", "model", device="cpu", measure=measure_prefill_scaling),
     Claim("kv_size_llama2_7b_32k", "Llama 2 7B at 32K tokens: K+V cache ~18 GB in FP16, so concurrency on an 80 GB A100 "
           "is capped at 4", "B §2.2", "KV memory", device="cpu", measure=measure_kv_size),
-    Claim("request_memory_release", "A 1K-token request adds 2.1 GB in the old architecture vs 0.8 GB in the new; memory "
-          "is released instantly (< 5 ms) after the request ends vs 1.2 s delayed", "B §3.2", "KV memory", device="cpu",
-          measure=measure_request_memory),
+    Claim("request_memory_release", "A 1K-token request adds 2.1 GB in the old architecture vs 0.8 GB in the new "
+          "(2.6x); its KV is released < 5 ms after the request ends vs 1.2 s delayed (checked here: the KV byte ratio of "
+          "a whole-context contiguous cache vs paged blocks, and the time until each is verified free; the nvidia-smi "
+          "part is the GPU allocator's)", "B §3.2", "KV memory", device="cpu", measure=measure_request_memory),
     Claim("cold_zone_reuse", "When the cold-zone reuse rate is below 15 % the pruning is too aggressive (raise "
-          "cold_zone_threshold)", "B §6.2", "KV tiers", device="cpu", measure=measure_cold_zone_reuse),
+          "cold_zone_threshold); checked one way: reuse < 15 % => quality lost beyond noise", "B §6.2", "KV tiers",
+          device="cpu", measure=measure_cold_zone_reuse),
     Claim("calibrator_domain", "The precision calibrator finds W4A8 best for finance (digit-sensitive) and W4A16 for "
-          "creative writing", "B §6.3", "quantization", device="cpu", measure=measure_calibrator_domain),
+          "creative writing (checked here: markup-heavy reference text prefers W4A8, prose W4A16, each beyond noise)",
+          "B §6.3", "quantization", device="cpu", measure=measure_calibrator_domain),
 ]
