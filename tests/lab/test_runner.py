@@ -11,9 +11,10 @@ nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("papermill")
 pd = pytest.importorskip("pandas")
 
-from workbench.lab import runner  # noqa: E402
-from workbench.errors import ConfigError, WorkbenchError  # noqa: E402
-from workbench.lab.results import load_results, save_results  # noqa: E402
+from workbench.errors import ConfigError, WorkbenchError
+from workbench.lab import runner
+from workbench.lab.executors import Executor
+from workbench.lab.results import load_results, save_results
 
 
 def write_notebook(path, *sources, parameters="results_path = None"):
@@ -64,7 +65,8 @@ def test_run_records_failure_and_goes_on(tmp_path):
     assert float(got[("b_good", "double")]) == 42
     assert not any(nb == "a_boom" for nb, _ in got)
 
-    report = open(res["report"], encoding="utf-8").read()
+    with open(res["report"], encoding="utf-8") as f:
+        report = f.read()
     from plotly.offline import get_plotlyjs
     assert report.count(get_plotlyjs()[:300]) == 1        # plotly.js inlined once for two figures
     assert report.count("Plotly.newPlot") == 2
@@ -166,7 +168,7 @@ def test_kernel_runs_this_interpreter():
     name = runner.resolve_kernel()
     argv0 = KernelSpecManager().get_kernel_spec(name).argv[0]
     import sys
-    assert argv0 in ("python", "python3", "python%d.%d" % sys.version_info[:2], sys.executable)
+    assert argv0 in ("python", "python3", "python{}.{}".format(*sys.version_info[:2]), sys.executable)
 
 
 def test_results_roundtrip_and_validation(tmp_path):
@@ -184,3 +186,64 @@ def test_results_roundtrip_and_validation(tmp_path):
     (tmp_path / "junk.json").write_text(json.dumps({"metrics": {}}))
     with pytest.raises(WorkbenchError, match="not a workbench results file"):
         load_results(tmp_path / "junk.json")
+
+
+class _StopsAfterOne(Executor):
+    """An executor that finishes the first point, then has something escape it."""
+
+    name = "stops"
+
+    def __init__(self, error):
+        self.error, self.closed = error, False
+
+    def prepare(self):
+        pass
+
+    def kernel(self, kernel_name):
+        return "python3"
+
+    def run(self, tasks, done):
+        save_results(tasks[0].results, {"x": 1})
+        done(tasks[0], {"status": "ok", "seconds": 0.5, "error": None, "worker": {"executor": "stops"}})
+        raise self.error
+
+    def close(self):
+        self.closed = True
+
+    def describe(self):
+        return "stops"
+
+
+@pytest.mark.parametrize("error, raised", [(KeyboardInterrupt(), KeyboardInterrupt),
+                                           (OSError(28, "No space left on device"), None)])
+def test_a_run_that_stops_early_still_writes_every_row(tmp_path, error, raised):
+    nb = write_notebook(tmp_path / "n.ipynb", "1", parameters="results_path = None\nx = 0")
+    ex, out = _StopsAfterOne(error), tmp_path / "run"
+    kw = {"out_dir": out, "progress": False, "sweep": {"x": [1, 2, 3]}, "executor": ex}
+    if raised:
+        with pytest.raises(raised):
+            runner.run_notebooks([nb], **kw)
+    else:
+        runner.run_notebooks([nb], **kw)
+    assert ex.closed
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["status"] for r in summary] == ["ok", "failed", "failed"]
+    why = "interrupted (KeyboardInterrupt)" if raised else "the stops executor stopped: OSError"
+    assert all(why in r["error"] and r["error"].startswith("not run") for r in summary[1:])
+    table = pd.read_csv(out / "sweep.csv")
+    assert list(table["status"]) == ["ok", "failed", "failed"] and table.loc[0, "x"] == 1
+    assert list(pd.read_csv(out / "results.csv")["metric"]) == ["x"] and (out / "report.html").is_file()
+
+
+def test_sweep_columns_of_the_runner_and_worker_are_never_overwritten():
+    from workbench.lab.results import sweep_frame
+
+    recs = [{"name": "p", "notebook": "n", "point": {"seconds": 9, "rate": 4}, "status": "ok", "seconds": 1.5,
+             "error": None, "worker": {"executor": "local", "pid": 7}}]
+    loaded = {"p": {"metrics": {"status": "warm", "error": 0.1, "worker_pid": 3, "executor": "x", "rate": 4,
+                                "tps": 2.0}}}
+    t = sweep_frame(recs, loaded)
+    row = t.iloc[0]
+    assert (row["status"], row["seconds"], row["error"], row["executor"], row["worker_pid"]) == ("ok", 1.5, "", "local", 7)
+    assert (row["param:seconds"], row["metric:status"], row["metric:error"], row["metric:worker_pid"]) == (9, "warm", 0.1, 3)
+    assert list(t.columns[:6]) == ["notebook", "param:seconds", "rate", "status", "seconds", "error"]

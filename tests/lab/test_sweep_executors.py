@@ -43,13 +43,21 @@ def write_notebook(path, *sources, parameters="results_path = None"):
 
 
 GRID = {"a": [1, 2], "b": [3, 5]}
-PARAMS = "results_path = None\na = 0\nb = 0\ncrash = False\ndelay = 0"
+PARAMS = "results_path = None\na = 0\nb = 0\ncrash = False\nmode = ''\nhandshake = ''"
 SRC = """
 import os, signal, time
 from workbench.lab.results import save_results
-time.sleep(delay if (a, b) == (1, 3) else 0)     # the first point can be made to finish last
-if crash:
+if handshake and (a, b) == (1, 3):             # the first point finishes only once this file exists
+    deadline = time.monotonic() + 90
+    while not os.path.exists(handshake):
+        assert time.monotonic() < deadline, "no handshake"
+        time.sleep(0.05)
+if crash or mode == "crash":
     os.kill(os.getppid(), signal.SIGKILL)      # the process that runs papermill dies: a worker crash
+if mode == "hang":                             # runs past any point timeout
+    with open(os.path.join(os.path.dirname(results_path), "hang.kernel.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
 if (a, b) == (2, 3):
     raise ValueError(f"point a={a} b={b} fails")
 if results_path:
@@ -92,12 +100,19 @@ def test_serial_rows_name_this_process(serial):
 
 @pytest.mark.slow
 def test_local_jobs_2_gives_the_serial_rows(grid_nb, serial, tmp_path, monkeypatch):
-    finished, run = [], executors.LocalExecutor.run
+    finished, run, handshake = [], executors.LocalExecutor.run, tmp_path / "second-is-done"
+
+    def noting(task, rec, done):
+        finished.append(task.index)
+        done(task, rec)
+        if task.index == 1:
+            handshake.touch()                  # only now may the first point finish: it ends after the second
+
     monkeypatch.setattr(executors.LocalExecutor, "run", lambda self, tasks, done: run(
-        self, tasks, lambda task, rec: (finished.append(task.index), done(task, rec))))
+        self, tasks, lambda task, rec: noting(task, rec, done)))
     res = runner.run_notebooks([grid_nb], out_dir=tmp_path, timeout=120, progress=False, sweep=GRID, jobs=2,
-                               parameters={"delay": 3})
-    assert finished[0] != 0 and sorted(finished) == [0, 1, 2, 3]          # the slow first point finished later...
+                               parameters={"handshake": str(handshake)})
+    assert finished[0] == 1 and sorted(finished) == [0, 1, 2, 3]          # the first point finished later...
     table = pd.read_csv(res["sweep_csv"])
     check_rows(table, serial[1])                                           # ...and its row is still first
     pids = list(table["worker_pid"])
@@ -107,13 +122,79 @@ def test_local_jobs_2_gives_the_serial_rows(grid_nb, serial, tmp_path, monkeypat
     assert "up to 2 points at once" in Path(res["report"]).read_text()
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _kernels_with(marker: str) -> list[int]:
+    """ipykernel processes whose environment carries ``marker`` (inherited from this test's run)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and marker.encode() in (d / "environ").read_bytes().split(b"\0") \
+                    and b"ipykernel" in (d / "cmdline").read_bytes():
+                found.append(int(d.name))
+        except OSError:
+            continue
+    return found
+
+
 @pytest.mark.slow
-def test_local_worker_crash_keeps_its_row(grid_nb, tmp_path):
-    res = runner.run_notebooks([grid_nb], out_dir=tmp_path, timeout=120, progress=False,
-                               sweep={"crash": [True, False]}, parameters={"a": 1, "b": 5}, jobs=2)
+@pytest.mark.skipif(not Path("/proc/self/environ").is_file(), reason="finds kernels through /proc")
+def test_local_crash_and_point_timeout_keep_their_rows_and_leave_no_kernel(grid_nb, tmp_path, monkeypatch):
+    """A worker its kernel kills, one that runs past --point-timeout (stopped, with its kernel) and
+    a fine one: three rows, and no kernel of this run left running."""
+    marker = f"WORKBENCH_TEST_RUN={os.getpid()}-{time.monotonic_ns()}"
+    monkeypatch.setenv(*marker.split("=", 1))                                   # the workers and kernels inherit it
+    res = runner.run_notebooks([grid_nb], out_dir=tmp_path, timeout=120, progress=False, point_timeout=15,
+                               sweep={"mode": ["crash", "ok", "hang"]}, parameters={"a": 1, "b": 5}, jobs=2)
     table = pd.read_csv(res["sweep_csv"])
-    assert list(table["status"]) == ["failed", "ok"] and table.loc[1, "product"] == 5
+    assert list(table["status"]) == ["failed", "ok", "failed"] and table.loc[1, "product"] == 5
     assert "was killed by SIGKILL" in table.loc[0, "error"] and table.loc[0, "worker_pid"] > 0
+    assert "exceeded 15 s (point timeout" in table.loc[2, "error"] and table.loc[2, "seconds"] >= 15
+    kernel = int((tmp_path / "hang.kernel.pid").read_text())                 # the hanging point's kernel was up...
+    assert not _alive(kernel)                                                # ...and is gone
+    assert _kernels_with(marker) == []                                       # as is every other kernel of the run
+
+
+def test_a_worker_that_cannot_start_fails_its_point_only(tmp_path, monkeypatch):
+    import multiprocessing as mp
+
+    class NoFork:
+        def __init__(self, *a, **k):
+            self.pid = None
+
+        def start(self):
+            raise OSError(11, "Resource temporarily unavailable")
+
+    class Ctx:
+        Pipe = staticmethod(mp.Pipe)
+        Process = NoFork
+
+    monkeypatch.setattr(executors, "_context", lambda mp: Ctx())
+    tasks = [executors.Task(index=i, name=f"p{i}", notebook=tmp_path / "n.ipynb", parameters={},
+                            output=tmp_path / f"p{i}.ipynb", results=tmp_path / f"p{i}.json") for i in range(3)]
+    got = []
+    executors.LocalExecutor(jobs=2).run(tasks, lambda task, rec: got.append((task.index, rec)))
+    assert [i for i, _ in got] == [0, 1, 2]
+    assert all(r["status"] == "failed" and "could not start a worker process: BlockingIOError" in r["error"] for _, r in got)
+
+
+def test_ray_files_that_cannot_be_written_fail_the_point(tmp_path):
+    class Ray:
+        @staticmethod
+        def get(ref):
+            return {"record": {"status": "ok", "seconds": 1.5, "worker": {"executor": "ray"}},
+                    "notebook": b"{}", "results": b"{}"}
+
+    task = executors.Task(index=0, name="p", notebook=tmp_path / "n.ipynb", parameters={},
+                          output=tmp_path / "gone" / "p.ipynb", results=tmp_path / "gone" / "p.json")
+    rec = executors.RayExecutor._receive(Ray, None, task, time.perf_counter())
+    assert rec["status"] == "failed" and "could not write what the worker sent: FileNotFoundError" in rec["error"]
+    assert rec["worker"] == {"executor": "ray"} and rec["seconds"] == 1.5
 
 
 # ---- options and their errors (no kernels) --------------------------------------------------------
@@ -330,6 +411,20 @@ def ray_session(ray_head):
     ray.init(address=ray_head, log_to_driver=False)
     yield ray_head
     ray.shutdown()
+
+
+def test_an_open_session_is_reused_only_for_its_own_cluster(ray_session):
+    import ray
+
+    port = ray_session.rsplit(":", 1)[1]
+    for same in (ray_session, f"localhost:{port}", "auto", None):
+        ex = executors.RayExecutor(address=same, runtime_env={"env_vars": {"X": "1"}})
+        ex.prepare()
+        assert not ex._mine and ex._options()["runtime_env"] == {"env_vars": {"X": "1"}}   # per task: not dropped
+        ex.close()
+    with pytest.raises(ConfigError, match=r"already connected to the Ray cluster at '[0-9.]+:\d+'.*ray.shutdown"):
+        executors.RayExecutor(address=f"127.0.0.1:{_free_port()}").prepare()
+    assert ray.is_initialized()                                            # the caller's session stays open
 
 
 @pytest.mark.slow

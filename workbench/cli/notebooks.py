@@ -49,7 +49,7 @@ def cmd_run_notebooks(args) -> int:
                            progress=not args.quiet, sweep=sweep or None, executor=args.executor, jobs=args.jobs,
                            address=args.address, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
                            memory=args.memory, resources=_resources(args.resources),
-                           check_resources=not args.no_resource_check)
+                           check_resources=not args.no_resource_check, point_timeout=args.point_timeout)
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     else:
@@ -72,6 +72,10 @@ def add_run_notebooks_parser(sub) -> None:
                                                     "of all --sweep values (repeatable); writes sweep.csv")
     r.add_argument("--out", default=None, help="output folder (default: runs/<timestamp>)")
     r.add_argument("--timeout", type=int, default=900, help="per-cell timeout in seconds")
+    r.add_argument("--point-timeout", type=float, default=None, metavar="SECONDS",
+                   help="wall-clock limit for one notebook run / sweep point (default: none): a point that runs "
+                        "longer is stopped with its kernel and recorded as failed ('exceeded N s'); locally each "
+                        "point then runs in its own process, also with --jobs 1")
     r.add_argument("--json", action="store_true", help="print the run summary as JSON")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     x = r.add_argument_group("where the points run")
@@ -79,8 +83,9 @@ def add_run_notebooks_parser(sub) -> None:
                    help="local: on this machine (see --jobs); ray: one Ray task per notebook and sweep point on "
                         "an existing Ray cluster (needs pip install -e \".[ray]\", and the workbench on every node)")
     x.add_argument("--jobs", type=int, default=None, metavar="N",
-                   help="local: run up to N points at once, one process each (default 1: one after another; "
-                        "each kernel uses its own threads)")
+                   help="local: run up to N points at once, one process each (default 1: one after another in "
+                        "this process, where a kernel that kills its parent ends the whole run; with N >= 2 or "
+                        "--point-timeout it fails only its point); each kernel uses its own threads")
     x.add_argument("--address", default=None,
                    help="ray: the cluster, e.g. HOST:6379, 'auto' (on a cluster node) or ray://HOST:10001 (Ray "
                         "Client); default: RAY_ADDRESS, else a cluster started by `ray start` here, else a new "

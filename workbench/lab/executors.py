@@ -43,6 +43,14 @@ failed Ray task becomes a record with ``status="failed"`` and the error, and the
   disconnects at the end, unless this process was already connected (then it uses that); an
   address where nothing listens is an error at once (``ray.init()`` would retry for minutes).
 
+A point timeout (``Task.point_timeout``, ``--point-timeout``) stops a point that runs longer:
+locally the parent stops its worker process (each leads a session of its own) and the worker's
+SIGTERM handler kills its kernel first; on Ray a watchdog in the task kills the kernel and the
+task returns a failed record.  No kernel outlives its point: a worker that dies any other way
+has its kernels found by ``JPY_PARENT_PID`` and killed (:func:`kill_kernels`).  An open Ray
+session is reused only when ``address`` names its cluster (else a ConfigError), and then a
+``runtime_env`` goes with each task.
+
 Another way to run points is a subclass of :class:`Executor` passed as ``executor=``.
 
 Each record's ``worker`` names what ran it: ``executor``, ``host``, ``pid`` (the process that
@@ -84,6 +92,7 @@ class Task:
     timeout: int | None = None
     kernel: str | None = None
     point: dict = field(default_factory=dict)
+    point_timeout: float | None = None      # wall-clock seconds for the whole point (None: no limit)
 
 
 Done = Callable[[Task, dict], None]
@@ -136,21 +145,108 @@ def failed_record(task: Task, error: str, seconds: float = 0.0, worker: dict | N
             "worker": worker or {**dict.fromkeys(WORKER_FIELDS)}}
 
 
+def _local_worker(pid: int | None) -> dict:
+    return {**dict.fromkeys(WORKER_FIELDS), "executor": "local", "host": socket.gethostname(), "pid": pid}
+
+
+def timeout_text(limit: float) -> str:
+    return f"exceeded {limit:g} s (point timeout, --point-timeout)"
+
+
+# ---- Jupyter kernels outliving the process that started them ---------------------------------------
+def kill_kernels(parent_pid: int) -> list[int]:
+    """SIGKILL every Jupyter kernel that process ``parent_pid`` started (and what those started)
+    and remove their connection files; returns their pids.  jupyter_client starts a kernel in
+    its own session with ``JPY_PARENT_PID`` set to the launcher's pid, so this finds them by that,
+    also after the launcher died.  Linux (``/proc``); elsewhere nothing is found (ipykernel exits
+    by itself about a second after its parent changes)."""
+    import signal
+
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return []
+    needle, killed = f"JPY_PARENT_PID={parent_pid}".encode(), []
+    for d in proc.iterdir():
+        if not d.name.isdigit() or int(d.name) in (os.getpid(), parent_pid):
+            continue
+        try:
+            if needle not in (d / "environ").read_bytes().split(b"\0"):
+                continue
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:                                   # gone, or not ours to read
+            continue
+        pid = int(d.name)
+        with contextlib.suppress(OSError):
+            if os.getpgid(pid) == pid:                    # a session leader: its group goes too
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        if b"-f" in argv[:-1]:
+            conn_file = Path(os.fsdecode(argv[argv.index(b"-f") + 1]))
+            if conn_file.suffix == ".json":
+                with contextlib.suppress(OSError):
+                    conn_file.unlink()
+    return killed
+
+
+def _on_sigterm(signum, frame):
+    """A worker told to stop: its kernels first (they are in sessions of their own: a signal to
+    the worker's group misses them), then SystemExit, so that papermill's cleanup runs."""
+    kill_kernels(os.getpid())
+    raise SystemExit(128 + signum)
+
+
+class _Watchdog:
+    """In a worker: after ``limit`` seconds, kill this process's kernels (again every second,
+    a kernel may still be starting) until the point's papermill returns."""
+
+    def __init__(self, limit: float | None):
+        import threading
+
+        self.limit, self.fired, self._stop = limit, False, threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True) if limit else None
+
+    def _watch(self):
+        wait = self.limit
+        while not self._stop.wait(wait):
+            self.fired, wait = True, 1.0
+            kill_kernels(os.getpid())
+
+    def __enter__(self):
+        if self._thread is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+
+
 # ---- local: this process, or up to `jobs` processes at once ----------------------------------------
 def run_task_here(task: Task, executor: str = "local") -> dict:
     """Run one task in this process, writing straight into the run folder."""
     from workbench.lab.runner import execute_one
 
-    Path(task.results).unlink(missing_ok=True)            # never pick up an old sidecar
-    rec = execute_one(Path(task.notebook), Path(task.output), {**task.parameters, "results_path": str(task.results)},
-                      task.timeout, task.kernel)
+    try:
+        Path(task.results).unlink(missing_ok=True)            # never pick up an old sidecar
+        rec = execute_one(Path(task.notebook), Path(task.output),
+                          {**task.parameters, "results_path": str(task.results)}, task.timeout, task.kernel)
+    except Exception as e:  # noqa: BLE001 - e.g. an OSError on the run folder: this point's failure
+        rec = failed_record(task, f"{type(e).__name__}: {e}")
     rec["worker"] = worker_info(executor)
     return rec
 
 
 def _child(task: Task, conn, env: dict) -> None:
     """A local worker process: run one task, send its record back.  ``env`` is the parent's
-    environment when the task started (a fork server's own may be older)."""
+    environment when the task started (a fork server's own may be older).  It leads a session
+    of its own (the parent stops it by its group; a Ctrl-C at the terminal goes to the parent,
+    which stops its workers), and SIGTERM kills its kernel before it exits."""
+    import signal
+
+    with contextlib.suppress(OSError):
+        os.setsid()
+    signal.signal(signal.SIGTERM, _on_sigterm)
     os.environ.clear()
     os.environ.update(env)
     try:
@@ -159,8 +255,40 @@ def _child(task: Task, conn, env: dict) -> None:
         rec = failed_record(task, f"{type(e).__name__}: {e}", worker=worker_info("local"))
     try:
         conn.send(rec)
+    except OSError:                                        # the parent gave up on this point
+        pass
     finally:
         conn.close()
+
+
+def _signal_group(pid: int | None, sig) -> None:
+    """Signal a worker's process group (its session), or the worker alone before it made one."""
+    if pid is None:
+        return
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        with contextlib.suppress(OSError):
+            os.kill(pid, sig)
+
+
+def _stop_workers(procs: list, grace_s: float = 5.0) -> None:
+    """SIGTERM each worker's group (it kills its kernel and exits), SIGKILL what is left after
+    ``grace_s``, then kill any kernel a worker left behind."""
+    import signal
+
+    for proc in procs:
+        if proc.is_alive():
+            _signal_group(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            _signal_group(proc.pid, signal.SIGKILL)
+            proc.join(5)
+        if proc.pid is not None:
+            kill_kernels(proc.pid)
 
 
 def _exit_text(code: int | None) -> str:
@@ -191,7 +319,12 @@ def _context(mp):
 
 class LocalExecutor(Executor):
     """Points on this machine: ``jobs=1`` one after another in this process (the default),
-    ``jobs=N`` up to N at once, one fresh process per point."""
+    ``jobs=N`` up to N at once, one fresh process per point.  With a point timeout every point
+    runs in a fresh process (also with ``jobs=1``), which is stopped, with its kernel, when the
+    point has run that long.  In this process (``jobs=1``, no point timeout) a kernel that kills
+    its parent ends the whole run; in worker processes it fails only its point."""
+
+    EXIT_GRACE_S = 30.0      # a worker that sent its record but does not exit is stopped after this
 
     name = "local"
 
@@ -211,50 +344,85 @@ class LocalExecutor(Executor):
         return resolve_kernel(kernel_name)   # may put a kernelspec on JUPYTER_PATH: the children inherit it
 
     def run(self, tasks: list[Task], done: Done) -> None:
-        if self.jobs == 1:
+        if self.jobs == 1 and not any(t.point_timeout for t in tasks):
             for task in tasks:
                 done(task, run_task_here(task))
             return
         self._run_processes(tasks, done)
+
+    @staticmethod
+    def _start(ctx, task: Task):
+        """A worker process for the task, as (reader, process), or the failed record if it did not start."""
+        recv = send = proc = None
+        try:
+            recv, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_child, args=(task, send, dict(os.environ)), name=f"workbench-point-{task.index}")
+            proc.start()
+            return recv, proc
+        except Exception as e:  # noqa: BLE001 - no fork, no fork server, no pipes: this point fails
+            if recv is not None:
+                recv.close()
+            return failed_record(task, f"could not start a worker process: {type(e).__name__}: {e}",
+                                 worker=_local_worker(getattr(proc, "pid", None)))
+        finally:
+            if send is not None:
+                send.close()                          # the child holds the only writer: EOF when it dies
 
     def _run_processes(self, tasks: list[Task], done: Done) -> None:
         import multiprocessing as mp
         from multiprocessing.connection import wait
 
         ctx = _context(mp)
-        pending, running = list(tasks), {}
+        pending, running, exiting = list(tasks), {}, {}     # exiting: worker -> when it must be gone
         try:
             while pending or running:
                 while pending and len(running) < self.jobs:
                     task = pending.pop(0)
-                    recv, send = ctx.Pipe(duplex=False)
-                    proc = ctx.Process(target=_child, args=(task, send, dict(os.environ)),
-                                       name=f"workbench-point-{task.index}")
-                    proc.start()
-                    send.close()                          # the child holds the only writer: EOF when it dies
-                    running[recv] = (proc, task, time.perf_counter())
-                for recv in wait(list(running)):
+                    started = self._start(ctx, task)
+                    if isinstance(started, dict):
+                        done(task, started)
+                        continue
+                    running[started[0]] = (started[1], task, time.perf_counter())
+                if not running:
+                    continue
+                now = time.perf_counter()
+                left = [t0 + task.point_timeout - now for _p, task, t0 in running.values() if task.point_timeout]
+                for recv in wait(list(running), timeout=max(0.0, min(left)) if left else None):
                     proc, task, t0 = running.pop(recv)
                     try:
                         rec = recv.recv()
                     except (EOFError, OSError):
                         rec = None
                     recv.close()
-                    proc.join(30)
-                    if proc.is_alive():                           # sent its record but hangs on exit
-                        proc.terminate()
-                        proc.join(5)
-                    if rec is None:
+                    if rec is None:                               # it died: wait for its exit code
+                        _stop_workers([proc])
                         rec = failed_record(task, f"the worker process (pid {proc.pid}) {_exit_text(proc.exitcode)} "
                                             "before it sent its record", time.perf_counter() - t0,
-                                            {**dict.fromkeys(WORKER_FIELDS), "executor": "local",
-                                             "host": socket.gethostname(), "pid": proc.pid})
+                                            _local_worker(proc.pid))
+                    else:
+                        exiting[proc] = time.perf_counter() + self.EXIT_GRACE_S
                     done(task, rec)
+                now = time.perf_counter()
+                for recv, (proc, task, t0) in list(running.items()):
+                    if task.point_timeout and now - t0 >= task.point_timeout:
+                        del running[recv]
+                        recv.close()
+                        _stop_workers([proc])
+                        done(task, failed_record(task, f"{timeout_text(task.point_timeout)}: its worker process "
+                                                 f"(pid {proc.pid}) and kernel were stopped", now - t0,
+                                                 _local_worker(proc.pid)))
+                for proc, deadline in list(exiting.items()):      # reap without waiting for them
+                    if not proc.is_alive() or now > deadline:
+                        del exiting[proc]
+                        _stop_workers([proc])
         finally:
-            for proc, _task, _t0 in running.values():       # interrupted: stop what still runs
-                proc.terminate()
-            for proc, _task, _t0 in running.values():
-                proc.join(10)
+            for recv in running:
+                recv.close()
+            procs = [p for p, _t, _t0 in running.values()]    # interrupted: stop what still runs
+            deadline = time.perf_counter() + self.EXIT_GRACE_S
+            for proc, by in exiting.items():                  # done: give them their time to exit
+                proc.join(max(0.0, min(by, deadline) - time.perf_counter()))
+            _stop_workers(procs + list(exiting))
 
 
 # ---- Ray: one task per point on a cluster --------------------------------------------------------
@@ -321,17 +489,56 @@ def ray_point(source: bytes, job: dict) -> dict:
     from workbench.lab.runner import execute_one, resolve_kernel
 
     worker = worker_info("ray")
-    with tempfile.TemporaryDirectory(prefix="workbench-point-") as tmp:
+    limit = job.get("point_timeout")
+    with tempfile.TemporaryDirectory(prefix="workbench-point-") as tmp, _sigterm_kills_kernels(), \
+            _Watchdog(limit) as watchdog:
         src, out = Path(tmp) / "source.ipynb", Path(tmp) / f"{job['name']}.ipynb"
         sidecar = Path(tmp) / f"{job['name']}.results.json"
         src.write_bytes(source)
         cwd = _worker_cwd(job["where"])
-        rec = execute_one(src, out, {**job["parameters"], "results_path": str(sidecar)}, job["timeout"],
-                          resolve_kernel(job["kernel"]), cwd=cwd)
+        try:
+            rec = execute_one(src, out, {**job["parameters"], "results_path": str(sidecar)}, job["timeout"],
+                              resolve_kernel(job["kernel"]), cwd=cwd)
+        finally:
+            kill_kernels(os.getpid())                     # none should be left; if one is, it goes now
+        if watchdog.fired:
+            rec.update(status="failed", error=f"{timeout_text(limit)}: its kernel was stopped ({rec.get('error')})")
         rec["worker"] = worker
         rec["cwd"] = f"{worker['host']}:{cwd}"
         return {"record": rec, "notebook": out.read_bytes() if out.is_file() else None,
                 "results": sidecar.read_bytes() if sidecar.is_file() else None}
+
+
+@contextlib.contextmanager
+def _sigterm_kills_kernels():
+    """While a Ray task runs: a SIGTERM to its worker (ray.cancel, the raylet stopping) kills the
+    point's kernel first, then does what the worker would have done.  Only where a handler can be
+    set (the main thread); a SIGKILL leaves the kernel to ipykernel's own parent check."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.getsignal(signal.SIGTERM)
+
+    def handler(signum, frame):
+        kill_kernels(os.getpid())
+        if callable(old):
+            old(signum, frame)
+        else:
+            raise SystemExit(128 + signum)
+
+    try:
+        signal.signal(signal.SIGTERM, handler)
+    except (ValueError, OSError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError, OSError, TypeError):
+            signal.signal(signal.SIGTERM, old)
 
 
 def _probe(address: str | None, timeout_s: float = 5.0) -> None:
@@ -436,6 +643,8 @@ class RayExecutor(Executor):
 
     def _options(self) -> dict:
         opts = {"num_cpus": 1 if self.num_cpus is None else self.num_cpus, "max_retries": self.max_retries}
+        if self.runtime_env and not self._mine:
+            opts["runtime_env"] = dict(self.runtime_env)   # a session we did not open: per task, not dropped
         if self.num_gpus is not None:
             opts["num_gpus"] = self.num_gpus
         if self.memory:
@@ -446,6 +655,7 @@ class RayExecutor(Executor):
 
     def _connect(self, ray) -> bool:
         if ray.is_initialized():
+            self._check_session(ray)
             return False                  # the caller's session: use it, leave it open
         _probe(self.address or os.environ.get("RAY_ADDRESS"))
         kw = {"log_to_driver": False}
@@ -458,6 +668,27 @@ class RayExecutor(Executor):
                               f"{type(e).__name__}: {e}; start one with `ray start --head` and pass its address "
                               "(--address HOST:PORT, or 'auto' on a cluster node)") from None
         return True
+
+    def _check_session(self, ray) -> None:
+        """An open session is reused only when ``address`` names its cluster (or names none)."""
+        address = self.address
+        if not address or address in ("auto", "local"):
+            return
+        try:
+            have = ray.get_runtime_context().gcs_address
+        except Exception:  # noqa: BLE001 - e.g. Ray Client: nothing to compare with
+            have = None
+        if address.startswith("ray://") or not have:
+            if not address.startswith("ray://") or not _client_connected(ray):
+                raise ConfigError(f"address (--address) = {address!r}: this process is already connected to a Ray "
+                                  "cluster that cannot be compared with it; call ray.shutdown() first, or pass no "
+                                  "address to use the open session")
+            return
+        here = _local_ips(ray)
+        if _hostport(address, here) != _hostport(have, here):
+            raise ConfigError(f"address (--address) = {address!r}: this process is already connected to the Ray "
+                              f"cluster at {have!r}; call ray.shutdown() first to use another one, or pass "
+                              "address=None to use the open session")
 
     def _check(self, ray) -> None:
         nodes = [n for n in ray.nodes() if n.get("Alive")]
@@ -488,15 +719,16 @@ class RayExecutor(Executor):
         ray = self._ray
         remote, opts = ray.remote(ray_point), self._options()
         sources, refs = {}, {}
-        for task in tasks:
-            key = str(task.notebook)
-            if key not in sources:
-                sources[key] = ray.put(Path(task.notebook).read_bytes())   # sent once per notebook
-            job = {"name": task.name, "parameters": task.parameters, "timeout": task.timeout,
-                   "kernel": task.kernel, "where": _notebook_dir(Path(task.notebook))}
-            ref = remote.options(**opts, name=f"workbench:{task.name}").remote(sources[key], job)
-            refs[ref] = (task, time.perf_counter())
         try:
+            for task in tasks:
+                key = str(task.notebook)
+                if key not in sources:
+                    sources[key] = ray.put(Path(task.notebook).read_bytes())   # sent once per notebook
+                job = {"name": task.name, "parameters": task.parameters, "timeout": task.timeout,
+                       "kernel": task.kernel, "where": _notebook_dir(Path(task.notebook)),
+                       "point_timeout": task.point_timeout}
+                ref = remote.options(**opts, name=f"workbench:{task.name}").remote(sources[key], job)
+                refs[ref] = (task, time.perf_counter())
             while refs:
                 ready, _ = ray.wait(list(refs), num_returns=1)
                 for ref in ready:
@@ -515,11 +747,45 @@ class RayExecutor(Executor):
             return failed_record(task, _ray_error(e), time.perf_counter() - t0, {**dict.fromkeys(WORKER_FIELDS),
                                                                                 "executor": "ray"})
         rec = out["record"]
-        if out.get("notebook") is not None:
-            Path(task.output).write_bytes(_retarget(out["notebook"], task))
-        if out.get("results") is not None:
-            Path(task.results).write_bytes(out["results"])
+        try:
+            if out.get("notebook") is not None:
+                Path(task.output).write_bytes(_retarget(out["notebook"], task))
+            if out.get("results") is not None:
+                Path(task.results).write_bytes(out["results"])
+        except OSError as e:          # the point ran, but its files did not land in the run folder
+            with contextlib.suppress(OSError):
+                Path(task.results).unlink(missing_ok=True)
+            return failed_record(task, f"could not write what the worker sent: {type(e).__name__}: {e}"
+                                 + (f" (the point itself: {rec.get('status')})" if rec.get("status") else ""),
+                                 rec.get("seconds") or time.perf_counter() - t0, rec.get("worker"))
         return rec
+
+
+def _local_ips(ray) -> set:
+    """This machine's addresses as far as cheaply known: loopback, its host name's, Ray's node IP."""
+    ips = {"127.0.0.1", "::1", "localhost"}
+    with contextlib.suppress(OSError):
+        ips.update(socket.gethostbyname_ex(socket.gethostname())[2])
+    with contextlib.suppress(Exception):
+        ips.add(ray.util.get_node_ip_address())
+    return ips
+
+
+def _hostport(address: str, local: set) -> tuple:
+    """``(host, port)`` of HOST:PORT, the host resolved, and any address of this machine one
+    ("this machine": a head here answers on loopback and on its own IP)."""
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    host = host.strip("[]")
+    with contextlib.suppress(OSError):
+        host = socket.gethostbyname(host)
+    return ("this machine" if host in local or host.startswith("127.") else host), port
+
+
+def _client_connected(ray) -> bool:
+    try:
+        return bool(ray.util.client.ray.is_connected())
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _retarget(nb_bytes: bytes, task: Task) -> bytes:

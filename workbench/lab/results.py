@@ -160,21 +160,30 @@ def worker_columns(rec: dict) -> dict:
             "worker_gpus": w.get("gpus")}
 
 
+RUNNER_COLUMNS = ("notebook", "status", "seconds", "error")
+
+
 def sweep_frame(records: list[dict], loaded: dict) -> pandas.DataFrame:
     """One row per sweep point, in the records' (grid) order: notebook, the point's parameters,
     status, seconds, error, every metric its sidecar holds (empty for a failed point, which
-    keeps its row), then the worker that ran it (:data:`WORKER_COLUMNS`)."""
+    keeps its row), then the worker that ran it (:data:`WORKER_COLUMNS`).
+
+    The runner's columns (:data:`RUNNER_COLUMNS`) and the worker columns are never overwritten:
+    a parameter of the same name is ``param:NAME`` and a metric ``metric:NAME`` (a metric named
+    like a swept parameter keeps replacing it, as it reports the value the notebook used)."""
     import pandas as pd
 
+    reserved = set(RUNNER_COLUMNS) | set(WORKER_COLUMNS)
     rows, front, metric_cols = [], ["notebook"], []
     for rec in records:
-        point = rec.get("point") or {}
-        metrics = {k: v for k, v in loaded.get(rec["name"], {}).get("metrics", {}).items()
+        point = {(f"param:{k}" if k in reserved else k): v for k, v in (rec.get("point") or {}).items()}
+        metrics = {(f"metric:{k}" if k in reserved else k): v
+                   for k, v in loaded.get(rec["name"], {}).get("metrics", {}).items()
                    if isinstance(v, (int, float, bool, str)) or v is None}
         front += [k for k in point if k not in front]
         metric_cols += [k for k in metrics if k not in metric_cols]
-        rows.append({"notebook": rec.get("notebook", rec["name"]), **point, "status": rec["status"],
-                     "seconds": rec["seconds"], "error": rec.get("error") or "", **metrics, **worker_columns(rec)})
+        rows.append({"notebook": rec.get("notebook", rec["name"]), **point, **metrics, "status": rec["status"],
+                     "seconds": rec["seconds"], "error": rec.get("error") or "", **worker_columns(rec)})
     fixed = front + ["status", "seconds", "error"]
     cols = fixed + [c for c in metric_cols if c not in fixed and c not in WORKER_COLUMNS] + list(WORKER_COLUMNS)
     return pd.DataFrame(rows, columns=cols)

@@ -193,7 +193,8 @@ def run_notebooks(notebooks=None, parameters: dict | None = None, out_dir=None, 
                   progress: bool = True, kernel_name: str | None = None, sweep: dict | None = None,
                   executor="local", jobs: int | None = None, address: str | None = None,
                   num_cpus: float | None = None, num_gpus: float | None = None, memory=None,
-                  resources: dict | None = None, check_resources: bool = True) -> dict:
+                  resources: dict | None = None, check_resources: bool = True,
+                  point_timeout: float | None = None) -> dict:
     """Execute notebooks; returns {"run_dir", "report", "results_csv", "notebooks": [{"name",
     "status", "seconds", "output", "error", "point", "worker", ...}]} (+ "sweep_csv").
 
@@ -208,6 +209,15 @@ def run_notebooks(notebooks=None, parameters: dict | None = None, out_dir=None, 
     ``num_cpus`` (default 1), ``num_gpus``, ``memory`` (bytes or "8GiB") and custom
     ``resources``; ``check_resources=False`` skips the check that some node can hold one point),
     or an executor object from :mod:`workbench.lab.executors`.
+
+    ``point_timeout`` (seconds, default None: no limit) bounds one point's wall-clock time: a
+    point that runs longer is stopped with its kernel and recorded as failed ("exceeded N s");
+    locally every point then runs in a fresh process, also with ``jobs=1``.
+
+    Nothing finished is lost: if the run stops early (Ctrl-C, or an error escaping the
+    executor), every point without a record gets a failed row saying why, and summary.json,
+    results.csv, sweep.csv and the report are still written; a KeyboardInterrupt is raised
+    again after that, other errors end up in the rows.
     """
     from tqdm.auto import tqdm
 
@@ -218,44 +228,76 @@ def run_notebooks(notebooks=None, parameters: dict | None = None, out_dir=None, 
     points = sweep_points(sweep)
     if sweep and "results_path" in sweep:
         raise ConfigError("run_notebooks: results_path cannot be swept")
+    if point_timeout is not None and (isinstance(point_timeout, bool) or not isinstance(point_timeout, (int, float))
+                                      or point_timeout <= 0):
+        raise ConfigError(f"point_timeout (--point-timeout) = {point_timeout!r}: expected seconds > 0 (or None)")
     ex = make_executor(executor, jobs=jobs, address=address, num_cpus=num_cpus, num_gpus=num_gpus, memory=memory,
                        resources=resources, check_resources=check_resources)
     ex.prepare()                  # e.g. Ray missing, no cluster, no node fits a point: said before any run folder
     try:
         run_dir = new_run_dir(out_dir)
         kernel = ex.kernel(kernel_name)
-        started = datetime.now(timezone.utc)
+    except BaseException:
+        ex.close()
+        raise
+    started = datetime.now(timezone.utc)
 
-        tasks, seen = [], set()
-        for nb in paths:
-            for point in points:
-                stem = nb.stem + (f"__{point_label(point)}" if point else "")
-                stem = stem if stem not in seen else f"{stem}-{len(seen)}"
-                seen.add(stem)
-                tasks.append(Task(index=len(tasks), name=stem, notebook=nb, parameters={**parameters, **point},
-                                  output=run_dir / f"{stem}.ipynb", results=run_dir / f"{stem}.results.json",
-                                  timeout=timeout, kernel=kernel, point=dict(point)))
+    tasks, seen = [], set()
+    for nb in paths:
+        for point in points:
+            stem = nb.stem + (f"__{point_label(point)}" if point else "")
+            stem = stem if stem not in seen else f"{stem}-{len(seen)}"
+            seen.add(stem)
+            tasks.append(Task(index=len(tasks), name=stem, notebook=nb, parameters={**parameters, **point},
+                              output=run_dir / f"{stem}.ipynb", results=run_dir / f"{stem}.results.json",
+                              timeout=timeout, kernel=kernel, point=dict(point), point_timeout=point_timeout))
 
-        records: list = [None] * len(tasks)
-        bar = tqdm(total=len(tasks), desc="notebooks", unit="nb", disable=not progress, file=sys.stderr)
+    records: list = [None] * len(tasks)
+    bar = tqdm(total=len(tasks), desc="notebooks", unit="nb", disable=not progress, file=sys.stderr)
 
-        def done(task: Task, rec: dict) -> None:
-            rec["name"], rec["notebook"], rec["point"] = task.name, task.notebook.stem, dict(task.point)
-            rec["output"], rec["source"] = str(task.output), str(task.notebook)
-            rec["results"] = str(task.results) if task.results.is_file() else None
-            records[task.index] = rec
+    def done(task: Task, rec: dict) -> None:
+        rec["name"], rec["notebook"], rec["point"] = task.name, task.notebook.stem, dict(task.point)
+        rec["output"], rec["source"] = str(task.output), str(task.notebook)
+        rec["results"] = str(task.results) if task.results.is_file() else None
+        records[task.index] = rec
+        with contextlib.suppress(Exception):          # a progress bar never costs a record
             bar.set_postfix_str(task.name)
             bar.update()
 
+    stopped: BaseException | None = None
+    try:
         try:
             ex.run(tasks, done)
         finally:
-            bar.close()
+            with contextlib.suppress(Exception):
+                bar.close()
+            ex.close()
+    except BaseException as e:  # noqa: BLE001 - written down below; Ctrl-C is raised again after that
+        stopped = e
+    try:
+        return _write_run(run_dir, tasks, records, done, ex, stopped, parameters=parameters, started=started,
+                          kernel=kernel, sweep=sweep)
     finally:
-        ex.close()
+        if stopped is not None and not isinstance(stopped, Exception):
+            raise stopped                        # KeyboardInterrupt, SystemExit: after the files are written
+
+
+def _write_run(run_dir: Path, tasks: list, records: list, done, ex, stopped, parameters: dict, started, kernel,
+               sweep) -> dict:
+    """Fill the rows of points without a record, then write summary.json, results.csv, sweep.csv
+    and the report."""
+    if stopped is None:
+        why = f"the {ex.name} executor returned no record for this point"
+    elif isinstance(stopped, KeyboardInterrupt):
+        why = "not run (or not finished): the run was interrupted (KeyboardInterrupt)"
+    else:
+        text = _ANSI.sub("", str(stopped)).strip().splitlines()
+        why = (f"not run (or not finished): the {ex.name} executor stopped: {type(stopped).__name__}"
+               + (f": {text[0]}" if text else ""))
     for task in tasks:                               # an executor that lost a task: still one row for it
         if records[task.index] is None:
-            done(task, failed_record(task, f"the {ex.name} executor returned no record for this point"))
+            done(task, failed_record(task, why))
+    (run_dir / "summary.json").write_text(json.dumps(records, indent=2, default=str))     # first: the least to go wrong
 
     from workbench.lab.results import collect_results, write_report
 
@@ -266,7 +308,6 @@ def run_notebooks(notebooks=None, parameters: dict | None = None, out_dir=None, 
     if sweep:
         out["sweep_csv"] = str(run_dir / "sweep.csv")
         results["sweep"].to_csv(out["sweep_csv"], index=False)
-    (run_dir / "summary.json").write_text(json.dumps(records, indent=2, default=str))
     out["report"] = str(write_report(run_dir / "report.html", records, results, parameters=parameters,
                                      started=started, kernel=kernel or "each worker's own Python",
                                      sweep=sweep, executor=ex.describe()))
