@@ -20,7 +20,11 @@
 #    9. quant_bench: `workbench quant-bench --kernels` (the W4A16 split-K GEMV / GEMM, W8A16 and
 #    W4A8 Triton kernels vs dense bf16 F.linear at m = 1, 4, 16, 64 on Llama-7B-sized layers; it
 #    exits 1 when a kernel's error against its reference exceeds 1e-2), after quant_tests (the
-#    kernels' tests against their torch references, compiled on the GPU).
+#    kernels' tests against their torch references, compiled on the GPU);  10. e2e: notebook 06's ablation
+#    at its tiny size (workbench.bench.end_to_end.run_end_to_end: one realistic workload, every layer
+#    alone against the baseline and stacked, the Triton kernels and CUDA graphs as the kernel layers on a
+#    GPU; TTFT / TPOT / E2E P95, throughput, measured memory, greedy agreement and perplexity per
+#    configuration, the layers the engine refused to combine and why).
 #
 # Every step has its own time cap, and the whole script (summary included) ends within
 # DEVICE_CHECK_BUDGET_S = 480 s: a step that would run past that gets the time left, or is
@@ -31,7 +35,8 @@
 # `python -m workbench.cli.gpu_results`; see results/gpu/README.md):
 #   with CUDA     results/gpu/<device>-<YYYY-MM-DD>/ (committed; a second run that day: -2, -3 ...):
 #                 meta.json, summary.csv, engine_bench.csv, kernel_bench.csv, sched_bench.csv,
-#                 prefix_bench.csv, prefetch_bench.csv, tier_bench.csv, quant_bench.csv, device_check.log.  Where $OUT is set (the device
+#                 prefix_bench.csv, prefetch_bench.csv, tier_bench.csv, quant_bench.csv, calibrate.csv, e2e.csv,
+#                 device_check.log.  Where $OUT is set (the device
 #                 tool's folder of files that come back, at most 8 files) the folder is also archived to
 #                 $OUT/<device>-<date>.tar: extract it into results/gpu/ here and commit the folder.
 #   without CUDA  a dry run of the script itself at CPU sizes, into runs/device_check/ (git-ignored),
@@ -132,17 +137,20 @@ step() {   # step NAME CAP_S command...: stdout -> $WORK/NAME.out, stderr -> $WO
 
 WB=("$PY" -m workbench.cli.main)
 echo "device check: $DEV, $PY, tables -> $DIR"
-step tests 80 "$PY" -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"
-step kernels_bench 80 "${WB[@]}" kernels-bench --device "$DEV" --size "$SIZE" --csv "$WORK/kernel_bench.csv" --quiet
-step sched_bench 40 "${WB[@]}" sched-bench --device "$DEV" "${SCHED[@]}" --json --quiet
+step tests 70 "$PY" -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"
+step kernels_bench 70 "${WB[@]}" kernels-bench --device "$DEV" --size "$SIZE" --csv "$WORK/kernel_bench.csv" --quiet
+step sched_bench 35 "${WB[@]}" sched-bench --device "$DEV" "${SCHED[@]}" --json --quiet
 step engine_bench 40 "${WB[@]}" bench --device "$DEV" "${ENGINE[@]}" --json --quiet
-step engine_fast 45 "${WB[@]}" bench --device "$DEV" "${FAST[@]}" --json --quiet
-step prefix_bench 30 "${WB[@]}" prefix-bench --device "$DEV" "${PREFIX[@]}" --json --quiet
-step prefetch_bench 40 "${WB[@]}" prefetch-bench --device "$DEV" "${PREFETCH[@]}" --json --quiet
+step engine_fast 40 "${WB[@]}" bench --device "$DEV" "${FAST[@]}" --json --quiet
+step prefix_bench 25 "${WB[@]}" prefix-bench --device "$DEV" "${PREFIX[@]}" --json --quiet
+step prefetch_bench 35 "${WB[@]}" prefetch-bench --device "$DEV" "${PREFETCH[@]}" --json --quiet
 step tier_bench 30 "${WB[@]}" tier-bench --device "$DEV" --docs 1 --eval-tokens 48 --config default --json
-step quant_tests 30 "$PY" -m pytest -q -x -p no:cacheprovider "${QUANT_TESTS[@]}"
+step quant_tests 25 "$PY" -m pytest -q -x -p no:cacheprovider "${QUANT_TESTS[@]}"
 step quant_bench 25 "${WB[@]}" quant-bench "${QUANT[@]}" --json --quiet
 step calibrate 25 "${WB[@]}" calibrate-quant --device "$DEV" "${CALIB[@]}" --out "$WORK/calibrate" --json --quiet
+# last: by now the Triton kernels it launches are compiled (tests, kernels_bench, quant_tests)
+step e2e 45 "$PY" -c 'import json, sys; from workbench.bench.end_to_end import run_end_to_end
+print(json.dumps(run_end_to_end(device=sys.argv[1], mode="tiny", progress=True), default=str))' "$DEV"
 
 echo
 echo "== tables"
