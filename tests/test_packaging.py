@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import tomllib
@@ -46,7 +47,11 @@ def test_environment_yml_mirrors_pyproject():
     names += [d.split(">")[0].strip() for d in project["optional-dependencies"]["dev"]]
     missing = [n for n in names if n not in env]
     assert not missing, f"environment.yml lacks {missing}"
-    assert "-e .[dev,real-clients]" in env
+    # the conda environment installs the same extras as the Quick start (scripts/quickstart.sh)
+    quick = re.search(r'pip install -q -e "\.\[([a-z,-]+)\]"', (ROOT / "scripts" / "quickstart.sh").read_text())
+    assert quick, "scripts/quickstart.sh: no editable install with extras found"
+    assert f"-e .[{quick.group(1)}]" in env, f"environment.yml should install -e .[{quick.group(1)}] as the Quick start does"
+    assert set(quick.group(1).split(",")) <= set(project["optional-dependencies"]), quick.group(1)
     assert project["scripts"]["workbench"] == "workbench.cli.main:main"
     for needed in ("torch", "triton", "safetensors", "tokenizers", "jupyterlab", "ipywidgets", "anywidget",
                    "plotly", "pandas", "papermill", "tqdm"):
