@@ -30,16 +30,7 @@ from workbench.cli.main import main
 from workbench.errors import ConfigError
 from workbench.lab import executors, runner
 
-
-def write_notebook(path, *sources, parameters="results_path = None"):
-    """A tiny notebook (as in test_runner.py): a ``parameters`` cell, then the sources."""
-    nb = nbformat.v4.new_notebook()
-    cell = nbformat.v4.new_code_cell(parameters)
-    cell.metadata["tags"] = ["parameters"]
-    nb.cells = [cell] + [nbformat.v4.new_code_cell(s) for s in sources]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(nb, str(path))
-    return path
+from test_runner import write_notebook  # noqa: E402 - the same tiny notebooks as the runner's tests
 
 
 GRID = {"a": [1, 2], "b": [3, 5]}
