@@ -233,3 +233,65 @@ def test_tier_block_map_figure_rows_are_layers(random_llm, tiered_setup):
     assert _flat(fig2.data[0].z) == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="contiguous"):
         KVBlockMapView().attach(random_llm)
+
+
+# ---- what the figures say (labels, titles) and when the live view redraws ------------------------
+def test_block_map_rows_and_axis_say_what_they_are():
+    from workbench.lab.kv_view import wrapped_row_labels, x_axis_title
+
+    assert wrapped_row_labels(164, 32) == ["blocks 0-31", "blocks 32-63", "blocks 64-95", "blocks 96-127",
+                                           "blocks 128-159", "blocks 160-163"]
+    assert wrapped_row_labels(33, 32) == ["blocks 0-31", "block 32"] and wrapped_row_labels(0, 8) == []
+    fig = block_map_figure(".oSc" * 10, cols=32)                  # an inspector record: 40 blocks, 2 rows
+    assert list(fig.data[0].y) == ["blocks 0-31", "blocks 32-39"]
+    assert fig.layout.xaxis.title.text == "block (column within the row)" == x_axis_title(["free"], two_d=False)
+    assert fig.data[0].colorbar.title.text == "block state"
+    steps = block_map_figure([["free", "owned"], ["shared", "cached"]], names=["free", "owned", "shared", "cached"])
+    assert steps.layout.xaxis.title.text == "block id" and steps.layout.xaxis.dtick == 1
+    zones = block_map_figure([["hot", "warm"], ["cold", "fetched"]])
+    assert zones.layout.xaxis.title.text.startswith("token position") and zones.data[0].colorbar.title.text == "zone"
+
+
+def test_live_view_redraws_only_when_the_pool_changed(random_llm):
+    pytest.importorskip("anywidget")
+    llm = _paged(random_llm, num_blocks=24)
+    view = KVBlockMapView(max_hz=60, cols=10).attach(llm)          # 24 blocks: the last row has 6 padding cells
+    view._build()
+    assert {"wb-live", "wb-live-block-map"} <= set(view.widget._dom_classes)
+    assert view.fig in view.widget.children                        # the browser test reads the plot inside it
+    assert view.refresh() is False and view.skipped == 1 and view.updates == 0   # nothing ran: nothing to draw
+    llm.generate([PROMPTS[0]], GREEDY)
+    assert view.refresh() is True and view.updates >= 1
+    from plotly.serializers import _py_to_js                         # what the widget sends to the browser
+    sent = _py_to_js(view.fig.data[0].z, None)
+    json.dumps(sent, allow_nan=False)                               # padding is null, not NaN (invalid JSON)
+    assert _flat(sent) == [["free", "owned", "shared", "cached"].index(b) for b in llm.kv_pool.manager.block_states()]
+    drawn = view.updates
+    assert view.refresh() is False and view.updates == drawn       # the same pool: no redraw
+    assert "pool events" in view.label.value and f"{view.updates} redraws" in view.label.value
+    slow = KVBlockMapView(max_hz=0.01).attach(llm)                  # one look per 100 s: the first event's only
+    slow._build()
+    llm.generate([PROMPTS[3], PROMPTS[1]], GREEDY)
+    assert slow.events > 10 and slow.updates + slow.skipped == 1
+    slow.detach()
+    view.detach()
+
+
+def test_tier_live_view_redraws_when_the_zones_change(random_llm, tiered_setup):
+    pytest.importorskip("anywidget")
+    cfg = TierConfig(window=16, sink=2, rank=4, warm_tokens=16, chunk=4, block=8, budget=16)
+    llm = _tiered(random_llm, tiered_setup, cfg)
+    view = KVBlockMapView(max_hz=60).attach(llm)
+    view._build()
+    key = view.state_key()
+    assert key[0] is llm.last_cache and key[1] == llm.last_cache.length
+    assert view.refresh() is False and view.skipped == 1           # built from this state: nothing new
+    prompt = torch.randint(5, 900, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    out = view.run(llm, prompt, GREEDY, display=False)
+    assert view.updates >= 1 and view.state_key()[0] is not key[0]
+    n = llm.last_cache.length
+    assert len(view.fig.data[0].z[0]) == n and list(view.fig.data[0].x) == list(range(n))
+    assert _flat(view.fig.data[0].z) == _flat(view.static_figure().data[0].z)
+    assert len(out.token_ids) == GREEDY.max_tokens
+    label = view.label.value
+    assert "pool events" not in label and f"zones per layer for the newest query ({n} tokens)" in label

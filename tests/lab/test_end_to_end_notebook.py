@@ -1,5 +1,6 @@
 """Notebook 06 (end to end) runs top to bottom on a CPU in smoke mode, claims lab included, and
-writes the sidecar keys the batch report reads.
+writes the sidecar keys the batch report reads; in JupyterLab + Chromium when there is one, as
+the other notebooks (tests/lab/lab_browser.py: one smoke execution, screenshots, the report).
 
 It has a file of its own so that pytest-xdist's ``--dist loadfile`` runs it on the other worker
 than ``tests/lab/test_notebooks.py`` (it takes a few minutes: the whole ablation, then the claims).
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("nbformat")
+
+from lab_browser import lab_session, run_and_check, write_browser_report  # noqa: E402,F401
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = ROOT / "notebooks" / "06_end_to_end.ipynb"
@@ -30,19 +33,10 @@ EXPECTED_FIGURES = {"workload", "alone_ttft_p95", "alone_tpot_p50", "memory", "w
 
 @pytest.mark.notebook
 @pytest.mark.slow
-def test_end_to_end_notebook_runs_in_smoke_mode(tmp_path):
-    pytest.importorskip("papermill")
-    from workbench.lab.results import load_results
-    from workbench.lab.runner import execute_one, resolve_kernel
-
+def test_end_to_end_notebook_runs_in_smoke_mode(tmp_path, lab_session):
     if not BUNDLED_WEIGHTS.is_file():
         pytest.fail(f"{BUNDLED_WEIGHTS} is missing: the bundled model is part of the repository")
-    sidecar = tmp_path / "06_end_to_end.results.json"
-    rec = execute_one(NOTEBOOK, tmp_path / NOTEBOOK.name, {"device": "cpu", "results_path": str(sidecar)}, 900,
-                      resolve_kernel())
-    assert rec["status"] == "ok", f"{NOTEBOOK.name} failed after {rec['seconds']:.0f} s: {rec['error']} " \
-                                  f"(executed copy: {rec['output']})"
-    res = load_results(sidecar)
+    res = run_and_check(NOTEBOOK, tmp_path, lab_session, EXPECTED_KEYS)
     metrics = res["metrics"]
     missing = EXPECTED_KEYS - set(metrics)
     assert not missing, f"results lack {sorted(missing)}"
@@ -52,3 +46,11 @@ def test_end_to_end_notebook_runs_in_smoke_mode(tmp_path):
     assert metrics["alone_prefix_cache_agreement"] >= 0.9
     summary = res["tables"]["summary"]
     assert "baseline" in set(summary["config"]) and summary["ttft_ms_p95"].notna().all()
+
+
+@pytest.mark.notebook
+def test_browser_report_with_06(lab_session):
+    """The run folder's report again, now with 06 (and whatever the other file has finished)."""
+    if lab_session is None:
+        pytest.skip("no browser: the notebook ran through papermill")
+    print(f"browser run report: {write_browser_report(lab_session)}")

@@ -1,7 +1,8 @@
 """The experiment logic the notebooks 01, 02 and 04 call, tested on small shapes.
 
 * 01 (fused kernels): ``workbench.bench.kernel_models`` (traffic and FLOP models, the scattered
-  block table, the tolerance check, greedy agreement) and ``workbench.lab.kernels_lab`` (views);
+  block table, the tolerance check, greedy agreement); its views, ``workbench.lab.kernels_lab``,
+  in test_kernels_lab.py;
 * 02 (KV tiers): ``workbench.bench.kv_experiments`` (offload experiment, control-vs-cold verdicts,
   ``tier_config_of``, explained variance) and ``workbench.lab.kv_lab`` (PCA and KL figures);
 * 04 (scheduler): ``workbench.bench.sched_experiments`` (``summary_row``, the preemption
@@ -155,43 +156,6 @@ def test_greedy_tokens_static_decode_agrees(random_llm):
     assert km.token_agreement(ref[:1], static) == 1.0
 
 
-def test_kernels_lab_views():
-    from workbench.lab import kernels_lab as kl
-
-    df = pd.DataFrame({"ms_median": [2.0, 1.0], "ms_min": [1.5, 0.5], "ms_max": [3.0, 1.25], "max_err": [0.0, 1e-6]},
-                      index=["eager", "rmsnorm"])
-    fig = kl.toggle_figure(df, interpreter=True)
-    assert [len(t.x) for t in fig.data] == [2, 2] and "interpreter" in fig.layout.title.text
-    assert list(fig.data[0].error_y.array) == [1.0, 0.25] and list(fig.data[0].error_y.arrayminus) == [0.5, 0.5]
-    assert "interpreter" not in kl.toggle_figure(df).layout.title.text
-
-    launches = kl.launch_figure({"eager": 120, "fused": 40}, title="t")
-    assert list(launches.data[0].y) == [120, 40, 0] and "CUDA only" in launches.data[0].text[2]
-
-    kdf = pd.DataFrame({"op": ["rmsnorm", "rmsnorm"], "provider": ["eager", "triton"], "intensity": [0.5, 1.0],
-                        "flop_per_s": [1e9, 1e6], "timing": ["perf_counter", "triton-interpreter"]})
-    roof = kl.roofline_figure(kdf, {"GB/s": 10.0, "TFLOP/s": 0.1}, title="r")
-    line = roof.data[0]
-    assert all(y == pytest.approx(min(0.1e12, x * 10e9)) for x, y in zip(line.x, line.y))
-    symbols = {t.name: t.marker.symbol for t in roof.data[1:]}
-    assert symbols == {"eager": "circle", "triton (interpreter: not a speed)": "circle-open"}
-
-
-def test_measure_op_eager_rows_and_kernel_source():
-    from workbench.bench import kernels as kb
-    from workbench.lab import kernels_lab as kl
-    import workbench_kernels.rmsnorm as kr
-
-    dev = torch.device("cpu")
-    sizes = kb.resolve_sizes(kb.KernelBenchConfig(size="small"), dev)
-    df = kl.measure_op("rmsnorm", sizes, dev, torch.float32, {"eager": None, "triton": "skipped here"},
-                       kb.environment(dev), {"GB/s": 10.0, "TFLOP/s": 0.1}, 0, 1, show=False)
-    assert list(df["provider"]) == ["eager", "triton"] and list(df["status"]) == ["ok", "skipped"]
-    assert df.loc[0, "max_err"] < 1e-5 and df.loc[0, "ms_median"] > 0
-    src = kl.kernel_source(kr._rmsnorm_fwd_kernel)
-    assert src.lstrip().startswith(("def _rmsnorm_fwd_kernel", "@")) and "_rmsnorm_fwd_kernel" in src
-
-
 # ---- 02: KV tiers -----------------------------------------------------------------------------------
 
 def _sweep_rows():
@@ -279,7 +243,7 @@ def test_explained_variance_and_pca_figure(random_llm):
     with pytest.raises(KeyError):
         pca_figure({"post_rope": bases["post_rope"]}, ev)
     part = pd.DataFrame({"name": ["x"], "reduction": [2.0], "kl": [0.1]})
-    assert [t.marker.symbol for t in kl_figure(part, part).data] == ["circle", "x"]
+    assert [t.marker.symbol for t in kl_figure(part, part).data] == ["circle", "diamond-open"]   # control: hollow
 
 
 # ---- 04: the scheduler ------------------------------------------------------------------------------

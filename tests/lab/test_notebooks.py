@@ -1,9 +1,15 @@
-"""Every notebook runs top to bottom on a CPU with its default parameters (papermill), and
-every committed notebook is stripped of outputs and has a cell tagged ``parameters``.
+"""Every notebook runs top to bottom on a CPU with its default parameters, once, as a learner
+runs it: opened in JupyterLab in headless Chromium, Run All (tests/lab/lab_browser.py), with
+no error output, no "Error displaying widget", each live view updating while its cell runs,
+and the file not marked modified by opening it; screenshots and a report (front page first)
+go to runs/browser/<run id>/. Without chromium + Playwright the same notebooks run through
+papermill as the batch runner runs them (``WORKBENCH_BROWSER_TESTS=1`` makes that a failure).
+Every committed notebook is stripped of outputs and has a cell tagged ``parameters``.
 
 The notebooks turn their checks into asserts, so running them is a test.  Each writes a
 results sidecar (workbench.lab.results) to the injected ``results_path``; the keys checked below
-are the ones the batch report relies on.
+are the ones the batch report relies on, and every headline of the report's front page
+(workbench.lab.front_page) must be among them.
 """
 
 from __future__ import annotations
@@ -13,6 +19,11 @@ from pathlib import Path
 import pytest
 
 nbformat = pytest.importorskip("nbformat")
+
+from lab_browser import LIVE_VIEWS, lab_session, run_and_check, write_browser_report  # noqa: E402,F401
+
+# the kernelspec the Quick start registers: a notebook naming another is marked modified on open
+KERNELSPEC = {"display_name": "Python 3 (workbench)", "language": "python", "name": "python3"}
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -65,22 +76,20 @@ def _default_parameters() -> dict:
 @pytest.mark.notebook
 @pytest.mark.slow
 @pytest.mark.parametrize("path", RUN_HERE, ids=[p.stem for p in RUN_HERE])
-def test_notebook_runs(path, tmp_path):
-    pytest.importorskip("papermill")
-    from workbench.lab.results import load_results
-    from workbench.lab.runner import execute_one, resolve_kernel
+def test_notebook_runs(path, tmp_path, lab_session):
+    if not BUNDLED_WEIGHTS.is_file():
+        pytest.fail(f"{BUNDLED_WEIGHTS} is missing: the bundled model is part of the repository")
+    run_and_check(path, tmp_path, lab_session, EXPECTED_KEYS.get(path.stem, set()))
 
-    params = _default_parameters()
-    sidecar = tmp_path / f"{path.stem}.results.json"
-    # the runner's own call: papermill, cwd = notebooks/, no widget state, one retry on a kernel-port race
-    rec = execute_one(path, tmp_path / path.name, {**params, "results_path": str(sidecar)}, 600, resolve_kernel())
-    assert rec["status"] == "ok", f"{path.name} failed after {rec['seconds']:.0f} s: {rec['error']} " \
-                                  f"(executed copy: {rec['output']})"
-    assert sidecar.is_file(), f"{path.name} did not write its results to results_path"
-    metrics = load_results(sidecar)["metrics"]
-    assert metrics, f"{path.name} wrote no metrics"
-    missing = EXPECTED_KEYS.get(path.stem, set()) - set(metrics)
-    assert not missing, f"{path.name}: results lack {sorted(missing)}"
+
+@pytest.mark.notebook
+def test_browser_report(lab_session):
+    """After this file's notebooks (pytest keeps a file's order): the run folder's report, front
+    page first, renders in Chromium with every figure drawn and every screenshot loaded."""
+    if lab_session is None:
+        pytest.skip("no browser: the notebooks ran through papermill")
+    report = write_browser_report(lab_session)
+    print(f"browser run report: {report}")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
@@ -93,7 +102,15 @@ def test_notebook_is_committed_clean(path):
     tagged = [c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
     assert len(tagged) == 1 and tagged[0].cell_type == "code", \
         f"{path.name}: needs exactly one code cell tagged 'parameters' (papermill injects after it)"
+    assert nb.metadata.get("kernelspec") == KERNELSPEC, \
+        f"{path.name}: kernelspec {nb.metadata.get('kernelspec')}; use {KERNELSPEC} (what the Quick start registers)"
+    info = nb.metadata.get("language_info", {})
+    assert {"codemirror_mode", "file_extension", "mimetype", "name", "nbconvert_exporter", "pygments_lexer",
+            "version"} <= set(info), f"{path.name}: language_info {info}: keep the whole block the kernel reports " \
+                                     "(JupyterLab marks a notebook modified on open when it differs)"
     src = tagged[0].source
+    if LIVE_VIEWS.get(path.stem):        # the batch runner sets live=False: each figure shown once
+        assert "live =" in src, f"{path.name}: has live views, so its parameters cell should define live"
     for name in ("device", "model", "results_path"):   # the runner and the test inject these
         assert f"{name} =" in src, f"{path.name}: the parameters cell should define {name!r}"
     assert "smoke" in src, f"{path.name}: the parameters cell should have a smoke/full switch"

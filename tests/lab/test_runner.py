@@ -247,3 +247,25 @@ def test_sweep_columns_of_the_runner_and_worker_are_never_overwritten():
     assert (row["status"], row["seconds"], row["error"], row["executor"], row["worker_pid"]) == ("ok", 1.5, "", "local", 7)
     assert (row["param:seconds"], row["metric:status"], row["metric:error"], row["metric:worker_pid"]) == (9, "warm", 0.1, 3)
     assert list(t.columns[:6]) == ["notebook", "param:seconds", "rate", "status", "seconds", "error"]
+
+
+def test_batch_runs_set_live_false_where_a_notebook_declares_it(tmp_path):
+    from workbench.lab.runner import batch_parameters
+
+    live = write_notebook(tmp_path / "live.ipynb", "x = 1", parameters="live = True\nresults_path = None")
+    plain = write_notebook(tmp_path / "plain.ipynb", "x = 1")
+    assert batch_parameters(live, {"device": "cpu"}) == {"device": "cpu", "live": False}
+    assert batch_parameters(live, {"live": True}) == {"live": True}          # given: kept
+    assert batch_parameters(plain, {"device": "cpu"}) == {"device": "cpu"}   # not declared: not injected
+
+
+@pytest.mark.slow
+def test_a_batch_run_shows_the_static_figure_not_the_live_widget(tmp_path):
+    nbs = tmp_path / "nbs"
+    nbs.mkdir()
+    write_notebook(nbs / "v.ipynb", "print('LIVE' if live else 'STATIC')",
+                   parameters="live = True\nresults_path = None")
+    res = runner.run_notebooks([nbs / "v.ipynb"], out_dir=tmp_path / "out", progress=False)
+    out = nbformat.read(res["notebooks"][0]["output"], as_version=4)
+    text = "".join(o.get("text", "") for c in out.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "STATIC" in text and "LIVE" not in text

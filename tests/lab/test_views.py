@@ -13,7 +13,7 @@ pytest.importorskip("plotly")
 pytest.importorskip("ipywidgets")
 
 from workbench.errors import ConfigError  # noqa: E402
-from workbench.lab.load_views import LatencyDashboard  # noqa: E402
+from workbench.lab.load_views import TRACES, LatencyDashboard  # noqa: E402
 from workbench.lab.sched_timeline import scheduler_timeline  # noqa: E402
 from workbench.load import EngineTarget, LoadConfig, LoadRun, RequestRecord  # noqa: E402
 
@@ -81,7 +81,7 @@ def test_scheduler_timeline_traces_carry_the_engine_steps(live_run):
     cells = [t for t in fig.data if t.name in ("prefilling", "decoding")]
     assert sum(len(t.x) for t in cells) == frame["num_seqs"].sum()
     assert len({y for t in cells for y in t.y}) == len(res.records)
-    assert fig.layout.barmode == "stack" and "steps" in fig.layout.title.text
+    assert fig.layout.barmode == "stack" and f"{len(frame)} steps" in fig.layout.title.subtitle.text
     json.loads(fig.to_json())                                  # builds and serialises without a display
 
 
@@ -167,11 +167,11 @@ def test_dashboard_updated_while_the_run_went_and_reads_engine_metrics(live_run)
     assert max(v or 0 for v in d["kv_usage"]) > 0
     assert hold["stats"]["kv_usage"] * 100 in d["kv_usage"]       # the engine's own number, as a percent
     assert f"ok {sum(r.status == 'ok' for r in res.records)}" in dash.label.value
-    names = [t.name for t in dash.fig.data]
+    keys = [k for k, *_ in TRACES]                     # the dashboard's traces, in this order
     assert type(dash.fig).__name__ == "FigureWidget"
-    assert list(dash.fig.data[names.index("TTFT P95")].y) == d["ttft_p95"]
+    assert list(dash.fig.data[keys.index("ttft_p95")].y) == d["ttft_p95"]
     static = dash.static_figure()
-    assert type(static).__name__ == "Figure" and list(static.data[names.index("ITL P99")].y) == d["itl_p99"]
+    assert type(static).__name__ == "Figure" and list(static.data[keys.index("itl_p99")].y) == d["itl_p99"]
 
 
 def _rec(i: int, sent: float, token_times: list[float]) -> RequestRecord:

@@ -501,7 +501,7 @@ def test_http_target_config_errors():
 def test_dashboard_follows_a_run_throttled_and_static_figure():
     pytest.importorskip("plotly")
     pytest.importorskip("ipywidgets")
-    from workbench.lab.load_views import LatencyDashboard
+    from workbench.lab.load_views import TRACES, LatencyDashboard
 
     cfg = LoadConfig(mode="constant", stages=[(0.3, 60), (0.3, 60)], max_tokens=3, prompts=PROMPTS, tick_s=0.05)
     with VirtualTime() as vt:          # the run's and the dashboard's clock: redraw pacing is exact
@@ -522,8 +522,9 @@ def test_dashboard_follows_a_run_throttled_and_static_figure():
     fig = dash.static_figure()
     names = [tr.name for tr in fig.data]
     assert type(fig).__name__ == "Figure" and len(fig.data) == 14 and len(set(names)) == 14
-    assert list(fig.data[names.index("TTFT P95")].y) == d["ttft_p95"]
-    assert list(fig.data[names.index("ITL P50")].y) == d["itl_p50"] and d["itl_p50"][-1] > 0
+    keys = [k for k, *_ in TRACES]
+    assert list(fig.data[keys.index("ttft_p95")].y) == d["ttft_p95"]
+    assert list(fig.data[keys.index("itl_p50")].y) == d["itl_p50"] and d["itl_p50"][-1] > 0
     assert dash._poller is None                                       # polling stopped with the run
 
 

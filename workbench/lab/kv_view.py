@@ -10,9 +10,11 @@ inside the functions that draw, so the text helpers (used by the CLI) need neith
     view.static_figure()                                # a plain go.Figure of the same state, for reports
 
 Paged mode draws one cell per *physical* block (free / owned / shared / cached), ``cols`` blocks
-per row.  Tiered mode draws one row per layer and one cell per token position (``cell_tokens``
-positions per cell: the cell shows its most frequent zone) coloured hot / warm / cold / fetched /
-dropped, as the last query sees the cache (see :func:`workbench.kv.inspect.tier_report`).
+per row (rows labelled "blocks 0-31", ...).  Tiered mode draws one row per layer and one cell per
+token position (``cell_tokens`` positions per cell: the cell shows its most frequent zone)
+coloured hot / warm / cold / fetched / dropped, as the last query sees the cache (see
+:func:`workbench.kv.inspect.tier_report`).  The live view redraws only when what it draws changed,
+and at most ``max_hz`` times a second.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import time
 from collections import Counter
 
 from workbench.kv.inspect import CHARS, PAGED_STATES, TIER_ZONES, live_sequences, tier_report
+from workbench.lab.kv_lab import pareto_figure  # noqa: F401  (re-exported: scripts/kv_tier_sweep.py)
+from workbench.lab.viz import store_figure_state
 from workbench.lab.kv_text import (format_pool_report, format_report, format_server_header,  # noqa: F401  (re-exported)
                                    format_tier_report, text_block_map, zone_runs)  # noqa: F401  (re-exported)
 
@@ -62,20 +66,43 @@ def discrete_colorscale(names) -> list:
     return out
 
 
-def _heatmap_kwargs(names, z, text, y_labels=None, x=None):
-    gap = 1 if z and len(z[0]) <= 128 else 0        # cell borders, unless the cells are too thin for them
-    return dict(z=z, text=text, y=y_labels, x=x, hovertemplate="%{text}<extra></extra>", xgap=gap, ygap=1,
+def _is_blocks(names) -> bool:
+    return set(names) <= set(PAGED_STATES)
+
+
+def _heatmap_kwargs(names, z, text, y_labels=None, x=None, hovertemplate=None):
+    gap = 1 if len(z) and len(z[0]) <= 128 else 0   # cell borders, unless the cells are too thin for them
+    return dict(z=z, text=text, y=y_labels, x=x, hovertemplate=hovertemplate or "%{text}<extra></extra>",
+                xgap=gap, ygap=1,
                 colorscale=discrete_colorscale(names), zmin=-0.5, zmax=len(names) - 0.5,
-                colorbar=dict(tickvals=list(range(len(names))), ticktext=list(names), title="state"))
+                colorbar=dict(tickvals=list(range(len(names))), ticktext=list(names),
+                              title="block state" if _is_blocks(names) else "zone"))
+
+
+def wrapped_row_labels(n: int, cols: int) -> list[str]:
+    """Labels of the rows of ``n`` blocks wrapped ``cols`` per row: ``["blocks 0-31", "blocks 32-63", ...]``
+    (the last row may be short: ``"blocks 160-163"``; a row of one block: ``"block 7"``)."""
+    rows = [(a, min(a + cols, n) - 1) for a in range(0, n, cols)]
+    return [f"block {a}" if a == b else f"blocks {a}-{b}" for a, b in rows]
+
+
+def x_axis_title(names, two_d: bool) -> str:
+    """What a block map's columns are: physical blocks wrapped into rows (1-D), block ids (one
+    row per step), or token positions (tier zones, one row per layer)."""
+    if not _is_blocks(names):
+        return "token position (oldest at the left)"
+    return "block id" if two_d else "block (column within the row)"
 
 
 def block_map_figure(states, names=None, cols: int | None = None, hover=None, title: str | None = None,
-                     row_labels=None, height: int | None = None, x=None):
+                     row_labels=None, height: int | None = None, x=None, hovertemplate: str | None = None):
     """Static heatmap of block (or token-zone) states with a discrete colour legend.
 
-    ``states``: state names, 1-D (one per physical block, ``cols`` per row), 2-D (rows given:
-    steps, or layers x positions), or a string of :data:`~workbench.kv.inspect.CHARS` (an
-    inspector record's ``block_map``).  ``x``: column coordinates (first token of each cell)."""
+    ``states``: state names, 1-D (one per physical block, ``cols`` per row, rows labelled by
+    :func:`wrapped_row_labels`), 2-D (rows given: steps, or layers x positions), or a string of
+    :data:`~workbench.kv.inspect.CHARS` (an inspector record's ``block_map``).  ``x``: column
+    coordinates (first token of each cell); ``hovertemplate``: plotly's, over ``hover`` as
+    ``%{text}`` (default: the hover text alone)."""
     import plotly.graph_objects as go
 
     states = _decode(states)
@@ -83,13 +110,15 @@ def block_map_figure(states, names=None, cols: int | None = None, hover=None, ti
     names = list(names or (TIER_ZONES if two_d else PAGED_STATES))
     z, text = block_map_grid(states, names, cols, hover)
     if row_labels is None and not two_d and z:
-        row_labels = [f"{r * len(z[0])}" for r in range(len(z))]     # first block id of each row
-    blocks = set(names) <= set(PAGED_STATES)
-    x_title = ("block id" if two_d else "block id - row start") if blocks else "token position"
-    fig = go.Figure(go.Heatmap(**_heatmap_kwargs(names, z, text, row_labels, x)))
+        row_labels = wrapped_row_labels(len(states), len(z[0]))
+    xaxis = {"showgrid": False, "zeroline": False, "title": x_axis_title(names, two_d)}
+    if _is_blocks(names) and z and len(z[0]) <= 32:
+        xaxis["dtick"] = 1 if len(z[0]) <= 16 else 2     # block ids a learner can read off, not 0, 5, 10
+    fig = go.Figure(go.Heatmap(**_heatmap_kwargs(names, z, text, row_labels, x, hovertemplate)))
+    sub = 20 if "<br>" in (title or "") else 0            # a subtitle line: more room above, same plot height
     fig.update_layout(title=title or f"KV block map ({len(states)} {'rows' if two_d else 'blocks'})",
-                      height=height or max(220, 90 + 22 * len(z)), margin=dict(l=70, r=20, t=50, b=40),
-                      xaxis=dict(showgrid=False, zeroline=False, title=x_title), plot_bgcolor="white",
+                      height=height or max(220, 90 + 22 * len(z)) + sub, margin=dict(l=70, r=20, t=50 + sub, b=40),
+                      xaxis=xaxis, plot_bgcolor="white",
                       yaxis=dict(autorange="reversed", type="category"))
     return fig
 
@@ -97,16 +126,20 @@ def block_map_figure(states, names=None, cols: int | None = None, hover=None, ti
 # ---- the live view ------------------------------------------------------------------------------
 class KVBlockMapView:
     """A live heatmap of the KV cache while requests run (paged: physical blocks; tiered: layers
-    x positions), redrawn at most ``max_hz`` times a second inside ``fig.batch_update()``::
+    x positions), redrawn inside ``fig.batch_update()`` only when what it draws changed, and at
+    most ``max_hz`` times a second::
 
         view = KVBlockMapView(max_hz=10)
         outs = view.run(llm, prompts, SamplingParams(temperature=0, max_tokens=16))
         view.static_figure()       # a plain go.Figure: saved FigureWidget state is stale
 
-    ``attach(llm)`` subscribes to a paged pool's listeners (redraws on its begin / step / end
-    events, also when someone else drives the engine); a tiered engine has no listeners, so
-    :meth:`run` redraws between tokens, or call :meth:`refresh`.  The widget is built when the
-    view is first displayed; until then nothing is drawn (``static_figure`` always works).
+    ``attach(llm)`` subscribes to a paged pool's listeners (it looks on its begin / step / end
+    events, also when someone else drives the engine); a tiered engine has no pool and no events,
+    so :meth:`run` looks between tokens (each token moves the zones), or call :meth:`refresh`.
+    A look that finds the same picture as the last one draws nothing (``skipped``).  The widget
+    (classes ``wb-live`` and ``wb-live-block-map``) is built when the view is first displayed;
+    until then nothing is drawn (``static_figure`` always works).  ``updates`` / ``update_seconds``:
+    redraws and the seconds spent looking and redrawing.
     """
 
     def __init__(self, max_hz: float = 10.0, cols: int = 32, cell_tokens: int = 1, title: str | None = None,
@@ -115,17 +148,20 @@ class KVBlockMapView:
             raise ValueError(f"KVBlockMapView: max_hz must be in (0, 60], got {max_hz}")
         if cell_tokens < 1:
             raise ValueError(f"KVBlockMapView: cell_tokens must be >= 1, got {cell_tokens}")
-        self.min_interval, self.cols, self.cell_tokens = 1.0 / max_hz, cols, cell_tokens
+        self.max_hz, self.min_interval, self.cols, self.cell_tokens = max_hz, 1.0 / max_hz, cols, cell_tokens
         self.title, self.height = title, height
         self.llm = self.pool = None
         self.fig = self.label = self.widget = None
-        self.updates, self.update_seconds, self.events = 0, 0.0, 0
+        self.updates, self.update_seconds, self.events, self.skipped = 0, 0.0, 0, 0
         self._last = 0.0
+        self._drawn_key = self._drawn = None      # what the widget shows now (a cheap key, the snapshot)
+        self._length = 0
 
     # ---- state --------------------------------------------------------------------------------
     def attach(self, llm) -> "KVBlockMapView":
         self.detach()
         self.llm = llm
+        self._drawn_key = self._drawn = None
         if llm.kv_pool is not None:
             self.pool = llm.kv_pool
             self.pool.listeners.append(self._on_event)
@@ -144,14 +180,26 @@ class KVBlockMapView:
         if self.fig is not None and time.perf_counter() - self._last >= self.min_interval:
             self._redraw()
 
+    def _tier_cache(self):
+        llm = self.llm
+        return next(reversed(llm.active_caches.values()), None) if llm.active_caches else llm.last_cache
+
+    def state_key(self):
+        """A cheap key of what a tiered view would draw: the zones are a function of the cache
+        and its length (the last query's routing included), so an unchanged key means an unchanged
+        picture and no snapshot is taken.  None for a paged pool (its snapshot is the check)."""
+        if self.llm is None or self.llm.kv_pool is not None:
+            return None
+        cache = self._tier_cache()
+        return None if cache is None else (cache, cache.length)     # the cache itself: compared by identity
+
     def snapshot(self) -> dict:
         """What is drawn now: states (1-D paged, 2-D tiered), state names, hover text, title."""
         if self.llm is None:
             raise ValueError("KVBlockMapView: attach(llm) or run(llm, ...) first")
         if self.llm.kv_pool is not None:
             return self._paged_snapshot(self.llm.kv_pool.manager)
-        cache = next(reversed(self.llm.active_caches.values()), None) if self.llm.active_caches else self.llm.last_cache
-        return self._tier_snapshot(cache)
+        return self._tier_snapshot(self._tier_cache())
 
     def _paged_snapshot(self, m) -> dict:
         states = m.block_states()
@@ -166,65 +214,117 @@ class KVBlockMapView:
         title = self.title or ("KV pool: " + ", ".join(f"{c[s]} {s}" for s in PAGED_STATES)
                                + f" (of {len(states)} blocks x {m.block_size} tokens)")
         return {"mode": "paged", "states": states, "names": list(PAGED_STATES), "hover": hover, "title": title,
-                "row_labels": None, "x": None}
+                "row_labels": None, "x": None, "length": None, "hovertemplate": None}
 
     def _tier_snapshot(self, cache) -> dict:
         if cache is None or not cache.length:
             return {"mode": "tiered", "states": [], "names": list(TIER_ZONES), "hover": None,
-                    "title": "tiered KV cache: no request yet", "row_labels": None, "x": None}
+                    "title": "tiered KV cache: no request yet", "row_labels": None, "x": None, "length": 0,
+                    "hovertemplate": None}
         rep = tier_report(cache)
-        k = self.cell_tokens
+        k, nkv = self.cell_tokens, rep["num_kv_heads"]
         states, hover = [], []
         for layer, (names, heads) in enumerate(zip(rep["zone_map"], rep["fetched_heads"])):
-            srow, hrow = [], []
-            for a in range(0, len(names), k):
-                cnt = Counter(names[a:a + k])
-                srow.append(cnt.most_common(1)[0][0])
-                where = f"position {a}" if k == 1 else f"positions [{a}, {min(a + k, len(names))})"
-                what = (names[a] + (f" by {heads[a]} of {rep['num_kv_heads']} KV heads" if names[a] == "fetched" else "")
-                        if k == 1 else ", ".join(f"{z} {n}" for z, n in cnt.most_common()))
-                hrow.append(f"layer {layer}, {where}: {what}")
+            if k == 1:     # one cell per position, the live view's hot path: no counting, the shortest hover text
+                srow = list(names)          # (layer and position come from the hovertemplate, not from 3,000 strings)
+                hrow = [f"fetched by {h} of {nkv} KV heads" if s == "fetched" else s for s, h in zip(names, heads)]
+            else:
+                srow, hrow = [], []
+                for a in range(0, len(names), k):
+                    cnt = Counter(names[a:a + k])
+                    srow.append(cnt.most_common(1)[0][0])
+                    hrow.append(f"layer {layer}, positions [{a}, {min(a + k, len(names))}): "
+                                + ", ".join(f"{z} {n}" for z, n in cnt.most_common()))
             states.append(srow)
             hover.append(hrow)
         z = rep["zones"]
         title = self.title or (f"Tiered KV cache, {rep['length']} tokens: hot {z['hot']}, warm {z['warm']}, "
                                f"cold {z['cold']}, dropped {z['dropped']}; resident "
-                               f"{rep['bytes']['resident'] / max(rep['bytes']['full'], 1):.0%} of full")
+                               f"{rep['bytes']['resident'] / max(rep['bytes']['full'], 1):.0%} of full"
+                               "<br><sup>zones as the newest token's query sees them; fetched: warm or cold tokens "
+                               "that routing brought back exactly for that query</sup>")
         return {"mode": "tiered", "states": states, "names": list(TIER_ZONES), "hover": hover, "title": title,
-                "row_labels": [f"layer {i}" for i in range(len(states))], "x": list(range(0, rep["length"], k))}
+                "row_labels": [f"layer {i}" for i in range(len(states))], "x": list(range(0, rep["length"], k)),
+                "length": rep["length"],
+                "hovertemplate": "%{y}, position %{x}: %{text}<extra></extra>" if k == 1 else None}
 
     # ---- drawing ------------------------------------------------------------------------------
     def static_figure(self):
         """A plain ``go.Figure`` of the current state (safe to save in reports)."""
-        s = self.snapshot()
+        return self._figure(self.snapshot())
+
+    def _figure(self, s: dict):
         return block_map_figure(s["states"], s["names"], self.cols, s["hover"], s["title"], s["row_labels"],
-                                self.height, s["x"])
+                                self.height, s["x"], s["hovertemplate"])
 
     def _build(self) -> None:
         import ipywidgets as widgets
         import plotly.graph_objects as go
 
-        self.fig = go.FigureWidget(self.static_figure() if self.llm is not None else go.Figure(go.Heatmap()))
-        self.label = widgets.HTML(value="")
+        fig = go.Figure(go.Heatmap())
+        if self.llm is not None:
+            s = self.snapshot()
+            fig = self._figure(s)
+            self._drawn_key, self._drawn, self._length = self.state_key(), self._signature(s), s["length"] or 0
+        self.fig = go.FigureWidget(fig)
+        self.label = widgets.HTML(value=self.label_text())
         self.widget = widgets.VBox([self.label, self.fig])
+        self.widget.add_class("wb-live")                # what a browser test looks for (workbench.lab.browser)
+        self.widget.add_class("wb-live-block-map")
 
-    def _redraw(self) -> None:
+    def label_text(self) -> str:
+        """The line above the map: what it shows, how often it is redrawn, what that cost."""
+        cost = f"{self.updates} redraws, {self.update_seconds * 1e3:.0f} ms"
+        if self.llm is not None and self.llm.kv_pool is None:
+            return (f"zones per layer for the newest query ({self._length} tokens), redrawn when they change "
+                    f"(at most {self.max_hz:g}/s): {cost}")
+        return f"pool blocks, redrawn when one changes (at most {self.max_hz:g}/s): {cost}, {self.events} pool events"
+
+    @staticmethod
+    def _signature(s: dict):
+        return (s["title"], s["states"], s["hover"], s["row_labels"], s["x"])
+
+    def _redraw(self) -> bool:
+        """Look; redraw if the picture changed.  True when it redrew."""
+        import numpy as np
+
         t0 = time.perf_counter()
+        key, drawn = self.state_key(), self._drawn_key
+        if key is not None and drawn is not None and key[0] is drawn[0] and key[1] == drawn[1]:
+            return self._skip(t0)
         s = self.snapshot()
+        sig = self._signature(s)
+        if sig == self._drawn:
+            self._drawn_key = key
+            return self._skip(t0)
         z, text = block_map_grid(s["states"], s["names"], self.cols, s["hover"])
-        labels = (s["row_labels"] or [f"{r * len(z[0])}" for r in range(len(z))]) if z else None
+        labels = (s["row_labels"] or wrapped_row_labels(len(s["states"]), len(z[0]))) if z else None
+        # object arrays: plotly validates and compares them whole, not cell by cell (3,000+ cells here), and
+        # sends them as lists with None padding (a float array's NaN would not survive the widget's JSON)
+        zz = np.array(z, dtype=object) if z else np.zeros((0, 0), dtype=object)
+        tt = np.array(text, dtype=object) if text else None
         with self.fig.batch_update():
-            self.fig.data[0].update(**_heatmap_kwargs(s["names"], z, text, labels, s["x"]))
+            self.fig.data[0].update(**_heatmap_kwargs(s["names"], zz, tt, labels, None if s["x"] is None else
+                                                      np.asarray(s["x"]), s["hovertemplate"]))
             self.fig.layout.title = s["title"]
+            if "<br>" in s["title"] and self.fig.layout.margin.t != 70:   # a subtitle: room for it (once)
+                self.fig.layout.margin.t, self.fig.layout.height = 70, (self.fig.layout.height or 220) + 20
+        self._drawn_key, self._drawn, self._length = key, sig, s["length"] or 0
         self.updates += 1
         self.update_seconds += time.perf_counter() - t0
-        self.label.value = (f"redraws: {self.updates} ({self.update_seconds * 1e3:.0f} ms), "
-                            f"pool events seen: {self.events}")
+        self.label.value = self.label_text()
         self._last = time.perf_counter()
+        return True
 
-    def refresh(self) -> None:
-        if self.fig is not None:
-            self._redraw()
+    def _skip(self, t0: float) -> bool:
+        self.skipped += 1
+        self.update_seconds += time.perf_counter() - t0
+        self._last = time.perf_counter()
+        return False
+
+    def refresh(self) -> bool:
+        """Look now (not rate-limited); redraw if the picture changed."""
+        return self._redraw() if self.fig is not None else False
 
     def display(self) -> "KVBlockMapView":
         from IPython.display import display
@@ -272,25 +372,7 @@ class KVBlockMapView:
             for st in streams:                          # on an error: every request gives its blocks back
                 st.close()
             together.__exit__(None, None, None)
+        if self.fig is not None:
+            store_figure_state(self.fig, send=True)     # a view the browser draws late shows the end of the run
         return outs[0] if single else outs
 
-
-def pareto_figure(df, x: str = "reduction", y: str = "rel_ppl", max_rel_ppl: float | None = 0.02,
-                  title: str = "Tiered KV cache: memory reduction vs perplexity increase"):
-    """Plotly scatter of every config, the Pareto front as a line, the quality threshold dashed."""
-    import plotly.graph_objects as go
-
-    ok = df[df["error"].isna()] if "error" in df else df
-    from workbench.bench.tier_eval import pareto_front
-
-    front = pareto_front(df, x, y)
-    fig = go.Figure()
-    fig.add_trace(go.Scatter(x=ok[x], y=100 * ok[y], mode="markers", name="configs", text=ok["name"],
-                             hovertemplate="%{text}<br>reduction %{x:.2f}x<br>ppl %{y:+.2f}%<extra></extra>"))
-    fig.add_trace(go.Scatter(x=front[x], y=100 * front[y], mode="lines+markers", name="Pareto front",
-                             text=front["name"], hovertemplate="%{text}<extra></extra>"))
-    if max_rel_ppl is not None:
-        fig.add_hline(y=100 * max_rel_ppl, line_dash="dash", annotation_text=f"+{100 * max_rel_ppl:g}% ppl")
-    fig.update_layout(title=title, xaxis_title="KV memory reduction vs full cache (x)",
-                      yaxis_title="perplexity change (%)", height=420)
-    return fig

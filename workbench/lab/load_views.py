@@ -6,7 +6,10 @@
   flight (client side), queue length / running / batch size (when the target exposes them)
   and requests rejected so far; KV usage and the SLO guard's state.  Redrawn at most
   ``max_hz`` times a second inside ``batch_update()``; ``static_figure()`` for reports
-  (a saved FigureWidget's state is stale).
+  (a saved FigureWidget's state is stale).  One horizontal legend above the rows (one entry
+  per percentile for both latency rows), so the plots keep the cell's width; the status line
+  above the figure has a fixed height (two lines that never wrap), so the figure does not move
+  while the run goes.
 * :func:`scheduler_timeline` - per engine step; it lives in :mod:`workbench.lab.sched_timeline`
   and is re-exported here.
 * :func:`latency_vs_load_figure` - P50/P95 TTFT against offered load, one line per setting
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 import threading
 import time
 from collections import deque
@@ -33,6 +37,7 @@ from typing import Callable
 import numpy as np
 
 from workbench.errors import ConfigError
+from workbench.lab.viz import store_figure_state
 from workbench.lab.sched_timeline import TIMELINE_COLUMNS, scheduler_timeline  # noqa: F401  (re-exported)
 
 # series name -> metric-name suffixes that feed it (first match wins)
@@ -43,16 +48,54 @@ ALIASES = {
     "kv_usage": ("kv_usage", "kv_usage_ratio", "kv_cache_usage_perc", "gpu_cache_usage_perc"),
 }
 STATE_LEVEL = {"closed": 0, "half_open": 1, "open": 2}
+# one colour per percentile, the same in the TTFT and the ITL rows (Okabe-Ito: colour-blind safe)
+P50, P95, P99 = "#0072B2", "#E69F00", "#D55E00"
+ALERT = "firebrick"                     # a count that should be 0 (errors, rejected) when it is not
 SERIES = ("t", "ttft_p50", "ttft_p95", "ttft_p99", "threshold", "itl_p50", "itl_p95", "itl_p99", "in_flight",
           "queue_len", "running", "batch_size", "kv_usage", "rejected", "slo_state")
-# the dashboard's traces, in order: (series, legend name, subplot row, line style)
-TRACES = (("ttft_p50", "TTFT P50", 1, None), ("ttft_p95", "TTFT P95", 1, None), ("ttft_p99", "TTFT P99", 1, None),
-          ("threshold", "SLO threshold", 1, dict(dash="dash", color="gray")),
-          ("itl_p50", "ITL P50", 2, None), ("itl_p95", "ITL P95", 2, None), ("itl_p99", "ITL P99", 2, None),
-          ("in_flight", "in flight (client)", 3, None), ("queue_len", "queue length", 3, None),
-          ("running", "running", 3, None), ("batch_size", "batch size", 3, dict(dash="dot")),
-          ("rejected", "rejected (total)", 3, dict(color="firebrick")),
-          ("kv_usage", "KV usage %", 4, None), ("slo_state", "SLO state", 4, None))
+# the dashboard's traces, in order: (series, name, subplot row, line style).  One legend entry per
+# percentile for both latency rows (the ITL traces share the TTFT traces' colour and legend group,
+# so clicking "P95" toggles both); every other series has its own entry.
+TRACES = (("ttft_p50", "P50", 1, dict(color=P50)), ("ttft_p95", "P95", 1, dict(color=P95)),
+          ("ttft_p99", "P99", 1, dict(color=P99)), ("threshold", "SLO threshold", 1, dict(dash="dash", color="gray")),
+          ("itl_p50", "ITL P50", 2, dict(color=P50)), ("itl_p95", "ITL P95", 2, dict(color=P95)),
+          ("itl_p99", "ITL P99", 2, dict(color=P99)),
+          ("in_flight", "in flight (client)", 3, dict(color="#009E73")),
+          ("queue_len", "queue", 3, dict(color="#CC79A7")), ("running", "running", 3, dict(color="#56B4E9")),
+          ("batch_size", "batch size", 3, dict(dash="dot", color="#000000")),
+          ("rejected", "rejected (total)", 3, dict(color=ALERT)),
+          ("kv_usage", "KV usage %", 4, dict(color="#8C564B")), ("slo_state", "SLO state", 4, dict(color="#9467BD")))
+# what the hover says for each series (the legend names of the latency rows are just "P50" ...)
+HOVER = {"ttft_p50": "TTFT P50", "ttft_p95": "TTFT P95", "ttft_p99": "TTFT P99", "itl_p50": "ITL P50",
+         "itl_p95": "ITL P95", "itl_p99": "ITL P99", "slo_state": "SLO state (0 closed, 1 half-open, 2 open)"}
+STATUS_LINE_PX = 22                     # the status label: two lines of this height, never wrapped
+FIT_EVERY_S = 2.0                       # while redrawing: ask the browser to fit the figure to its cell this often
+_LINE_STYLE = (f"white-space:nowrap;overflow:hidden;text-overflow:ellipsis;height:{STATUS_LINE_PX}px;"
+               f"line-height:{STATUS_LINE_PX}px;font-variant-numeric:tabular-nums")
+# the HTML widget's content box is a flex item that grows with its text; this lets it shrink to
+# the cell's width, so that a line too long ends in an ellipsis instead of being cut
+_STATUS_CSS = "<style>.wb-status .widget-html-content{min-width:0;width:100%;overflow:hidden}</style>"
+
+
+def count_html(name: str, n: int, alert: bool = False) -> str:
+    """``name n`` for the status line; with ``alert`` (a count that should stay 0: errors,
+    rejected requests) it is red, but only when ``n`` is not 0::
+
+        count_html("rejected", 0, alert=True)   # 'rejected 0'
+        count_html("rejected", 3, alert=True)   # "<span style='color:firebrick'>rejected 3</span>"
+    """
+    text = f"{html.escape(name)} {n}"
+    return f"<span style='color:{ALERT}'>{text}</span>" if alert and n else text
+
+
+def status_lines_html(lines) -> str:
+    """The status label's HTML: one ``div`` per line, each a fixed height that never wraps
+    (a line too long for the cell ends in an ellipsis; its full text is the tooltip)."""
+    out = []
+    for line in lines:
+        plain = html.escape(html.unescape(re.sub(r"<[^>]+>", "", line)), quote=True)
+        out.append(f"<div style='{_LINE_STYLE}' title='{plain}'>{line or '&nbsp;'}</div>")
+    return _STATUS_CSS + "".join(out)
 
 
 def pick_metrics(m: dict) -> dict:
@@ -80,12 +123,13 @@ class LatencyDashboard:
 
     Or feed it by hand: ``dash.update(t=..., record=..., in_flight=..., rejected=...)``.
     ``clock`` paces the redraws (at most ``max_hz``): the run's clock, ``time.perf_counter`` by
-    default (a virtual-time run passes its loop's ``loop.time``).
+    default (a virtual-time run passes its loop's ``loop.time``).  The displayed VBox carries the
+    CSS classes ``wb-live`` and ``wb-live-<name>`` (for a browser run to find it).
     """
 
     def __init__(self, window_s: float = 10.0, max_hz: float = 10.0, metrics_fn: Callable[[], dict] | None = None,
                  metrics_hz: float = 3.0, guard=None, title: str = "Load (live)", height: int = 820,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, name: str = "load-dashboard") -> None:
         import ipywidgets as widgets
         import plotly.graph_objects as go
 
@@ -99,14 +143,21 @@ class LatencyDashboard:
         self.metrics_fn, self.guard, self.title, self.height = metrics_fn, guard, title, height
         self.clock = clock                      # paces redraws (max_hz) and inline polls: the run's clock
         self.fig = go.FigureWidget(self._figure(go))
-        self.label = widgets.HTML(value="<b>waiting for the run to start...</b>")
+        # a fixed-height status label: the figure below it never moves when the text changes
+        self.label = widgets.HTML(value=status_lines_html(["<b>waiting for the run to start...</b>", ""]),
+                                  layout=widgets.Layout(height=f"{2 * STATUS_LINE_PX}px", width="100%",
+                                                        overflow="hidden"))
+        self.label.add_class("wb-status")
         self.widget = widgets.VBox([self.label, self.fig])
+        self.widget.add_class("wb-live")
+        self.widget.add_class(f"wb-live-{name}")
         self.data = {k: [] for k in SERIES}
         self._ttfts: deque = deque()            # (end time, ttft ms) of ok requests in the window
         self._itls: deque = deque()             # (token time, gap ms) of ok requests' tokens
         self._latest: dict = {}                 # last polled target metrics
         self.metrics_error: str | None = None
         self._last_draw = -math.inf
+        self._last_fit = -math.inf
         self._last_poll = -math.inf
         self._poller: threading.Thread | None = None
         self._stop = threading.Event()
@@ -126,18 +177,30 @@ class LatencyDashboard:
                                             "load: requests", "KV usage and SLO guard"))
         t = d["t"]
         for key, name, row, style in TRACES:
-            kw = dict(line=dict(shape="hv"), fill="tozeroy", opacity=0.3) if key == "slo_state" else {}
-            fig.add_trace(go.Scatter(x=t, y=d[key], mode="lines", name=name, legendgroup=str(row),
-                                     **({"line": style} if style else {}), **kw),
+            line = dict(style, shape="hv") if key == "slo_state" else style
+            kw = dict(fill="tozeroy", opacity=0.3) if key == "slo_state" else {}
+            if key[-3:] in ("p50", "p95", "p99"):         # one legend entry per percentile, for both rows
+                kw.update(legendgroup=key[-3:], showlegend=row == 1)
+            unit = {1: " ms", 2: " ms", 4: " %" if key == "kv_usage" else ""}.get(row, "")
+            fig.add_trace(go.Scatter(x=t, y=d[key], mode="lines", name=name, line=line,
+                                     hovertemplate=f"{HOVER.get(key, name)}: %{{y:.4~g}}{unit} at %{{x:.1f}} s"
+                                                   "<extra></extra>", **kw),
                           row=row, col=1, secondary_y=key == "slo_state")
         for row in (1, 2, 3):
             fig.update_yaxes(rangemode="tozero", row=row, col=1)
-        fig.update_yaxes(title_text="%", range=[0, 105], row=4, col=1)
-        fig.update_yaxes(range=[-0.1, 2.3], tickvals=[0, 1, 2], ticktext=["closed", "half-open", "open"],
-                         row=4, col=1, secondary_y=True)
+        # row 4: KV usage in % on the left, the guard's state on the right; secondary_y=False
+        # matters: without it the first call would style the state axis too
+        fig.update_yaxes(title_text="KV %", range=[0, 105], tickvals=[0, 25, 50, 75, 100], row=4, col=1,
+                         secondary_y=False)
+        fig.update_yaxes(title_text="SLO guard", range=[-0.1, 2.3], tickvals=[0, 1, 2],
+                         ticktext=["closed", "half-open", "open"], showgrid=False, row=4, col=1, secondary_y=True)
         fig.update_xaxes(title_text="seconds since the start", row=4, col=1)
-        fig.update_layout(title=self.title, height=self.height, margin=dict(l=60, r=60, t=70, b=40),
-                          legend=dict(orientation="v", x=1.08))
+        # one horizontal legend between the title and the first row: the plots keep the full width
+        # (a FigureWidget does not draw figures with several legends, so it is one for all rows)
+        fig.update_layout(title=dict(text=self.title, y=1, yanchor="top", yref="container", pad=dict(t=12)),
+                          height=self.height, margin=dict(l=60, r=80, t=110, b=40),
+                          legend=dict(orientation="h", x=0, xanchor="left", y=1.035, yanchor="bottom",
+                                      itemwidth=30, tracegroupgap=4, font=dict(size=11)))
         return fig
 
     def _repr_mimebundle_(self, **kwargs):
@@ -194,6 +257,7 @@ class LatencyDashboard:
                     force=run.done)
         if run.done:
             self.stop_polling()
+            store_figure_state(self.fig, send=True)   # a view the browser draws late shows the whole run
 
     def update(self, t: float, record=None, in_flight: int | None = None, rejected: int | None = None,
                metrics: dict | None = None, force: bool = False) -> None:
@@ -214,6 +278,7 @@ class LatencyDashboard:
             self._poll_once()
         self._sample(t, in_flight, rejected)
         self._redraw()
+        self._fit(now, force=force)
         self._last_draw = self.clock()
 
     def _sample(self, t: float, in_flight, rejected) -> None:
@@ -245,26 +310,48 @@ class LatencyDashboard:
         self.label.value = self._status_html()
         self.redraw_seconds += time.perf_counter() - t0
 
-    def _status_html(self) -> str:
+    def _fit(self, now: float, force: bool = False) -> None:
+        """Ask the browser to size the figure to its cell again (at most every ``FIT_EVERY_S``).
+
+        A FigureWidget is laid out once, when its view is created; inside a VBox that is often
+        before the cell has a width, and the figure stays at plotly's default 700 px, narrower
+        than the cell.  A relayout with ``autosize`` measures the cell again.  It has to arrive
+        after the view exists, which the kernel cannot tell while a run blocks it, so it goes
+        with the redraws.  Plotly has no public call for a relayout that changes no value, hence
+        ``_send_relayout_msg`` (absent on a plain ``go.Figure``: then nothing is sent)."""
+        if not force and now - self._last_fit < FIT_EVERY_S:
+            return
+        self._last_fit = now
+        send = getattr(self.fig, "_send_relayout_msg", None)
+        if send is not None:
+            send({"autosize": True})
+
+    def _status_lines(self) -> list[str]:
+        """Two lines: where the run is (time, stage, TTFT P95, the guard), then the counts."""
         s = self.status
-        parts = []
+        head, counts = [], ""
         if "elapsed" in s:
             unit = "users" if s.get("mode") == "closed" else "req/s"
-            parts.append(f"<b>{s['elapsed']:.1f} s</b> stage <b>{html.escape(str(s['stage']))}</b> "
-                         f"(target {s['target']:.3g} {unit})")
-            parts.append(f"sent {s['sent']} &middot; ok {s.get('ok', 0)} &middot; errors {s.get('error', 0)} "
-                         f"&middot; <span style='color:firebrick'>rejected {s.get('rejected', 0)}</span> "
-                         f"&middot; cancelled {s.get('cancelled', 0)} &middot; in flight {s['in_flight']}")
+            head.append(f"<b>{s['elapsed']:.1f} s</b> stage <b>{html.escape(str(s['stage']))}</b> "
+                        f"(target {s['target']:.3g} {unit})")
+            counts = " &middot; ".join([f"sent {s['sent']}", f"ok {s.get('ok', 0)}",
+                                        count_html("errors", s.get("error", 0), alert=True),
+                                        count_html("rejected", s.get("rejected", 0), alert=True),
+                                        f"cancelled {s.get('cancelled', 0)}", f"in flight {s['in_flight']}"])
         p95 = self.data["ttft_p95"][-1] if self.data["ttft_p95"] else None
         if p95 is not None:
-            parts.append(f"TTFT P95 {p95:.1f} ms")
+            head.append(f"TTFT P95 {p95:.1f} ms")
         slo = s.get("slo") or {}
         if slo:
-            color = {"closed": "#186a1e", "half_open": "#b8860b", "open": "firebrick"}[slo["state"]]
-            parts.append(f"SLO <b style='color:{color}'>{slo['state'].upper()}</b> (trips {slo['trips']})")
+            color = {"closed": "#186a1e", "half_open": "#b8860b", "open": ALERT}[slo["state"]]
+            state = slo["state"].replace("_", "-").upper()
+            head.append(f"SLO <b style='color:{color}'>{state}</b> (trips {slo['trips']})")
         if self.metrics_error:
-            parts.append(f"<span style='color:firebrick'>{html.escape(self.metrics_error)}</span>")
-        return " &nbsp;|&nbsp; ".join(parts) or "<b>waiting...</b>"
+            head.append(f"<span style='color:{ALERT}'>{html.escape(self.metrics_error)}</span>")
+        return [" &nbsp;|&nbsp; ".join(head) or "<b>waiting...</b>", counts]
+
+    def _status_html(self) -> str:
+        return status_lines_html(self._status_lines())
 
     def static_figure(self):
         """A plain ``go.Figure`` of everything recorded so far (safe to save in reports)."""

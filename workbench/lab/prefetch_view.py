@@ -24,6 +24,7 @@ from typing import Callable
 import numpy as np
 
 from workbench.errors import ConfigError
+from workbench.lab.viz import store_figure_state
 
 LANES = ("copy", "compute", "stall")                  # rows, top to bottom
 LAYER_COLORS = ("#4c78a8", "#f58518", "#54a24b", "#b279a2", "#72b7b2", "#eeca3b", "#9d755d", "#bab0ac")
@@ -202,6 +203,8 @@ class PrefetchTimelineView:
         self.fig = go.FigureWidget(timeline_figure([], title=title, height=height))
         self.label = widgets.HTML(value=self._stats_html(), layout=widgets.Layout(width="100%", overflow="hidden"))
         self.widget = widgets.VBox([self.label, self.fig])
+        self.widget.add_class("wb-live")                   # found by the browser test (workbench.lab.browser)
+        self.widget.add_class("wb-live-prefetch-timeline")
 
     # ---- display ------------------------------------------------------------------------------
     def _repr_mimebundle_(self, **kwargs):
@@ -279,6 +282,7 @@ class PrefetchTimelineView:
         for _ in llm.stream(prompt, params, output=out):
             self.update()
         self.update(force=True)
+        store_figure_state(self.fig, send=True)    # a view the browser draws late shows the whole run
         return out
 
     def static(self, max_steps: int | None = None, title: str | None = None):

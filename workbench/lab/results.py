@@ -214,7 +214,19 @@ def environment(parameters: dict | None = None) -> dict:
 _CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
 table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
 th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}.ok{color:#186a1e}.failed{color:#b00020}
-h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:2em}pre{white-space:pre-wrap}"""
+h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:2em}pre{white-space:pre-wrap}
+.neutral{color:#555}.no{color:#b00020}table.front td,table.front th,table.claims th{text-align:left}table.claims td{text-align:left;vertical-align:top}
+details{margin:.3em 0}figure{display:inline-block;margin:.5em;vertical-align:top}
+figure img{max-width:520px;border:1px solid #ccc}figcaption{font-size:90%;color:#555}.toc{color:#555}"""
+
+
+def _relative(p: Path, base: Path) -> str:
+    import os
+
+    try:
+        return os.path.relpath(p.resolve(), base.resolve()).replace(os.sep, "/")
+    except ValueError:                 # another drive
+        return p.resolve().as_uri()
 
 
 def _esc(s) -> str:
@@ -268,18 +280,32 @@ def sweep_figure(table, params: list[str], metrics: list[str] | None = None):
 
 def write_report(path: str | Path, records: list[dict], results: dict, parameters: dict | None = None,
                  started=None, kernel: str | None = None, sweep: dict | None = None,
-                 executor: str | None = None) -> Path:
-    """One self-contained HTML page: environment, notebook summary (status, seconds, worker,
-    links), metrics table, and each notebook's tables and figures (plotly.js inlined once)."""
+                 executor: str | None = None, screenshots: dict | None = None, front_page: bool = True,
+                 gpu_root=None) -> Path:
+    """One self-contained HTML page. The front page first (:mod:`workbench.lab.front_page`: every
+    notebook's headline figures against their targets with its noise-aware verdicts, the claims
+    table when a notebook wrote one, the latest committed GPU results), then the environment,
+    notebook summary (status, seconds, worker, links), metrics table, and each notebook's tables
+    and figures (plotly.js inlined once). ``screenshots``: {notebook: [(caption, path), ...]}
+    from a browser run (:mod:`workbench.lab.browser`), shown as images linked relative to the page."""
     path = Path(path)
     title = f"Workbench notebook run {path.parent.name}"
-    parts = [f"<h1>{_esc(title)}</h1>", "<h2>Environment</h2>", _kv_table(environment(parameters))]
+    parts = [f"<h1>{_esc(title)}</h1>"]
+    if front_page:
+        from workbench.lab.front_page import front_page_html
+
+        parts.append("<p class='toc'><a href='#summary'>summary</a> · <a href='#claims'>claims</a> · "
+                     "<a href='#gpu'>GPU results</a> · <a href='#notebooks'>notebooks</a> · "
+                     "<a href='#metrics'>all metrics</a>" + (" · <a href='#browser'>browser</a>" if screenshots else "")
+                     + "</p>")
+        parts.append(front_page_html(results, gpu_root=gpu_root))
+    parts += ["<h2>Environment</h2>", _kv_table(environment(parameters))]
     parts.append("<p>Parameters given to every notebook: "
                  f"<code>{_esc(json.dumps(parameters or {}))}</code>; kernel <code>{_esc(kernel)}</code>"
                  + (f"; started {started:%Y-%m-%d %H:%M:%S} UTC" if started else "")
                  + (f"; executor: {_esc(executor)}" if executor else "") + ".</p>")
 
-    parts.append("<h2>Notebooks</h2><table><tr><th>notebook</th><th>status</th><th>seconds</th>"
+    parts.append("<h2 id='notebooks'>Notebooks</h2><table><tr><th>notebook</th><th>status</th><th>seconds</th>"
                  "<th>worker</th><th>results</th><th>error</th></tr>")
     for rec in records:
         link = Path(rec["output"]).name
@@ -303,10 +329,22 @@ def write_report(path: str | Path, records: list[dict], results: dict, parameter
             parts.append(fig.to_html(full_html=False, include_plotlyjs=False, div_id="fig-sweep"))
             n_figures += 1
     metrics = results["metrics"]
-    parts.append("<h2>Metrics</h2>")
+    parts.append("<h2 id='metrics'>Metrics</h2>")
     parts.append(metrics.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep="")
                  if len(metrics) else "<p>No notebook wrote metrics.</p>")
 
+    if screenshots:
+        parts.append("<h2 id='browser'>In the browser</h2><p>Each notebook opened in JupyterLab in headless Chromium "
+                     "and run with Run All, as a learner runs it (live widgets on); screenshots taken after the run.</p>")
+        for name, shots in screenshots.items():
+            parts.append(f"<h3>{_esc(name)}</h3>")
+            for caption, shot in shots:
+                if not shot:
+                    parts.append(f"<p>{_esc(caption)}</p>")
+                    continue
+                rel = _relative(Path(shot), path.parent)
+                parts.append(f"<figure><a href='{_esc(rel)}'><img src='{_esc(rel)}' alt='{_esc(caption)}' "
+                             f"loading='lazy'></a><figcaption>{_esc(caption)}</figcaption></figure>")
     for name, res in results["notebooks"].items():
         parts.append(f"<h2 id='nb-{_esc(name)}'>{_esc(name)}</h2>")
         for tname, df in res["tables"].items():

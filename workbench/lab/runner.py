@@ -10,7 +10,8 @@
 
 Each notebook runs in a fresh kernel with its folder as the working directory; its executed
 copy goes to the run folder, and the runner injects ``results_path`` (a JSON sidecar in the
-run folder, see :mod:`workbench.lab.results`) next to the given parameters.  A notebook that
+run folder, see :mod:`workbench.lab.results`) next to the given parameters, and ``live=False``
+where the notebook declares ``live`` (static figures, no live widgets: see :func:`batch_parameters`).  A notebook that
 fails is recorded (status, error, seconds) and the run goes on; a kernel that fails to start
 (a port race between kernels starting together) is retried once.  Then every sidecar is
 collected into ``results.csv`` (one row per notebook and metric) and ``report.html``, which
@@ -115,6 +116,22 @@ def resolve_kernel(kernel_name: str | None = None) -> str:
     if str(base) not in paths.split(os.pathsep):
         os.environ["JUPYTER_PATH"] = os.pathsep.join(p for p in (str(base), paths) if p)
     return FALLBACK_KERNEL
+
+
+def declared_parameters(nb: Path) -> set[str]:
+    """The names a notebook's ``parameters`` cell assigns (papermill's own reading of it)."""
+    import papermill as pm
+
+    return set(pm.inspect_notebook(str(nb)))
+
+
+def batch_parameters(nb: Path, parameters: dict) -> dict:
+    """``parameters`` plus ``live=False`` for a notebook that declares ``live`` (unless given): a
+    batch run shows each figure once, as a static figure, and no live widget (papermill
+    attaches a kernel too, so the notebook cannot tell a batch run from a person by itself)."""
+    if "live" not in parameters and "live" in declared_parameters(nb):
+        return {**parameters, "live": False}
+    return dict(parameters)
 
 
 def _same_dir(a: str, b: str) -> bool:
@@ -248,7 +265,7 @@ def run_notebooks(notebooks=None, parameters: dict | None = None, out_dir=None, 
             stem = nb.stem + (f"__{point_label(point)}" if point else "")
             stem = stem if stem not in seen else f"{stem}-{len(seen)}"
             seen.add(stem)
-            tasks.append(Task(index=len(tasks), name=stem, notebook=nb, parameters={**parameters, **point},
+            tasks.append(Task(index=len(tasks), name=stem, notebook=nb, parameters=batch_parameters(nb, {**parameters, **point}),
                               output=run_dir / f"{stem}.ipynb", results=run_dir / f"{stem}.results.json",
                               timeout=timeout, kernel=kernel, point=dict(point), point_timeout=point_timeout))
 

@@ -1,0 +1,205 @@
+"""Running the notebooks as a learner does, for the notebook tests: JupyterLab + headless Chromium
+(workbench.lab.browser), one smoke execution per notebook, with screenshots and a report.
+
+Every notebook test file of one pytest run writes into one folder, ``runs/browser/<run id>/``
+(the run id is pytest-xdist's, shared by its workers): the executed notebooks, their results
+sidecars, ``<notebook>.browser.json`` (what the browser saw), ``screenshots/`` and ``report.html``,
+which is written again from the whole folder each time a notebook file finishes, so the last
+one holds every notebook. The folder's path is in ``runs/browser/LATEST``.
+
+Without Debian's chromium or Playwright the tests fall back to papermill (as the batch runner
+runs them), unless ``WORKBENCH_BROWSER_TESTS=1`` (CI), where a missing browser is a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNS = ROOT / "runs" / "browser"
+REQUIRED = os.environ.get("WORKBENCH_BROWSER_TESTS", "") == "1"
+DISABLED = os.environ.get("WORKBENCH_BROWSER_TESTS", "") == "0"
+
+# The live views each notebook shows while it runs (class wb-live-<name> on the view's widget);
+# each must be seen in at least 3 distinct states. 01's widget changes when its button is pressed.
+LIVE_VIEWS = {
+    "00_tour": ["latency-stream"],
+    "01_fused_kernels": ["kernel-toggle"],
+    "02_kv_tiers": ["block-map"],
+    "03_prefetch": ["prefetch-timeline"],
+    "04_scheduler": ["load-dashboard"],
+    "05_quantization": [],
+    "06_end_to_end": [],
+}
+
+
+def browser_unavailable() -> str | None:
+    """Why the notebooks run through papermill instead of the browser; None: the browser."""
+    if DISABLED:
+        return "WORKBENCH_BROWSER_TESTS=0"
+    from workbench.lab.browser import chromium_available
+
+    return chromium_available()
+
+
+def run_id() -> str:
+    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return f"{stamp[:9]}-{uid[:8]}" if uid else stamp
+
+
+class BrowserSession:
+    def __init__(self, lab, browser, root: Path, out: Path) -> None:
+        self.lab, self.browser, self.root, self.out = lab, browser, root, out
+
+
+@pytest.fixture(scope="module")
+def lab_session(tmp_path_factory):
+    """A JupyterLab + Chromium for this test file, or None (papermill) with the reason printed."""
+    why = browser_unavailable()
+    if why:
+        if REQUIRED:
+            pytest.fail(f"WORKBENCH_BROWSER_TESTS=1 but no browser here: {why}")
+        print(f"notebooks run with papermill, not in a browser: {why}")
+        yield None
+        return
+    from workbench.lab.browser import Browser, JupyterLab
+
+    out = RUNS / run_id()
+    out.mkdir(parents=True, exist_ok=True)
+    RUNS.joinpath("LATEST").write_text(str(out) + "\n")
+    root = tmp_path_factory.mktemp("lab-root")
+    with JupyterLab(root) as lab, Browser() as browser:
+        yield BrowserSession(lab, browser, root, out)
+
+
+def press_kernel_toggle(page, res, seen) -> None:
+    """01's per-op toggle: press "measure"; the button must show it is busy (disabled), then come
+    back; the widget's table and figure change."""
+    from workbench.lab.browser import _SAMPLE_JS
+
+    sel = ".wb-live-kernel-toggle-button"
+    page.locator(sel).first.scroll_into_view_if_needed()
+    for key, sig in page.evaluate(_SAMPLE_JS).items():
+        seen.setdefault(key, set()).add(sig)
+    checkboxes = page.locator(".wb-live-kernel-toggle input[type=checkbox]")
+    for i in range(min(checkboxes.count(), 3)):          # a choice other than the notebook's own
+        checkboxes.nth(i).click()
+    page.locator(sel).first.click()
+    page.wait_for_function(f"() => document.querySelector('{sel}')?.disabled === true", timeout=10_000)
+    res.note = (res.note + "; " if res.note else "") + "toggle busy state seen"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        for key, sig in page.evaluate(_SAMPLE_JS).items():
+            seen.setdefault(key, set()).add(sig)
+        if page.evaluate(f"() => document.querySelector('{sel}')?.disabled === false"):
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("the toggle widget's button stayed disabled for 300 s")
+    time.sleep(0.5)
+
+
+AFTER_RUN = {"01_fused_kernels": press_kernel_toggle}
+
+
+def run_in_browser(session: BrowserSession, path: Path, parameters: dict, timeout: float = 900.0):
+    """Parameterize ``path`` (papermill's injected cell) into the lab's root, run it in the browser;
+    returns (LabRun, sidecar path). Files land in the session's run folder."""
+    import nbformat
+    from papermill.iorw import load_notebook_node
+    from papermill.parameterize import parameterize_notebook
+
+    from workbench.lab.browser import run_in_lab
+
+    name = path.stem
+    sidecar = session.out / f"{name}.results.json"
+    nb = parameterize_notebook(load_notebook_node(str(path)), {**parameters, "results_path": str(sidecar)})
+    info = nb.metadata.get("language_info", {})
+    if info.get("version") and info["version"] != platform.python_version():
+        # committed with the project's Python (CI's); the kernel here reports another version, and
+        # JupyterLab would mark the copy modified for that alone
+        info["version"] = platform.python_version()
+    nbformat.write(nb, str(session.root / path.name))
+    res = run_in_lab(session.browser, session.lab, path.name, session.out / "screenshots",
+                     live_views=LIVE_VIEWS.get(name, []), timeout=timeout, after_run=AFTER_RUN.get(name))
+    executed = session.root / path.name
+    if executed.is_file():
+        (session.out / path.name).write_bytes(executed.read_bytes())
+    tmp = session.out / f".{name}.browser.json.{os.getpid()}"
+    tmp.write_text(json.dumps(asdict(res), indent=1, default=str))
+    os.replace(tmp, session.out / f"{name}.browser.json")     # the other worker may be reading the folder
+    return res, sidecar
+
+
+def write_browser_report(session: BrowserSession) -> Path:
+    """report.html of everything in the run folder so far (front page, screenshots), checked in
+    Chromium: no page errors, every figure drawn, every screenshot loads."""
+    from workbench.lab.browser import check_report
+    from workbench.lab.results import collect_results, write_report
+
+    records, shots = [], {}
+    for info_path in sorted(session.out.glob("*.browser.json")):
+        info = json.loads(info_path.read_text())
+        name = info_path.name.removesuffix(".browser.json")
+        problems = [p for p in info.get("errors", []) + info.get("widget_errors", [])]
+        records.append({"name": name, "status": "ok" if info.get("completed") and not problems else "failed",
+                        "seconds": float(info.get("seconds") or 0), "output": str(session.out / f"{name}.ipynb"),
+                        "error": "; ".join(problems) or None, "results": str(session.out / f"{name}.results.json"),
+                        "worker": {"executor": "browser (JupyterLab + Chromium)", "host": "localhost"}})
+        shots[name] = [(c, p) for c, p in info.get("screenshots", [])]
+    results = collect_results(records)
+    # written under a name of this process, checked, then renamed: two workers may both write it
+    report = write_report(session.out / f".report.{os.getpid()}.html", records, results,
+                          parameters={"device": "cpu", "live": True}, kernel="python3 (JupyterLab)",
+                          executor="browser", screenshots=shots)
+    info = check_report(session.browser, report, session.out / "screenshots" / "report-front.png")
+    assert not info["page_errors"], info["page_errors"]
+    assert info["divs"] == info["drawn"], f"{info['divs'] - info['drawn']} figures of {info['divs']} not drawn"
+    assert {"Summary: headline figures against their targets", "Claims of the source articles",
+            "Latest committed GPU results", "In the browser"} <= set(info["sections"]), info["sections"]
+    broken = [i["src"] for i in info["images"] if not i["ok"]]
+    assert not broken, f"screenshots that do not load in the report: {broken}"
+    final = session.out / "report.html"
+    os.replace(report, final)
+    return final
+
+
+def run_and_check(path: Path, tmp_path: Path, lab_session, expected_keys=frozenset(), timeout: int = 900) -> dict:
+    """One smoke execution of ``path``: in the browser when there is one, else papermill (the
+    batch runner's call: cwd = notebooks/, live=False, no widget state). Returns the sidecar."""
+    pytest.importorskip("papermill")
+    from workbench.lab.front_page import headline_rows
+    from workbench.lab.results import collect_results, load_results
+    from workbench.lab.runner import batch_parameters, execute_one, resolve_kernel
+
+    params = {"device": "cpu"}
+    if lab_session is None:
+        sidecar = tmp_path / f"{path.stem}.results.json"
+        rec = execute_one(path, tmp_path / path.name, {**batch_parameters(path, params), "results_path": str(sidecar)},
+                          timeout, resolve_kernel())
+        assert rec["status"] == "ok", f"{path.name} failed after {rec['seconds']:.0f} s: {rec['error']} " \
+                                      f"(executed copy: {rec['output']})"
+    else:
+        res, sidecar = run_in_browser(lab_session, path, params, timeout=timeout)
+        problems = res.problems(LIVE_VIEWS.get(path.stem, []))
+        assert not problems, f"{path.name} in JupyterLab ({res.seconds:.0f} s): {problems} " \
+                             f"(executed copy and screenshots: {lab_session.out})"
+    assert sidecar.is_file(), f"{path.name} did not write its results to results_path"
+    loaded = load_results(sidecar)
+    metrics = loaded["metrics"]
+    assert metrics, f"{path.name} wrote no metrics"
+    missing = set(expected_keys) - set(metrics)
+    assert not missing, f"{path.name}: results lack {sorted(missing)}"
+    rows = headline_rows(collect_results([{"name": path.stem, "results": str(sidecar)}])["metrics"])
+    not_run = rows.loc[rows["meets"] == "not run", "headline"].tolist()
+    assert not not_run, f"{path.name}: the report's front page lacks these headlines: {not_run}"
+    return loaded

@@ -1,0 +1,382 @@
+"""Notebooks run as a learner runs them: JupyterLab in headless Chromium, "Run All", then read back.
+
+::
+
+    with JupyterLab(root_dir) as lab, Browser() as browser:
+        res = run_in_lab(browser, lab, "00_tour.ipynb", shots_dir, live_views=["latency-stream"])
+        res.errors, res.widget_errors, res.live["latency-stream#0"], res.screenshots
+
+:class:`JupyterLab` starts ``jupyter lab`` (this interpreter's) on a free loopback port with a
+token, its own settings and workspaces folders (no windowing, so every cell stays in the DOM;
+no news or update checks) and ``expose_app_in_browser``, so the page's ``window.jupyterapp``
+runs JupyterLab's own commands. :class:`Browser` is Playwright driving Debian's ``chromium``
+(Playwright's own browser download cannot run on a closed network).
+
+:func:`run_in_lab` opens a notebook, waits for its kernel to be connected and idle, records
+whether opening marked it modified, runs ``notebook:run-all-cells`` and, while it runs, samples
+every live view's data from the DOM (each live view's outermost widget has the classes
+``wb-live`` and ``wb-live-<name>``; a sample is a hash of its plotly traces' ``x / y / z / text``
+and its text, taken by a poll loop and by a MutationObserver at every DOM change inside a live
+view), so "the view updated while its cell ran" is a count of distinct samples, not a judgement
+from a picture. Then it reads the outputs from the notebook model (error outputs,
+"Error displaying widget"), saves the notebook and takes screenshots of each live view and each
+figure.
+
+Playwright is imported inside the functions: ``import workbench`` does not need it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CHROMIUM = os.environ.get("WORKBENCH_CHROMIUM", "/usr/bin/chromium")
+# as root, on a machine with no network: no sandbox, no GPU, no background connections
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
+                 "--disable-background-networking", "--disable-component-update", "--disable-dev-shm-usage"]
+
+_SETTINGS = {
+    # every cell in the DOM: live views below the fold still render, screenshots see them
+    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false",
+                                                                         "checkForUpdates": False},
+}
+
+# JS: one sample per live view, keyed "<name>#<index among views of that name>"
+_SAMPLE_JS = """() => {
+  const hash = (s) => { let h = 5381; for (let i = 0; i < s.length; i++) h = ((h << 5) + h + s.charCodeAt(i)) | 0; return h; };
+  const out = {}; const seen = {};
+  document.querySelectorAll('.wb-live').forEach((el) => {
+    const cls = [...el.classList].find((c) => c.startsWith('wb-live-')) || 'wb-live-unnamed';
+    const name = cls.slice(8); const k = seen[name] = (seen[name] ?? -1) + 1;
+    let sig = el.innerText || '';
+    el.querySelectorAll('.js-plotly-plot').forEach((gd) => {
+      (gd.data || []).forEach((t) => { sig += '|' + JSON.stringify([t.x, t.y, t.z, t.text, t.base]); });
+    });
+    out[name + '#' + k] = hash(sig) + ':' + sig.length;
+  });
+  return out;
+}"""
+
+# JS: record a sample of a live view at every DOM change inside it (a MutationObserver runs after
+# each task, so an update is seen even when the page is too busy for the poll loop to catch it)
+_OBSERVE_JS = """() => {
+  if (window.__wb_observer) return;
+  window.__wb_sigs = {};
+  const sample = """ + _SAMPLE_JS + """;
+  let pending = false;
+  const record = () => { pending = false; const now = sample();
+    for (const [k, sig] of Object.entries(now)) { (window.__wb_sigs[k] = window.__wb_sigs[k] || {})[sig] = 1; } };
+  window.__wb_observer = new MutationObserver((muts) => {
+    if (pending) return;
+    for (const m of muts) { const t = m.target.nodeType === 1 ? m.target : m.target.parentElement;
+      if (t && t.closest && t.closest('.wb-live')) { pending = true; queueMicrotask(record); return; } }
+  });
+  window.__wb_observer.observe(document.body, {subtree: true, childList: true, characterData: true, attributes: true});
+}"""
+
+_OBSERVED_JS = "() => Object.fromEntries(Object.entries(window.__wb_sigs || {}).map(([k, v]) => [k, Object.keys(v)]))"
+
+_STATE_JS = """() => {
+  const app = window.jupyterapp; if (!app) return {ready: false, why: 'no window.jupyterapp'};
+  const w = app.shell.currentWidget;
+  if (!w || !w.sessionContext || !w.content || !w.content.model) return {ready: false, why: 'no notebook panel'};
+  const k = w.sessionContext.session && w.sessionContext.session.kernel;
+  return {ready: !!k && k.connectionStatus === 'connected' && k.status === 'idle',
+          why: k ? k.connectionStatus + '/' + k.status : 'no kernel', dirty: w.context.model.dirty,
+          path: w.context.path, kernel: k ? k.name : null};
+}"""
+
+_PROGRESS_JS = """() => { const w = window.jupyterapp.shell.currentWidget; let ran = 0, n = 0;
+  for (const c of w.content.model.cells) { if (c.type !== 'code') continue; n++; if (c.executionCount !== null) ran++; }
+  const k = w.sessionContext.session && w.sessionContext.session.kernel;
+  return ran + '/' + n + ' cells ran, kernel ' + (k ? k.status : 'none'); }"""
+
+_OUTPUTS_JS = """() => {
+  const w = window.jupyterapp.shell.currentWidget; const cells = [];
+  for (const c of w.content.model.cells) {
+    if (c.type !== 'code') continue;
+    const outs = c.outputs.toJSON();
+    cells.push({count: c.executionCount, errors: outs.filter((o) => o.output_type === 'error')
+                 .map((o) => o.ename + ': ' + o.evalue)});
+  }
+  return {cells, widgetErrors: (document.body.innerText.match(/Error displaying widget[^\\n]*/g) || [])};
+}"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def chromium_available() -> str | None:
+    """Why a browser run cannot happen here, or None when it can."""
+    if not Path(CHROMIUM).is_file():
+        return f"{CHROMIUM} not found (Debian: apt-get install chromium; or set WORKBENCH_CHROMIUM)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "playwright is not installed (pip install playwright; its own browser download is not needed)"
+    return None
+
+
+class JupyterLab:
+    """``jupyter lab`` on 127.0.0.1 serving ``root_dir``, for the duration of a ``with`` block."""
+
+    def __init__(self, root_dir, startup_timeout: float = 90.0) -> None:
+        self.root_dir = Path(root_dir).resolve()
+        self.startup_timeout = startup_timeout
+        self.token = os.urandom(12).hex()
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self._tmp: str | None = None
+
+    def __enter__(self) -> JupyterLab:
+        self._tmp = tempfile.mkdtemp(prefix="wb-lab-")
+        settings = Path(self._tmp) / "settings"
+        for rel, value in _SETTINGS.items():
+            p = settings / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(json.dumps(value))
+        cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={self.port}", "--ip=127.0.0.1",
+               f"--ServerApp.root_dir={self.root_dir}", f"--IdentityProvider.token={self.token}",
+               f"--LabApp.user_settings_dir={settings}", f"--LabApp.workspaces_dir={Path(self._tmp) / 'ws'}",
+               "--LabApp.expose_app_in_browser=True", "--ServerApp.quit_button=False", "--allow-root"]
+        self.log_path = Path(self._tmp) / "lab.log"
+        self._log = open(self.log_path, "w")
+        env = {**os.environ, "JUPYTER_PLATFORM_DIRS": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(self.root_dir), env=env)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"jupyter lab exited with {self.proc.returncode}: {self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/api/status?token={self.token}", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.3)
+        self.__exit__(None, None, None)
+        raise RuntimeError(f"jupyter lab did not answer within {self.startup_timeout:.0f} s: {self.log_tail()}")
+
+    def log_tail(self, n: int = 2000) -> str:
+        try:
+            return Path(self.log_path).read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def notebook_url(self, rel_path: str) -> str:
+        return f"{self.url}/lab/tree/{rel_path}?token={self.token}&reset"
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        if getattr(self, "_log", None):
+            self._log.close()
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+class Browser:
+    """Headless Debian Chromium through Playwright, for a ``with`` block."""
+
+    def __init__(self, viewport=(1280, 900)) -> None:
+        self.viewport = {"width": viewport[0], "height": viewport[1]}
+
+    def __enter__(self) -> Browser:
+        from playwright.sync_api import sync_playwright
+
+        why = chromium_available()
+        if why:
+            raise RuntimeError(f"no browser: {why}")
+        self._pw = sync_playwright().start()
+        self.browser = self._pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        return self
+
+    def new_page(self):
+        page = self.browser.new_page(viewport=self.viewport)
+        page.set_default_timeout(60_000)
+        return page
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.browser.close()
+        finally:
+            self._pw.stop()
+
+
+@dataclass
+class LabRun:
+    """What one notebook's browser run saw."""
+
+    notebook: str
+    seconds: float = 0.0
+    completed: bool = False            # run-all finished (its promise resolved) before the timeout
+    all_ran: bool = False              # every code cell has an execution count
+    dirty_on_open: bool | None = None  # opening (kernel start included) marked the notebook modified
+    kernel: str | None = None
+    errors: list = field(default_factory=list)          # "cell N: Ename: value"
+    widget_errors: list = field(default_factory=list)   # "Error displaying widget..." texts
+    page_errors: list = field(default_factory=list)     # uncaught JS errors on the page
+    live: dict = field(default_factory=dict)            # "<name>#<i>" -> number of distinct samples seen
+    samples: int = 0
+    screenshots: list = field(default_factory=list)     # (caption, path)
+    note: str = ""
+
+    def problems(self, live_views=()) -> list[str]:
+        out = [f"error output {e}" for e in self.errors] + [f"widget: {w}" for w in self.widget_errors]
+        out += [f"page error: {e}" for e in self.page_errors]
+        if not self.completed:
+            out.append(f"run-all did not finish ({self.note})")
+        elif not self.all_ran:
+            out.append("some code cells did not run")
+        if self.dirty_on_open:
+            out.append("opening the notebook marked it modified (kernelspec or metadata differs from the kernel's)")
+        for name in live_views:
+            seen = max((n for k, n in self.live.items() if k.split("#")[0] == name), default=0)
+            if seen < 3:
+                out.append(f"live view {name!r}: {seen} distinct states seen while the notebook ran (want >= 3)")
+        return out
+
+
+def _wait_ready(page, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    state = {}
+    while time.monotonic() < deadline:
+        state = page.evaluate(_STATE_JS)
+        if state.get("ready"):
+            return state
+        time.sleep(0.25)
+    raise RuntimeError(f"the notebook's kernel was not connected and idle within {timeout:.0f} s: {state}")
+
+
+def run_in_lab(browser: Browser, lab: JupyterLab, rel_path: str, shots_dir=None, live_views=(),
+               timeout: float = 900.0, sample_every: float = 0.2, max_figure_shots: int = 12, after_run=None,
+               log=None) -> LabRun:
+    """Open ``rel_path`` (relative to the lab's root), Run All, read back; see the module docstring.
+    ``after_run(page, res, seen)`` runs before the screenshots (e.g. press a widget's button);
+    ``log(text)`` gets a progress line every 30 s while the notebook runs."""
+    res = LabRun(notebook=rel_path)
+    page = browser.new_page()
+    page.on("pageerror", lambda e: res.page_errors.append(str(e)[:300]))
+    t0 = time.perf_counter()
+    try:
+        page.goto(lab.notebook_url(rel_path))
+        state = _wait_ready(page, 120)
+        time.sleep(1.0)                      # metadata updates land after the kernel's info reply
+        state = page.evaluate(_STATE_JS)
+        res.dirty_on_open, res.kernel = bool(state.get("dirty")), state.get("kernel")
+        page.evaluate(_OBSERVE_JS)
+        page.evaluate("() => { window.__wb_done = null; window.jupyterapp.commands.execute('notebook:run-all-cells')"
+                      ".then((r) => { window.__wb_done = {ok: r}; }, (e) => { window.__wb_done = {err: String(e)}; }); }")
+        seen: dict[str, set] = {}
+        run_t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        done = None
+        last_log = time.monotonic()
+        while time.monotonic() < deadline:
+            for key, sig in page.evaluate(_SAMPLE_JS).items():
+                seen.setdefault(key, set()).add(sig)
+            res.samples += 1
+            done = page.evaluate("() => window.__wb_done")
+            if done is not None:
+                break
+            if log is not None and time.monotonic() - last_log > 30:
+                last_log = time.monotonic()
+                log(f"{rel_path}: {time.perf_counter() - run_t0:.0f} s, {res.samples} samples, "
+                    f"{page.evaluate(_PROGRESS_JS)}, live {({k: len(v) for k, v in seen.items()})}")
+            time.sleep(sample_every)
+        res.seconds = time.perf_counter() - run_t0
+        res.completed = done is not None and "err" not in done
+        res.note = "" if done is not None else f"timeout after {timeout:.0f} s"
+        if done is not None and "err" in done:
+            res.note = done["err"]
+        if after_run is not None:
+            after_run(page, res, seen)
+        for key, sig in page.evaluate(_SAMPLE_JS).items():
+            seen.setdefault(key, set()).add(sig)
+        for key, sigs in page.evaluate(_OBSERVED_JS).items():
+            seen.setdefault(key, set()).update(sigs)
+        res.live = {k: len(v) for k, v in sorted(seen.items())}
+        outs = page.evaluate(_OUTPUTS_JS)
+        res.errors = [f"cell {c['count']}: {e}" for c in outs["cells"] for e in c["errors"]]
+        res.widget_errors = outs["widgetErrors"]
+        res.all_ran = all(c["count"] is not None for c in outs["cells"])
+        page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+        if shots_dir is not None:
+            res.screenshots = _screenshots(page, Path(shots_dir), Path(rel_path).stem, max_figure_shots)
+    finally:
+        res.seconds = res.seconds or time.perf_counter() - t0
+        page.close()
+    return res
+
+
+def _screenshots(page, out: Path, stem: str, max_figures: int) -> list:
+    out.mkdir(parents=True, exist_ok=True)
+    shots = []
+    page.evaluate("() => document.querySelector('.jp-WindowedPanel-outer, .jp-Notebook')?.scrollTo(0, 0)")
+    p = out / f"{stem}-top.png"
+    page.screenshot(path=str(p))
+    shots.append(("top of the notebook after Run All", str(p)))
+    for i, el in enumerate(page.locator(".wb-live").all()):
+        p = out / f"{stem}-live-{i}.png"
+        try:
+            el.scroll_into_view_if_needed()
+            el.screenshot(path=str(p))
+            shots.append((f"live view {i}", str(p)))
+        except Exception as e:  # noqa: BLE001 - a screenshot that fails is noted, the run is not lost
+            shots.append((f"live view {i}: no screenshot ({type(e).__name__})", ""))
+    # static figures: the output holding each plotly graph that is not part of a live view
+    n = page.evaluate("""() => { let n = 0; document.querySelectorAll('.js-plotly-plot').forEach((gd) => {
+        if (gd.closest('.wb-live')) return; const box = gd.closest('.jp-OutputArea-child') || gd;
+        if (!box.hasAttribute('data-wb-shot')) box.setAttribute('data-wb-shot', String(n++)); }); return n; }""")
+    for i in range(min(n, max_figures)):
+        el = page.locator(f'[data-wb-shot="{i}"]')
+        p = out / f"{stem}-figure-{i}.png"
+        try:
+            el.scroll_into_view_if_needed()
+            el.screenshot(path=str(p))
+            shots.append((f"figure {i}", str(p)))
+        except Exception as e:  # noqa: BLE001
+            shots.append((f"figure {i}: no screenshot ({type(e).__name__})", ""))
+    return shots
+
+
+def check_report(browser: Browser, report: Path, shot: Path | None = None) -> dict:
+    """Open an HTML report from disk: page errors, plotly figures drawn vs figure divs, the
+    front page's sections; a screenshot of the first screen."""
+    page = browser.new_page()
+    errors: list = []
+    page.on("pageerror", lambda e: errors.append(str(e)[:300]))
+    try:
+        page.goto(Path(report).resolve().as_uri())
+        page.wait_for_timeout(500)
+        info = page.evaluate("""() => ({
+          divs: document.querySelectorAll('div.plotly-graph-div').length,
+          drawn: document.querySelectorAll('div.plotly-graph-div.js-plotly-plot .main-svg').length > 0
+                 ? [...document.querySelectorAll('div.plotly-graph-div')].filter((d) => d.querySelector('.main-svg')).length : 0,
+          sections: [...document.querySelectorAll('h2')].map((h) => h.innerText),
+          images: [...document.images].map((i) => ({src: i.getAttribute('src'), ok: i.complete && i.naturalWidth > 0})),
+        })""")
+        if shot is not None:
+            Path(shot).parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(shot))
+        info["page_errors"] = errors
+        return info
+    finally:
+        page.close()
