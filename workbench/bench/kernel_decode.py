@@ -122,7 +122,9 @@ def decode_rows(model, variants: dict[str, dict[str, str]], context: int, env: d
             else:
                 remove_backends(model)
             row["backends"] = format_backends(current_backends(model))
-            interp = env["interpreter"] and "triton" in current_backends(model).values()
+            # sampling is read by the engine after the logits: it is not part of the step timed here
+            interp = env["interpreter"] and any(b == "triton" for op, b in current_backends(model).items()
+                                                if op != "sampling")
             row["timing"] = INTERPRETER_NOTE if interp else ("device" if dev.type == "cuda" else "host")
 
             def step():
