@@ -53,7 +53,7 @@ def browser_unavailable() -> str | None:
 def run_id() -> str:
     uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    return f"{stamp[:9]}-{uid[:8]}" if uid else stamp
+    return f"{stamp[:8]}-{uid[:8]}" if uid else stamp
 
 
 class BrowserSession:

@@ -73,13 +73,16 @@ _OBSERVE_JS = """() => {
   if (window.__wb_observer) return;
   window.__wb_sigs = {};
   const sample = """ + _SAMPLE_JS + """;
-  let pending = false;
-  const record = () => { pending = false; const now = sample();
+  let pending = false, last = 0;
+  const record = () => { pending = false; last = performance.now(); const now = sample();
     for (const [k, sig] of Object.entries(now)) { (window.__wb_sigs[k] = window.__wb_sigs[k] || {})[sig] = 1; } };
+  // at most one sample per 50 ms: a redraw is many mutations, and sampling costs the page CPU time
   window.__wb_observer = new MutationObserver((muts) => {
     if (pending) return;
     for (const m of muts) { const t = m.target.nodeType === 1 ? m.target : m.target.parentElement;
-      if (t && t.closest && t.closest('.wb-live')) { pending = true; queueMicrotask(record); return; } }
+      if (t && t.closest && t.closest('.wb-live')) { pending = true;
+        const wait = Math.max(0, 50 - (performance.now() - last));
+        if (wait === 0) queueMicrotask(record); else setTimeout(record, wait); return; } }
   });
   window.__wb_observer.observe(document.body, {subtree: true, childList: true, characterData: true, attributes: true});
 }"""
@@ -266,7 +269,7 @@ def _wait_ready(page, timeout: float) -> dict:
 
 
 def run_in_lab(browser: Browser, lab: JupyterLab, rel_path: str, shots_dir=None, live_views=(),
-               timeout: float = 900.0, sample_every: float = 0.2, max_figure_shots: int = 12, after_run=None,
+               timeout: float = 900.0, sample_every: float = 0.5, max_figure_shots: int = 12, after_run=None,
                log=None) -> LabRun:
     """Open ``rel_path`` (relative to the lab's root), Run All, read back; see the module docstring.
     ``after_run(page, res, seen)`` runs before the screenshots (e.g. press a widget's button);
@@ -329,7 +332,9 @@ def run_in_lab(browser: Browser, lab: JupyterLab, rel_path: str, shots_dir=None,
 def _screenshots(page, out: Path, stem: str, max_figures: int) -> list:
     out.mkdir(parents=True, exist_ok=True)
     shots = []
-    page.evaluate("() => document.querySelector('.jp-WindowedPanel-outer, .jp-Notebook')?.scrollTo(0, 0)")
+    page.evaluate("() => document.querySelectorAll('.jp-NotebookPanel .jp-WindowedPanel-outer, "
+                  ".jp-NotebookPanel .jp-Notebook').forEach((e) => e.scrollTo(0, 0))")
+    page.wait_for_timeout(200)
     p = out / f"{stem}-top.png"
     page.screenshot(path=str(p))
     shots.append(("top of the notebook after Run All", str(p)))

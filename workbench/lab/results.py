@@ -343,8 +343,8 @@ def write_report(path: str | Path, records: list[dict], results: dict, parameter
                     parts.append(f"<p>{_esc(caption)}</p>")
                     continue
                 rel = _relative(Path(shot), path.parent)
-                parts.append(f"<figure><a href='{_esc(rel)}'><img src='{_esc(rel)}' alt='{_esc(caption)}' "
-                             f"loading='lazy'></a><figcaption>{_esc(caption)}</figcaption></figure>")
+                parts.append(f"<figure><a href='{_esc(rel)}'><img src='{_esc(rel)}' alt='{_esc(caption)}'></a>"
+                             f"<figcaption>{_esc(caption)}</figcaption></figure>")
     for name, res in results["notebooks"].items():
         parts.append(f"<h2 id='nb-{_esc(name)}'>{_esc(name)}</h2>")
         for tname, df in res["tables"].items():
