@@ -50,10 +50,13 @@ def browser_unavailable() -> str | None:
     return chromium_available()
 
 
-def run_id() -> str:
+def _run_id() -> str:
+    """xdist's run id (the same in every worker of one run), else this process's start time."""
     uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    return f"{stamp[:8]}-{uid[:8]}" if uid else stamp
+    return f"xdist-{uid[:12]}" if uid else datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+RUN_ID = _run_id()          # once per process: every test file of a run writes into one folder
 
 
 class BrowserSession:
@@ -73,7 +76,7 @@ def lab_session(tmp_path_factory):
         return
     from workbench.lab.browser import Browser, JupyterLab
 
-    out = RUNS / run_id()
+    out = RUNS / RUN_ID
     out.mkdir(parents=True, exist_ok=True)
     RUNS.joinpath("LATEST").write_text(str(out) + "\n")
     root = tmp_path_factory.mktemp("lab-root")
@@ -143,15 +146,25 @@ def run_in_browser(session: BrowserSession, path: Path, parameters: dict, timeou
 def write_browser_report(session: BrowserSession) -> Path:
     """report.html of everything in the run folder so far (front page, screenshots), checked in
     Chromium: no page errors, every figure drawn, every screenshot loads."""
-    from workbench.lab.browser import check_report
+    import fcntl
+
+    with open(session.out / ".report.lock", "w") as lock:     # one worker at a time: glob, write, check, rename
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _write_browser_report(session)
+
+
+def _write_browser_report(session: BrowserSession) -> Path:
+    from workbench.lab.browser import LabRun, check_report
     from workbench.lab.results import collect_results, write_report
 
+    if not any(session.out.glob("*.browser.json")):
+        pytest.skip("no notebook ran in the browser in this run (e.g. -m 'not slow')")
     records, shots = [], {}
     for info_path in sorted(session.out.glob("*.browser.json")):
         info = json.loads(info_path.read_text())
         name = info_path.name.removesuffix(".browser.json")
-        problems = [p for p in info.get("errors", []) + info.get("widget_errors", [])]
-        records.append({"name": name, "status": "ok" if info.get("completed") and not problems else "failed",
+        problems = LabRun(**info).problems(LIVE_VIEWS.get(name, []))
+        records.append({"name": name, "status": "ok" if not problems else "failed",
                         "seconds": float(info.get("seconds") or 0), "output": str(session.out / f"{name}.ipynb"),
                         "error": "; ".join(problems) or None, "results": str(session.out / f"{name}.results.json"),
                         "worker": {"executor": "browser (JupyterLab + Chromium)", "host": "localhost"}})
@@ -161,7 +174,7 @@ def write_browser_report(session: BrowserSession) -> Path:
     report = write_report(session.out / f".report.{os.getpid()}.html", records, results,
                           parameters={"device": "cpu", "live": True}, kernel="python3 (JupyterLab)",
                           executor="browser", screenshots=shots)
-    info = check_report(session.browser, report, session.out / "screenshots" / "report-front.png")
+    info = check_report(session.browser, report, session.out / "screenshots" / f"report-front-{os.getpid()}.png")
     assert not info["page_errors"], info["page_errors"]
     assert info["divs"] == info["drawn"], f"{info['divs'] - info['drawn']} figures of {info['divs']} not drawn"
     assert {"Summary: headline figures against their targets", "Claims of the source articles",

@@ -49,6 +49,7 @@ def test_end_to_end_notebook_runs_in_smoke_mode(tmp_path, lab_session):
 
 
 @pytest.mark.notebook
+@pytest.mark.slow
 def test_browser_report_with_06(lab_session):
     """The run folder's report again, now with 06 (and whatever the other file has finished)."""
     if lab_session is None:

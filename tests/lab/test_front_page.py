@@ -36,6 +36,8 @@ def test_threshold_verdict_and_noise_give_yes_no_within_noise():
     assert meets(1.05, "within noise (1.05x, ranges overlap)") == "within noise"   # right side, not beyond noise
     assert meets(0.7, "off lower by 1.43x") == "no"
     assert meets(0.9, "within noise (0.9x)") == "no"                               # wrong side stays "no"
+    assert meets(1.3, "needs 2+ requests") == "unverified"                         # no comparison was made
+    assert meets(float("nan"), "") == "not measured"
 
 
 def test_verdict_alone_decides_without_a_threshold_and_missing_metric_is_not_run():
@@ -57,7 +59,18 @@ def test_reference_metric_and_standard_error_are_shown_and_checked():
     df = headline_rows(_metrics([("nb", "fused", 120), ("nb", "eager", 252), ("nb", "ppl", 0.024),
                                  ("nb", "ppl_se", 0.0127)]), h)
     assert _row(df, "launches")["measured"] == "120 (eager 252)" and _row(df, "launches")["meets"] == "yes"
-    assert _row(df, "ppl")["measured"] == "+2.40% ± 1.27%" and _row(df, "ppl")["meets"] == "no"
+    # +2.40 % misses +2 % by less than two standard errors: not a miss the run can tell
+    assert _row(df, "ppl")["measured"] == "+2.40% ± 1.27%" and _row(df, "ppl")["meets"] == "within noise"
+    df = headline_rows(_metrics([("nb", "ppl", 0.05), ("nb", "ppl_se", 0.01)]), h[1:])
+    assert df.iloc[0]["meets"] == "no"
+
+
+def test_a_sweeps_points_each_get_their_rows():
+    hs = (Headline("04_scheduler", "x", "x", "> 1", lambda v: float(v) > 1),)
+    m = _metrics([("04_scheduler__rate=4", "x", 2.0), ("04_scheduler__rate=8", "x", 0.5)])
+    df = headline_rows(m, hs)
+    assert df["notebook"].tolist() == ["04_scheduler__rate=4", "04_scheduler__rate=8"]
+    assert df["meets"].tolist() == ["yes", "no"]
 
 
 def test_claims_and_gpu_sections(tmp_path):
@@ -65,6 +78,7 @@ def test_claims_and_gpu_sections(tmp_path):
                             "why": "w"}])
     html = claims_html({"notebooks": {"06_end_to_end": {"tables": {"claims": claims}}}})
     assert "<td>holds</td>" in html and "06_end_to_end" in html
+    assert "<td>m</td>" in html and "<td>w</td>" in html          # the measured figure and the reason
     assert "No notebook of this run wrote a claims table" in claims_html({"notebooks": {}})
     assert "No GPU results are committed yet" in gpu_html(tmp_path)
     folder = tmp_path / "nvidia-h200-2026-12-01"

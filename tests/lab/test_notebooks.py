@@ -66,13 +66,6 @@ EXPECTED_KEYS = {
 }
 
 
-def _default_parameters() -> dict:
-    """Defaults: the bundled model, on the CPU."""
-    if not BUNDLED_WEIGHTS.is_file():
-        pytest.fail(f"{BUNDLED_WEIGHTS} is missing: the bundled model is part of the repository")
-    return {"device": "cpu"}
-
-
 @pytest.mark.notebook
 @pytest.mark.slow
 @pytest.mark.parametrize("path", RUN_HERE, ids=[p.stem for p in RUN_HERE])
@@ -83,6 +76,7 @@ def test_notebook_runs(path, tmp_path, lab_session):
 
 
 @pytest.mark.notebook
+@pytest.mark.slow
 def test_browser_report(lab_session):
     """After this file's notebooks (pytest keeps a file's order): the run folder's report, front
     page first, renders in Chromium with every figure drawn and every screenshot loaded."""

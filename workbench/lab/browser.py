@@ -39,7 +39,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-CHROMIUM = os.environ.get("WORKBENCH_CHROMIUM", "/usr/bin/chromium")
+# Debian's chromium; elsewhere whichever chromium is on PATH (a snap wrapper may not run in a container)
+CHROMIUM = os.environ.get("WORKBENCH_CHROMIUM") or next(
+    (p for p in ("/usr/bin/chromium", shutil.which("chromium") or "", shutil.which("chromium-browser") or "")
+     if p and Path(p).is_file()), "/usr/bin/chromium")
 # as root, on a machine with no network: no sandbox, no GPU, no background connections
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
                  "--disable-background-networking", "--disable-component-update", "--disable-dev-shm-usage"]
@@ -325,6 +328,10 @@ def run_in_lab(browser: Browser, lab: JupyterLab, rel_path: str, shots_dir=None,
             res.screenshots = _screenshots(page, Path(shots_dir), Path(rel_path).stem, max_figure_shots)
     finally:
         res.seconds = res.seconds or time.perf_counter() - t0
+        try:                    # the kernel ends with its page: a model and its threads are not left running
+            page.evaluate("() => window.jupyterapp?.shell.currentWidget?.sessionContext?.shutdown()")
+        except Exception:  # noqa: BLE001 - a page that is gone has no kernel to stop
+            pass
         page.close()
     return res
 

@@ -292,7 +292,7 @@ def toggle_figure(df, interpreter: bool = False):
         span = (math.log10(max(lo.min(), 1e-9)) - 0.3, math.log10(hi.max()) + 0.1)
         fig.update_xaxes(type="log", range=list(span), dtick=1, row=1, col=1)
     else:
-        fig.update_xaxes(range=[0, float(hi.max()) * 1.05 if len(df) else 1], row=1, col=1)
+        fig.update_xaxes(type="linear", range=[0, float(hi.max()) * 1.05 if len(df) else 1], row=1, col=1)
     fig.update_xaxes(range=[0, float(err.max()) * 1.5 or 1e-6], exponentformat="e", row=1, col=2)
     fig.update_yaxes(autorange="reversed", automargin=True, tickvals=names,
                      ticktext=[f"{n}: {fmt_ms(v)} ms" for n, v in zip(names, med)])

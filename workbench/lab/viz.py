@@ -30,8 +30,10 @@ MIN_PLOT_PX = 600           # the narrowest plot area we lay labels out for (a J
 
 
 def store_figure_state(fig, send: bool = False) -> None:
-    """Store a FigureWidget's whole current state in its widget model, not only the change;
-    ``send``: push it to the browser now (at the end of a live run).
+    """Store a FigureWidget's whole current state in its widget model, not only the change
+    (the two traits sync, so assigning them sends the figure); ``send``: send it once more (at
+    the end of a live run). Call it when a run ends, not at every redraw: it serialises the
+    whole figure.
 
     A FigureWidget sends each update as a one-off delta, applied by the views that exist
     then; a view created later is drawn from the model's ``_widget_data`` /
@@ -125,8 +127,8 @@ class LatencyStreamView:
         view.static_figure()          # a plain go.Figure of the same data, for reports
 
     The widget is redrawn at most ``max_hz`` times a second, inside ``fig.batch_update()``
-    (one delta message per redraw, plus the whole figure for views drawn later: see
-    :meth:`_sync_model_state`).  Redrawing runs between two tokens, so its cost lands in the
+    (one delta message per redraw; when the stream ends, the whole figure for views drawn later:
+    see :func:`store_figure_state`).  Redrawing runs between two tokens, so its cost lands in the
     next token's gap; :attr:`update_seconds` says how much that was in total.
     Its widget has the CSS classes ``wb-live`` and ``wb-live-latency-stream``.
     """
@@ -203,14 +205,12 @@ class LatencyStreamView:
             tr.x = list(range(1, len(itl) + 1))
             tr.y = itl
             tr.text = [repr(p) for p in self.pieces[1:]]
-        self._sync_model_state(done)
+        if done:                    # the whole figure once, not at every redraw (it lands in a token gap)
+            store_figure_state(self.fig, send=True)
         self.label.value = self._stats_html(done)
         self.text.value = ("<pre style='white-space:pre-wrap;margin:0'>" + html.escape(self.prompt_text) +
                            "<b>" + html.escape("".join(self.pieces)) + "</b></pre>")
         self.update_seconds += time.perf_counter() - t0
-
-    def _sync_model_state(self, done: bool) -> None:
-        store_figure_state(self.fig, send=done)
 
     def run(self, llm, prompt, params=None, display: bool = True):
         """Stream one request into the view; returns its ``RequestOutput`` (text, ids, metrics)."""
