@@ -47,7 +47,7 @@ class Headline:
     def measured_text(self, value) -> str:
         if value is None:
             return "-"
-        if isinstance(value, bool) or isinstance(value, str):
+        if isinstance(value, (bool, str)):
             return str(value)
         try:
             v = float(value)
@@ -163,9 +163,9 @@ def _meets(h: Headline, value, ref=None, verdict: str = "", se=None) -> str:
         return "within noise" if "within noise" in v else "-"
     try:
         ok = h.check(value, ref) if h.ref else h.check(value)
-        if not ok and se is not None and not h.ref:      # within two standard errors of the threshold
-            if h.check(float(value) - 2 * float(se)) or h.check(float(value) + 2 * float(se)):
-                return "within noise"
+        near = not ok and se is not None and not h.ref   # within two standard errors of the threshold
+        if near and (h.check(float(value) - 2 * float(se)) or h.check(float(value) + 2 * float(se))):
+            return "within noise"
     except (TypeError, ValueError):
         return "no"
     if not ok:
