@@ -76,16 +76,15 @@ _OBSERVE_JS = """() => {
   if (window.__wb_observer) return;
   window.__wb_sigs = {};
   const sample = """ + _SAMPLE_JS + """;
-  let pending = false, last = 0;
-  const record = () => { pending = false; last = performance.now(); const now = sample();
+  let pending = false;
+  const record = () => { pending = false; const now = sample();
     for (const [k, sig] of Object.entries(now)) { (window.__wb_sigs[k] = window.__wb_sigs[k] || {})[sig] = 1; } };
-  // at most one sample per 50 ms: a redraw is many mutations, and sampling costs the page CPU time
+  // one sample per task that changed a live view (a redraw is many mutations, one task); on a
+  // loaded machine the browser applies a view's updates in bursts, so every one of them counts
   window.__wb_observer = new MutationObserver((muts) => {
     if (pending) return;
     for (const m of muts) { const t = m.target.nodeType === 1 ? m.target : m.target.parentElement;
-      if (t && t.closest && t.closest('.wb-live')) { pending = true;
-        const wait = Math.max(0, 50 - (performance.now() - last));
-        if (wait === 0) queueMicrotask(record); else setTimeout(record, wait); return; } }
+      if (t && t.closest && t.closest('.wb-live')) { pending = true; queueMicrotask(record); return; } }
   });
   window.__wb_observer.observe(document.body, {subtree: true, childList: true, characterData: true, attributes: true});
 }"""
@@ -272,7 +271,7 @@ def _wait_ready(page, timeout: float) -> dict:
 
 
 def run_in_lab(browser: Browser, lab: JupyterLab, rel_path: str, shots_dir=None, live_views=(),
-               timeout: float = 900.0, sample_every: float = 0.5, max_figure_shots: int = 12, after_run=None,
+               timeout: float = 900.0, sample_every: float = 0.25, max_figure_shots: int = 12, after_run=None,
                log=None) -> LabRun:
     """Open ``rel_path`` (relative to the lab's root), Run All, read back; see the module docstring.
     ``after_run(page, res, seen)`` runs before the screenshots (e.g. press a widget's button);
