@@ -53,6 +53,33 @@ def _register_kernels_package() -> None:
 
 _register_kernels_package()
 
+STACK_DUMP_ENV = "WORKBENCH_STACK_DUMP"
+_stack_file = None
+
+
+def _arm_stack_dump() -> None:
+    """``WORKBENCH_STACK_DUMP=<seconds>:<folder>`` (set by the notebook runners for the kernels
+    they start): every ``seconds`` this process writes the stack of each of its threads to
+    ``<folder>/stacks-<pid>.txt`` (``faulthandler``, from a C thread: it works while Python
+    code is stuck), so a notebook that runs past its time limit says where it was."""
+    global _stack_file
+    import os
+
+    spec = os.environ.get(STACK_DUMP_ENV, "")
+    if _stack_file is not None or ":" not in spec:
+        return
+    seconds, folder = spec.split(":", 1)
+    try:
+        import faulthandler
+
+        _stack_file = open(_Path(folder) / f"stacks-{os.getpid()}.txt", "w")  # noqa: SIM115 - open for the process' life
+        faulthandler.dump_traceback_later(max(float(seconds), 1.0), repeat=True, file=_stack_file)
+    except (OSError, ValueError):   # a bad value or folder: no dumps, the process runs as usual
+        _stack_file = None
+
+
+_arm_stack_dump()
+
 _EXPORTS = _exports({
     "workbench.model.config": "ModelConfig",
     "workbench.model.loader": "BUNDLED_MODEL load_model save_model",

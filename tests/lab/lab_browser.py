@@ -27,6 +27,10 @@ ROOT = Path(__file__).resolve().parents[2]
 RUNS = ROOT / "runs" / "browser"
 REQUIRED = os.environ.get("WORKBENCH_BROWSER_TESTS", "") == "1"
 DISABLED = os.environ.get("WORKBENCH_BROWSER_TESTS", "") == "0"
+# One smoke execution of a notebook takes 30-120 s on 2 cores (each is meant to stay within 3 min);
+# past 600 s it has failed, and its kernel's stacks say where it was (pyproject's pytest timeout
+# of 900 s is the net above this).
+NOTEBOOK_TIMEOUT = 600
 
 # The live views each notebook shows while it runs (class wb-live-<name> on the view's widget);
 # each must be seen in at least 3 distinct states. 01's widget changes when its button is pressed.
@@ -80,7 +84,7 @@ def lab_session(tmp_path_factory):
     out.mkdir(parents=True, exist_ok=True)
     RUNS.joinpath("LATEST").write_text(str(out) + "\n")
     root = tmp_path_factory.mktemp("lab-root")
-    with JupyterLab(root) as lab, Browser() as browser:
+    with JupyterLab(root, stack_dump_s=NOTEBOOK_TIMEOUT - 15) as lab, Browser() as browser:
         yield BrowserSession(lab, browser, root, out)
 
 
@@ -114,7 +118,7 @@ def press_kernel_toggle(page, res, seen) -> None:
 AFTER_RUN = {"01_fused_kernels": press_kernel_toggle}
 
 
-def run_in_browser(session: BrowserSession, path: Path, parameters: dict, timeout: float = 900.0):
+def run_in_browser(session: BrowserSession, path: Path, parameters: dict, timeout: float = NOTEBOOK_TIMEOUT):
     """Parameterize ``path`` (papermill's injected cell) into the lab's root, run it in the browser;
     returns (LabRun, sidecar path). Files land in the session's run folder."""
     import nbformat
@@ -137,6 +141,8 @@ def run_in_browser(session: BrowserSession, path: Path, parameters: dict, timeou
     executed = session.root / path.name
     if executed.is_file():
         (session.out / path.name).write_bytes(executed.read_bytes())
+    if res.stacks:
+        (session.out / f"{name}.stacks.txt").write_text(res.stacks)
     tmp = session.out / f".{name}.browser.json.{os.getpid()}"
     tmp.write_text(json.dumps(asdict(res), indent=1, default=str))
     os.replace(tmp, session.out / f"{name}.browser.json")     # the other worker may be reading the folder
@@ -186,7 +192,8 @@ def _write_browser_report(session: BrowserSession) -> Path:
     return final
 
 
-def run_and_check(path: Path, tmp_path: Path, lab_session, expected_keys=frozenset(), timeout: int = 900) -> dict:
+def run_and_check(path: Path, tmp_path: Path, lab_session, expected_keys=frozenset(),
+                  timeout: int = NOTEBOOK_TIMEOUT) -> dict:
     """One smoke execution of ``path``: in the browser when there is one, else papermill (the
     batch runner's call: cwd = notebooks/, live=False, no widget state). Returns the sidecar."""
     pytest.importorskip("papermill")

@@ -269,3 +269,53 @@ def test_a_batch_run_shows_the_static_figure_not_the_live_widget(tmp_path):
     out = nbformat.read(res["notebooks"][0]["output"], as_version=4)
     text = "".join(o.get("text", "") for c in out.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "STATIC" in text and "LIVE" not in text
+
+
+STUCK = """
+import threading, time
+import workbench  # arms the stack dump (WORKBENCH_STACK_DUMP, set by the runner for this kernel)
+
+def wait_for_ever(event):
+    event.wait()
+
+threading.Thread(target=wait_for_ever, args=(threading.Event(),), name="stuck-helper", daemon=True).start()
+
+def stuck_cell():
+    time.sleep(60)
+
+stuck_cell()
+"""
+
+
+@pytest.mark.slow
+def test_a_notebook_past_its_timeout_says_where_its_threads_were(tmp_path):
+    nb = write_notebook(tmp_path / "stuck.ipynb", STUCK)
+    out = tmp_path / "out" / "stuck.ipynb"
+    out.parent.mkdir()
+    rec = runner.execute_one(nb, out, {"results_path": None}, 8, runner.resolve_kernel())
+    assert rec["status"] == "failed" and "timed out" in rec["error"]
+    assert "stuck_cell" in rec["error"] and "wait_for_ever" in rec["error"], rec["error"]
+    stacks = (tmp_path / "out" / "stuck.stacks.txt").read_text()
+    assert rec["stacks"] == str(tmp_path / "out" / "stuck.stacks.txt")
+    assert stacks.startswith("Timeout (") and "stuck_cell" in stacks
+    assert not (tmp_path / "out" / ".stuck.stacks").exists(), "the kernel's dump folder is removed afterwards"
+
+
+def test_stack_summary_names_the_threads_running_project_code():
+    dump = """Timeout (0:09:45)!
+Thread 0x00007f1 (most recent call first):
+  File "/x/lib/python3.11/selectors.py", line 468 in select
+  File "/x/lib/python3.11/asyncio/base_events.py", line 1884 in _run_once
+
+Thread 0x00007f2 (most recent call first):
+  File "/work/main/workbench/kv/batch.py", line 168 in attention_fp64
+  File "/x/lib/python3.11/site-packages/torch/nn/modules/module.py", line 1789 in _call_impl
+  File "/work/main/workbench/engine/core.py", line 303 in _step
+
+Current thread 0x00007f3 (most recent call first):
+  File "/tmp/ipykernel_1/123.py", line 4 in <module>
+"""
+    summary = runner.stack_summary(dump)
+    assert summary == "[thread 0] batch.py:168 attention_fp64 <- core.py:303 _step; [thread 1] 123.py:4 <module>"
+    assert runner.stack_dump_spec(None, "/t") is None
+    assert runner.stack_dump_spec(600, "/t") == "585:/t" and runner.stack_dump_spec(8, "/t") == "6:/t"

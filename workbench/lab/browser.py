@@ -138,9 +138,13 @@ def chromium_available() -> str | None:
 class JupyterLab:
     """``jupyter lab`` on 127.0.0.1 serving ``root_dir``, for the duration of a ``with`` block."""
 
-    def __init__(self, root_dir, startup_timeout: float = 90.0) -> None:
+    def __init__(self, root_dir, startup_timeout: float = 90.0, stack_dump_s: float | None = None) -> None:
+        """``stack_dump_s``: every kernel writes its threads' stacks into ``stacks_dir`` that often
+        (``WORKBENCH_STACK_DUMP``), so a notebook past its time limit says where it was."""
         self.root_dir = Path(root_dir).resolve()
         self.startup_timeout = startup_timeout
+        self.stack_dump_s = stack_dump_s
+        self.stacks_dir: Path | None = None
         self.token = os.urandom(12).hex()
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -161,6 +165,12 @@ class JupyterLab:
         self.log_path = Path(self._tmp) / "lab.log"
         self._log = open(self.log_path, "w")
         env = {**os.environ, "JUPYTER_PLATFORM_DIRS": "1"}
+        if self.stack_dump_s:
+            from workbench import STACK_DUMP_ENV
+
+            self.stacks_dir = Path(self._tmp) / "stacks"
+            self.stacks_dir.mkdir()
+            env[STACK_DUMP_ENV] = f"{self.stack_dump_s:g}:{self.stacks_dir}"
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(self.root_dir), env=env)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
@@ -242,6 +252,7 @@ class LabRun:
     samples: int = 0
     screenshots: list = field(default_factory=list)     # (caption, path)
     note: str = ""
+    stacks: str = ""                   # after a timeout: the kernel's last stack dump (JupyterLab(stack_dump_s=))
 
     def problems(self, live_views=()) -> list[str]:
         out = [f"error output {e}" for e in self.errors] + [f"widget: {w}" for w in self.widget_errors]
@@ -309,6 +320,12 @@ def run_in_lab(browser: Browser, lab: JupyterLab, rel_path: str, shots_dir=None,
         res.seconds = time.perf_counter() - run_t0
         res.completed = done is not None and "err" not in done
         res.note = "" if done is not None else f"timeout after {timeout:.0f} s"
+        if done is None and lab.stacks_dir is not None:
+            from workbench.lab.runner import last_stack_dump, stack_summary
+
+            res.stacks = last_stack_dump(lab.stacks_dir) or ""
+            if res.stacks:
+                res.note += f"; where the kernel's threads were: {stack_summary(res.stacks)}"
         if done is not None and "err" in done:
             res.note = done["err"]
         if after_run is not None:

@@ -32,6 +32,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import sys
 import time
 from datetime import datetime, timezone
@@ -152,23 +153,83 @@ def _strip_widget_state(path: Path) -> None:
         nbformat.write(nb, str(path))
 
 
+# ---- where a stuck notebook was ----------------------------------------------------------------
+def stack_dump_spec(timeout: float | None, folder: Path) -> str | None:
+    """The ``WORKBENCH_STACK_DUMP`` value for a kernel that has ``timeout`` seconds: it writes its
+    threads' stacks into ``folder`` shortly before the limit, and again every as long after (see
+    ``workbench._arm_stack_dump``); None without a limit."""
+    if not timeout:
+        return None
+    return f"{max(float(timeout) - 15.0, 0.75 * float(timeout)):g}:{folder}"
+
+
+def last_stack_dump(folder: Path) -> str | None:
+    """The latest stack dump written into ``folder`` (the newest file's last dump), or None."""
+    files = sorted(Path(folder).glob("stacks-*.txt"), key=lambda f: f.stat().st_mtime) if Path(folder).is_dir() else []
+    for f in reversed(files):
+        text = f.read_text(errors="replace")
+        if "Timeout (" in text:
+            return "Timeout (" + text.rsplit("Timeout (", 1)[1]
+    return None
+
+
+def stack_summary(dump: str, frames: int = 6) -> str:
+    """One line per thread of a faulthandler dump that runs code of this project or of a
+    notebook cell (not the kernel's idle machinery), innermost ``frames`` of those frames first."""
+    out, rest = [], []
+    for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump):
+        calls = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', block)
+        ours = [c for c in calls if "/lib/python" not in c[0]]
+        if calls:
+            line = " <- ".join(f"{Path(f).name}:{ln} {fn}" for f, ln, fn in (ours or calls)[:frames])
+            (out if ours else rest).append(line)
+    return "; ".join(f"[thread {i}] {line}" for i, line in enumerate(out or rest))
+
+
+@contextlib.contextmanager
+def _kernel_env(name: str, value: str | None):
+    """``name=value`` in this process' environment while a kernel starts (it inherits it)."""
+    if value is None:
+        yield
+        return
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
 def execute_one(nb: Path, output: Path, parameters: dict, timeout: int | None, kernel_name: str,
                 attempts: int = 2, cwd: Path | None = None) -> dict:
     """Execute one notebook with papermill (working directory ``cwd``, default the notebook's
-    folder); never raises for a notebook's own failure."""
+    folder); never raises for a notebook's own failure.  A notebook whose cell runs past
+    ``timeout`` is recorded with where its threads were then (``stacks``: the kernel's last
+    stack dump, next to the executed copy; the error names the innermost frames)."""
     import papermill as pm
     from papermill.exceptions import PapermillExecutionError
+
+    from workbench import STACK_DUMP_ENV
 
     cwd = Path(nb).parent if cwd is None else Path(cwd)
     rec = {"name": nb.stem, "status": "ok", "seconds": 0.0, "output": str(output), "error": None,
            "source": str(nb), "attempts": 0, "cwd": str(cwd)}
+    dumps = Path(output).parent / f".{Path(output).stem}.stacks"
+    spec = stack_dump_spec(timeout, dumps)
+    if spec is not None:
+        shutil.rmtree(dumps, ignore_errors=True)
+        dumps.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     for attempt in range(1, attempts + 1):
         rec["attempts"] = attempt
         try:
-            pm.execute_notebook(str(nb), str(output), parameters=parameters, kernel_name=kernel_name,
-                                progress_bar=False, log_output=False, cwd=str(cwd),
-                                execution_timeout=timeout, store_widget_state=False)
+            with _kernel_env(STACK_DUMP_ENV, spec):
+                pm.execute_notebook(str(nb), str(output), parameters=parameters, kernel_name=kernel_name,
+                                    progress_bar=False, log_output=False, cwd=str(cwd),
+                                    execution_timeout=timeout, store_widget_state=False)
             rec["status"], rec["error"] = "ok", None
             break
         except PapermillExecutionError as e:       # a cell raised: the notebook's own failure
@@ -186,6 +247,14 @@ def execute_one(nb: Path, output: Path, parameters: dict, timeout: int | None, k
     if output.is_file():
         with contextlib.suppress(Exception):       # a half-written output is still worth keeping
             _strip_widget_state(output)
+    if spec is not None:
+        dump = last_stack_dump(dumps) if rec["status"] != "ok" and "timed out" in (rec["error"] or "") else None
+        if dump is not None:
+            stacks = Path(output).with_suffix(".stacks.txt")
+            stacks.write_text(dump)
+            rec["stacks"] = str(stacks)
+            rec["error"] += f" | where its threads were: {stack_summary(dump)} (all stacks: {stacks})"
+        shutil.rmtree(dumps, ignore_errors=True)
     return rec
 
 
