@@ -73,3 +73,17 @@ def failing_sampling(monkeypatch):
 
     monkeypatch.setattr(core, "sample", flaky)
     return FAILING_SEED
+
+
+# The notebook files take the longest by far (one smoke run of each notebook, in JupyterLab):
+# they are handed out first - pyproject's addopts has --no-loadscope-reorder, so xdist keeps this
+# order instead of sorting files by their number of tests - and one worker runs the notebooks
+# while the other runs everything else.
+LONGEST_FIRST = ("tests/lab/test_notebooks.py", "tests/lab/test_end_to_end_notebook.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        return next((i for i, f in enumerate(LONGEST_FIRST) if item.nodeid.startswith(f + "::")), len(LONGEST_FIRST))
+
+    items.sort(key=rank)          # stable: the order within each file, and of the others, stays

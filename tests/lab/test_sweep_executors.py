@@ -212,6 +212,19 @@ def test_an_executor_object_passes_through_alone():
         executors.make_executor(ex, jobs=2)
 
 
+def test_parallel_points_split_the_cores_between_their_kernels(monkeypatch):
+    from workbench.measure import probe
+
+    monkeypatch.setattr(probe, "available_cores", lambda: 8)
+    monkeypatch.delenv("WORKBENCH_THREADS", raising=False)
+    assert executors.LocalExecutor(jobs=4).worker_env()["WORKBENCH_THREADS"] == "2"
+    assert executors.LocalExecutor(jobs=16).worker_env()["WORKBENCH_THREADS"] == "1"
+    assert "WORKBENCH_THREADS=2" in executors.LocalExecutor(jobs=4).describe()
+    assert "WORKBENCH_THREADS" not in executors.LocalExecutor(jobs=1).worker_env()   # alone: measured at load
+    monkeypatch.setenv("WORKBENCH_THREADS", "3")                                       # the user's choice stands
+    assert executors.LocalExecutor(jobs=4).worker_env()["WORKBENCH_THREADS"] == "3"
+
+
 def test_an_address_nobody_answers_is_an_error_at_once():
     with pytest.raises(ConfigError, match=r"no Ray cluster answers at '127.0.0.1:\d+'"):
         executors._probe(f"127.0.0.1:{_free_port()}")                    # ray.init() would retry for minutes

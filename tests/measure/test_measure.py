@@ -161,9 +161,14 @@ def test_parse_threads_refuses_bad_values(value):
         T.parse_threads(value, where="--threads")
 
 
-def test_candidates_reach_every_available_core():
+def test_candidates_reach_every_available_core(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert T.candidate_threads(1) == [1]
     assert T.candidate_threads(2) == [1, 2]
+    assert T.candidate_threads(6) == [1, 2, 4, 6]
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")          # a Ray task's CPUs: never measured past them
+    assert T.candidate_threads(6) == [1, 2]
+    monkeypatch.setenv("OMP_NUM_THREADS", "lots")       # not a count: ignored
     assert T.candidate_threads(6) == [1, 2, 4, 6]
 
 

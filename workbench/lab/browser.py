@@ -52,6 +52,10 @@ _SETTINGS = {
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false",
                                                                          "checkForUpdates": False},
+    # no autosave: one that lands while the run's own save starts (a notebook that runs about
+    # 120 s, the default interval) makes JupyterLab ask "File Changed: overwrite or revert?" and
+    # the save waits on that dialog for ever (seen in CI with 03_prefetch)
+    "@jupyterlab/docmanager-extension/plugin.jupyterlab-settings": {"autosave": False},
 }
 
 # JS: one sample per live view, keyed "<name>#<index among views of that name>"
@@ -135,6 +139,19 @@ def chromium_available() -> str | None:
     return None
 
 
+def _end_with_parent() -> None:
+    """In the child, before exec (Linux): SIGTERM when the process that started it dies, so a
+    test process killed by its timeout does not leave a JupyterLab and its kernels running."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))   # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+
 class JupyterLab:
     """``jupyter lab`` on 127.0.0.1 serving ``root_dir``, for the duration of a ``with`` block."""
 
@@ -171,7 +188,8 @@ class JupyterLab:
             self.stacks_dir = Path(self._tmp) / "stacks"
             self.stacks_dir.mkdir()
             env[STACK_DUMP_ENV] = f"{self.stack_dump_s:g}:{self.stacks_dir}"
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(self.root_dir), env=env)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(self.root_dir), env=env,
+                                     preexec_fn=_end_with_parent)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -339,17 +357,39 @@ def run_in_lab(browser: Browser, lab: JupyterLab, rel_path: str, shots_dir=None,
         res.errors = [f"cell {c['count']}: {e}" for c in outs["cells"] for e in c["errors"]]
         res.widget_errors = outs["widgetErrors"]
         res.all_ran = all(c["count"] is not None for c in outs["cells"])
-        page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+        saved = _bounded_command(page, "docmanager:save", 60)
+        if saved != "ok":
+            res.errors.append(f"saving the notebook did not finish ({saved})")
         if shots_dir is not None:
             res.screenshots = _screenshots(page, Path(shots_dir), Path(rel_path).stem, max_figure_shots)
     finally:
         res.seconds = res.seconds or time.perf_counter() - t0
         try:                    # the kernel ends with its page: a model and its threads are not left running
-            page.evaluate("() => window.jupyterapp?.shell.currentWidget?.sessionContext?.shutdown()")
+            _bounded_js(page, "window.jupyterapp?.shell.currentWidget?.sessionContext?.shutdown()", 30)
         except Exception:  # noqa: BLE001 - a page that is gone has no kernel to stop
             pass
         page.close()
     return res
+
+
+def _bounded_js(page, expr: str, timeout_s: float) -> str:
+    """Start the promise ``expr`` in the page and wait at most ``timeout_s`` for it to settle:
+    "ok", "error: ..." or "no answer in N s".  ``page.evaluate`` of a promise has no timeout of
+    its own: a JupyterLab command that never settles (seen once: a save in CI) would hold the run
+    for ever."""
+    key = f"__wb_p{time.monotonic_ns()}"
+    page.evaluate(f"() => {{ window.{key} = null; Promise.resolve().then(() => {expr}).then("
+                  f"() => {{ window.{key} = 'ok'; }}, (e) => {{ window.{key} = 'error: ' + String(e); }}); }}")
+    try:
+        page.wait_for_function(f"() => window.{key} !== null", timeout=timeout_s * 1e3)
+    except Exception:  # noqa: BLE001 - playwright's TimeoutError: said in the result
+        return f"no answer in {timeout_s:g} s"
+    return page.evaluate(f"() => window.{key}")
+
+
+def _bounded_command(page, command: str, timeout_s: float) -> str:
+    """A JupyterLab command (``app.commands.execute``), bounded as :func:`_bounded_js`."""
+    return _bounded_js(page, f"window.jupyterapp.commands.execute({json.dumps(command)})", timeout_s)
 
 
 def _screenshots(page, out: Path, stem: str, max_figures: int) -> list:

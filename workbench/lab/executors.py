@@ -20,8 +20,10 @@ failed Ray task becomes a record with ``status="failed"`` and the error, and the
   there is none: nothing of this process's threads or state is shared), which sends its record
   back; a process that dies (a kernel that kills its parent, the OOM killer) is recorded with
   its exit code.  Kernels that start together may race for ports: the runner retries a kernel
-  that did not come up once.  Each kernel uses its own threads: with N jobs, N notebooks share
-  the cores.
+  that did not come up once.  With N jobs, N notebooks share the cores: each kernel gets
+  ``WORKBENCH_THREADS`` = cores // N torch threads (unless that variable is set already), since a
+  kernel that measured 2 threads fastest while the others were idle is many times slower once
+  they compute (measured on 2 cores: notebook 06's ablation, 56 s with 1 thread, 286 s with 2).
 * :class:`RayExecutor` (``address``, ``num_cpus``, ``num_gpus``, ``memory``, ``resources``):
   every point is one Ray task with those resources (default one CPU; ``num_gpus=1``: Ray sets
   ``CUDA_VISIBLE_DEVICES`` for the task and the notebook's kernel inherits it, as it inherits
@@ -72,6 +74,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from workbench.errors import ConfigError
+
+THREADS_ENV = "WORKBENCH_THREADS"      # workbench.measure.threads.ENV (not imported here: it loads torch)
 
 RAY_HINT = 'pip install -e ".[ray]"'
 WORKER_FIELDS = ("executor", "host", "ip", "pid", "node_id", "worker_id", "gpus")
@@ -335,8 +339,10 @@ class LocalExecutor(Executor):
         self.jobs = jobs
 
     def describe(self) -> str:
-        return ("local, one point after another" if self.jobs == 1
-                else f"local, up to {self.jobs} points at once (one process each)")
+        if self.jobs == 1:
+            return "local, one point after another"
+        threads = self.worker_env()[THREADS_ENV]
+        return f"local, up to {self.jobs} points at once (one process each, {THREADS_ENV}={threads})"
 
     def kernel(self, kernel_name: str | None) -> str:
         from workbench.lab.runner import resolve_kernel
@@ -350,13 +356,22 @@ class LocalExecutor(Executor):
             return
         self._run_processes(tasks, done)
 
-    @staticmethod
-    def _start(ctx, task: Task):
+    def worker_env(self) -> dict:
+        """A worker's environment: this process', plus ``WORKBENCH_THREADS`` = cores // jobs when
+        several points run at once and the variable is not set (see the module docstring)."""
+        from workbench.measure.probe import available_cores
+
+        env = dict(os.environ)
+        if self.jobs > 1 and not env.get(THREADS_ENV, "").strip():
+            env[THREADS_ENV] = str(max(1, available_cores() // self.jobs))
+        return env
+
+    def _start(self, ctx, task: Task):
         """A worker process for the task, as (reader, process), or the failed record if it did not start."""
         recv = send = proc = None
         try:
             recv, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_child, args=(task, send, dict(os.environ)), name=f"workbench-point-{task.index}")
+            proc = ctx.Process(target=_child, args=(task, send, self.worker_env()), name=f"workbench-point-{task.index}")
             proc.start()
             return recv, proc
         except Exception as e:  # noqa: BLE001 - no fork, no fork server, no pipes: this point fails

@@ -66,8 +66,13 @@ class ThreadChoice:
 
 
 def candidate_threads(cores: int | None = None) -> list[int]:
-    """1, 2, 4, ... up to the cores this process may use (always including that number)."""
+    """1, 2, 4, ... up to the cores this process may use (always including that number).
+    ``OMP_NUM_THREADS``, when set to a positive integer, caps them: Ray sets it to a task's CPUs,
+    and a kernel sharing the machine with others must not measure its way past its share."""
     cores = cores or available_cores()
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0:
+        cores = min(cores, int(omp))
     out, t = [], 1
     while t < cores:
         out.append(t)
