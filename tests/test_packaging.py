@@ -48,7 +48,8 @@ def test_environment_yml_mirrors_pyproject():
     missing = [n for n in names if n not in env]
     assert not missing, f"environment.yml lacks {missing}"
     # the conda environment installs the same extras as the Quick start (scripts/quickstart.sh)
-    quick = re.search(r'pip install -q -e "\.\[([a-z,-]+)\]"', (ROOT / "scripts" / "quickstart.sh").read_text())
+    quick = re.search(r'pip install -q (?:--no-compile )?-e "\.\[([a-z,-]+)\]"',
+                      (ROOT / "scripts" / "quickstart.sh").read_text())
     assert quick, "scripts/quickstart.sh: no editable install with extras found"
     assert f"-e .[{quick.group(1)}]" in env, f"environment.yml should install -e .[{quick.group(1)}] as the Quick start does"
     assert set(quick.group(1).split(",")) <= set(project["optional-dependencies"]), quick.group(1)
