@@ -21,13 +21,13 @@ if [ ! -x .venv/bin/python ]; then
 fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   echo "== installing $TORCH_SPEC"
-  .venv/bin/pip install -q --no-compile "$TORCH_SPEC"
+  .venv/bin/pip install -q "$TORCH_SPEC"
 fi
 echo "== installing the workbench, its test tools and the real clients the tests drive (lm-eval, guidellm)"
 # the constraints file keeps the torch installed above: neither client may pull another (CUDA) build.
-# --no-compile: pip would byte-compile every file of every package (ray, torch, transformers, ...);
-# Python compiles the modules a run imports, once, on first import instead
-.venv/bin/pip install -q --no-compile -e ".[dev,real-clients,ray]" -c constraints/real-clients.txt
+# (Not --no-compile: it saved 55 s here, but where PYTHONDONTWRITEBYTECODE=1, as on these machines,
+# every kernel and test process then compiled its imports from source: +20-37 s per notebook.)
+.venv/bin/pip install -q -e ".[dev,real-clients,ray]" -c constraints/real-clients.txt
 .venv/bin/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (workbench)" >/dev/null
 echo "== set up in $(( $(date +%s) - start )) s"
 
