@@ -155,9 +155,10 @@ def _strip_widget_state(path: Path) -> None:
 
 # ---- where a stuck notebook was ----------------------------------------------------------------
 def stack_dump_spec(timeout: float | None, folder: Path) -> str | None:
-    """The ``WORKBENCH_STACK_DUMP`` value for a kernel that has ``timeout`` seconds: it writes its
-    threads' stacks into ``folder`` shortly before the limit, and again every as long after (see
-    ``workbench._arm_stack_dump``); None without a limit."""
+    """The ``WORKBENCH_STACK_DUMP`` value for a kernel that has ``timeout`` seconds per cell: it
+    writes its threads' stacks into ``folder`` shortly before that much time has passed, and again
+    at each such interval (see ``workbench._arm_stack_dump``), so a cell stuck for ``timeout``
+    seconds is caught in at least one dump; None without a limit."""
     if not timeout:
         return None
     return f"{max(float(timeout) - 15.0, 0.75 * float(timeout)):g}:{folder}"
