@@ -84,7 +84,7 @@ def lab_session(tmp_path_factory):
     out.mkdir(parents=True, exist_ok=True)
     RUNS.joinpath("LATEST").write_text(str(out) + "\n")
     root = tmp_path_factory.mktemp("lab-root")
-    with JupyterLab(root, stack_dump_s=NOTEBOOK_TIMEOUT - 15) as lab, Browser() as browser:
+    with JupyterLab(root, notebook_timeout=NOTEBOOK_TIMEOUT) as lab, Browser() as browser:
         yield BrowserSession(lab, browser, root, out)
 
 

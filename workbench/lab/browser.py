@@ -155,12 +155,13 @@ def _end_with_parent() -> None:
 class JupyterLab:
     """``jupyter lab`` on 127.0.0.1 serving ``root_dir``, for the duration of a ``with`` block."""
 
-    def __init__(self, root_dir, startup_timeout: float = 90.0, stack_dump_s: float | None = None) -> None:
-        """``stack_dump_s``: every kernel writes its threads' stacks into ``stacks_dir`` that often
-        (``WORKBENCH_STACK_DUMP``), so a notebook past its time limit says where it was."""
+    def __init__(self, root_dir, startup_timeout: float = 90.0, notebook_timeout: float | None = None) -> None:
+        """``notebook_timeout``: the time a notebook gets; every kernel then writes its threads'
+        stacks into ``stacks_dir`` shortly before it (``runner.stack_dump_spec``), so a notebook
+        past its limit says where it was."""
         self.root_dir = Path(root_dir).resolve()
         self.startup_timeout = startup_timeout
-        self.stack_dump_s = stack_dump_s
+        self.notebook_timeout = notebook_timeout
         self.stacks_dir: Path | None = None
         self.token = os.urandom(12).hex()
         self.port = _free_port()
@@ -182,12 +183,13 @@ class JupyterLab:
         self.log_path = Path(self._tmp) / "lab.log"
         self._log = open(self.log_path, "w")
         env = {**os.environ, "JUPYTER_PLATFORM_DIRS": "1"}
-        if self.stack_dump_s:
+        if self.notebook_timeout:
             from workbench import STACK_DUMP_ENV
+            from workbench.lab.runner import stack_dump_spec
 
             self.stacks_dir = Path(self._tmp) / "stacks"
             self.stacks_dir.mkdir()
-            env[STACK_DUMP_ENV] = f"{self.stack_dump_s:g}:{self.stacks_dir}"
+            env[STACK_DUMP_ENV] = stack_dump_spec(self.notebook_timeout, self.stacks_dir)
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(self.root_dir), env=env,
                                      preexec_fn=_end_with_parent)
         deadline = time.monotonic() + self.startup_timeout
@@ -270,7 +272,7 @@ class LabRun:
     samples: int = 0
     screenshots: list = field(default_factory=list)     # (caption, path)
     note: str = ""
-    stacks: str = ""                   # after a timeout: the kernel's last stack dump (JupyterLab(stack_dump_s=))
+    stacks: str = ""                   # after a timeout: the kernel's last stack dump (JupyterLab(notebook_timeout=))
 
     def problems(self, live_views=()) -> list[str]:
         out = [f"error output {e}" for e in self.errors] + [f"widget: {w}" for w in self.widget_errors]
