@@ -193,15 +193,16 @@ def _write_browser_report(session: BrowserSession) -> Path:
 
 
 def run_and_check(path: Path, tmp_path: Path, lab_session, expected_keys=frozenset(),
-                  timeout: int = NOTEBOOK_TIMEOUT) -> dict:
+                  timeout: int = NOTEBOOK_TIMEOUT, parameters: dict | None = None) -> dict:
     """One smoke execution of ``path``: in the browser when there is one, else papermill (the
-    batch runner's call: cwd = notebooks/, live=False, no widget state). Returns the sidecar."""
+    batch runner's call: cwd = notebooks/, live=False, no widget state), with ``parameters``
+    beside ``device="cpu"``. Returns the sidecar."""
     pytest.importorskip("papermill")
     from workbench.lab.front_page import headline_rows
     from workbench.lab.results import collect_results, load_results
     from workbench.lab.runner import batch_parameters, execute_one, resolve_kernel
 
-    params = {"device": "cpu"}
+    params = {"device": "cpu", **(parameters or {})}
     if lab_session is None:
         sidecar = tmp_path / f"{path.stem}.results.json"
         rec = execute_one(path, tmp_path / path.name, {**batch_parameters(path, params), "results_path": str(sidecar)},
@@ -211,6 +212,7 @@ def run_and_check(path: Path, tmp_path: Path, lab_session, expected_keys=frozens
     else:
         res, sidecar = run_in_browser(lab_session, path, params, timeout=timeout)
         problems = res.problems(LIVE_VIEWS.get(path.stem, []))
+        assert {"open", "run", "read", "save", "shutdown"} <= set(res.phases), res.phases   # where its time went
         assert not problems, f"{path.name} in JupyterLab ({res.seconds:.0f} s): {problems} " \
                              f"(executed copy and screenshots: {lab_session.out})"
     assert sidecar.is_file(), f"{path.name} did not write its results to results_path"

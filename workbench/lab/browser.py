@@ -273,6 +273,7 @@ class LabRun:
     screenshots: list = field(default_factory=list)     # (caption, path)
     note: str = ""
     stacks: str = ""                   # after a timeout: the kernel's last stack dump (JupyterLab(notebook_timeout=))
+    phases: dict = field(default_factory=dict)   # seconds per step: open, run, after_run, read, save, screenshots, shutdown
 
     def problems(self, live_views=()) -> list[str]:
         out = [f"error output {e}" for e in self.errors] + [f"widget: {w}" for w in self.widget_errors]
@@ -310,7 +311,14 @@ def run_in_lab(browser: Browser, lab: JupyterLab, rel_path: str, shots_dir=None,
     res = LabRun(notebook=rel_path)
     page = browser.new_page()
     page.on("pageerror", lambda e: res.page_errors.append(str(e)[:300]))
-    t0 = time.perf_counter()
+    t0 = lap = time.perf_counter()
+
+    def phase(name: str) -> None:          # where a run's time goes (a browser run is slower than papermill's)
+        nonlocal lap
+        now = time.perf_counter()
+        res.phases[name] = round(now - lap, 2)
+        lap = now
+
     try:
         page.goto(lab.notebook_url(rel_path))
         state = _wait_ready(page, 120)
@@ -318,6 +326,7 @@ def run_in_lab(browser: Browser, lab: JupyterLab, rel_path: str, shots_dir=None,
         state = page.evaluate(_STATE_JS)
         res.dirty_on_open, res.kernel = bool(state.get("dirty")), state.get("kernel")
         page.evaluate(_OBSERVE_JS)
+        phase("open")
         page.evaluate("() => { window.__wb_done = null; window.jupyterapp.commands.execute('notebook:run-all-cells')"
                       ".then((r) => { window.__wb_done = {ok: r}; }, (e) => { window.__wb_done = {err: String(e)}; }); }")
         seen: dict[str, set] = {}
@@ -338,6 +347,7 @@ def run_in_lab(browser: Browser, lab: JupyterLab, rel_path: str, shots_dir=None,
                     f"{page.evaluate(_PROGRESS_JS)}, live {({k: len(v) for k, v in seen.items()})}")
             time.sleep(sample_every)
         res.seconds = time.perf_counter() - run_t0
+        phase("run")
         res.completed = done is not None and "err" not in done
         res.note = "" if done is not None else f"timeout after {timeout:.0f} s"
         if done is None and lab.stacks_dir is not None:
@@ -350,6 +360,7 @@ def run_in_lab(browser: Browser, lab: JupyterLab, rel_path: str, shots_dir=None,
             res.note = done["err"]
         if after_run is not None:
             after_run(page, res, seen)
+            phase("after_run")
         for key, sig in page.evaluate(_SAMPLE_JS).items():
             seen.setdefault(key, set()).add(sig)
         for key, sigs in page.evaluate(_OBSERVED_JS).items():
@@ -359,11 +370,14 @@ def run_in_lab(browser: Browser, lab: JupyterLab, rel_path: str, shots_dir=None,
         res.errors = [f"cell {c['count']}: {e}" for c in outs["cells"] for e in c["errors"]]
         res.widget_errors = outs["widgetErrors"]
         res.all_ran = all(c["count"] is not None for c in outs["cells"])
+        phase("read")
         saved = _bounded_command(page, "docmanager:save", 60)
+        phase("save")
         if saved != "ok":
             res.errors.append(f"saving the notebook did not finish ({saved})")
         if shots_dir is not None:
             res.screenshots = _screenshots(page, Path(shots_dir), Path(rel_path).stem, max_figure_shots)
+            phase("screenshots")
     finally:
         res.seconds = res.seconds or time.perf_counter() - t0
         try:                    # the kernel ends with its page: a model and its threads are not left running
@@ -371,6 +385,7 @@ def run_in_lab(browser: Browser, lab: JupyterLab, rel_path: str, shots_dir=None,
         except Exception:  # noqa: BLE001 - a page that is gone has no kernel to stop
             pass
         page.close()
+        phase("shutdown")
     return res
 
 
