@@ -4,7 +4,7 @@ the batch report reads (through papermill: see the test).
 Its claims lab section runs on three claims, one of each kind (a serving claim, with its HTTP
 server; a model claim; a GPU claim read from the committed results): every claim is measured in
 smoke mode by ``tests/lab/test_claims_*.py``, and the Quick start's batch run measures all of them
-in this notebook.  The whole section took ~40 s of this test's ~100 s.
+in this notebook.  The whole section took ~40 s of this test's ~110 s (70 s now, in CI).
 
 It has a file of its own so that pytest-xdist's ``--dist loadfile`` runs it on the other worker
 than ``tests/lab/test_notebooks.py`` (it takes a few minutes: the whole ablation, then the claims).
