@@ -48,11 +48,14 @@ def test_environment_yml_mirrors_pyproject():
     missing = [n for n in names if n not in env]
     assert not missing, f"environment.yml lacks {missing}"
     # the conda environment installs the same extras as the Quick start (scripts/quickstart.sh)
-    quick = re.search(r'pip install -q (?:--no-compile )?-e "\.\[([a-z,-]+)\]"',
-                      (ROOT / "scripts" / "quickstart.sh").read_text())
-    assert quick, "scripts/quickstart.sh: no editable install with extras found"
-    assert f"-e .[{quick.group(1)}]" in env, f"environment.yml should install -e .[{quick.group(1)}] as the Quick start does"
-    assert set(quick.group(1).split(",")) <= set(project["optional-dependencies"]), quick.group(1)
+    # (uv's install and pip's fallback: the same extras)
+    installs = re.findall(r'pip install -q (?:--python \S+ --compile-bytecode )?-e "\.\[([a-z,-]+)\]"',
+                          (ROOT / "scripts" / "quickstart.sh").read_text())
+    assert len(installs) == 2 and len(set(installs)) == 1, \
+        f"scripts/quickstart.sh: uv's and pip's editable installs with extras: {installs}"
+    extras = installs[0]
+    assert f"-e .[{extras}]" in env, f"environment.yml should install -e .[{extras}] as the Quick start does"
+    assert set(extras.split(",")) <= set(project["optional-dependencies"]), extras
     assert project["scripts"]["workbench"] == "workbench.cli.main:main"
     for needed in ("torch", "triton", "safetensors", "tokenizers", "jupyterlab", "ipywidgets", "anywidget",
                    "plotly", "pandas", "papermill", "tqdm"):
