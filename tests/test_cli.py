@@ -216,12 +216,21 @@ def test_generate_with_triton_backends_gives_the_eager_tokens():
     assert json.loads(fused.stdout)[0]["token_ids"] == json.loads(eager.stdout)[0]["token_ids"]
 
 
+VANISHING = CLI + ["generate", "--threads", "1", "--max-tokens", "4", "--json", "The list type"]
+
+
+@pytest.fixture(scope="module")
+def greedy_cli_tokens():
+    """The greedy tokens of VANISHING's prompt, from the CLI (one process for both cases below)."""
+    greedy = subprocess.run(VANISHING + ["--temperature", "0"], capture_output=True, text=True, timeout=600)
+    assert greedy.returncode == 0, greedy.stderr
+    return json.loads(greedy.stdout)[0]["token_ids"]
+
+
 @pytest.mark.parametrize("flags", [["--temperature", "1e-38"], ["--top-p", "1e-46", "--seed", "3"]])
-def test_generate_with_vanishing_temperature_or_top_p_is_greedy(flags):
+def test_generate_with_vanishing_temperature_or_top_p_is_greedy(flags, greedy_cli_tokens):
     """Once a traceback ("probability tensor contains either inf, nan or element < 0"): values
     validation accepts must sample; below the engine's floor they are greedy."""
-    base = CLI + ["generate", "--threads", "1", "--max-tokens", "4", "--json", "The list type"]
-    r = subprocess.run(base + flags, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(VANISHING + flags, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
-    greedy = subprocess.run(base + ["--temperature", "0"], capture_output=True, text=True, timeout=600)
-    assert json.loads(r.stdout)[0]["token_ids"] == json.loads(greedy.stdout)[0]["token_ids"]
+    assert json.loads(r.stdout)[0]["token_ids"] == greedy_cli_tokens
