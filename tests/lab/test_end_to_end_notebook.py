@@ -44,9 +44,10 @@ CLAIMS = ["first_sse_chunk_64b", "kv_size_llama2_7b_32k", "full_stack_4x"]
 def test_end_to_end_notebook_runs_in_tiny_mode(tmp_path):
     if not BUNDLED_WEIGHTS.is_file():
         pytest.fail(f"{BUNDLED_WEIGHTS} is missing: the bundled model is part of the repository")
-    # Through papermill, not the browser, for now: in one of two clean-clone runs in JupyterLab its
-    # claims section stalled (the serving-capacity warm-up, claims_serving.serving_capacity) for
-    # the whole 900 s; 06 has no live view, and it ran in the browser in 101 s in the other run.
+    # Through papermill, not the browser: 06 has no live view, and this file runs on the worker
+    # that does not carry the browser runs of 00-05 (~500 s). (Its claims section once stalled in
+    # JupyterLab and in a batch run: the load generator's closed loop kept sending after its time
+    # was up, tests/load/test_loadgen.py::test_run_ends_when_its_time_is_up_while_requests_close_their_streams.)
     res = run_and_check(NOTEBOOK, tmp_path, None, EXPECTED_KEYS, parameters={"mode": "tiny", "claims": CLAIMS})
     metrics = res["metrics"]
     assert metrics["claims_total"] == len(CLAIMS)

@@ -127,6 +127,32 @@ def test_open_loop_counts_rates_and_queueing():
     assert [target.priorities[i] for i in range(3)] == [0, 0, 0]
 
 
+def test_run_ends_when_its_time_is_up_while_requests_close_their_streams():
+    """A request whose stream had finished and was closing (an HTTP connection) when the run's time
+    was up once swallowed the cancellation: the closed-loop user awaiting it carried on sending,
+    and the run never ended (notebook 06's serving claims served 10,000 requests in 10 min)."""
+    sends = []
+
+    async def slow_close(prompt, max_tokens, priority=0, clock=None, **sampling):
+        sends.append(vt.clock())
+        if len(sends) > 100:                   # the run went on past its end: fail instead of spinning
+            asyncio.get_running_loop().stop()
+        try:
+            await asyncio.sleep(0.01)
+            yield {"time": vt.clock(), "finished": True, "finish_reason": "length"}
+        finally:
+            await asyncio.sleep(0.1)           # closing takes 100 ms: every user is closing at 0.25 s
+
+    cfg = LoadConfig(mode="closed", concurrency=4, max_tokens=1, max_duration_s=0.25, prompts=PROMPTS)
+    with VirtualTime() as vt:
+        res = vt.run(LoadRun(CallableTarget(slow_close), cfg, clock=vt.clock).arun())
+    # each user: 10 ms streaming + 100 ms closing a request; its 3rd (sent at 0.22 s) is closing at 0.25 s
+    assert len(sends) == 12 and max(sends) == pytest.approx(0.22)
+    assert res.duration_s == pytest.approx(0.25)
+    assert [r.status for r in res.records] == ["ok"] * 12       # each had finished: recorded as it ended
+    assert collections.Counter(r.user for r in res.records) == {0: 3, 1: 3, 2: 3, 3: 3}
+
+
 def test_stages_recorded_per_request():
     # a virtual clock: on the real one a loaded machine moved a request across a stage boundary (6, 9, ...)
     res, _ = run_virtual(LoadConfig(mode="constant", stages=[(0.2, 50), (0.2, 50), (0.2, 0)], max_tokens=2,

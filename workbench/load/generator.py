@@ -154,6 +154,7 @@ class LoadRun:
         self._stop_event: asyncio.Event | None = None
         self._stop_requested = False
         self._end_why = "max_duration_s"
+        self._ending = False               # set when the run's time is up: no user takes another ticket
 
     def add_observer(self, fn: Observer) -> "LoadRun":
         self.observers.append(fn)
@@ -228,16 +229,24 @@ class LoadRun:
         except Exception as e:   # the target's bug or a bad prompt: recorded, the run goes on
             rec.status, rec.reason = "error", f"{type(e).__name__}: {e}"
         finally:
+            cancelled_while_closing = False
             if stream is not None and hasattr(stream, "aclose"):
                 try:
                     await asyncio.shield(stream.aclose())
-                except (Exception, asyncio.CancelledError):
+                except asyncio.CancelledError:
+                    # the run ended while this request closed its stream: recorded as it finished,
+                    # and the cancellation goes on below - swallowed, it let a closed-loop user that
+                    # awaited this request carry on sending for ever after the run's end
+                    cancelled_while_closing = True
+                except Exception:  # noqa: BLE001 - a stream that fails to close: the record stands
                     pass
             rec.end = self.clock() - t0
             self.in_flight -= 1
             self.counts[rec.status] = self.counts.get(rec.status, 0) + 1
             self.records.append(rec)
             self._notify(rec)
+            if cancelled_while_closing:
+                raise asyncio.CancelledError
         return rec
 
     @staticmethod
@@ -277,7 +286,7 @@ class LoadRun:
 
     async def _user(self, u: int) -> None:
         sched, cfg = self.schedule, self.config
-        while True:
+        while not self._ending:
             now = self.clock() - self.t_start
             if sched.value(now) <= u:          # above the target: wait until the ramp needs this user
                 t = sched.first_time_above(u, now)
@@ -332,6 +341,7 @@ class LoadRun:
             if drive not in done:              # time is up (or stop()): stop sending, cancel what is in flight
                 if stopper in done:
                     self._end_why = "stop() was called"
+                self._ending = True
                 drive.cancel()
                 for t in list(self._tasks):
                     t.cancel()
