@@ -304,7 +304,15 @@ class LoadRun:
     async def _closed_loop(self) -> None:
         users = max(s.v0 for s in self.schedule.segments) if self.config.stages is None else \
             max([s.target for s in self.config.stages] + [self.config.concurrency or 0])
-        await asyncio.gather(*(self._user(u) for u in range(int(users))))
+        tasks = [asyncio.ensure_future(self._user(u)) for u in range(int(users))]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            # gather is done at its first cancelled (or failed) user while the others may still be
+            # running: the run is over only when every user is
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _ticker(self) -> None:
         while True:
