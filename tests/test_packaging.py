@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -13,24 +14,39 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(code: str, cwd: Path = ROOT) -> str:
-    r = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=600)
+def _run(code: str, cwd: Path = ROOT, env: dict | None = None) -> str:
+    r = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=600,
+                       env=None if env is None else {**os.environ, **env})
     assert r.returncode == 0, r.stderr
     return r.stdout.strip()
 
 
 def test_transformers_does_not_see_our_kernels_folder():
-    # From the repository root, where a folder named kernels/ sits next to the code.
-    out = _run("import transformers; from transformers.utils import is_kernels_available; "
-               "import workbench_kernels, workbench; print(is_kernels_available(), workbench_kernels.__name__)")
+    # From the repository root, where a folder named kernels/ sits next to the code and `python -c`
+    # (as `python -m pytest`) puts the root first on sys.path: transformers >= 5.25 installs the
+    # Hugging Face kernel hub (import name `kernels`) and imports it; a kernels/__init__.py here
+    # once made it import our folder instead and fail.
+    out = _run("import importlib.util as u, transformers, transformers.integrations.hub_kernels, workbench_kernels, "
+               "workbench; s = u.find_spec('kernels'); "
+               "print(s is not None and s.origin is not None and s.origin.startswith(%r), workbench_kernels.__name__)"
+               % str(ROOT / "kernels"))
     assert out == "False workbench_kernels"
+
+
+def test_an_installed_kernels_package_wins_over_our_folder(tmp_path):
+    # whether or not this environment has the kernel hub: a stand-in named `kernels` on sys.path
+    # (after the repository root, as site-packages is) is the one `import kernels` finds
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("WHO = 'the installed kernels package'\n")
+    out = _run("import kernels, workbench_kernels; print(kernels.WHO)", env={"PYTHONPATH": str(tmp_path)})
+    assert out == "the installed kernels package"
 
 
 def test_plain_checkout_import_of_kernels_package(tmp_path):
     # PYTHONPATH=<repo> without an install (as on a bare GPU machine): workbench registers the name.
     code = ("import sys; sys.path.insert(0, %r); import workbench, workbench_kernels; "
             "print(workbench_kernels.__file__)" % str(ROOT))
-    assert _run(code, cwd=tmp_path).endswith("kernels/__init__.py")
+    assert _run(code, cwd=tmp_path).endswith("kernels/workbench_kernels/__init__.py")
 
 
 def test_core_import_does_not_pull_notebook_dependencies():

@@ -40,10 +40,10 @@ from workbench.errors import WorkbenchError
 
 def _register_kernels_package() -> None:
     """Make ``import workbench_kernels`` work in a plain checkout (PYTHONPATH=.), where the
-    setuptools mapping of the ``kernels/`` folder is not installed."""
+    setuptools mapping of ``kernels/workbench_kernels/`` is not installed."""
     if "workbench_kernels" in _sys.modules or _ilu.find_spec("workbench_kernels") is not None:
         return
-    init = _Path(__file__).resolve().parent.parent / "kernels" / "__init__.py"
+    init = _Path(__file__).resolve().parent.parent / "kernels" / "workbench_kernels" / "__init__.py"
     if init.is_file():
         spec = _ilu.spec_from_file_location("workbench_kernels", init, submodule_search_locations=[str(init.parent)])
         module = _ilu.module_from_spec(spec)

@@ -4,7 +4,7 @@ what the compiled code says.
 On a CPU the kernels run only under the Triton interpreter, which accepts some code the real
 compiler rejects.  Triton can, however, compile for a GPU *target* without a GPU: ``triton.compile``
 runs the whole pipeline (TTIR -> TTGIR -> LLVM IR -> PTX -> ptxas -> cubin) for, say,
-``GPUTarget("cuda", 90, 32)``.  This module does that for every kernel of ``kernels/`` at
+``GPUTarget("cuda", 90, 32)``.  This module does that for every kernel of ``kernels/workbench_kernels/`` at
 representative sizes and reports, per kernel / case / target:
 
 * whether it compiles (the compiler's message when not) and how long it took;

@@ -1,8 +1,11 @@
 """The workbench's Triton kernel library, imported as ``workbench_kernels``.
 
-The folder is ``kernels/`` but the import name is not ``kernels``: transformers treats an
-importable top-level ``kernels`` as the Hugging Face kernel-hub package and would import it.
-Installed, setuptools maps the folder to ``workbench_kernels``; in a plain checkout
+It lives in ``kernels/workbench_kernels/``, and ``kernels/`` has no ``__init__.py``: the import
+name is never ``kernels``, which is the Hugging Face kernel-hub package's. transformers (>= 5.25
+requires that package) imports ``kernels``; from the repository root a regular package of that
+name would shadow the hub's and break transformers, while a folder without ``__init__.py`` is at
+most a namespace portion, which any installed package of the name takes precedence over.
+Installed, setuptools maps this folder to ``workbench_kernels``; in a plain checkout
 (``PYTHONPATH=.``) ``import workbench`` registers the same name.
 
 Each op lives in one file with fixed names (the Liger / Triton-tutorial shape)::
