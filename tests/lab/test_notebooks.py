@@ -1,10 +1,14 @@
-"""Every notebook runs top to bottom on a CPU with its default parameters, once, as a learner
-runs it: opened in JupyterLab in headless Chromium, Run All (tests/lab/lab_browser.py), with
+"""Every notebook runs top to bottom on a CPU, once, as a learner runs it: opened in JupyterLab in
+headless Chromium, Run All (tests/lab/lab_browser.py), with
 no error output, no "Error displaying widget", each live view updating while its cell runs,
 and the file not marked modified by opening it; screenshots and a report (front page first)
 go to runs/browser/<run id>/. Without chromium + Playwright the same notebooks run through
 papermill as the batch runner runs them (``WORKBENCH_BROWSER_TESTS=1`` makes that a failure).
 Every committed notebook is stripped of outputs and has a cell tagged ``parameters``.
+
+The notebooks with a ``tiny`` mode (``TINY``) run in it: every cell, view and assert of smoke mode, with
+fewer repeats and less text (the Quick start's batch run, command 1, runs every notebook at its
+default smoke size, whose measurements the report shows); the others with their default parameters.
 
 The notebooks turn their checks into asserts, so running them is a test.  Each writes a
 results sidecar (workbench.lab.results) to the injected ``results_path``; the keys checked below
@@ -30,6 +34,9 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 # run in tests/lab/test_end_to_end_notebook.py instead, so that xdist (--dist loadfile) puts it on the other worker
 RUN_ELSEWHERE = {"06_end_to_end"}
 RUN_HERE = [p for p in NOTEBOOKS if p.stem not in RUN_ELSEWHERE]
+# smoke mode's path on smaller sizes: papermill alone on a 2-core machine, smoke -> tiny:
+# 03 72 -> 31 s, 04 91 -> 60 s, 05 76 -> 58 s
+TINY = {"03_prefetch", "04_scheduler", "05_quantization"}
 BUNDLED_WEIGHTS = ROOT / "data" / "reference-model" / "model.safetensors"
 
 # Metrics a notebook's sidecar must hold (notebooks not listed must write at least one metric).
@@ -72,7 +79,8 @@ EXPECTED_KEYS = {
 def test_notebook_runs(path, tmp_path, lab_session):
     if not BUNDLED_WEIGHTS.is_file():
         pytest.fail(f"{BUNDLED_WEIGHTS} is missing: the bundled model is part of the repository")
-    run_and_check(path, tmp_path, lab_session, EXPECTED_KEYS.get(path.stem, set()))
+    run_and_check(path, tmp_path, lab_session, EXPECTED_KEYS.get(path.stem, set()),
+                  parameters={"mode": "tiny"} if path.stem in TINY else None)
 
 
 @pytest.mark.notebook
@@ -108,6 +116,8 @@ def test_notebook_is_committed_clean(path):
     for name in ("device", "model", "results_path"):   # the runner and the test inject these
         assert f"{name} =" in src, f"{path.name}: the parameters cell should define {name!r}"
     assert "smoke" in src, f"{path.name}: the parameters cell should have a smoke/full switch"
+    if path.stem in TINY:                # the browser test runs it so
+        assert '"tiny"' in src, f"{path.name}: the parameters cell should describe its tiny mode"
     first = nb.cells[0].source.lower() if nb.cells and nb.cells[0].cell_type == "markdown" else ""
     assert any(w in first for w in ("tutorial", "how-to", "explanation", "purpose")), \
         f"{path.name}: the first cell should be markdown stating the notebook's purpose (tutorial / how-to / explanation)"
