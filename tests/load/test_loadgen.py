@@ -133,7 +133,7 @@ def test_run_ends_when_its_time_is_up_while_requests_close_their_streams():
     and the run never ended (notebook 06's serving claims served 10,000 requests in 10 min)."""
     sends = []
 
-    async def slow_close(prompt, max_tokens, priority=0, clock=None, **sampling):
+    async def slow_close(prompt, max_tokens, priority=0, **sampling):
         sends.append(vt.clock())
         if len(sends) > 100:                   # the run went on past its end: fail instead of spinning
             asyncio.get_running_loop().stop()
