@@ -55,6 +55,6 @@ def test_bad_logprob_counts_and_static_prompt_logprobs_are_refused(random_llm):
         SamplingParams(prompt_logprobs=-1)
     static = LLMEngine(random_llm, kv="contiguous", static_decode=True,
                        scheduler=SchedulerConfig(max_num_seqs=1))
-    with pytest.raises(ConfigError, match="static decode"):
+    with pytest.raises(ConfigError, match="static contiguous decode buffers.*paged pool"):
         static.add_request(PROMPT, SamplingParams(prompt_logprobs=1))
     assert not static.seqs

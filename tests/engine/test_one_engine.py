@@ -145,7 +145,7 @@ def test_combinations_that_cannot_work_say_why(random_llm, tiered):
     cases = [
         (dict(kv=PagedKVConfig(), tiers=cfg, tier_basis=basis), "not both"),
         (dict(kv="contiguous", scheduler=SchedulerConfig(preemption_mode="swap")), "swap"),
-        (dict(kv=PagedKVConfig(), compile=True), "static contiguous KV"),
+        (dict(tiers=cfg, tier_basis=basis, compile=True), "routing picks blocks per step on the host"),
         (dict(kv="contiguous", cuda_graphs=True), "CUDA device"),
         (dict(kv="pages"), "kv must be"),
     ]
@@ -240,7 +240,7 @@ def test_static_buffers_refuse_more_sequences_than_they_hold(random_llm):
 @pytest.mark.parametrize("argv, words", [
     (["--kv", "contiguous", "--offload", "host"], "--offload: options of the paged pool"),
     (["--tiers", "--num-blocks", "64"], "--num-blocks"),
-    (["--compile"], "add --kv contiguous"),
+    (["--compile", "--tiers"], "drop --tiers"),
     (["--tiers", "--kv", "contiguous"], "--kv does not apply"),
 ])
 def test_serve_refuses_options_its_kv_layout_does_not_read(argv, words, capsys):

@@ -88,8 +88,8 @@ def add_serve_parser(sub) -> None:
                    help="keep evicted prefix blocks in host memory or on disk; a later hit copies them back")
     g.add_argument("--offload-blocks", type=int, default=4096, help="capacity of the offload tier, in blocks")
     g.add_argument("--kv", choices=["paged", "contiguous"], default="paged",
-                   help="contiguous: one cache per request (no prefix sharing; what --compile / --cuda-graphs need)")
-    g = s.add_argument_group("fast paths (with --kv contiguous)")
+                   help="contiguous: one cache per request (no prefix sharing)")
+    g = s.add_argument_group("fast paths (static decode steps over the paged pool or --kv contiguous)")
     add_fast_path_args(g)
     add_stream_args(s)
     g = s.add_argument_group("tiered KV (hot / warm / cold cache per request, PCA basis fitted on held-out text)")
@@ -120,5 +120,6 @@ def _check_serve_kv_args(args) -> None:
     layout = "--tiers" if args.tiers else "--kv contiguous" if args.kv == "contiguous" else None
     if layout and paged_only:
         raise ConfigError(f"{', '.join(paged_only)}: options of the paged pool, which {layout} does not use")
-    if (args.compile or args.cuda_graphs) and layout != "--kv contiguous":
-        raise ConfigError("--compile / --cuda-graphs run decode steps on static contiguous buffers: add --kv contiguous")
+    if (args.compile or args.cuda_graphs) and args.tiers:
+        raise ConfigError("--compile / --cuda-graphs run decode steps on static buffers (the paged pool or --kv "
+                          "contiguous); the tiered cache routes blocks per step on the host: drop --tiers or them")

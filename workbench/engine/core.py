@@ -97,7 +97,7 @@ class LLMEngine:
         self.static_decode = bool(static_decode or compile or cuda_graphs)
         if self.static_decode:
             check_fast_paths(self.kv_mode, loaded.model, cuda_graphs, runner, batch_invariant)
-        self.pool = make_pool(self.model, self.kv_mode, kv, self.config, loaded.max_model_len)
+        self.pool = make_pool(self.model, self.kv_mode, kv, self.config, loaded.max_model_len, self.static_decode)
         self.scheduler = Scheduler(self.config, self.pool.blocks)
         self.runner = runner or make_runner(self, batch_invariant)
         self.clock = clock
@@ -177,9 +177,10 @@ class LLMEngine:
         out.metrics = RequestMetrics(arrival_time=now, prompt_tokens=len(ids), threads=torch.get_num_threads(),
                                      engine=self.fast_paths()["config"])
         if params.prompt_logprobs is not None:
-            if self.static_decode:
-                raise ConfigError("prompt_logprobs: this engine prefills on static decode buffers, which keep the "
-                                  "last position's logits only; use an engine without static_decode / compile / "
+            if self.static_decode and self.kv_mode != "paged":
+                raise ConfigError("prompt_logprobs: this engine prefills on static contiguous decode buffers, which "
+                                  "keep the last position's logits only; use the paged pool (kv=PagedKVConfig(), "
+                                  "whose prompts prefill eagerly) or an engine without static_decode / compile / "
                                   "cuda_graphs")
             out.prompt_logprobs = [None] * len(ids)
         if params.logprobs is not None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from workbench.engine.loaded import LoadedModel
-from workbench.engine.runners import ContiguousRunner, ModelRunner, StaticRunner
+from workbench.engine.runners import ContiguousRunner, ModelRunner, PagedStaticRunner, StaticRunner
 from workbench.errors import ConfigError
 from workbench.kv.paged import PagedKVConfig, PagedKVPool
 from workbench.model.kv_cache import KVCache
@@ -65,23 +65,26 @@ def kv_mode(kv, tiers, config: SchedulerConfig, runner) -> str:
 
 
 def check_fast_paths(kv_mode: str, model, cuda_graphs: bool, runner, batch_invariant=None) -> None:
-    """static decode / compile / CUDA graphs run decode steps on static contiguous buffers
-    (:class:`~workbench.engine.runners.StaticRunner`), without ``batch_invariant``."""
+    """static decode / compile / CUDA graphs run decode steps on static buffers: contiguous rows
+    (:class:`~workbench.engine.runners.StaticRunner`) or the paged pool
+    (:class:`~workbench.engine.runners.PagedStaticRunner`), without ``batch_invariant``."""
     if cuda_graphs and model.device.type != "cuda":
         raise ConfigError(f"LLMEngine: cuda_graphs=True needs a CUDA device; the model is on {model.device} "
                           "(compile=True is the CPU's whole-step fast path)")
     if runner is not None:
         raise ConfigError("LLMEngine: compile / cuda_graphs bring their own runner; do not pass runner=")
-    if kv_mode != "contiguous":
-        raise ConfigError(f"LLMEngine: compile / cuda_graphs run decode steps over static contiguous KV buffers; "
-                          f"{kv_mode} KV is not implemented on that path yet (use kv='contiguous', the LLM default)")
+    if kv_mode == "tiered":
+        raise ConfigError("LLMEngine: compile / cuda_graphs run decode steps over static buffers (contiguous rows or "
+                          "the paged pool); the tiered cache keeps a hot / warm / cold cache per sequence whose "
+                          "routing picks blocks per step on the host, which no static step can replay (use kv= "
+                          "PagedKVConfig or 'contiguous' with compile, or tiers= without it)")
     if batch_invariant:
         raise ConfigError("LLMEngine: batch_invariant=True is a property of the eager packed path; static "
                           "decode steps attend over whole buffer rows (leave batch_invariant unset)")
 
 
 def make_pool(model, kv_mode: str, kv: PagedKVConfig | None, config: SchedulerConfig,
-              max_model_len: int) -> PagedKVPool:
+              max_model_len: int, static_decode: bool = False) -> PagedKVPool:
     """The paged pool (``kv`` or the default config), sized by default for ``config``'s batch; with a
     cache per sequence a pool without tensors that only counts blocks (admission, preemption,
     inspectors)."""
@@ -91,7 +94,8 @@ def make_pool(model, kv_mode: str, kv: PagedKVConfig | None, config: SchedulerCo
     else:
         default_tokens = config.max_num_seqs * min(max_model_len, 2048)
     if kv_mode == "paged":
-        return PagedKVPool(model.config, kv or PagedKVConfig(), w.device, w.dtype, default_tokens)
+        return PagedKVPool(model.config, kv or PagedKVConfig(), w.device, w.dtype, default_tokens,
+                           scratch_blocks=1 if static_decode else 0)   # static steps' padding rows write there
     default_tokens = config.max_num_seqs * max_model_len
     return PagedKVPool(model.config, PagedKVConfig(enable_prefix_caching=False), w.device,
                        w.dtype, default_tokens, tensors=False)
@@ -101,6 +105,9 @@ def make_runner(engine: LLMEngine, batch_invariant):
     """The runner of ``engine``'s mode: static buffers, the paged pool, or a cache per sequence
     (contiguous, or tiered: the model's attention is switched to the tiered policy in place)."""
     model, pool, config = engine.model, engine.pool, engine.config
+    if engine.static_decode and engine.kv_mode == "paged":
+        return PagedStaticRunner(model, pool, engine.max_model_len, config.max_num_seqs,
+                                 compile=engine.compiled, cuda_graphs=engine.cuda_graphs)
     if engine.static_decode:
         return StaticRunner(model, pool, engine.max_model_len, config.max_num_seqs,
                             compile=engine.compiled, cuda_graphs=engine.cuda_graphs)

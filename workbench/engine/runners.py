@@ -157,6 +157,55 @@ class ModelRunner:
         return logits[:p.num_logits]
 
 
+class PagedStaticRunner(ModelRunner):
+    """The paged pool with static decode steps (:class:`~workbench.transforms.paged_graphs.PagedDecoder`):
+    every one-token row of a step (decode tokens, and one-token prompt chunks) goes in one static
+    call over the pool, ``torch.compile``'d (``compile``) and/or replayed from a CUDA graph per
+    batch-size bucket (``cuda_graphs``); prompt chunks of more tokens run eagerly as in
+    :class:`ModelRunner`, before it, in the same step.  Everything else the pool does is the
+    block manager's and is unchanged: prefix sharing, offload and its lookahead, copy-on-write
+    for forks, preemption by recompute or swap (the swap copies are :class:`ModelRunner`'s).
+
+    Attention over the pool reduces over each row's own blocks (padded, masked), not in the
+    reference's order: greedy tokens agree, they are not bitwise guaranteed (measured against
+    the eager pool in the tests and by ``workbench bench``)."""
+
+    def __init__(self, model: CausalLM, pool: PagedKVPool, max_len: int, max_seqs: int,
+                 compile: bool = False, cuda_graphs: bool = False) -> None:
+        from workbench.transforms.paged_graphs import PagedDecoder
+
+        super().__init__(model, pool, batch_invariant=False, direct=max_seqs == 1)
+        buckets = sorted({min(1 << i, max_seqs) for i in range(max_seqs.bit_length() + 1)})
+        self.max_seqs = max_seqs
+        self.decoder = PagedDecoder(model, pool, -(-max_len // pool.block_size), tuple(buckets))
+        if compile:
+            self.decoder.compile()
+        if cuda_graphs:
+            self.decoder.capture(strict=True)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        one = [s for s in scheduled if s.num_tokens == 1]
+        more = [s for s in scheduled if s.num_tokens > 1]
+        rows: dict[str, torch.Tensor] = {}
+        if more:                                        # prompt chunks: the eager pool path
+            logits = super().execute(more)
+            off = 0
+            for s in more:
+                rows[s.seq.request_id] = logits[off:off + s.logit_rows]
+                off += s.logit_rows
+        if one:
+            m = self.pool.manager
+            step = self.decoder.decode([s.seq.tokens[s.start] for s in one], [s.start for s in one],
+                                       [m.block_table(s.seq.request_id) for s in one])
+            for i, s in enumerate(one):
+                rows[s.seq.request_id] = step[i:i + s.logit_rows]
+        parts = [rows[s.seq.request_id] for s in scheduled if s.logit_rows]
+        if not parts:
+            return torch.zeros(0, self.model.config.vocab_size, device=self.device)
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
 class ContiguousRunner:
     """Steps over one cache per sequence, made by ``make_cache(max_len)`` when a sequence is
     first scheduled and dropped when its blocks are freed (it finished, was aborted or was

@@ -90,7 +90,7 @@ class PagedKVPool:
     """Block tensors for every layer plus the block manager that hands them out."""
 
     def __init__(self, cfg: ModelConfig, paged: PagedKVConfig, device: torch.device, dtype: torch.dtype,
-                 default_tokens: int, tensors: bool = True) -> None:
+                 default_tokens: int, tensors: bool = True, scratch_blocks: int = 0) -> None:
         self.layout = KVLayout.from_model_config(cfg, paged.block_size, dtype)
         if paged.num_blocks is not None:
             num_blocks = paged.num_blocks
@@ -106,8 +106,12 @@ class PagedKVPool:
         # tensors=False: block accounting only (an engine whose KV lives in per-sequence caches
         # admits and preempts by the same blocks; nothing is stored here)
         n_layers = cfg.num_hidden_layers if tensors else 0
-        self.k_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.v_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        # scratch blocks: past the block manager's, owned by no sequence (a static decode step's
+        # padding rows write their K/V there); ``scratch_block`` is the first
+        stored = (num_blocks + scratch_blocks, *shape[1:])
+        self.scratch_block = num_blocks if scratch_blocks and tensors else None
+        self.k_cache = [torch.zeros(stored, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.v_cache = [torch.zeros(stored, device=device, dtype=dtype) for _ in range(n_layers)]
         self.stores_kv = tensors
         for name in ("offload", "swap_space"):
             if getattr(paged, name) is not None and not tensors:

@@ -73,7 +73,10 @@ class BackendAttention(Attention):
 
     def _static_decode(self, q, k, v, cos, sin, cache, B):
         """CUDA-graph-safe decode (see workbench.transforms.cuda_graphs): positions, slots and the mask are
-        tensors; attention runs over the whole static cache; no shape depends on the step."""
+        tensors; attention runs over the whole static cache (or the rows' blocks of the paged pool,
+        workbench.transforms.paged_graphs); no shape depends on the step."""
+        if hasattr(cache, "attend_decode"):                      # over the paged pool (paged_graphs)
+            return self.o_proj(cache.attend_decode(self, q, k, v, cos, sin).reshape(B, 1, self.nh * self.hd))
         ops, layer, hd = self._wb_ops, self.layer_idx, self.hd
         kc = cache.k[layer].permute(0, 2, 1, 3)                   # [rows, max_len, nkv, hd]
         vc = cache.v[layer].permute(0, 2, 1, 3)

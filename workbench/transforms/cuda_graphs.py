@@ -35,7 +35,6 @@ itself runs (eagerly) and is tested on the CPU against the reference engine's gr
 from __future__ import annotations
 
 import sys
-import types
 from contextlib import contextmanager
 
 import torch
@@ -44,8 +43,7 @@ from workbench.transforms.backends import apply_backends, current_backends, form
 from workbench.errors import ConfigError, WorkbenchError
 from workbench.model.kv_cache import KVCache
 from workbench.model.decoder import CausalLM
-
-NO_CUDA = "CUDA graphs need a CUDA device; running eager"
+from workbench.transforms.static_step import NO_CUDA, StaticStep  # noqa: F401 - NO_CUDA is part of this module's API
 
 
 class StaticDecodeCache:
@@ -73,7 +71,7 @@ class StaticDecodeCache:
         self.seq_lens = (self.positions + 1).to(torch.int32)
 
 
-class GraphedDecoder:
+class GraphedDecoder(StaticStep):
     """Static-buffer decode steps of ``model`` for batch-size ``buckets``, graphed on CUDA.
 
     The model gets backend modules if it has none (all ``eager``: bitwise the reference, a few
@@ -82,36 +80,19 @@ class GraphedDecoder:
     """
 
     def __init__(self, model: CausalLM, max_len: int, buckets: tuple[int, ...] = (1,)) -> None:
-        if not buckets or any(not isinstance(b, int) or b < 1 for b in buckets):
-            raise ConfigError(f"GraphedDecoder: buckets must be positive integers, got {buckets!r}")
         limit = model.config.max_position_embeddings
-        if not 1 <= max_len <= limit:
+        if not isinstance(max_len, int) or not 1 <= max_len <= limit:
             raise ConfigError(f"GraphedDecoder: max_len must be in [1, {limit}] (the model's context), got {max_len}")
-        self.model, self.max_len = model, max_len
-        self.buckets = tuple(sorted(set(buckets)))
+        super().__init__(model, buckets)
+        self.max_len = max_len
         apply_backends(model, current_backends(model))
-        w = model.lm_head.weight
-        self.device, self.dtype = w.device, w.dtype
         self.scratch = self.buckets[-1]                          # rows 0..max-1 are sequences, then scratch
         self.kv = KVCache(model.config, self.scratch + 1, max_len, device=self.device, dtype=self.dtype)
         cos, sin = model.model.rotary_emb._table(max_len, self.device)     # fp32 [>= max_len, hd]
         self.cos, self.sin = cos[:max_len].to(self.dtype), sin[:max_len].to(self.dtype)
         self.static = {b: StaticDecodeCache(self.kv, b, model.config.sliding_window) for b in self.buckets}
         self.ids = {b: torch.zeros(b, 1, dtype=torch.long, device=self.device) for b in self.buckets}
-        self.graphs: dict[int, tuple] = {}                      # bucket -> (CUDAGraph, static logits)
         self.backends = current_backends(model)
-        self._step, self.compiled = self._forward, False
-
-    @property
-    def graphed(self) -> bool:
-        return bool(self.graphs)
-
-    def bucket_for(self, n: int) -> int:
-        for b in self.buckets:
-            if b >= n:
-                return b
-        raise WorkbenchError(f"GraphedDecoder: batch of {n} exceeds the largest bucket ({self.buckets[-1]}); "
-                             "add a bucket")
 
     def _forward(self, bs: int) -> torch.Tensor:
         """One decode step over the static buffers of bucket ``bs``: logits [bs, V]."""
@@ -133,51 +114,11 @@ class GraphedDecoder:
         c.positions.copy_(torch.tensor(pos))
         c.slots.copy_(torch.tensor(slots))
 
-    def compile(self, **options) -> None:
-        """``torch.compile`` the static step (one graph per bucket, made on first use): on a
-        CPU inductor generates C++ for the whole decode step; on CUDA, Triton kernels (capture
-        graphs after this to launch them as one)."""
-        step = self._forward
-        if any(layer._forward_pre_hooks or layer._forward_hooks for layer in self.model.model.layers):
-            # Dynamo caches compiled code per code object and does not guard on module hooks
-            # (torch._dynamo.config.skip_nnmodule_hook_guards): a step compiled earlier for a model
-            # without hooks would be reused here and the hooks (weight streaming's fetches) skipped.
-            # A code object of this decoder's own keeps its cache apart.
-            fn = step.__func__
-            code = fn.__code__.replace(co_name=f"_forward_hooked_{id(self):x}")
-            step = types.MethodType(types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__,
-                                                       fn.__closure__), self)
-        self._step = torch.compile(step, dynamic=False, **options)
-        self.compiled = True
+    def _step_args(self, bs: int) -> tuple:
+        return (bs,)
 
-    @torch.inference_mode()
-    def capture(self, strict: bool = False) -> bool:
-        """Capture one graph per bucket.  Without CUDA: prints (or with ``strict`` raises) the one
-        line :data:`NO_CUDA` and the eager static path is used.  Returns whether graphs are on."""
-        if self.device.type != "cuda":
-            if strict:
-                raise WorkbenchError(NO_CUDA)
-            print(NO_CUDA)
-            return False
-        # CUDA only (untested here).  Warm up on a side stream first (Triton / torch.compile
-        # compile, cuBLAS makes its handles), writing only to the scratch row.
-        for bs in self.buckets:
-            self._set_inputs(bs, [], [])
-        side = torch.cuda.Stream()                                                   # CUDA only
-        side.wait_stream(torch.cuda.current_stream())                                # CUDA only
-        with torch.cuda.stream(side):                                                # CUDA only
-            for bs in reversed(self.buckets):
-                for _ in range(2):
-                    self._step(bs)
-        torch.cuda.current_stream().wait_stream(side)                                # CUDA only
-        pool = torch.cuda.graph_pool_handle()                                        # CUDA only
-        for bs in reversed(self.buckets):            # largest first: the smaller reuse its pool
-            graph = torch.cuda.CUDAGraph()                                           # CUDA only
-            with torch.cuda.graph(graph, pool=pool):                                 # CUDA only
-                out = self._step(bs)
-            self.graphs[bs] = (graph, out)
-        torch.cuda.synchronize()                                                     # CUDA only
-        return True
+    def _warm_inputs(self, bs: int) -> None:
+        self._set_inputs(bs, [], [])             # every row padding: K/V to the scratch row
 
     @torch.inference_mode()
     def decode(self, tokens: list, positions: list[int]) -> torch.Tensor:
