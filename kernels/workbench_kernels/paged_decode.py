@@ -304,6 +304,29 @@ def attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, sliding_wi
     return out[:, :, 0]
 
 
+def attention_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, sliding_window: int | None = None):
+    """What :func:`attention_decode` computes, written for ``torch.compile`` on a CPU: scores and
+    output as two reductions over the gathered keys / values (fp32), which inductor fuses into loops
+    that read the pool's blocks through the block table in place - no contiguous copy of the
+    context, and no call into an SDPA kernel that would need one.  Eagerly it materialises a
+    ``[B, S, nh, hd]`` product: use :func:`attention_decode_ref` there.  q [B, nh, hd] -> [B, nh, hd]."""
+    B, nh, hd = q.shape
+    nkv, page = k_cache.shape[2], k_cache.shape[1]
+    g, S = nh // nkv, block_tables.shape[1] * page
+    idx = block_tables.long()
+    k = k_cache[idx].reshape(B, S, nkv, 1, hd)
+    v = v_cache[idx].reshape(B, S, nkv, 1, hd)
+    qg = q.view(B, 1, nkv, g, hd).float() * (1.0 / math.sqrt(hd))
+    s = (qg * k.float()).sum(-1)                                                   # [B, S, nkv, g]
+    pos = torch.arange(S, device=q.device)[None, :]
+    mask = pos < seq_lens[:, None]
+    if sliding_window is not None:
+        mask = mask & (pos >= seq_lens[:, None] - sliding_window)
+    p = torch.softmax(s.masked_fill(~mask[:, :, None, None], float("-inf")), dim=1)
+    out = (p[..., None] * v.float()).sum(1)                                          # [B, nkv, g, hd]
+    return out.reshape(B, nh, hd).to(q.dtype)
+
+
 def decode_cost(context_lens, nh: int, nkv: int, hd: int, elem_bytes: int, num_splits: int = 1) -> tuple[int, int]:
     """(FLOPs, minimum bytes) of one call, for benchmarks.
 

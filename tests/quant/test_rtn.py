@@ -158,6 +158,8 @@ def test_refusals_name_what_and_why(random_llm):
         set_quant_backend(m, "cpu")
     assert set_quant_backend(m, "auto")["fallbacks"] == {"int4 op: groups of (32, 64, 128, 256) only "
                                                          "(this layer: no group)": 14}
-    with pytest.raises(ConfigError, match="stream_weights"):
-        wb.LLM(fresh(), tokenizer=random_llm.tokenizer, quant="w8a16",
-               stream_weights=WeightStreamConfig(resident_layers=1))
+    llm = wb.LLM(fresh(), tokenizer=random_llm.tokenizer, quant="w8a16",
+                 stream_weights=WeightStreamConfig(resident_layers=1, transport="host"))
+    with pytest.raises(ConfigError, match="streams its weights"):      # the packed bytes are in its buffers now
+        set_quant_backend(llm.model, "reference")
+    llm.engine.weight_streamer.remove()

@@ -125,10 +125,12 @@ class LLM:
     every request's metrics.  It is process-wide, as torch's setting is.
     ``static_decode`` / ``compile`` / ``cuda_graphs``: decode steps on static buffers (eager), ``torch.compile``'d (on a CPU,
     inductor's C++ for the whole step) and/or captured as CUDA graphs per batch-size bucket
-    (:class:`~workbench.engine.runners.StaticRunner`; contiguous KV only).
+    (:class:`~workbench.engine.runners.StaticRunner` on contiguous rows, or
+    :class:`~workbench.engine.runners.PagedStaticRunner` over the paged pool's blocks with ``kv=``).
     ``check_finite``: the loader refuses NaN / Inf weights unless this is False.
     ``stream_weights``: a :class:`~workbench.prefetch.weights.WeightStreamConfig` (some decoder
-    layers resident, the rest fetched ahead of use from disk or host memory).
+    layers resident, the rest fetched ahead of use from disk or host memory; a quantized model
+    streams its quantized bytes, and its backend's repacked copies, as stored).
     ``quant``: a :class:`~workbench.quant.recipe.QuantRecipe`, its string (``"w4a16:g128"``,
     ``"w4a16:g128:awq"``, ``"w8a8:smooth=0.5"``) or a recipe file's path (``"recipe.json"``, as
     ``workbench calibrate-quant`` writes it: a per-layer mix, calibrated on the text the file
@@ -155,9 +157,6 @@ class LLM:
         if compressed and quant is not None:
             raise ConfigError(f"LLM: {model} is a quantized checkpoint (compressed-tensors) already; drop quant= "
                               "(its layers run as stored; quant_backend= chooses where they compute)")
-        if (quant is not None or compressed) and stream_weights is not None:
-            raise ConfigError("LLM: a quantized model and stream_weights= together are not supported yet (the streamer "
-                              "moves parameters; a quantized layer keeps its weight in buffers, which would stay resident)")
         self.loaded = LoadedModel.load(model, tokenizer=tokenizer, device=device, dtype=dtype,
                                        max_model_len=max_model_len, threads=threads, check_finite=check_finite)
         if quant is not None:        # weights quantized in place (a model object passed in is changed too)

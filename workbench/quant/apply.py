@@ -190,6 +190,9 @@ def set_quant_backend(model: nn.Module, backend: str = "auto") -> dict:
     weights (torch's int4 CPU op repacks the weight into its own layout: a second copy)."""
     if backend not in BACKENDS:
         raise ConfigError(f"quant backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    if getattr(model, "_wb_stream", None) is not None:     # its ops would repack whatever a buffer holds now
+        raise ConfigError("set_quant_backend: this model streams its weights; choose the backend before "
+                          "stream_weights (or remove() the streamer first)")
     from workbench.quant import cpu_ops, kernel_ops
 
     layers: dict[str, int] = {}
