@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from workbench.cli.main import main
+from workbench.errors import WorkbenchError
 
 CLI = [sys.executable, "-m", "workbench.cli.main"]
 
@@ -65,6 +66,27 @@ def test_bench_json_reports_both_sides_and_their_ratio(capsys):
     # Same weights, float32, greedy: the two implementations pick the same tokens.
     assert res["greedy_token_agreement"] >= 0.95
     assert "raw" not in res
+
+
+def test_bench_batches_the_paged_and_contiguous_static_paths(capsys):
+    """``--batch 1,3``: every side at each size (transformers batched, the reference one request at a
+    time), the paged pool's static step against the contiguous one with a verdict, agreement kept."""
+    rc = main(["bench", "--model", "preset:tiny", "--device", "cpu", "--prompt-tokens", "8", "--max-tokens", "5",
+               "--num-prompts", "1", "--repeats", "1", "--batch", "1,3", "--configs", "static,paged,paged+compile",
+               "--json"])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    assert set(res["batches"]) == {"1", "3"} and res["batch"] == 1
+    three = res["batches"]["3"]["configs"]
+    assert set(three) == {"reference", "static", "paged", "paged+compile"}
+    for c in three.values():
+        assert c["decode_tokens_per_s_p50"] > 0 and c["token_agreement_vs_reference"] >= 0.9
+    assert "seqs=3" in three["paged+compile"]["description"] and "compile" in three["paged+compile"]["description"]
+    from workbench.bench.vs_transformers import format_bench, parse_batches
+    assert "batch 3 (prompts submitted together" in format_bench(res)
+    assert parse_batches("8,1,8") == [1, 8]
+    with pytest.raises(WorkbenchError, match="batch"):
+        parse_batches("0")
 
 
 @pytest.mark.parametrize("args, needle", [

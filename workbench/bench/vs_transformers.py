@@ -62,9 +62,11 @@ class BenchConfig:
     backend: str | None = None    # per-op backends of the workbench side (workbench.transforms.backends spec)
     threads: int | str | None = None  # torch intra-op threads for both sides (None: the engine measures)
     configs: str = "reference,loop"   # engine configurations measured (bench.CONFIGS; "all": every one)
+    batch: str = "1"                  # batch sizes, comma-separated: that many prompts submitted together
 
     def __post_init__(self) -> None:
         parse_configs(self.configs)
+        parse_batches(self.batch)
         for name in ("prompt_tokens", "max_tokens", "num_prompts", "repeats"):
             if getattr(self, name) < 1:
                 raise WorkbenchError(f"bench: {name} must be >= 1, got {getattr(self, name)}")
@@ -136,10 +138,28 @@ CONFIGS = {
     "compile": "the engine, static decode steps through torch.compile (inductor: C++ on a CPU)",
     "cuda-graphs": "the engine, static decode steps captured as CUDA graphs (CUDA only)",
     "compile+graphs": "the engine, torch.compile'd static decode captured as CUDA graphs (CUDA only)",
+    "paged": "the engine on the paged KV pool with the prefix cache, eager (batch_invariant off, as in serving)",
+    "paged+compile": "the paged pool, static decode steps over its blocks through torch.compile",
+    "paged+graphs": "the paged pool, static decode steps over its blocks captured as CUDA graphs (CUDA only)",
     "llama.cpp": "llama-cpp-python on an f32 GGUF of the same weights (optional: shown when installed)",
 }
 ENGINE_OPTIONS = {"reference": {}, "static": {"static_decode": True}, "compile": {"compile": True},
-                  "cuda-graphs": {"cuda_graphs": True}, "compile+graphs": {"compile": True, "cuda_graphs": True}}
+                  "cuda-graphs": {"cuda_graphs": True}, "compile+graphs": {"compile": True, "cuda_graphs": True},
+                  "paged": {"kv": "paged", "batch_invariant": False}, "paged+compile": {"kv": "paged", "compile": True},
+                  "paged+graphs": {"kv": "paged", "cuda_graphs": True}}
+SINGLE_STREAM = ("loop", "llama.cpp")      # sides that run one sequence: measured at batch 1 only
+
+
+def parse_batches(text) -> list[int]:
+    """``"1,8"`` (or an int, or a list) -> the sorted batch sizes; each a positive integer."""
+    items = text if isinstance(text, (list, tuple)) else str(text).split(",")
+    try:
+        out = sorted({int(str(x).strip()) for x in items if str(x).strip()})
+    except ValueError:
+        raise WorkbenchError(f"bench: batch must be comma-separated positive integers, got {text!r}") from None
+    if not out or out[0] < 1:
+        raise WorkbenchError(f"bench: batch must be comma-separated positive integers, got {text!r}")
+    return out
 
 
 def parse_configs(text: str | None) -> list[str]:
@@ -155,40 +175,55 @@ def parse_configs(text: str | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _run_engine(llm: LLM, prompt: list[int], n: int) -> tuple[list[int], float, float]:
+def _run_engine(llm: LLM, prompts: list[list[int]], n: int) -> tuple[list[list[int]], float, float]:
+    """The prompts submitted together: (tokens per prompt, median TTFT s, decode tokens/s of the batch =
+    tokens after each request's first over the span from the first first token to the last token;
+    with one prompt, that request's decode rate)."""
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    out = llm.generate([prompt], params)[0]
-    m = out.metrics
-    return out.token_ids, m.ttft, m.decode_tokens_per_s
+    outs = llm.generate(prompts, params)
+    ms = [o.metrics for o in outs]
+    span = max(m.token_times[-1] for m in ms) - min(m.first_token_time for m in ms)
+    return ([o.token_ids for o in outs], statistics.median(m.ttft for m in ms),
+            sum(len(m.token_times) - 1 for m in ms) / span)
 
 
-def _run_loop(model, prompt: list[int], n: int) -> tuple[list[int], float, float]:
+def _run_loop(model, prompts: list[list[int]], n: int) -> tuple[list[list[int]], float, float]:
     from workbench.engine.llm import ReferenceLoop
 
+    (prompt,) = prompts                                 # one sequence: measured at batch 1 only
     start = time.perf_counter()
     loop = ReferenceLoop(model, prompt, n)
     tokens, times = [], []
     for _ in range(n):
         tokens.append(loop.step())
         times.append(time.perf_counter())
-    return tokens, times[0] - start, (n - 1) / (times[-1] - times[0])
+    return [tokens], times[0] - start, (n - 1) / (times[-1] - times[0])
 
 
 @torch.inference_mode()
-def _run_hf(hf, prompt: list[int], n: int) -> tuple[list[int], float, float]:
-    ids = torch.tensor([prompt], device=hf.device)
+def _run_hf(hf, prompts: list[list[int]], n: int) -> tuple[list[list[int]], float, float]:
+    """transformers.generate on the prompts as one batch (equal lengths: no padding)."""
+    ids = torch.tensor(prompts, device=hf.device)
     streamer = _TimingStreamer()
     start = time.perf_counter()
     hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                 streamer=streamer, pad_token_id=0, eos_token_id=None)
-    t = streamer.times
-    return streamer.tokens, t[0] - start, (len(t) - 1) / (t[-1] - t[0])
+    t, b = streamer.times, len(prompts)
+    tokens = [streamer.tokens[i::b] for i in range(b)]  # one token per sequence per step
+    return tokens, t[0] - start, b * (len(t) - 1) / (t[-1] - t[0])
 
 
-def _sides(cfg: "BenchConfig", llm: LLM, names: list[str], prompts: list[list[int]]) -> tuple[dict, dict]:
-    """name -> fn(prompt) -> (tokens, ttft s, decode tok/s); name -> a one-line description."""
+def _sides(cfg: "BenchConfig", llm: LLM, names: list[str], max_batch: int) -> tuple[dict, dict]:
+    """name -> fn(prompts) -> (tokens per prompt, ttft s, decode tok/s); name -> a one-line description.
+    Engines other than the reference run up to ``max_batch`` sequences together."""
+    from workbench.kv.paged import PagedKVConfig
+    from workbench.sched.config import SchedulerConfig
+
     sides, described, skipped = {}, {}, {}
     ctx = cfg.prompt_tokens + cfg.max_tokens + 1        # the static buffers hold exactly what a request needs
+    sched = {"scheduler": SchedulerConfig(max_num_seqs=max_batch,
+                                          max_num_batched_tokens=max(512, max_batch * cfg.prompt_tokens))}
+    sched = sched if max_batch > 1 else {}
     static_model = None                                 # static decode swaps in backend modules: on a copy, so the
     for name in names:                                  # reference and loop rows time the plain model
         if name == "loop":
@@ -197,7 +232,8 @@ def _sides(cfg: "BenchConfig", llm: LLM, names: list[str], prompts: list[list[in
         elif name == "llama.cpp":
             side = _llamacpp_side(cfg, llm)
             if side.get("available"):
-                sides[name], described[name] = side["run"], side["description"]
+                sides[name] = (lambda run: lambda ps: (lambda r: ([r[0]], r[1], r[2]))(run(*ps)))(side["run"])
+                described[name] = side["description"]
             else:
                 skipped[name] = side["reason"]
         elif name == "reference":
@@ -207,8 +243,11 @@ def _sides(cfg: "BenchConfig", llm: LLM, names: list[str], prompts: list[list[in
                 import copy
 
                 static_model = copy.deepcopy(llm.model)
+            opts = dict(ENGINE_OPTIONS[name])
+            if opts.get("kv") == "paged":
+                opts["kv"] = PagedKVConfig()
             try:
-                eng = LLM(static_model, tokenizer=llm.tokenizer, max_model_len=ctx, **ENGINE_OPTIONS[name])
+                eng = LLM(static_model, tokenizer=llm.tokenizer, max_model_len=ctx, **opts, **sched)
             except WorkbenchError as e:
                 skipped[name] = str(e)
                 continue
@@ -229,15 +268,21 @@ def _llamacpp_side(cfg: "BenchConfig", llm: LLM) -> dict:
 def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     """Returns a JSON-ready dict: per configuration median TTFT (ms) and decode tokens/s, their
     ratios to transformers with verdicts, greedy token agreement with the reference (and the
-    logit margin at the first divergence), the environment, and every raw measurement."""
+    logit margin at the first divergence), the environment, and every raw measurement.
+
+    With several batch sizes (``cfg.batch``, e.g. ``"1,8"``) every side runs each size: that many
+    prompts submitted together (transformers: one batched ``generate``; the reference
+    configuration, one request at a time, runs them one after another).  The top-level rows are the
+    smallest batch; ``batches`` holds every size's rows, and ``paged_vs_contiguous`` the paged
+    pool's static steps against the contiguous ones at each size (``paged+compile`` vs ``compile``,
+    ``paged+graphs`` vs ``cuda-graphs``) with a verdict."""
     import transformers
     from tqdm.auto import tqdm
 
-    from workbench.measure.agreement import agreement, divergence_margin
-    from workbench.measure.compare import compare_samples
     from workbench.measure.probe import noise_probe
 
     names = parse_configs(cfg.configs)
+    batches = parse_batches(cfg.batch)
     torch.manual_seed(cfg.seed)
     llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, threads=cfg.threads)
     threads = torch.get_num_threads()   # the engine's choice; process-wide, so transformers runs with it too
@@ -246,69 +291,49 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         from workbench.transforms.backends import apply_backends, parse_backend_spec
         apply_backends(llm.model, parse_backend_spec(cfg.backend))
     hf = hf_model_like(llm, cfg.model)
-    prompts = bench_prompts(llm, cfg.num_prompts, cfg.prompt_tokens, cfg.seed)
-    ours, info = _sides(cfg, llm, names, prompts)
-    sides = {**ours, "transformers": lambda p: _run_hf(hf, p, cfg.max_tokens)}
-    for _ in range(cfg.warmup):          # also where compile / capture happen
-        for fn in sides.values():
-            fn(prompts[0])
-    raw = {k: [] for k in sides}
-    tokens = {k: [] for k in sides}
-    steps = cfg.repeats * len(prompts) * len(sides)
+    pool = bench_prompts(llm, max(cfg.num_prompts, batches[-1]), cfg.prompt_tokens, cfg.seed)
+    ours, info = _sides(cfg, llm, names, batches[-1])
+    sides = {**ours, "transformers": lambda ps: _run_hf(hf, ps, cfg.max_tokens)}
+    for b in batches:                    # also where compile / capture happen (every batch bucket used)
+        for _ in range(cfg.warmup):
+            for name, fn in sides.items():
+                if b == 1 or name not in SINGLE_STREAM:
+                    fn(pool[:b])
+    steps = sum(cfg.repeats * cfg.num_prompts * sum(b == 1 or n not in SINGLE_STREAM for n in sides) for b in batches)
     bar = tqdm(total=steps, desc="bench", unit="run", disable=not progress)
-    order = list(sides)
-    for r in range(cfg.repeats):
-        for i, p in enumerate(prompts):
-            for side in order:
-                if torch.get_num_threads() != threads:
-                    raise WorkbenchError(f"bench: torch threads changed from {threads} to "
-                                         f"{torch.get_num_threads()} during the run")
-                toks, ttft, dtps = sides[side](p)
-                raw[side].append({"repeat": r, "prompt": i, "ttft_ms": ttft * 1e3, "decode_tokens_per_s": dtps})
-                if r == 0:
-                    tokens[side].append(toks)
-                bar.update()
-            order = order[1:] + order[:1]          # rotate, so no side always follows the same one
+    per_batch = {}
+    for b in batches:
+        groups = [[pool[(i + j) % len(pool)] for j in range(b)] for i in range(cfg.num_prompts)]
+        run = {n: fn for n, fn in sides.items() if b == 1 or n not in SINGLE_STREAM}
+        raw, tokens = _measure(run, groups, cfg.repeats, threads, bar)
+        per_batch[b] = _batch_rows(llm, raw, tokens, groups, info, ours)
     bar.close()
-    res = {side: _stats(rows) for side, rows in raw.items()}
-    hf_rates = [x["decode_tokens_per_s"] for x in raw["transformers"]]
-    configs = {}
-    for name in ours:
-        rates = [x["decode_tokens_per_s"] for x in raw[name]]
-        cmp = compare_samples(rates, hf_rates, names=(name, "transformers.generate"), metric="decode tokens/s",
-                              lower_is_better=False, better_word="faster")
-        agree = agreement(tokens["reference"], tokens[name])
-        margins = [divergence_margin(llm.model, p, a, b) for p, a, b in zip(prompts, tokens["reference"], tokens[name])]
-        configs[name] = {**res[name], "description": info["described"][name],
-                         "decode_vs_transformers": res[name]["decode_tokens_per_s_p50"]
-                         / res["transformers"]["decode_tokens_per_s_p50"],
-                         "decode_verdict": cmp.verdict, "decode_winner": cmp.winner,
-                         "token_agreement_vs_reference": agree["rate"],
-                         "token_agreement_vs_transformers": agreement(tokens["transformers"], tokens[name])["rate"],
-                         "first_divergence": [m for m in margins if m is not None]}
-    names_cmp = ("workbench", "transformers.generate")
-    ref_rates = [x["decode_tokens_per_s"] for x in raw["reference"]]
-    decode_cmp = compare_samples(ref_rates, hf_rates, names=names_cmp, metric="decode tokens/s",
-                                 lower_is_better=False, better_word="faster")
-    ttft_cmp = compare_samples([x["ttft_ms"] for x in raw["reference"]], [x["ttft_ms"] for x in raw["transformers"]],
-                               names=names_cmp, metric="TTFT", unit="ms")
-    fastest = max(configs, key=lambda c: configs[c]["decode_tokens_per_s_p50"] if c != "llama.cpp" else -1)
+    first = per_batch[batches[0]]
+    res, configs = first["stats"], first["configs"]
+    raw = first["raw"]
     out = {
         "model": cfg.model or "bundled", "device": str(llm.device), "device_name": device_name(llm.device),
         "dtype": str(llm.model.lm_head.weight.dtype).removeprefix("torch."), "threads": threads,
         "threads_policy": llm.thread_choice.as_dict(), "noise": probe.as_dict(),
         "torch": torch.__version__, "transformers": transformers.__version__, "config": asdict(cfg),
-        "workbench": res["reference"], "transformers_generate": res["transformers"],
+        "batch": batches[0], "workbench": res["reference"], "transformers_generate": res["transformers"],
         "decode_speedup": res["reference"]["decode_tokens_per_s_p50"] / res["transformers"]["decode_tokens_per_s_p50"],
         "ttft_ratio": res["reference"]["ttft_ms_p50"] / res["transformers"]["ttft_ms_p50"],
-        "decode_verdict": decode_cmp.verdict, "ttft_verdict": ttft_cmp.verdict,
-        "decode_winner": decode_cmp.winner, "ttft_winner": ttft_cmp.winner,
-        "greedy_token_agreement": agreement(tokens["reference"], tokens["transformers"])["rate"],
-        "configs": configs, "skipped": info["skipped"], "fastest": fastest,
+        **first["reference_vs_hf"],
+        "greedy_token_agreement": first["reference_agreement"],
+        "configs": configs, "skipped": info["skipped"],
+        "fastest": max(configs, key=lambda c: configs[c]["decode_tokens_per_s_p50"] if c != "llama.cpp" else -1),
         "backends": _backends_row(llm.model),
-        "raw": raw,
+        "batches": {str(b): {k: v for k, v in pb.items() if k in ("configs", "fastest", "paged_vs_contiguous")}
+                    | {"transformers_generate": pb["stats"]["transformers"]} for b, pb in per_batch.items()},
+        "paged_vs_contiguous": {str(b): pb["paged_vs_contiguous"] for b, pb in per_batch.items()
+                                if pb["paged_vs_contiguous"]},
+        "raw": raw if len(batches) == 1 else {str(b): pb["raw"] for b, pb in per_batch.items()},
     }
     if "loop" in configs:                # what the LLM front + engine add to each token, vs the bare loop
+        from workbench.measure.compare import compare_samples
+
+        ref_rates = [x["decode_tokens_per_s"] for x in raw["reference"]]
         cmp = compare_samples([1e3 / x for x in ref_rates], [1e3 / x["decode_tokens_per_s"] for x in raw["loop"]],
                               names=("engine (reference)", "bare loop"), metric="ms per decode token", unit="ms")
         ms_ref = 1e3 / res["reference"]["decode_tokens_per_s_p50"]
@@ -317,6 +342,72 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
                                  "overhead_ms_per_token": ms_ref - ms_loop,
                                  "overhead_pct": 100 * (ms_ref - ms_loop) / ms_loop, "verdict": cmp.verdict}
     return out
+
+
+def _measure(sides: dict, groups: list, repeats: int, threads: int, bar) -> tuple[dict, dict]:
+    """Every side on every group of prompts, ``repeats`` times, interleaved (the order rotated after
+    each group, so no side always follows the same one): raw rows and the first repeat's tokens."""
+    raw = {k: [] for k in sides}
+    tokens = {k: [] for k in sides}
+    order = list(sides)
+    for r in range(repeats):
+        for i, group in enumerate(groups):
+            for side in order:
+                if torch.get_num_threads() != threads:
+                    raise WorkbenchError(f"bench: torch threads changed from {threads} to "
+                                         f"{torch.get_num_threads()} during the run")
+                toks, ttft, dtps = sides[side](group)
+                raw[side].append({"repeat": r, "prompt": i, "ttft_ms": ttft * 1e3, "decode_tokens_per_s": dtps})
+                if r == 0:
+                    tokens[side] += toks
+                bar.update()
+            order = order[1:] + order[:1]
+    return raw, tokens
+
+
+# (paged side, contiguous side) compared at every batch size
+PAGED_PAIRS = (("paged+compile", "compile"), ("paged+graphs", "cuda-graphs"))
+
+
+def _batch_rows(llm: LLM, raw: dict, tokens: dict, groups: list, info: dict, ours: dict) -> dict:
+    """One batch size's rows: stats per side, each configuration against transformers (ratio and
+    verdict), its greedy agreement with the reference configuration and with transformers (and the
+    logit margin at each first divergence), the fastest, the paged pool against contiguous KV."""
+    from workbench.measure.agreement import agreement, divergence_margin
+    from workbench.measure.compare import compare_samples
+
+    stats = {side: _stats(rows) for side, rows in raw.items()}
+    rates = {side: [x["decode_tokens_per_s"] for x in rows] for side, rows in raw.items()}
+    prompts = [p for g in groups for p in g]
+    configs = {}
+    for name in (n for n in ours if n in raw):
+        cmp = compare_samples(rates[name], rates["transformers"], names=(name, "transformers.generate"),
+                              metric="decode tokens/s", lower_is_better=False, better_word="faster")
+        margins = [divergence_margin(llm.model, p, a, b) for p, a, b in zip(prompts, tokens["reference"], tokens[name])]
+        configs[name] = {**stats[name], "description": info["described"][name],
+                         "decode_vs_transformers": stats[name]["decode_tokens_per_s_p50"]
+                         / stats["transformers"]["decode_tokens_per_s_p50"],
+                         "decode_verdict": cmp.verdict, "decode_winner": cmp.winner,
+                         "token_agreement_vs_reference": agreement(tokens["reference"], tokens[name])["rate"],
+                         "token_agreement_vs_transformers": agreement(tokens["transformers"], tokens[name])["rate"],
+                         "first_divergence": [m for m in margins if m is not None]}
+    names_cmp = ("workbench", "transformers.generate")
+    decode_cmp = compare_samples(rates["reference"], rates["transformers"], names=names_cmp, metric="decode tokens/s",
+                                 lower_is_better=False, better_word="faster")
+    ttft_cmp = compare_samples([x["ttft_ms"] for x in raw["reference"]], [x["ttft_ms"] for x in raw["transformers"]],
+                               names=names_cmp, metric="TTFT", unit="ms")
+    paged = {}
+    for a, b in PAGED_PAIRS:
+        if a in configs and b in configs:
+            cmp = compare_samples(rates[a], rates[b], names=(a, b), metric="decode tokens/s", lower_is_better=False,
+                                  better_word="faster")
+            paged[f"{a} vs {b}"] = {"ratio": stats[a]["decode_tokens_per_s_p50"] / stats[b]["decode_tokens_per_s_p50"],
+                                    "verdict": cmp.verdict, "winner": cmp.winner}
+    return {"stats": stats, "configs": configs, "raw": raw, "paged_vs_contiguous": paged,
+            "fastest": max(configs, key=lambda c: configs[c]["decode_tokens_per_s_p50"] if c != "llama.cpp" else -1),
+            "reference_vs_hf": {"decode_verdict": decode_cmp.verdict, "ttft_verdict": ttft_cmp.verdict,
+                                "decode_winner": decode_cmp.winner, "ttft_winner": ttft_cmp.winner},
+            "reference_agreement": agreement(tokens["reference"], tokens["transformers"])["rate"]}
 
 
 def _stats(rows: list[dict]) -> dict:
@@ -367,6 +458,20 @@ def format_bench(res: dict) -> str:
                      f"({fo['overhead_pct']:+.0f}%; {fo['verdict']})")
     lines.append(f"fastest configuration: {res['fastest']} ({res['configs'][res['fastest']]['decode_vs_transformers']:.2f}x "
                  "transformers)")
+    for b, pb in res.get("batches", {}).items():
+        if int(b) == res.get("batch", 1):
+            continue
+        h = pb["transformers_generate"]
+        lines.append(f"batch {b} (prompts submitted together; the reference configuration runs them one at a time):")
+        for name, r in [*pb["configs"].items(), ("transformers.generate", h)]:
+            ratio = f"{r['decode_vs_transformers']:.2f}x" if "decode_vs_transformers" in r else "1.00x"
+            agree = f"{r['token_agreement_vs_reference']:.0%}" if "token_agreement_vs_reference" in r else ""
+            lines.append(f"  {name:<22}{r['ttft_ms_p50']:>14.2f}{r['ttft_ms_jitter']:>13.2f}"
+                         f"{r['decode_tokens_per_s_p50']:>18.1f}{r['decode_tokens_per_s_min']:>9.1f}.."
+                         f"{r['decode_tokens_per_s_max']:<8.1f}{ratio:>8}{agree:>8}")
+    for b, pairs in res.get("paged_vs_contiguous", {}).items():
+        for pair, c in pairs.items():
+            lines.append(f"batch {b}: {pair}: decode {c['ratio']:.2f}x ({c['verdict']})")
     pol = res.get("threads_policy") or {}
     if pol.get("step_ms"):
         steps = ", ".join(f"{t}: {ms:.2f} ms" for t, ms in pol["step_ms"].items())
