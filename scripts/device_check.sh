@@ -20,7 +20,11 @@
 #    9. quant_bench: `workbench quant-bench --kernels` (the W4A16 split-K GEMV / GEMM, W8A16 and
 #    W4A8 Triton kernels vs dense bf16 F.linear at m = 1, 4, 16, 64 on Llama-7B-sized layers; it
 #    exits 1 when a kernel's error against its reference exceeds 1e-2), after quant_tests (the
-#    kernels' tests against their torch references, compiled on the GPU);  10. e2e: notebook 06's ablation
+#    kernels' tests against their torch references, compiled on the GPU);  10. decode_stack: `workbench
+#    decode-stack` (the paged pool + prefix cache + Triton paged decode + CUDA graphs against the contiguous
+#    graph path, same backends, in the engine on a Llama-3.2-1B-shaped bf16 model at batch 1, 8 and 32:
+#    decode tokens/s, at batch 1 the fraction of the copy bandwidth measured in the same run, the ratio
+#    paged / contiguous and greedy token agreement);  11. e2e: notebook 06's ablation
 #    at its tiny size (workbench.bench.end_to_end.run_end_to_end: one realistic workload, every layer
 #    alone against the baseline and stacked, the Triton kernels and CUDA graphs as the kernel layers on a
 #    GPU; TTFT / TPOT / E2E P95, throughput, measured memory, greedy agreement and perplexity per
@@ -35,7 +39,8 @@
 # `python -m workbench.cli.gpu_results`; see results/gpu/README.md):
 #   with CUDA     results/gpu/<device>-<YYYY-MM-DD>/ (committed; a second run that day: -2, -3 ...):
 #                 meta.json, summary.csv, engine_bench.csv, kernel_bench.csv, sched_bench.csv,
-#                 prefix_bench.csv, prefetch_bench.csv, tier_bench.csv, quant_bench.csv, calibrate.csv, e2e.csv,
+#                 prefix_bench.csv, prefetch_bench.csv, tier_bench.csv, quant_bench.csv, calibrate.csv,
+#                 decode_stack.csv, e2e.csv,
 #                 device_check.log.  Where $OUT is set (the device
 #                 tool's folder of files that come back, at most 8 files) the folder is also archived to
 #                 $OUT/<device>-<date>.tar: extract it into results/gpu/ here and commit the folder.
@@ -101,6 +106,11 @@ if [ "$CUDA" = 1 ]; then
   # bundled model's shapes, decode steps of each measured mix against the unquantized model)
   CALIB=(--dataset reference --objective latency --search-space w8a16,w4a16:g128 --context 128 --eval-windows 2
          --calib-windows 2 --max-measured 4 --rounds 3 --decode-steps 8)
+  # Llama-3.2-1B-shaped bf16 (random weights), every Triton kernel on the decode path: 128-token prompts, 64 new
+  # tokens, 5 interleaved rounds of 2 configs x 3 batches (~1.5 s a round, after ~5 s of start-up and ~5 s of
+  # capture, JIT and warm-up); a round that would end past 20 s of the run is not started (the first always runs)
+  DECODE=(--model preset:llama-3.2-1b --configs paged+graphs,contiguous+graphs --backend fused --batches 1,8,32
+          --prompt-tokens 128 --max-tokens 64 --repeats 5 --budget-s 20)
 else                            # the dry run: CPU sizes, the interpreter's quick kernel tests
   DEV=cpu; SIZE=small
   TESTS=(tests/kernels/test_kernels_pointwise.py tests/kernels/test_kernels_attention.py tests/transforms/test_cuda_graphs.py)
@@ -114,6 +124,8 @@ else                            # the dry run: CPU sizes, the interpreter's quic
   QUANT_TESTS=(tests/kernels/test_kernels_quant.py -k "unpacking or errors")
   CALIB=(--dataset reference --objective latency --search-space w8a16 --context 32 --eval-windows 1
          --calib-windows 1 --max-measured 2 --rounds 3 --decode-steps 2)
+  DECODE=(--model preset:tiny --configs paged+static,contiguous+static --backend eager --batches 1,4
+          --prompt-tokens 16 --max-tokens 8 --repeats 3 --budget-s 20)     # fp32; the same static steps, eager
 fi
 
 step() {   # step NAME CAP_S command...: stdout -> $WORK/NAME.out, stderr -> $WORK/NAME.log
@@ -137,19 +149,22 @@ step() {   # step NAME CAP_S command...: stdout -> $WORK/NAME.out, stderr -> $WO
 
 WB=("$PY" -m workbench.cli.main)
 echo "device check: $DEV, $PY, tables -> $DIR"
-step tests 70 "$PY" -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"
-step kernels_bench 70 "${WB[@]}" kernels-bench --device "$DEV" --size "$SIZE" --csv "$WORK/kernel_bench.csv" --quiet
+step tests 65 "$PY" -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"
+step kernels_bench 65 "${WB[@]}" kernels-bench --device "$DEV" --size "$SIZE" --csv "$WORK/kernel_bench.csv" --quiet
 step sched_bench 35 "${WB[@]}" sched-bench --device "$DEV" "${SCHED[@]}" --json --quiet
-step engine_bench 40 "${WB[@]}" bench --device "$DEV" "${ENGINE[@]}" --json --quiet
+step engine_bench 35 "${WB[@]}" bench --device "$DEV" "${ENGINE[@]}" --json --quiet
 step engine_fast 40 "${WB[@]}" bench --device "$DEV" "${FAST[@]}" --json --quiet
 step prefix_bench 25 "${WB[@]}" prefix-bench --device "$DEV" "${PREFIX[@]}" --json --quiet
-step prefetch_bench 35 "${WB[@]}" prefetch-bench --device "$DEV" "${PREFETCH[@]}" --json --quiet
+step prefetch_bench 30 "${WB[@]}" prefetch-bench --device "$DEV" "${PREFETCH[@]}" --json --quiet
 step tier_bench 30 "${WB[@]}" tier-bench --device "$DEV" --docs 1 --eval-tokens 48 --config default --json
 step quant_tests 25 "$PY" -m pytest -q -x -p no:cacheprovider "${QUANT_TESTS[@]}"
 step quant_bench 25 "${WB[@]}" quant-bench "${QUANT[@]}" --json --quiet
-step calibrate 25 "${WB[@]}" calibrate-quant --device "$DEV" "${CALIB[@]}" --out "$WORK/calibrate" --json --quiet
-# last: by now the Triton kernels it launches are compiled (tests, kernels_bench, quant_tests)
-step e2e 45 "$PY" -c 'import json, sys; from workbench.bench.end_to_end import run_end_to_end
+step calibrate 20 "${WB[@]}" calibrate-quant --device "$DEV" "${CALIB[@]}" --out "$WORK/calibrate" --json --quiet
+# the end-to-end stack rows, after the kernel rows: by now the Triton kernels they launch are compiled (tests,
+# kernels_bench, quant_tests).  decode_stack's 30 s came from tests, kernels_bench, engine_bench, prefetch_bench,
+# calibrate and e2e, 5 s each (the budget stays 480 s); it is sized for ~20 s (DECODE above)
+step decode_stack 30 "${WB[@]}" decode-stack --device "$DEV" "${DECODE[@]}" --json --quiet
+step e2e 40 "$PY" -c 'import json, sys; from workbench.bench.end_to_end import run_end_to_end
 print(json.dumps(run_end_to_end(device=sys.argv[1], mode="tiny", progress=True), default=str))' "$DEV"
 
 echo

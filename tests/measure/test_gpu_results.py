@@ -298,7 +298,7 @@ def test_start_and_write_tables_on_a_gpu(tmp_path):
     done = gr.write_tables(out, work)
     assert done == {"engine_bench": "ok", "kernel_bench": "ok", "sched_bench": "step timeout", "prefix_bench": "ok",
                     "engine_fast_bench": "not run", "prefetch_bench": "not run", "tier_bench": "not run",
-                    "quant_bench": "not run", "calibrate": "not run", "e2e": "not run"}
+                    "quant_bench": "not run", "calibrate": "not run", "decode_stack": "not run", "e2e": "not run"}
     names = sorted(p.name for p in out.iterdir())
     assert names == ["device_check.log", "engine_bench.csv", "kernel_bench.csv", "meta.json", "prefix_bench.csv",
                      "summary.csv"]

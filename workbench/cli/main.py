@@ -1,6 +1,6 @@
 """``workbench`` command line: generate, bench, run-notebooks, info, kv-inspect, prefix-bench,
 sched-bench, serve, load, kernels-bench, kernels-aot, prefetch-bench, tier-bench, quant-bench, quantize,
-calibrate-quant, claims.
+calibrate-quant, claims, decode-stack.
 
 argparse lives only in this package; each subcommand calls a plain function with the same parameters.
 A :class:`WorkbenchError` is printed as one line and the exit status is 2 (no traceback).
@@ -10,7 +10,9 @@ prefix-bench, sched-bench), :mod:`~workbench.cli.notebooks` (run-notebooks),
 :mod:`~workbench.cli.serve`, :mod:`~workbench.cli.kernels` (kernels-bench, kernels-aot),
 :mod:`~workbench.cli.load`, :mod:`~workbench.cli.prefetch` (prefetch-bench), :mod:`~workbench.cli.tiers`
 (tier-bench), :mod:`~workbench.cli.quant` (quant-bench), :mod:`~workbench.cli.quantize` (quantize: a
-compressed-tensors checkpoint) and :mod:`~workbench.cli.calibrate` (calibrate-quant) and :mod:`~workbench.cli.claims` (the claims lab); the shared options are in
+compressed-tensors checkpoint), :mod:`~workbench.cli.calibrate` (calibrate-quant), :mod:`~workbench.cli.claims`
+(the claims lab) and :mod:`~workbench.cli.decode_stack` (decode-stack: the paged decode stack against the
+contiguous graph path); the shared options are in
 :mod:`~workbench.cli.options`.
 """
 
@@ -22,6 +24,7 @@ import sys
 from workbench.cli.bench import add_bench_parser, add_prefix_bench_parser, add_sched_bench_parser
 from workbench.cli.calibrate import add_calibrate_parser
 from workbench.cli.claims import add_claims_parser
+from workbench.cli.decode_stack import add_decode_stack_parser
 from workbench.cli.kernels import add_kernels_aot_parser, add_kernels_bench_parser
 from workbench.cli.load import add_parser as add_load_parser
 from workbench.cli.model import add_generate_parser, add_info_parser, add_kv_inspect_parser
@@ -54,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_quantize_parser(sub)
     add_calibrate_parser(sub)
     add_claims_parser(sub)
+    add_decode_stack_parser(sub)
     return ap
 
 

@@ -20,6 +20,10 @@ One folder holds (see ``results/gpu/README.md``)::
                        the W4A16 / W8A16 / W4A8 Triton kernels
     calibrate.csv      `workbench calibrate-quant --objective latency --json`: one row per measured mix
                        (degradation on the search / confirmation text, decode ms, the recommendation)
+    decode_stack.csv   `workbench decode-stack --json`: one row per (configuration, batch): decode tokens/s in the
+                       engine (median, min, max), ms per step, at batch 1 the fraction of the copy bandwidth measured
+                       in the run, the ratio to the contiguous graph path and greedy agreement with it; a refused or
+                       failed configuration is a row with its status and reason
     e2e.csv            notebook 06's ablation at its tiny size (`workbench.bench.end_to_end.run_end_to_end`):
                        one row per configuration (medians of TTFT / TPOT / E2E, throughput, memory, quality,
                        verdicts against the baseline, its step in the stack), then one per layer not measured
@@ -64,7 +68,8 @@ DRY_RUN_DIR = REPO / "runs" / "device_check"     # git-ignored: a run without CU
 # the CSV `workbench kernels-bench` has always written)
 TABLES = {"engine_bench": "engine_bench", "engine_fast": "engine_fast_bench", "kernels_bench": "kernel_bench",
           "sched_bench": "sched_bench", "prefix_bench": "prefix_bench", "prefetch_bench": "prefetch_bench",
-          "tier_bench": "tier_bench", "quant_bench": "quant_bench", "calibrate": "calibrate", "e2e": "e2e"}
+          "tier_bench": "tier_bench", "quant_bench": "quant_bench", "calibrate": "calibrate",
+          "decode_stack": "decode_stack", "e2e": "e2e"}
 ENGINE_STEPS = ("engine_bench", "engine_fast")      # `workbench bench --json` outputs: one row per side
 SUMMARY_COLUMNS = ["step", "status", "seconds", "limit_s"]
 LONG_COLUMNS = ["section", "config", "metric", "value"]
@@ -320,7 +325,7 @@ def write_tables(out_dir: str | Path, work_dir: str | Path) -> dict[str, str]:
                 if step == "quant_bench":                   # already one flat row per measurement
                     rows = [{k: v for k, v in r.items() if _scalar(v)} for r in data["kernels"]]
                     write_csv(rows, out / f"{table}.csv")
-                elif step == "e2e":                         # one row per configuration (and per skipped layer)
+                elif step in ("e2e", "decode_stack"):      # one row per configuration (and batch / skipped layer)
                     write_csv([{k: v for k, v in r.items() if _scalar(v)} for r in data["rows"]], out / f"{table}.csv")
                 elif step == "calibrate":                   # one row per measured mix
                     res = data["result"]
