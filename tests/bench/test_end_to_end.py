@@ -14,6 +14,7 @@ import json
 import pytest
 
 from workbench.bench.end_to_end import (
+    ALONE_ONLY,
     KINDS,
     LAYERS,
     REQUIRES,
@@ -25,6 +26,7 @@ from workbench.bench.end_to_end import (
     add_layer,
     build_workload,
     device_layers,
+    device_quant,
     recommend,
     report_rows,
     run_ablation,
@@ -117,7 +119,9 @@ def test_layers_by_device_and_their_options():
     assert add_layer(Spec(), "quant:w4a16:g128", cfg, ctx).quant == "w4a16:g128"
     assert add_layer(Spec(), "window", cfg, ctx).window_s == cfg.window_ms / 1e3
     q = add_layer(Spec(), "quant", cfg, ctx)
-    assert q.fresh_model and q.numerics == f"quant {cfg.quant}" and not Spec().fresh_model and Spec().numerics is None
+    assert q.fresh_model and q.numerics == "quant w8a8" and not Spec().fresh_model and Spec().numerics is None
+    assert device_quant("cpu") == "w8a8" and device_quant("cuda:0") == "w4a16:g128"      # each device's fastest
+    assert stack[-1] == "quant" and "compile" in stack and not set(ALONE_ONLY) & set(stack)
     assert REQUIRES["kv_offload"] == ("paged", "prefix_cache")
     with pytest.raises(ConfigError, match="unknown layer"):
         add_layer(Spec(), "warp_drive", cfg, ctx)
@@ -177,16 +181,15 @@ def test_refused_combinations_are_recorded_with_the_engines_reason(tiny):
     reason = {(r.stage, r.layer): r.reason for r in sk.itertuples()}
     assert "CUDA device" in reason[("one at a time", "cuda_graphs")]
     assert "interpreter" in reason[("one at a time", "triton")]
-    assert "static contiguous KV" in reason[("stack", "compile")]          # compile vs the paged pool
-    assert "not both" in reason[("stack", "tiers")]                          # tiers vs the paged pool
-    assert "stream_weights" in reason[("stack", "weight_streaming")]         # quantized weights cannot stream
+    assert not [r for r in sk.itertuples() if r.stage == "stack"], sk      # the static step runs over the pool now
     stacked = [s["layer"] for s in ab.stack if s["config"] is not None]
-    assert stacked == ["baseline", "paged", "prefix_cache", "kv_offload", "window", "priorities", "quant"]
+    assert stacked == ["baseline", "paged", "prefix_cache", "kv_offload", "compile", "window", "priorities", "quant"]
     table = ab.stack_frame()
-    assert (table["status"] == "skipped").sum() == 3 and table.loc[table["status"] == "skipped", "reason"].str.len().min()
+    skipped = table[table["status"] == "skipped"]
+    assert len(skipped) == 2 and skipped["reason"].str.startswith("measured alone: a memory layer").all()
     steps = ab.waterfall("ttft_ms_p95")
     assert steps[0]["kind"] == "start" and steps[-1]["kind"] == "total"
-    assert [s["layer"] for s in steps if s["kind"] == "skipped"] == ["compile", "tiers", "weight_streaming"]
+    assert [s["layer"] for s in steps if s["kind"] == "skipped"] == ["tiers", "weight_streaming"]
     for prev, s in zip([x for x in steps if x["kind"] in ("start", "step")],
                        [x for x in steps if x["kind"] in ("start", "step")][1:]):
         assert s["prev"] == prev["value"] and s["delta"] == pytest.approx(s["value"] - prev["value"])
@@ -300,3 +303,26 @@ def test_ablation_refuses_to_go_on_without_a_baseline(monkeypatch):
     monkeypatch.setattr(ab, "_llm", refuse)
     with pytest.raises(ConfigError, match="baseline could not be built: no engine today"):
         ab.build()
+
+
+# ---- where the time goes -----------------------------------------------------------------------------
+
+def test_breakdown_splits_a_replay_into_its_parts(tiny):
+    """One timed replay per configuration: the parts never exceed the wall time, matmuls and attention
+    are seen, the paged pool's gathers show up where per-sequence caches have none."""
+    from workbench.bench.e2e_breakdown import COLUMNS, OpTimer, breakdown
+
+    _, _, ab = tiny
+    bd = breakdown(ab, ["baseline", "+paged"])
+    assert set(COLUMNS) <= set(bd.columns) and "error" not in bd
+    for name, r in bd.iterrows():
+        assert r["scheduling_ms"] + r["output_ms"] + r["model_ms"] <= 1.05 * r["wall_ms"], name
+        parts = r["static_step_ms"] + r["matmul_ms"] + r["attention_ms"] + r["gather_ms"] + r["other_model_ms"]
+        assert parts <= 1.001 * r["model_ms"] + r["timer_overhead_ms"], name
+        assert r["matmul_ms"] > 0 and r["attention_ms"] > 0 and r["steps"] == r["decode_steps"] + r["mixed_steps"]
+    assert bd.loc["+paged", "gather_ms"] > bd.loc["baseline", "gather_ms"]     # blocks read back by index
+    import torch
+    x, w = torch.ones(2, 4), torch.ones(3, 4)
+    with OpTimer() as t, torch.inference_mode():
+        torch.nn.functional.linear(x, w)
+    assert t.ops >= 1 and t.ms["matmul"] > 0 and t.ms["attention"] == t.ms["gather"] == 0

@@ -28,14 +28,15 @@ NOTEBOOK = ROOT / "notebooks" / "06_end_to_end.ipynb"
 BUNDLED_WEIGHTS = ROOT / "data" / "reference-model" / "model.safetensors"
 
 EXPECTED_KEYS = {"baseline_ttft_ms_p95", "baseline_tpot_ms_p50", "baseline_tokens_per_s", "stack_ttft_ms_p95",
+                 "stack_tokens_per_s", "stack_vs_baseline_tokens_per_s_ratio", "stack_vs_baseline_tokens_per_s_verdict",
                  "stack_vs_baseline_ttft_p95_ratio", "stack_vs_baseline_verdict", "stack_layers", "layers_not_stacked",
                  "configs_measured", "combinations_refused", "slo", "recommended_config", "recommendation_reason",
                  "alone_prefix_cache_ttft_p95_ratio", "alone_prefix_cache_ttft_p95_verdict",
                  "alone_prefix_cache_agreement", "alone_quant_agreement", "alone_tiers_ttft_p95_verdict",
                  "claims_total", "threads", "noise_threshold"}
 EXPECTED_TABLES = {"workload", "runs", "skipped", "summary", "stack", "waterfall", "recommendation", "claims",
-                   "claims_counts"}
-EXPECTED_FIGURES = {"workload", "alone_ttft_p95", "alone_tpot_p50", "memory", "waterfall"}
+                   "claims_counts", "breakdown"}
+EXPECTED_FIGURES = {"workload", "alone_ttft_p95", "alone_tpot_p50", "memory", "waterfall", "breakdown"}
 CLAIMS = ["first_sse_chunk_64b", "kv_size_llama2_7b_32k", "full_stack_4x"]
 
 
@@ -56,7 +57,12 @@ def test_end_to_end_notebook_runs_in_tiny_mode(tmp_path):
     assert not missing, f"results lack {sorted(missing)}"
     assert EXPECTED_TABLES <= set(res["tables"]), sorted(set(res["tables"]))
     assert EXPECTED_FIGURES <= set(res["figures"]), sorted(set(res["figures"]))
-    assert metrics["combinations_refused"] >= 3 and metrics["configs_measured"] >= 10
+    # refused on a CPU: CUDA graphs (the one combination the engine cannot build here); the static decode
+    # step joins the stack over the paged pool, and the memory layers are measured alone
+    assert metrics["combinations_refused"] >= 1 and metrics["configs_measured"] >= 10
+    assert "compile" in metrics["stack_layers"] or "static decode" in metrics["stack_layers"]
+    breakdown = res["tables"]["breakdown"]
+    assert list(breakdown["config"])[0] == "baseline" and breakdown["model_ms"].gt(0).all()
     assert metrics["alone_prefix_cache_agreement"] >= 0.9
     summary = res["tables"]["summary"]
     assert "baseline" in set(summary["config"]) and summary["ttft_ms_p95"].notna().all()

@@ -19,9 +19,10 @@ from workbench.kv.tier_config import TierConfig
 
 # layer -> (label, what it changes).  The device decides which of them are measured (device_layers).
 LAYERS = {
-    "compile": ("compile", "decode steps on static contiguous buffers, torch.compile'd (on a CPU: inductor's C++)"),
-    "static_decode": ("static decode", ("decode steps on static contiguous buffers, eager (the path compile and "
-                                        "CUDA graphs build on)")),
+    "compile": ("compile", "decode steps on static buffers (contiguous rows, or the paged pool's blocks when the pool "
+                           "is on), torch.compile'd (on a CPU: inductor's C++)"),
+    "static_decode": ("static decode", ("decode steps on static buffers, eager (the path compile and CUDA graphs "
+                                        "build on)")),
     "triton": ("Triton kernels", "fused RMSNorm(+residual), RoPE(+KV write), SwiGLU, flash prefill, paged decode"),
     "cuda_graphs": ("CUDA graphs", "decode steps captured once per batch-size bucket and replayed"),
     "paged": ("paged KV pool", "KV in fixed-size blocks of one pool shared by every sequence (nothing shared yet)"),
@@ -33,8 +34,26 @@ LAYERS = {
                                               "ahead of use")),
     "window": ("micro-batch window", "new arrivals wait up to the window to be admitted together"),
     "priorities": ("priorities", "chat turns go first (priority 1) and may preempt documents and one-off requests"),
-    "quant": ("quantization", "linear layers quantized (weight-only)"),
+    "quant": ("quantization", "linear layers quantized: the device's fastest scheme (DEVICE_QUANT)"),
 }
+# The device's fastest quantization, measured on the bundled model (decode step at batch 1 / 8, a 256-token
+# prefill; 2-core AMD EPYC, 1 thread): fp32 2.4 / 3.9 / 32 ms; W8A8 (torch._int_mm, int8 activations)
+# 1.6 / 3.0 / 15 ms; W8A16 (torch's int8 weight-only op) 4.3 / 27 / 32 ms; W4A16 g128 8.3 / 6.6 / 34 ms.
+# On a GPU the Triton W4A16 kernel reads the fewest bytes per token.
+DEVICE_QUANT = {"cpu": "w8a8", "cuda": "w4a16:g128"}
+# Layers measured alone but left out of the stack, and why (the stack is the fastest configuration
+# the device can build; these trade speed for memory, or exactness for memory).
+ALONE_ONLY = {
+    "tiers": ("a memory layer: approximate attention over a hot / warm / cold cache per sequence (outputs change), "
+              "whose routing picks blocks on the host at every step, so no static decode step can replay it"),
+    "weight_streaming": ("a memory layer: fewer resident weight bytes, paid for with a fetch per streamed layer "
+                         "and step (measured alone; notebook 03 measures what hides the fetches)"),
+}
+
+
+def device_quant(device: str) -> str:
+    """The quantization scheme of ``device``'s stack (:data:`DEVICE_QUANT`)."""
+    return DEVICE_QUANT["cuda" if str(device).startswith("cuda") else "cpu"]
 REQUIRES = {"prefix_cache": ("paged",), "kv_offload": ("paged", "prefix_cache")}   # one-at-a-time rows include these
 TRITON_OPS = {"rmsnorm": "triton", "rope": "triton", "swiglu": "triton", "attention_prefill": "triton",
               "attention_decode": "triton"}
@@ -44,20 +63,18 @@ def device_layers(device: str) -> tuple[list[str], list[str], dict[str, str]]:
     """``(one-at-a-time layers, the stack's order, layers not measured on this device -> why)``.
 
     The stack puts the KV layout first: the paged pool (then its prefix cache and offload tier) serves
-    the shared prefixes of this workload; compile / CUDA graphs and the tiered cache each need a KV
-    layout of their own, so on top of the pool the engine refuses them (recorded).  Then the
-    scheduler's window and priorities, then quantization; weight streaming last (it cannot stream
-    a quantized model yet)."""
+    the shared prefixes of this workload; the static decode step (compile on a CPU, CUDA graphs on a
+    GPU, after the Triton kernels) runs over the pool's blocks; then the scheduler's window and
+    priorities, then the device's fastest quantization (:data:`DEVICE_QUANT`).  The memory layers
+    (:data:`ALONE_ONLY`: the tiered cache, weight streaming) are measured alone, not stacked."""
     common = ["paged", "prefix_cache", "kv_offload", "tiers", "weight_streaming", "window", "priorities", "quant"]
     if str(device).startswith("cuda"):
         return (["triton", "cuda_graphs", *common],
-                ["triton", "paged", "prefix_cache", "kv_offload", "cuda_graphs", "tiers", "window", "priorities",
-                 "quant", "weight_streaming"], {})
+                ["triton", "paged", "prefix_cache", "kv_offload", "cuda_graphs", "window", "priorities", "quant"], {})
     why = {"triton": "the Triton kernels run on a CPU only under the interpreter (TRITON_INTERPRET=1, ~0.1 s a "
                      "launch): correct, and checked in notebook 01, but no speed layer; on a GPU this row is measured"}
     return (["compile", "cuda_graphs", *common],
-            ["paged", "prefix_cache", "kv_offload", "compile", "tiers", "window", "priorities", "quant",
-             "weight_streaming"], why)
+            ["paged", "prefix_cache", "kv_offload", "compile", "window", "priorities", "quant"], why)
 
 
 @dataclass
@@ -70,7 +87,7 @@ class E2EConfig:
     block_size: int = 16
     window_ms: float = 5.0
     compile: bool = True                 # False: the compile layer is static decode (no compile time)
-    quant: str = "w8a16"                 # the stack's quantization
+    quant: str | None = None             # the stack's quantization (None: the device's fastest, DEVICE_QUANT)
     quant_variants: tuple[str, ...] = ("w4a16:g128",)   # more one-at-a-time rows
     tiers: TierConfig = field(default_factory=lambda: TierConfig(window=64, rank=8, warm_tokens=128, chunk=16,
                                                                   block=16))
@@ -99,8 +116,7 @@ class E2EConfig:
     def preset(cls, mode: str, **over) -> E2EConfig:
         sizes = {"tiny": {"repeats": 3, "compile": False, "quant_variants": (), "eval_docs": 1, "eval_context": 192,
                           "eval_tokens": 96, "max_num_seqs": 4},
-                 "smoke": {"compile": False, "quant_variants": (), "reference_row": False, "eval_context": 256,
-                           "eval_tokens": 128},
+                 "smoke": {"quant_variants": (), "reference_row": False, "eval_context": 256, "eval_tokens": 128},
                  "full": {"repeats": 5, "eval_docs": 4, "eval_context": 512, "eval_tokens": 256}}
         if mode not in sizes:
             raise ConfigError(f"E2EConfig.preset: mode must be one of {', '.join(sizes)}, got {mode!r}")
@@ -176,13 +192,13 @@ def add_layer(spec: Spec, layer: str, cfg: E2EConfig, ctx: dict) -> Spec:
     if layer == "priorities":
         return r(spec, priorities=True)
     if layer == "quant" or layer.startswith("quant:"):
-        return r(spec, quant=layer.split(":", 1)[1] if ":" in layer else cfg.quant)
+        return r(spec, quant=layer.split(":", 1)[1] if ":" in layer else cfg.quant or DEVICE_QUANT["cpu"])
     raise ConfigError(f"unknown layer {layer!r}; known: {', '.join(LAYERS)}")
 
 
 def layer_label(layer: str, cfg: E2EConfig | None = None) -> str:
     if layer.startswith("quant"):
-        return f"quant {layer.split(':', 1)[1] if ':' in layer else (cfg.quant if cfg else 'w8a16')}"
+        return f"quant {layer.split(':', 1)[1] if ':' in layer else (cfg.quant if cfg and cfg.quant else 'device')}"
     if layer == "compile" and cfg is not None and not cfg.compile:
         return "static decode (compile in full mode)"
     return LAYERS.get(layer, (layer,))[0]

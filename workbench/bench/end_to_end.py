@@ -54,6 +54,7 @@ import traceback
 import torch
 
 from workbench.bench.e2e_configs import (
+    ALONE_ONLY,
     LAYERS,
     REQUIRES,
     TRITON_OPS,
@@ -62,6 +63,7 @@ from workbench.bench.e2e_configs import (
     Spec,
     add_layer,
     device_layers,
+    device_quant,
     layer_label,
 )
 from workbench.bench.e2e_measure import (
@@ -81,8 +83,8 @@ from workbench.engine.traces import Trace, replay
 from workbench.errors import ConfigError
 from workbench.measure.agreement import agreement
 
-__all__ = ["KINDS", "LAYERS", "METRICS", "REQUIRES", "SLO", "TRITON_OPS", "Ablation", "Config", "E2EConfig", "Spec",
-           "Workload", "WorkloadConfig", "add_layer", "build_workload", "device_layers", "layer_label",
+__all__ = ["ALONE_ONLY", "KINDS", "LAYERS", "METRICS", "REQUIRES", "SLO", "TRITON_OPS", "Ablation", "Config", "E2EConfig", "Spec",
+           "Workload", "WorkloadConfig", "add_layer", "build_workload", "device_layers", "device_quant", "layer_label",
            "numerics_quality", "recommend", "report_rows", "run_ablation", "run_end_to_end", "run_row",
            "scored_logprobs", "weights_bytes"]
 
@@ -97,7 +99,12 @@ class Ablation(AblationResults):
 
     def __init__(self, llm, workload: Workload, cfg: E2EConfig | None = None, model=None,
                  noise: float | None = None) -> None:
-        self.llm, self.workload, self.cfg = llm, workload, cfg or E2EConfig()
+        import dataclasses
+
+        cfg = cfg or E2EConfig()
+        if cfg.quant is None:              # the device's fastest scheme
+            cfg = dataclasses.replace(cfg, quant=device_quant(str(llm.device)))
+        self.llm, self.workload, self.cfg = llm, workload, cfg
         self.model_source, self.noise = model, noise
         self.device = str(llm.device)
         singles, stack, self.not_here = device_layers(self.device)
@@ -223,6 +230,9 @@ class Ablation(AblationResults):
                 continue
             spec, layers = nxt, [*layers, layer]
             self.stack.append({"step": len(layers), "layer": layer, "config": c.name, "reason": None})
+        for layer, why in ALONE_ONLY.items():
+            if layer not in self.stack_order and layer in self.singles:
+                self.stack.append({"step": None, "layer": layer, "config": None, "reason": f"measured alone: {why}"})
         return self
 
     def warm_up(self) -> None:
@@ -244,6 +254,8 @@ class Ablation(AblationResults):
     # ---- running -----------------------------------------------------------------------------
     def _run_once(self, c: Config, trace: Trace) -> tuple[dict, list]:
         engine = c.front.engine if c.spec.persistent else self._llm(c.spec, net=c.front.model).engine
+        if c.spec.persistent and engine.kv_pool is not None:
+            engine.kv_pool.reset()        # a kept engine starts each run cold, as a fresh one does (no earlier run's prefixes)
         cuda = engine.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(engine.device)

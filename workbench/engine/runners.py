@@ -159,12 +159,16 @@ class ModelRunner:
 
 class PagedStaticRunner(ModelRunner):
     """The paged pool with static decode steps (:class:`~workbench.transforms.paged_graphs.PagedDecoder`):
-    every one-token row of a step (decode tokens, and one-token prompt chunks) goes in one static
+    a step whose rows are all one token (decode tokens, and one-token prompt chunks) is one static
     call over the pool, ``torch.compile``'d (``compile``) and/or replayed from a CUDA graph per
-    batch-size bucket (``cuda_graphs``); prompt chunks of more tokens run eagerly as in
-    :class:`ModelRunner`, before it, in the same step.  Everything else the pool does is the
-    block manager's and is unchanged: prefix sharing, offload and its lookahead, copy-on-write
-    for forks, preemption by recompute or swap (the swap copies are :class:`ModelRunner`'s).
+    batch-size bucket (``cuda_graphs``).  A step with a longer prompt chunk runs as
+    :class:`ModelRunner` runs it - the whole step, decode rows included, in one eager forward -
+    as serving engines run mixed batches outside their graphs: splitting it into a prefill
+    forward and a static decode call would read every weight twice, which on a CPU (where a step
+    is bound by reading the weights) costs more than the static call saves.  Everything else the
+    pool does is the block manager's and is unchanged: prefix sharing, offload and its lookahead,
+    copy-on-write for forks, preemption by recompute or swap (the swap copies are
+    :class:`ModelRunner`'s).
 
     Attention over the pool reduces over each row's own blocks (padded, masked), not in the
     reference's order: greedy tokens agree, they are not bitwise guaranteed (measured against
@@ -178,6 +182,7 @@ class PagedStaticRunner(ModelRunner):
         buckets = sorted({min(1 << i, max_seqs) for i in range(max_seqs.bit_length() + 1)})
         self.max_seqs = max_seqs
         self.decoder = PagedDecoder(model, pool, -(-max_len // pool.block_size), tuple(buckets))
+        self.static_steps = self.eager_steps = 0       # how the steps ran (the engine's breakdown reads them)
         if compile:
             self.decoder.compile()
         if cuda_graphs:
@@ -185,25 +190,17 @@ class PagedStaticRunner(ModelRunner):
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        one = [s for s in scheduled if s.num_tokens == 1]
-        more = [s for s in scheduled if s.num_tokens > 1]
-        rows: dict[str, torch.Tensor] = {}
-        if more:                                        # prompt chunks: the eager pool path
-            logits = super().execute(more)
-            off = 0
-            for s in more:
-                rows[s.seq.request_id] = logits[off:off + s.logit_rows]
-                off += s.logit_rows
-        if one:
-            m = self.pool.manager
-            step = self.decoder.decode([s.seq.tokens[s.start] for s in one], [s.start for s in one],
-                                       [m.block_table(s.seq.request_id) for s in one])
-            for i, s in enumerate(one):
-                rows[s.seq.request_id] = step[i:i + s.logit_rows]
-        parts = [rows[s.seq.request_id] for s in scheduled if s.logit_rows]
-        if not parts:
-            return torch.zeros(0, self.model.config.vocab_size, device=self.device)
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+        if any(s.num_tokens > 1 for s in scheduled):   # a prompt chunk: the whole step in one eager forward
+            self.eager_steps += 1
+            return super().execute(scheduled)
+        self.static_steps += 1
+        m = self.pool.manager
+        step = self.decoder.decode([s.seq.tokens[s.start] for s in scheduled], [s.start for s in scheduled],
+                                   [m.block_table(s.seq.request_id) for s in scheduled])
+        keep = [i for i, s in enumerate(scheduled) if s.logit_rows]
+        if len(keep) == len(scheduled):
+            return step
+        return step[keep] if keep else step[:0]
 
 
 class ContiguousRunner:
@@ -268,9 +265,11 @@ class StaticRunner(ContiguousRunner):
     contiguous cache row per running sequence, rows kept packed (a sequence that ends hands its
     row to the last one).  ``compile``: the static step is ``torch.compile``'d (on a CPU,
     inductor's C++); ``cuda_graphs``: captured once per batch-size bucket and replayed.
-    Prefill chunks run eagerly on their sequence's row; all decode rows of a step go in one
-    static call.  Attention there spans the whole row with a mask, so the reduction length
-    differs from the reference: greedy tokens agree, they are not bitwise guaranteed.
+    A step of one-token rows (decode) is one static call; a step with a longer prompt chunk runs
+    eagerly, all its sequences packed in one forward over their rows (as :class:`PagedStaticRunner`
+    does, and for the same reason).  Attention in the static call spans the whole row with a mask,
+    so the reduction length differs from the reference: greedy tokens agree, they are not bitwise
+    guaranteed.
 
     Cost: the buffers hold ``max_seqs + 1`` rows of ``max_len`` tokens and every decode step
     attends over whole rows, so both grow with the engine's ``max_model_len`` (set it to what
@@ -300,28 +299,26 @@ class StaticRunner(ContiguousRunner):
             self.decoder.move_row(last, row)
             self.rows[moved] = row
 
+    def _cache(self, s: ScheduledSeq):
+        """The sequence's cache row as a contiguous cache of its own (views: writes land in the row)."""
+        view = self.decoder.kv.row(self.rows[s.seq.request_id])
+        view.length = s.start
+        return view
+
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        dec = self.decoder
         for s in scheduled:
             if s.seq.request_id not in self.rows:
                 self.rows[s.seq.request_id] = len(self.rows)
-        logits: dict[str, torch.Tensor] = {}
-        tokens: list = [None] * len(self.rows)
+        if any(s.num_tokens > 1 for s in scheduled):
+            # a prompt chunk: the whole step in one eager forward over the rows (one read of the weights,
+            # not one forward per prompt and a static call for the decode rows)
+            return super().execute(scheduled)
+        tokens: list = [None] * len(self.rows)          # row i decodes tokens[i]; None: row i sits this step out
         positions = [0] * len(self.rows)
         for s in scheduled:
-            rid, row = s.seq.request_id, self.rows[s.seq.request_id]
-            if s.num_tokens == 1 and s.start > 0:
-                tokens[row], positions[row] = s.seq.tokens[s.start], s.start
-            else:
-                out = dec.prefill(row, s.seq.tokens[s.start:s.start + s.num_tokens], s.start)
-                logits[rid] = out[None]
-        if any(t is not None for t in tokens):
-            step = dec.decode(tokens, positions)
-            for rid, row in self.rows.items():
-                if tokens[row] is not None:
-                    logits[rid] = step[row:row + 1]
-        wanted = [logits[s.seq.request_id] for s in scheduled if s.samples]
-        if not wanted:
-            return torch.zeros(0, self.model.config.vocab_size, device=self.device)
-        return torch.cat(wanted)
+            row = self.rows[s.seq.request_id]
+            tokens[row], positions[row] = s.seq.tokens[s.start], s.start
+        step = self.decoder.decode(tokens, positions)
+        keep = [self.rows[s.seq.request_id] for s in scheduled if s.samples]
+        return step[keep] if keep else step[:0]

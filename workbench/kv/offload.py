@@ -274,6 +274,11 @@ class OffloadStore:
     def nbytes(self) -> int:
         return self.transport.bytes_stored
 
+    def forget(self) -> None:
+        """Drop every block (the tier starts empty again; its buffers and counters stay)."""
+        for key in list(self._index):
+            self._drop(key)
+
     def _drop(self, key: int) -> None:
         self._index.pop(key)
         self.unstage(key)                 # a copy in flight may read bytes about to be replaced

@@ -210,10 +210,13 @@ class PagedKVPool:
                 store.close()
 
     def reset(self) -> None:
-        """Forget every block (cached prefixes included); the tensors stay allocated."""
+        """Forget every block (cached prefixes included, and those in the offload tier); the
+        tensors stay allocated."""
         if self.manager.num_used_blocks:
             raise WorkbenchError(f"KV pool reset with {self.manager.num_used_blocks} blocks still in use")
         self.manager = self._new_manager(self.num_blocks)
+        if self.offload is not None:
+            self.offload.forget()
 
     @property
     def num_blocks(self) -> int:

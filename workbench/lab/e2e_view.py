@@ -168,3 +168,23 @@ def memory_figure(summary, height: int = 420):
     fig.update_layout(barmode="stack", title="Measured memory per configuration", yaxis_title="MiB", height=height,
                       margin={"l": 60, "r": 20, "t": 60, "b": 160})
     return fig
+
+
+BREAKDOWN = (("static_step_ms", "static decode step (compiled)", "#72b7b2"), ("matmul_ms", "matmul", "#4c78a8"), ("attention_ms", "attention", "#f58518"),
+             ("gather_ms", "gather / scatter of KV", "#e45756"), ("other_model_ms", "other model time", "#bab0ac"),
+             ("scheduling_ms", "scheduling", "#54a24b"), ("output_ms", "output", "#b279a2"))
+
+
+def breakdown_figure(df, height: int = 420):
+    """Where each configuration's replay time goes (``df``: :func:`workbench.bench.e2e_breakdown.breakdown`),
+    stacked per configuration (ms of one profiled replay)."""
+    import plotly.graph_objects as go
+
+    d = df.reset_index()
+    fig = go.Figure()
+    for col, name, color in BREAKDOWN:
+        if col in d:
+            fig.add_bar(x=d["config"], y=d[col], name=name, marker_color=color)
+    fig.update_layout(barmode="stack", title="Where the time goes: one profiled replay per configuration",
+                      yaxis_title="ms (profiled replay)", height=height, margin={"l": 60, "r": 20, "t": 60, "b": 160})
+    return fig
