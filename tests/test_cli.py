@@ -73,7 +73,7 @@ def test_bench_batches_the_paged_and_contiguous_static_paths(capsys):
     time), the paged pool's static step against the contiguous one with a verdict, agreement kept."""
     rc = main(["bench", "--model", "preset:tiny", "--device", "cpu", "--prompt-tokens", "8", "--max-tokens", "5",
                "--num-prompts", "1", "--repeats", "1", "--batch", "1,3", "--configs", "static,paged,paged+compile",
-               "--json"])
+               "--max-model-len", "40", "--json"])
     assert rc == 0
     res = json.loads(capsys.readouterr().out)
     assert set(res["batches"]) == {"1", "3"} and res["batch"] == 1
@@ -82,11 +82,15 @@ def test_bench_batches_the_paged_and_contiguous_static_paths(capsys):
     for c in three.values():
         assert c["decode_tokens_per_s_p50"] > 0 and c["token_agreement_vs_reference"] >= 0.9
     assert "seqs=3" in three["paged+compile"]["description"] and "compile" in three["paged+compile"]["description"]
+    assert "(max_model_len 40)" in three["static"]["description"]            # sized for the context asked for
     from workbench.bench.vs_transformers import format_bench, parse_batches
     assert "batch 3 (prompts submitted together" in format_bench(res)
     assert parse_batches("8,1,8") == [1, 8]
     with pytest.raises(WorkbenchError, match="batch"):
         parse_batches("0")
+    from workbench.bench.vs_transformers import BenchConfig
+    with pytest.raises(WorkbenchError, match="shorter than a request"):
+        BenchConfig(prompt_tokens=8, max_tokens=5, max_model_len=10)
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -63,10 +63,17 @@ class BenchConfig:
     threads: int | str | None = None  # torch intra-op threads for both sides (None: the engine measures)
     configs: str = "reference,loop"   # engine configurations measured (bench.CONFIGS; "all": every one)
     batch: str = "1"                  # batch sizes, comma-separated: that many prompts submitted together
+    max_model_len: int | None = None  # context of the non-reference engines (None: prompt + new tokens + 1, exactly
+                                      # what a request needs: the static contiguous rows' best case; a server sizes
+                                      # them for the model's context, and every static decode row attends over it)
 
     def __post_init__(self) -> None:
         parse_configs(self.configs)
         parse_batches(self.batch)
+        need = self.prompt_tokens + self.max_tokens + 1
+        if self.max_model_len is not None and self.max_model_len < need:
+            raise WorkbenchError(f"bench: max_model_len {self.max_model_len} is shorter than a request "
+                                 f"({self.prompt_tokens} prompt + {self.max_tokens} new tokens + 1)")
         for name in ("prompt_tokens", "max_tokens", "num_prompts", "repeats"):
             if getattr(self, name) < 1:
                 raise WorkbenchError(f"bench: {name} must be >= 1, got {getattr(self, name)}")
@@ -220,7 +227,7 @@ def _sides(cfg: "BenchConfig", llm: LLM, names: list[str], max_batch: int) -> tu
     from workbench.sched.config import SchedulerConfig
 
     sides, described, skipped = {}, {}, {}
-    ctx = cfg.prompt_tokens + cfg.max_tokens + 1        # the static buffers hold exactly what a request needs
+    ctx = cfg.max_model_len or cfg.prompt_tokens + cfg.max_tokens + 1   # default: exactly what a request needs
     sched = {"scheduler": SchedulerConfig(max_num_seqs=max_batch,
                                           max_num_batched_tokens=max(512, max_batch * cfg.prompt_tokens))}
     sched = sched if max_batch > 1 else {}

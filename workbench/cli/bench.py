@@ -14,7 +14,7 @@ def cmd_bench(args) -> int:
     cfg = BenchConfig(model=args.model, device=args.device, dtype=args.dtype, prompt_tokens=args.prompt_tokens,
                       max_tokens=args.max_tokens, num_prompts=args.num_prompts, repeats=args.repeats,
                       warmup=args.warmup, seed=args.seed, backend=args.backend, threads=args.threads,
-                      configs=args.configs, batch=args.batch)
+                      configs=args.configs, batch=args.batch, max_model_len=args.max_model_len)
     res = run_bench(cfg, progress=not args.json and not args.quiet)
     if args.json:
         if not args.raw:
@@ -101,6 +101,10 @@ def add_bench_parser(sub) -> None:
                         "paged+compile, paged+graphs, llama.cpp (when llama-cpp-python is installed), or all")
     b.add_argument("--batch", default="1", help="batch sizes, comma-separated (e.g. 1,8): that many prompts submitted "
                                                 "together to every side (default 1)")
+    b.add_argument("--max-model-len", type=int, default=None,
+                   help="context of the engines other than the reference (default: prompt + new tokens + 1, what a "
+                        "request needs: the best case of static contiguous rows, which every decode step attends over "
+                        "whole; a server sizes them for the model's context, e.g. 1024 for the bundled model)")
     b.add_argument("--json", action="store_true", help="print a JSON object instead of the table")
     b.add_argument("--raw", action="store_true", help="with --json: include every measurement")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
