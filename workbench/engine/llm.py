@@ -166,7 +166,9 @@ class LLM:
 
             self.quant_placement = set_quant_backend(self.loaded.model, quant_backend)
         if kv is not None and tiers is not None:
-            raise ConfigError("LLM: give kv= (paged pool) or tiers= (tiered cache), not both")
+            from workbench.engine.modes import TIERS_WITH_POOL
+
+            raise ConfigError(TIERS_WITH_POOL.format(who="LLM"))
         self.engine = LLMEngine(self.loaded, kv=kv if kv is not None or tiers is not None else "contiguous",
                                 scheduler=scheduler or reference_scheduler(self.loaded.max_model_len),
                                 tiers=tiers, tier_basis=tier_basis, tier_store=tier_store, batch_invariant=batch_invariant,
