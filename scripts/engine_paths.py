@@ -63,7 +63,12 @@ def main() -> int:
                                                            kv=PagedKVConfig(block_size=4, num_blocks=48, offload="host")),
         "static decode (eager)": lambda: front(max_model_len=ctx, static_decode=True),
     }
-    nonexact = {"compile (static decode)": lambda: front(max_model_len=ctx, compile=True)}
+    nonexact = {"compile (static decode)": lambda: front(max_model_len=ctx, compile=True),
+                "static decode over the paged pool (eager)": lambda: front(max_model_len=ctx, kv=PagedKVConfig(),
+                                                                           static_decode=True),
+                "compile over the paged pool, 8 streams": lambda: front(max_model_len=ctx, kv=PagedKVConfig(),
+                                                                        compile=True,
+                                                                        scheduler=SchedulerConfig(max_num_seqs=8))}
     triton_ok = "triton" in available_backends("rmsnorm") and (llm.device.type == "cuda"
                                                                  or os.environ.get("TRITON_INTERPRET") == "1")
     rows = []
