@@ -56,6 +56,7 @@ def test_static_steps_over_the_pool_give_the_eager_pools_tokens(bundled_llm, eag
     assert type(eng.runner).__name__ == "PagedStaticRunner" and "static-decode" in eng.describe()
     assert eng.pool.scratch_block == eng.pool.num_blocks          # one block past the manager's
     assert _tokens(eng) == eager
+    assert eng.runner.static_steps > 0 and eng.runner.eager_steps > 0     # decode-only steps static, prefills eager
     assert eng.pool.manager.stats.hit_tokens > 0, "the shared system prompt was reused"
     _pool_back(eng)
 

@@ -100,6 +100,7 @@ class _Group:
         self.q_lens = [n for _, _, n, _ in spans]
         self.ends = starts + torch.tensor(self.q_lens, device=dev)
         self._ends_list = [start + n for _, start, n, _ in spans]
+        self._starts_list = [start for _, start, _, _ in spans]
         self._mask = self._kernel_args = None
         self._starts = starts
 
@@ -147,7 +148,8 @@ class _Group:
             packed[rows] = out.to(q.dtype)
             return
         nkv, hd = kc.shape[2], kc.shape[3]
-        if not self.b.batch_invariant and (not self.decode or self.B * self.S > 2 * sum(self._ends_list)):
+        if (not self.b.batch_invariant and kc.device.type == "cpu"
+                and (not self.decode or self.B * self.S > 2 * sum(self._ends_list))):
             self._attend_each(q, packed, kc, vc)      # prompt chunks, or decode rows of very unequal lengths
             return
         kb = kc[self.tables].reshape(self.B, -1, nkv, hd)[:, :self.S].transpose(1, 2)   # [B, nkv, S, hd]
@@ -167,11 +169,12 @@ class _Group:
         for a chunk from position 0).  Padding every chunk of a group to the longest chunk and the
         longest context, as the batched path does, measured 1.7x the attention time of per-sequence
         caches on a CPU (a 512-token chunk beside short prompts pads them all); decode rows are padded
-        only to the longest context, which pays unless one long row (a document) pads many short ones."""
+        only to the longest context, which pays unless one long row (a document) pads many short ones.
+        CPU only: on a GPU one SDPA launch per sequence and layer was not measured against padding."""
         from workbench.model.decoder import reference_attention
 
         Bsz, nkv, hd = self.b.pool.block_size, kc.shape[2], kc.shape[3]
-        for i, (start, n) in enumerate(zip(self._starts.tolist(), self.q_lens)):
+        for i, (start, n) in enumerate(zip(self._starts_list, self.q_lens)):
             end = start + n
             blocks = self.tables[i, :-(-end // Bsz)]
             k = kc[blocks].reshape(-1, nkv, hd)[:end].transpose(0, 1)[None]         # [1, nkv, S, hd]

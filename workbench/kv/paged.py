@@ -94,8 +94,8 @@ class PagedKVPool:
         self.layout = KVLayout.from_model_config(cfg, paged.block_size, dtype)
         if paged.num_blocks is not None:
             num_blocks = paged.num_blocks
-        elif paged.kv_cache_bytes is not None:
-            num_blocks = self.layout.num_blocks_for_bytes(paged.kv_cache_bytes)
+        elif paged.kv_cache_bytes is not None:      # the budget holds the scratch blocks too
+            num_blocks = self.layout.num_blocks_for_bytes(paged.kv_cache_bytes) - (scratch_blocks if tensors else 0)
             if num_blocks < 1:
                 raise ConfigError(f"PagedKVConfig.kv_cache_bytes={paged.kv_cache_bytes} holds no block "
                                   f"(one block takes {self.layout.bytes_per_block} bytes)")
@@ -107,7 +107,8 @@ class PagedKVPool:
         # admits and preempts by the same blocks; nothing is stored here)
         n_layers = cfg.num_hidden_layers if tensors else 0
         # scratch blocks: past the block manager's, owned by no sequence (a static decode step's
-        # padding rows write their K/V there); ``scratch_block`` is the first
+        # padding rows write their K/V there); ``scratch_block`` is the first.  num_blocks counts the
+        # manager's blocks; a kv_cache_bytes budget holds the scratch blocks too; nbytes() counts them
         stored = (num_blocks + scratch_blocks, *shape[1:])
         self.scratch_block = num_blocks if scratch_blocks and tensors else None
         self.k_cache = [torch.zeros(stored, device=device, dtype=dtype) for _ in range(n_layers)]

@@ -154,26 +154,33 @@ class PagedDecoder(StaticStep):
         super().compile(**options)
 
     def width_for(self, positions: list[int]) -> int:
-        """Block-table columns a step reads: every column on a GPU; on a CPU the blocks of the
-        furthest position (at least 2: torch specializes a size of 1, which would be one more
-        compiled step; the width is a dynamic size of the compiled step, so any other is free)."""
-        if not self.trim_width:
+        """Block-table columns a step reads: every column with the kernel (it stops at each row's
+        length) and once graphs are captured (a graph reads the tables it was captured on: the full
+        width); otherwise the blocks of the furthest position (at least 2: torch specializes a size of
+        1, which would be one more compiled step; the width is a dynamic size of the compiled step,
+        so any other is free)."""
+        if not self.trim_width or self.graphs:
             return self.max_blocks
         return min(self.max_blocks, max(2, max(positions) // self.pool.block_size + 1))
 
     def _set_inputs(self, bs: int, tokens: list[int], positions: list[int], tables: list[list[int]]) -> int:
         """Row i decodes ``tokens[i]`` at ``positions[i]`` over the blocks ``tables[i]``; rows past
-        the lists are padding.  Returns the block-table width the step reads."""
+        the lists are padding.  Returns the block-table width the step reads.  At the full width
+        only the columns up to the furthest position are written: the columns past a row's length
+        hold block ids of earlier steps (always valid ones), which its length masks or the kernel
+        never reads - rewriting 8,192 columns of a 131k-token context from Python lists measured
+        11 ms a step at batch 32."""
         c, B, n = self.inputs[bs], self.pool.block_size, len(tokens)
         width = self.width_for(positions)
+        cols = width if width < self.max_blocks else min(width, max(positions) // B + 1)
         pad = self.pool.scratch_block
-        rows = [t[:width] + [pad] * (width - len(t)) for t in tables] + [[pad] * width] * (bs - n)
+        rows = [t[:cols] + [pad] * (cols - len(t[:cols])) for t in tables] + [[pad] * cols] * (bs - n)
         slots = [tables[i][p // B] * B + p % B for i, p in enumerate(positions)] + [pad * B] * (bs - n)
         c.ids.copy_(torch.tensor(list(tokens) + [0] * (bs - n)).view(bs, 1))
         c.positions.copy_(torch.tensor(list(positions) + [0] * (bs - n)))
         c.seq_lens.copy_(torch.tensor([p + 1 for p in positions] + [1] * (bs - n), dtype=torch.int32))
         c.slots.copy_(torch.tensor(slots))
-        c.tables(width).copy_(torch.tensor(rows, dtype=torch.int32))
+        c.tables(width)[:, :cols].copy_(torch.tensor(rows, dtype=torch.int32))
         return width
 
     @torch.inference_mode()

@@ -67,6 +67,10 @@ class StaticStep:
         """``torch.compile`` the static step: on a CPU inductor generates C++ for the whole decode
         step; on CUDA, Triton kernels (capture graphs after this to launch them as one)."""
         options.setdefault("dynamic", False)
+        if not options["dynamic"]:      # one compiled entry per bucket on this decoder's code object
+            cfg = torch._dynamo.config
+            name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"   # older torch
+            setattr(cfg, name, max(getattr(cfg, name), len(self.buckets) + 2))
         self._step = torch.compile(self._own_code(self._forward), **options)
         self.compiled = True
 

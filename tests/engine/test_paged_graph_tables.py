@@ -1,0 +1,54 @@
+"""A CUDA graph captured by ``PagedDecoder`` reads the block tables it was captured on,
+``[bs, max_blocks]`` (``StaticStep.capture`` runs ``_step(*_step_args(bs))``), so once graphs exist
+every step writes them at that width - also with the eager ``attention_decode``, whose steps are
+otherwise trimmed to the longest row (``LLM(kv=PagedKVConfig(), cuda_graphs=True)`` without Triton
+backends, ``workbench serve --cuda-graphs``).  Before that rule, rows past the first attended over
+another row's blocks after capture.
+
+No GPU is needed to check it: a CUDA graph replays the kernels recorded on the tensors it was
+captured with, so a stand-in whose ``replay()`` runs the step on ``_step_args(bs)`` - exactly the
+arguments ``capture`` passes - reads what the real graph reads."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from workbench.kv.paged import PagedKVConfig, PagedKVPool
+from workbench.transforms.paged_graphs import PagedDecoder
+
+
+class _Replay:
+    """What ``torch.cuda.CUDAGraph.replay`` does for the captured step: the same kernels over
+    the same (captured) argument tensors, writing the same static output."""
+
+    def __init__(self, dec: PagedDecoder, bs: int) -> None:
+        self.dec, self.bs = dec, bs
+        self.out = dec._step(*dec._step_args(bs)).clone()
+
+    def replay(self) -> None:
+        self.out.copy_(self.dec._step(*self.dec._step_args(self.bs)))
+
+
+@torch.inference_mode()
+def test_a_replayed_graph_reads_the_block_tables_decode_wrote(random_llm):
+    model = copy.deepcopy(random_llm.model)
+    cfg, w = model.config, model.lm_head.weight
+    pool = PagedKVPool(cfg, PagedKVConfig(block_size=4, num_blocks=32), w.device, w.dtype, 0, scratch_blocks=1)
+    gen = torch.Generator().manual_seed(0)
+    for t in pool.k_cache + pool.v_cache:             # every block different: which blocks a row reads matters
+        t[:pool.num_blocks].copy_(torch.randn(t[:pool.num_blocks].shape, generator=gen))
+    dec = PagedDecoder(model, pool, max_blocks=8, buckets=(1, 2, 4))
+    assert dec.trim_width, "eager attention_decode: the tables are trimmed to the longest row"
+
+    tokens, positions, tables = [5, 7, 9], [5, 9, 2], [[0, 1], [2, 3, 4], [5]]
+    want = dec.decode(tokens, positions, tables).clone()      # the eager static step (no graph)
+
+    # stand-ins for capture(): one "graph" per bucket over the buffers capture() hands the step
+    for bs in dec.buckets:
+        g = _Replay(dec, bs)
+        dec.graphs[bs] = (g, g.out)
+    got = dec.decode(tokens, positions, tables)
+    assert torch.allclose(got, want, atol=1e-5), (
+        f"rows read other rows' blocks after capture: max |diff| per row {(got - want).abs().amax(-1).tolist()}")
