@@ -46,9 +46,11 @@ def test_timing_reports_every_side():
     r = cpu_op_timing(out=256, inp=256, m=1, repeats=2, rounds=2)
     sides = {row["side"] for row in r["rows"]}
     assert sides == {"dense fp32", "reference w4 (dequantize + matmul)", "int8pack (w8, per channel)",
-                     "int4pack (w4, g128)", "int_mm (w8a8, per channel x per token)"}
+                     "int8 reduce (w8, per channel, compiled)", "int4pack (w4, g128)",
+                     "int_mm (w8a8, per channel x per token)"}
     assert all(row["ms_median"] > 0 and row["ms_min"] <= row["ms_median"] <= row["ms_max"] for row in r["rows"])
     by = {row["side"]: row for row in r["rows"]}
     assert by["int4pack (w4, g128)"]["weight_bytes"] < by["int8pack (w8, per channel)"]["weight_bytes"] \
         < by["dense fp32"]["weight_bytes"]
     assert by["int8pack (w8, per channel)"]["rel_error_vs_dense"] < 0.02
+    assert by["int8 reduce (w8, per channel, compiled)"]["rel_error_vs_dense"] < 0.02

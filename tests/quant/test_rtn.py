@@ -149,8 +149,8 @@ def test_refusals_name_what_and_why(random_llm):
     def fresh():
         return init_weights(CausalLM(random_llm.model.config), seed=3).eval()
 
-    with pytest.raises(ConfigError, match="LM head"):
-        quantize_model(fresh(), QuantRecipe(weight_bits=8, skip=("embed_tokens",)))
+    with pytest.raises(ConfigError, match="LM head is quantized round-to-nearest only"):
+        quantize_model(fresh(), QuantRecipe(weight_bits=8, method="gptq", skip=("embed_tokens",)))
     with pytest.raises(ConfigError, match="unknown fields"):
         QuantRecipe(weight_bits=4, overrides=(("down_proj", {"method": "gptq"}),))
     m = quantize_model(fresh(), "w4a16:pc")                   # per channel: no int4 CPU op, no GPU here
@@ -163,3 +163,22 @@ def test_refusals_name_what_and_why(random_llm):
     with pytest.raises(ConfigError, match="streams its weights"):      # the packed bytes are in its buffers now
         set_quant_backend(llm.model, "reference")
     llm.engine.weight_streamer.remove()
+
+
+def test_a_quantized_head_keeps_the_tie_and_computes_from_its_copy(random_llm):
+    """``w8a16:head``: the LM head computes from an int8 copy; its float weight stays the embedding's
+    (a tie stays a tie), and its logits are the reference's dequantized product."""
+    from workbench.model.decoder import CausalLM, init_weights
+    from workbench.quant.apply import QuantHead, set_quant_backend
+
+    model = init_weights(CausalLM(random_llm.model.config), seed=3).eval()
+    emb = model.model.embed_tokens.weight
+    quantize_model(model, "w8a16:head")
+    assert isinstance(model.lm_head, QuantHead) and model.lm_head.weight is emb
+    assert model.recipe.name.endswith("-head") and QuantRecipe.parse("w8a8:head").skip == ("embed_tokens",)
+    x = torch.randn(3, model.config.hidden_size)
+    want = torch.nn.functional.linear(x, model.lm_head.q.quantized.dequantize(torch.float32))
+    with torch.inference_mode():
+        assert torch.allclose(model.lm_head(x), want, atol=1e-5)
+        set_quant_backend(model, "auto")
+        assert torch.allclose(model.lm_head(x), want, atol=1e-4)        # the CPU op: the compiled int8 reduction

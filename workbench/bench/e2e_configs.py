@@ -37,9 +37,11 @@ LAYERS = {
     "quant": ("quantization", "linear layers quantized: the device's fastest scheme (DEVICE_QUANT)"),
 }
 # The device's fastest quantization, measured on the bundled model (decode step at batch 1 / 8, a 256-token
-# prefill; 2-core AMD EPYC, 1 thread): fp32 2.4 / 3.9 / 32 ms; W8A8 (torch._int_mm, int8 activations)
-# 1.6 / 3.0 / 15 ms; W8A16 (torch's int8 weight-only op) 4.3 / 27 / 32 ms; W4A16 g128 8.3 / 6.6 / 34 ms.
-# On a GPU the Triton W4A16 kernel reads the fewest bytes per token.
+# prefill; 2-core AMD EPYC, 1 thread): fp32 2.3 / 3.7 / 31 ms; W8A8 (torch._int_mm, int8 activations)
+# 1.7 / 2.8 / 14 ms; W8A16 (the compiled int8 reduction; torch's int8pack op took 4.3 / 27 / 32 ms)
+# 1.8 / 3.4 / 31 ms; W4A16 g128 7.7 / 6.4 / 33 ms.  06's workload is mostly prefill: W8A8.  (On a real
+# checkpoint W8A8's quality may not hold - SmolLM2-135M: +2.9 % perplexity, W8A16 -0.2 % - which is
+# what workbench calibrate-quant weighs.)  On a GPU the Triton W4A16 kernel reads the fewest bytes.
 DEVICE_QUANT = {"cpu": "w8a8", "cuda": "w4a16:g128"}
 # Layers measured alone but left out of the stack, and why (the stack is the fastest configuration
 # the device can build; these trade speed for memory, or exactness for memory).

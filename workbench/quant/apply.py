@@ -64,6 +64,25 @@ class QuantLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, w{self.bits}a{self.act_bits or 16}, {g}, {self.backend}"
 
 
+class QuantHead(nn.Linear):
+    """The LM head computing from a quantized copy of its weight (``q``, a :class:`QuantLinear`).
+
+    The float ``weight`` stays, the same Parameter as before: a tied head *is* the embedding, whose
+    rows the model looks up, and the engine reads the head's device and dtype from it.  What a decode
+    step reads is the copy: at W8A8 a quarter of the float bytes, which for a small model with a large
+    vocabulary is most of a step (SmolLM2-135M: 28 M of its 135 M parameters are the tied head).
+    Resident bytes grow by the copy (the float weight is needed for the embedding anyway)."""
+
+    def __init__(self, lin: nn.Linear, q: QuantLinear) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+        self.weight, self.bias = lin.weight, lin.bias          # the same Parameters: a tie stays a tie
+        self.q = q
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q(x)
+
+
 def fake_quantize_per_token(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
     """``x`` rounded to a symmetric int grid with one scale per row (token): ``s = max|x| / 127``
     (at least 1e-12 / 127), ``round(x / s).clamp(-127, 127) * s``, in x's dtype (computed in fp32)."""
@@ -85,9 +104,11 @@ def quantize_model(model: nn.Module, recipe: QuantRecipe | str, calibration=None
         raise ConfigError(f"quantize_model: the model is already quantized ({model.recipe.name}); load it again")
     _check_names(model, recipe)
     targets = [(name, model.get_submodule(name)) for name in target_names(model, recipe)]
-    if any(name.split(".")[-1] == "lm_head" for name, _ in targets):
-        raise ConfigError("quantize_model: the LM head cannot be quantized here (the engine reads its weight for "
-                          "device and dtype, and a tied head is the embedding); keep 'lm_head' in the recipe's skip")
+    heads = [(n, m) for n, m in targets if n.split(".")[-1] == "lm_head"]
+    if heads and (recipe.method != "rtn" or recipe.smooth is not None):
+        raise ConfigError(f"quantize_model: the LM head is quantized round-to-nearest only ({recipe.name} "
+                          "calibrates on its layers' inputs); keep 'lm_head' in the recipe's skip, or use rtn")
+    targets = [(n, m) for n, m in targets if (n, m) not in heads]
     if not targets:
         raise ConfigError("quantize_model: no nn.Linear left to quantize after 'skip' "
                           f"({', '.join(recipe.skip)})")
@@ -95,6 +116,8 @@ def quantize_model(model: nn.Module, recipe: QuantRecipe | str, calibration=None
     for name, lin in targets:
         set_module(model, name, quantize_linear(lin, recipe.layer_settings(name, lin.in_features),
                                                 weight=calib["weights"].get(name), clip=calib["clip"].get(name)))
+    for name, lin in heads:                # the head keeps its float weight (the embedding's): QuantHead
+        set_module(model, name, QuantHead(lin, quantize_linear(lin, recipe.layer_settings(name, lin.in_features))))
     model.recipe = recipe
     model.quant_calibration = calib["report"]
     return model
@@ -103,7 +126,8 @@ def quantize_model(model: nn.Module, recipe: QuantRecipe | str, calibration=None
 def target_names(model: nn.Module, recipe: QuantRecipe) -> list[str]:
     """The layers :func:`quantize_model` quantizes: every ``nn.Linear`` that no entry of
     ``recipe.skip`` names (:meth:`QuantRecipe.skips`), in module order."""
-    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not recipe.skips(n)]
+    return [n for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and not isinstance(m, QuantHead) and not recipe.skips(n)]
 
 
 def _check_names(model: nn.Module, recipe: QuantRecipe) -> None:

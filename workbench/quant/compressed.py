@@ -104,6 +104,9 @@ def save_compressed(model: CausalLM, folder: str | Path, tokenizer_folder: str |
 
     folder = Path(folder).expanduser()
     quant = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    if any(n.split(".")[-2:-1] == ["lm_head"] for n in quant):
+        raise ConfigError("save_compressed: this model's LM head is quantized (a ':head' recipe); compressed-tensors "
+                          "checkpoints are written with a dense head here: quantize without ':head' to save one")
     if not quant or getattr(model, "recipe", None) is None:
         raise ConfigError("save_compressed: the model has no quantized layers (quantize_model first; a dense model "
                           "is saved with save_model)")

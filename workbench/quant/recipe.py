@@ -147,13 +147,16 @@ class QuantRecipe:
         if self.group:
             base += f"-fallback={self.group_fallback}"
         extra_skip = [s for s in self.skip if s not in ("embed_tokens", "lm_head")]
-        return base + (f"-dense={len(extra_skip)}" if extra_skip else "") + ("-overrides" if self.overrides else "")
+        head = "" if "lm_head" in self.skip else "-head"
+        return (base + head + (f"-dense={len(extra_skip)}" if extra_skip else "")
+                + ("-overrides" if self.overrides else ""))
 
     @classmethod
     def parse(cls, spec: str) -> "QuantRecipe":
         """``w8a16``, ``w4a16:g128``, ``w4a16:pc`` (per channel), ``w4a16:pt`` (per tensor),
         ``w4a8``, ``w8a8:smooth=0.5``; options joined by ``:`` - ``asym``, ``fallback=per-channel``,
-        ``awq`` / ``gptq`` / ``rtn`` (or ``method=...``), ``smooth`` (alpha 0.5) / ``smooth=A``."""
+        ``awq`` / ``gptq`` / ``rtn`` (or ``method=...``), ``smooth`` (alpha 0.5) / ``smooth=A``,
+        ``head`` (the LM head quantized too: it is skipped by default)."""
         parts = [p.strip() for p in str(spec).lower().split(":") if p.strip()]
         if not parts or parts[0] not in SCHEMES:
             raise ConfigError(f"quantization scheme {spec!r}: expected one of {', '.join(SCHEMES)} "
@@ -173,6 +176,8 @@ class QuantRecipe:
                 kw["group_fallback"] = p.split("=", 1)[1]
             elif p.startswith("method=") or p in METHODS:
                 kw["method"] = p.split("=", 1)[-1]
+            elif p == "head":
+                kw["skip"] = tuple(x for x in cls().skip if x != "lm_head")
             elif p == "smooth" or p.startswith("smooth="):
                 try:
                     kw["smooth"] = float(p.split("=", 1)[1]) if "=" in p else 0.5
