@@ -189,19 +189,64 @@ def llamacpp_row(model_source, prompt_ids: Sequence[int], n_tokens: int, threads
     return {"available": True, **row, "gguf_dtype": dtype, "gguf_prepare_s": export_s}
 
 
+def quantized_gguf(f32_path: Path, ftype: str = "q8_0") -> Path:
+    """``f32_path`` quantized by llama.cpp's own quantizer (``llama_model_quantize``), cached next to it."""
+    llama_cpp = _import_llama_cpp()
+    codes = {"q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}
+    if ftype not in codes:
+        raise ConfigError(f"quantized_gguf: {ftype!r} is not offered here; choose one of {', '.join(codes)}")
+    out = f32_path.with_name(f32_path.name.replace("-f32.gguf", "") + f"-{ftype}-llamacpp.gguf")
+    if not out.is_file():
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = codes[ftype]
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        rc = llama_cpp.llama_model_quantize(str(f32_path).encode(), str(tmp).encode(), params)
+        if rc != 0 or not tmp.is_file():
+            tmp.unlink(missing_ok=True)
+            raise WorkbenchError(f"llama.cpp's quantizer failed on {f32_path} ({ftype}, return code {rc})")
+        os.replace(tmp, out)
+    return out
+
+
+def source_gguf(model_source) -> Path | None:
+    """The GGUF file a folder was imported from (``workbench import-gguf`` records it), if it still exists."""
+    import json
+
+    try:
+        info = json.loads((_model_folder(model_source) / "import_gguf.json").read_text())
+    except (OSError, ValueError, ConfigError):
+        return None
+    p = Path(info.get("source", ""))
+    return p if p.is_file() else None
+
+
+# llama.cpp's rows of `workbench bench`: which GGUF each measures
+VARIANTS = {"f32": "the model exported as an f32 GGUF", "q8_0": "the f32 GGUF quantized by llama.cpp's own "
+            "quantizer to Q8_0 (8.5 bits a weight: the equal-bits yardstick of an int8 engine)",
+            "source": "the GGUF file the folder was imported from (workbench import-gguf), as it is"}
+
+
 def llamacpp_side(model_source, llm, n_tokens: int, threads: int, cache_dir: str | os.PathLike | None = None,
-                  dtype: str = "f32") -> dict:
+                  dtype: str = "f32", variant: str = "f32") -> dict:
     """llama.cpp as one side of ``workbench bench`` (interleaved with the others, like them):
     ``{"available": True, "run": fn(prompt_ids) -> (token ids, TTFT s, decode tokens/s),
-    "description": ...}``, or ``{"available": False, "reason": ...}``.  The model is loaded once,
-    with a context of ``llm.max_model_len``; every run starts from an empty KV cache."""
+    "description": ...}``, or ``{"available": False, "reason": ...}``.  ``variant``: which GGUF
+    (:data:`VARIANTS`).  The model is loaded once, with a context of ``llm.max_model_len``; every run
+    starts from an empty KV cache."""
     reason = llamacpp_unavailable_reason()
     if reason is None and str(model_source).startswith("preset:"):
         reason = f"{model_source}: a shape preset has no checkpoint to convert to GGUF"
+    if reason is None and variant == "source" and source_gguf(model_source) is None:
+        reason = "the model folder was not imported from a GGUF file (workbench import-gguf), or that file is gone"
     if reason is not None:
         return {"available": False, "reason": reason}
     llama_cpp = _import_llama_cpp()
-    path = cached_gguf(model_source, cache_dir, dtype=dtype)
+    if variant == "source":
+        path, label = source_gguf(model_source), "its source GGUF"
+    else:
+        path = cached_gguf(model_source, cache_dir, dtype=dtype)
+        path, label = (quantized_gguf(path), "Q8_0 GGUF (llama.cpp's quantizer)") if variant == "q8_0" \
+            else (path, f"{dtype} GGUF")
     model = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads,
                             n_ctx=llm.max_model_len, n_batch=min(512, llm.max_model_len), verbose=False)
 
@@ -209,5 +254,5 @@ def llamacpp_side(model_source, llm, n_tokens: int, threads: int, cache_dir: str
         return _greedy_run(model, [int(t) for t in prompt_ids], n_tokens)
 
     version = getattr(llama_cpp, "__version__", "unknown")
-    return {"available": True, "run": run,
-            "description": f"llama-cpp-python {version}, {dtype} GGUF, {threads} threads (same process)"}
+    return {"available": True, "run": run, "gguf": str(path),
+            "description": f"llama-cpp-python {version}, {label} ({path.name}), {threads} threads (same process)"}

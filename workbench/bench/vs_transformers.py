@@ -63,6 +63,10 @@ class BenchConfig:
     threads: int | str | None = None  # torch intra-op threads for both sides (None: the engine measures)
     configs: str = "reference,loop"   # engine configurations measured (bench.CONFIGS; "all": every one)
     batch: str = "1"                  # batch sizes, comma-separated: that many prompts submitted together
+    quant: str = ""                   # quantization schemes, comma-separated: each a row "q:<scheme>" on the device's
+                                      # fastest engine path (paged + compile on a CPU, + CUDA graphs on a GPU)
+    quality_windows: int = 4          # held-out windows for each row's perplexity against the unquantized model
+    max_rel_ppl: float = 0.01         # "within quality": a row's perplexity at most this much above the unquantized
     max_model_len: int | None = None  # context of the non-reference engines (None: prompt + new tokens + 1, exactly
                                       # what a request needs: the static contiguous rows' best case; a server sizes
                                       # them for the model's context, and every static decode row attends over it)
@@ -70,6 +74,7 @@ class BenchConfig:
     def __post_init__(self) -> None:
         parse_configs(self.configs)
         parse_batches(self.batch)
+        parse_quant(self.quant)
         need = self.prompt_tokens + self.max_tokens + 1
         if self.max_model_len is not None and self.max_model_len < need:
             raise WorkbenchError(f"bench: max_model_len {self.max_model_len} is shorter than a request "
@@ -149,12 +154,30 @@ CONFIGS = {
     "paged+compile": "the paged pool, static decode steps over its blocks through torch.compile",
     "paged+graphs": "the paged pool, static decode steps over its blocks captured as CUDA graphs (CUDA only)",
     "llama.cpp": "llama-cpp-python on an f32 GGUF of the same weights (optional: shown when installed)",
+    "llama.cpp-q8_0": "llama-cpp-python on that GGUF quantized to Q8_0 by llama.cpp's own quantizer (optional)",
+    "llama.cpp-source": "llama-cpp-python on the GGUF file the model folder was imported from (optional)",
 }
+LLAMACPP = {"llama.cpp": "f32", "llama.cpp-q8_0": "q8_0", "llama.cpp-source": "source"}
 ENGINE_OPTIONS = {"reference": {}, "static": {"static_decode": True}, "compile": {"compile": True},
                   "cuda-graphs": {"cuda_graphs": True}, "compile+graphs": {"compile": True, "cuda_graphs": True},
                   "paged": {"kv": "paged", "batch_invariant": False}, "paged+compile": {"kv": "paged", "compile": True},
                   "paged+graphs": {"kv": "paged", "cuda_graphs": True}}
-SINGLE_STREAM = ("loop", "llama.cpp")      # sides that run one sequence: measured at batch 1 only
+SINGLE_STREAM = ("loop", *LLAMACPP)          # sides that run one sequence: measured at batch 1 only
+
+
+def parse_quant(text: str | None) -> list[str]:
+    """``"w8a16:head,w8a8"`` -> the schemes, each checked (:meth:`QuantRecipe.parse`)."""
+    from workbench.quant.recipe import QuantRecipe
+
+    schemes = [x.strip() for x in (text or "").split(",") if x.strip()]
+    for x in schemes:
+        QuantRecipe.parse(x)
+    return list(dict.fromkeys(schemes))
+
+
+# what --configs all measures when --quant is not given: the CPU's schemes (its int8 paths: the compiled
+# weight-only reduction and torch._int_mm), the GPU's (the Triton W4A16 kernel)
+DEFAULT_QUANT = {"cpu": "w8a16:head,w8a8:head", "cuda": "w4a16:g128,w8a16"}
 
 
 def parse_batches(text) -> list[int]:
@@ -236,8 +259,8 @@ def _sides(cfg: "BenchConfig", llm: LLM, names: list[str], max_batch: int) -> tu
         if name == "loop":
             sides[name] = lambda p: _run_loop(llm.model, p, cfg.max_tokens)
             described[name] = "bare loop"
-        elif name == "llama.cpp":
-            side = _llamacpp_side(cfg, llm)
+        elif name in LLAMACPP:
+            side = _llamacpp_side(cfg, llm, LLAMACPP[name])
             if side.get("available"):
                 sides[name] = (lambda run: lambda ps: (lambda r: ([r[0]], r[1], r[2]))(run(*ps)))(side["run"])
                 described[name] = side["description"]
@@ -260,16 +283,48 @@ def _sides(cfg: "BenchConfig", llm: LLM, names: list[str], max_batch: int) -> tu
                 continue
             sides[name] = (lambda e: lambda p: _run_engine(e, p, cfg.max_tokens))(eng)
             described[name] = eng.engine.describe() + f" (max_model_len {ctx})"
-    return sides, {"described": described, "skipped": skipped}
+    models = {}
+    quant = cfg.quant or (DEFAULT_QUANT["cuda" if llm.device.type == "cuda" else "cpu"]
+                          if parse_configs(cfg.configs) == parse_configs("all") else "")
+    fast = {"cuda_graphs": True} if llm.device.type == "cuda" else {"compile": True}
+    for scheme in parse_quant(quant):               # the device's fastest path, on a quantized copy of the model
+        import copy
+
+        name = f"q:{scheme}"
+        try:
+            eng = LLM(copy.deepcopy(llm.model), tokenizer=llm.tokenizer, max_model_len=ctx, quant=scheme,
+                      kv=PagedKVConfig(), **fast, **sched)
+        except WorkbenchError as e:
+            skipped[name] = str(e)
+            continue
+        sides[name] = (lambda e: lambda p: _run_engine(e, p, cfg.max_tokens))(eng)
+        described[name] = eng.engine.describe() + f" (max_model_len {ctx})"
+        models[name] = eng.model
+    return sides, {"described": described, "skipped": skipped, "models": models}
 
 
-def _llamacpp_side(cfg: "BenchConfig", llm: LLM) -> dict:
+def bench_quality(llm: LLM, models: dict, windows: int, length: int = 256) -> dict:
+    """Held-out perplexity of each quantized row's model against the unquantized one, paired token by
+    token (:func:`workbench.bench.e2e_measure.numerics_quality`): relative change with its standard
+    error, KL and top-1 agreement; ``{}`` without a tokenizer (a shape preset has no text to score)."""
+    from workbench.bench.e2e_measure import numerics_quality, scored_logprobs
+    from workbench.data import heldout_split
+
+    if not models or llm.tokenizer is None or windows < 1:
+        return {}
+    length = min(length, llm.max_model_len)
+    wins = heldout_split(llm.tokenizer, length)["evaluation"][:windows]
+    ref = [scored_logprobs(llm.model, w, length - 1) for w in wins]
+    return {name: numerics_quality(m, wins, ref, length - 1) for name, m in models.items()}
+
+
+def _llamacpp_side(cfg: "BenchConfig", llm: LLM, variant: str = "f32") -> dict:
     """llama.cpp as one more side, when llama-cpp-python is installed (never a dependency)."""
     try:
         from workbench.bench.llamacpp import llamacpp_side
     except ImportError as e:
         return {"available": False, "reason": f"workbench.bench.llamacpp unavailable ({e})"}
-    return llamacpp_side(cfg.model, llm, cfg.max_tokens, threads=torch.get_num_threads())
+    return llamacpp_side(cfg.model, llm, cfg.max_tokens, threads=torch.get_num_threads(), variant=variant)
 
 
 def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
@@ -315,6 +370,10 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         raw, tokens = _measure(run, groups, cfg.repeats, threads, bar)
         per_batch[b] = _batch_rows(llm, raw, tokens, groups, info, ours)
     bar.close()
+    quality = bench_quality(llm, info["models"], cfg.quality_windows)
+    for pb in per_batch.values():
+        for name, c in pb["configs"].items():
+            c["quality"] = quality.get(name) if name.startswith("q:") else "the reference's weights"
     first = per_batch[batches[0]]
     res, configs = first["stats"], first["configs"]
     raw = first["raw"]
@@ -329,8 +388,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         **first["reference_vs_hf"],
         "greedy_token_agreement": first["reference_agreement"],
         "configs": configs, "skipped": info["skipped"],
-        "fastest": max(configs, key=lambda c: configs[c]["decode_tokens_per_s_p50"] if c != "llama.cpp" else -1),
-        "backends": _backends_row(llm.model),
+        "fastest": max(configs, key=lambda c: configs[c]["decode_tokens_per_s_p50"] if c not in LLAMACPP else -1),
+        **_fastest_within(configs, cfg.max_rel_ppl),
+        "backends": _backends_row(llm.model), "quality": quality,
         "batches": {str(b): {k: v for k, v in pb.items() if k in ("configs", "fastest", "paged_vs_contiguous")}
                     | {"transformers_generate": pb["stats"]["transformers"]} for b, pb in per_batch.items()},
         "paged_vs_contiguous": {str(b): pb["paged_vs_contiguous"] for b, pb in per_batch.items()
@@ -411,10 +471,25 @@ def _batch_rows(llm: LLM, raw: dict, tokens: dict, groups: list, info: dict, our
             paged[f"{a} vs {b}"] = {"ratio": stats[a]["decode_tokens_per_s_p50"] / stats[b]["decode_tokens_per_s_p50"],
                                     "verdict": cmp.verdict, "winner": cmp.winner}
     return {"stats": stats, "configs": configs, "raw": raw, "paged_vs_contiguous": paged,
-            "fastest": max(configs, key=lambda c: configs[c]["decode_tokens_per_s_p50"] if c != "llama.cpp" else -1),
+            "fastest": max(configs, key=lambda c: configs[c]["decode_tokens_per_s_p50"] if c not in LLAMACPP else -1),
             "reference_vs_hf": {"decode_verdict": decode_cmp.verdict, "ttft_verdict": ttft_cmp.verdict,
                                 "decode_winner": decode_cmp.winner, "ttft_winner": ttft_cmp.winner},
             "reference_agreement": agreement(tokens["reference"], tokens["transformers"])["rate"]}
+
+
+def _fastest_within(configs: dict, max_rel_ppl: float) -> dict:
+    """The fastest of our rows whose held-out perplexity is within ``max_rel_ppl`` of the unquantized
+    model (rows on its weights count as within; a quantized row without a measurement does not),
+    and its decode rate as a fraction of each llama.cpp row's."""
+    ok = [n for n, c in configs.items() if n not in LLAMACPP
+          and (isinstance(c.get("quality"), str) or (isinstance(c.get("quality"), dict)
+                                                    and c["quality"]["rel_ppl"] <= max_rel_ppl))]
+    if not ok:
+        return {"fastest_within_quality": None, "max_rel_ppl": max_rel_ppl, "vs_llamacpp": {}}
+    best = max(ok, key=lambda n: configs[n]["decode_tokens_per_s_p50"])
+    rate = configs[best]["decode_tokens_per_s_p50"]
+    return {"fastest_within_quality": best, "max_rel_ppl": max_rel_ppl,
+            "vs_llamacpp": {n: rate / configs[n]["decode_tokens_per_s_p50"] for n in LLAMACPP if n in configs}}
 
 
 def _stats(rows: list[dict]) -> dict:
@@ -432,6 +507,13 @@ def _backends_row(model) -> dict:
     return describe_backends(model)
 
 
+def _ppl_text(q) -> str:
+    """A row's perplexity against the unquantized model: ``+0.3% +-0.2`` (or "=" for the same weights)."""
+    if isinstance(q, dict):
+        return f"{100 * q['rel_ppl']:+.2f}% +-{100 * q['rel_ppl_se']:.2f}"
+    return "=" if isinstance(q, str) else "-"
+
+
 def format_bench(res: dict) -> str:
     h = res["transformers_generate"]
     lines = [f"model {res['model']} on {res['device']} ({res['device_name']}), {res['dtype']}, "
@@ -440,13 +522,15 @@ def format_bench(res: dict) -> str:
              f"{res['config']['repeats']} repeats; workbench backends: {res['backends']['backends']}"
              + (" (Triton interpreter)" if res["backends"].get("triton_interpreter") else ""),
              f"{'engine':<24}{'TTFT p50 ms':>14}{'TTFT jitter':>13}{'decode tok/s p50':>18}{'min..max':>18}"
-             f"{'vs HF':>8}{'agree':>8}"]
-    rows = [(name, c, f"{c['decode_vs_transformers']:.2f}x", f"{c['token_agreement_vs_reference']:.0%}")
-            for name, c in res["configs"].items()] + [("transformers.generate", h, "1.00x", "")]
-    for name, r, ratio, agree in rows:
+             f"{'vs HF':>8}{'agree':>8}{'ppl vs fp32':>17}"]
+    rows = [(name, c, f"{c['decode_vs_transformers']:.2f}x", f"{c['token_agreement_vs_reference']:.0%}",
+             _ppl_text(c.get("quality"))) for name, c in res["configs"].items()]
+    rows += [("transformers.generate", h, "1.00x", "", "")]
+    for name, r, ratio, agree, ppl in rows:
         lines.append(f"{name:<24}{r['ttft_ms_p50']:>14.2f}{r['ttft_ms_jitter']:>13.2f}"
                      f"{r['decode_tokens_per_s_p50']:>18.1f}"
-                     f"{r['decode_tokens_per_s_min']:>9.1f}..{r['decode_tokens_per_s_max']:<8.1f}{ratio:>8}{agree:>8}")
+                     f"{r['decode_tokens_per_s_min']:>9.1f}..{r['decode_tokens_per_s_max']:<8.1f}{ratio:>8}{agree:>8}"
+                     f"{ppl:>17}")
     lines.append(f"decode speed-up (reference configuration / transformers): {res['decode_speedup']:.2f}x "
                  f"({res['decode_verdict']}); TTFT ratio: {res['ttft_ratio']:.2f} ({res['ttft_verdict']}); "
                  f"greedy token agreement: {res['greedy_token_agreement']:.1%}")
@@ -465,6 +549,11 @@ def format_bench(res: dict) -> str:
                      f"({fo['overhead_pct']:+.0f}%; {fo['verdict']})")
     lines.append(f"fastest configuration: {res['fastest']} ({res['configs'][res['fastest']]['decode_vs_transformers']:.2f}x "
                  "transformers)")
+    best = res.get("fastest_within_quality")
+    if best and (best != res["fastest"] or res.get("vs_llamacpp")):
+        c = res["configs"][best]
+        lines.append(f"fastest within +{100 * res['max_rel_ppl']:g} % perplexity: {best} ({c['decode_vs_transformers']:.2f}x "
+                     "transformers" + "".join(f"; {r:.2f}x {n}" for n, r in res["vs_llamacpp"].items()) + ")")
     for b, pb in res.get("batches", {}).items():
         if int(b) == res.get("batch", 1):
             continue

@@ -14,7 +14,8 @@ def cmd_bench(args) -> int:
     cfg = BenchConfig(model=args.model, device=args.device, dtype=args.dtype, prompt_tokens=args.prompt_tokens,
                       max_tokens=args.max_tokens, num_prompts=args.num_prompts, repeats=args.repeats,
                       warmup=args.warmup, seed=args.seed, backend=args.backend, threads=args.threads,
-                      configs=args.configs, batch=args.batch, max_model_len=args.max_model_len)
+                      configs=args.configs, batch=args.batch, max_model_len=args.max_model_len, quant=args.quant or "",
+                      quality_windows=args.quality_windows)
     res = run_bench(cfg, progress=not args.json and not args.quiet)
     if args.json:
         if not args.raw:
@@ -101,6 +102,12 @@ def add_bench_parser(sub) -> None:
                         "paged+compile, paged+graphs, llama.cpp (when llama-cpp-python is installed), or all")
     b.add_argument("--batch", default="1", help="batch sizes, comma-separated (e.g. 1,8): that many prompts submitted "
                                                 "together to every side (default 1)")
+    b.add_argument("--quant", default=None,
+                   help="quantization schemes, comma-separated (e.g. w8a16:head,w8a8): each a row q:<scheme> on the "
+                        "device's fastest engine path (paged + compile; CUDA graphs on a GPU), with its held-out "
+                        "perplexity against the unquantized model (default with --configs all: w8a16:head,w8a8:head on "
+                        "a CPU, w4a16:g128,w8a16 on a GPU)")
+    b.add_argument("--quality-windows", type=int, default=4, help="held-out windows of 256 tokens for perplexity")
     b.add_argument("--max-model-len", type=int, default=None,
                    help="context of the engines other than the reference (default: prompt + new tokens + 1, what a "
                         "request needs: the best case of static contiguous rows, which every decode step attends over "

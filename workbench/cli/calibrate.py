@@ -166,7 +166,7 @@ def _check(args) -> int:
 
 
 def add_calibrate_parser(sub) -> None:
-    from workbench.quant.calibrate import DEFAULT_SPACE, OBJECTIVES
+    from workbench.quant.calibrate import DEFAULT_SPACES, OBJECTIVES
     from workbench.quant.quality import METRICS
 
     p = sub.add_parser("calibrate-quant", help="search per-layer precision against a quality target and measured "
@@ -181,7 +181,9 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--max-degradation", default=None,
                    help="ppl: relative increase (0.02 or 2%%); kl: nats; top1 / exact_match: points lost "
                         f"(defaults {', '.join(f'{k} {v}' for k, v in DEFAULT_LIMITS.items())})")
-    p.add_argument("--search-space", default=DEFAULT_SPACE, help="comma-separated schemes (each layer may also stay dense)")
+    p.add_argument("--search-space", default=None,
+                   help="comma-separated schemes (each layer may also stay dense); default: "
+                        f"{DEFAULT_SPACES['cpu']} on a CPU (W8A8 runs torch._int_mm there), {DEFAULT_SPACES['cuda']} on a GPU")
     p.add_argument("--objective", choices=OBJECTIVES, default="memory",
                    help="minimise measured resident bytes or measured decode-step latency")
     p.add_argument("--memory", choices=("stored", "resident"), default="stored",

@@ -59,7 +59,15 @@ from workbench.quant.search import DENSE, Mix, lagrangian_front, mix_recipe, sea
 from workbench.quant.sensitivity import layer_sensitivity, linear_targets
 
 OBJECTIVES = ("latency", "memory")
-DEFAULT_SPACE = "w8a16,w4a16:g128,w4a8"
+# The default search space by device: on a CPU W8A8 runs through torch._int_mm (int8 activations, the
+# fastest prefill there) and W8A16 through a compiled int8 reduction; on a GPU the Triton kernels.
+DEFAULT_SPACES = {"cpu": "w8a16,w8a8,w4a16:g128,w4a8", "cuda": "w8a16,w4a16:g128,w4a8"}
+DEFAULT_SPACE = DEFAULT_SPACES["cpu"]
+
+
+def default_search_space(device) -> str:
+    """:data:`DEFAULT_SPACES` of ``device`` ("cpu", "cuda", "cuda:1", a torch.device)."""
+    return DEFAULT_SPACES["cuda" if str(device).startswith("cuda") else "cpu"]
 
 
 def _quantiles(xs: list[int]) -> dict:
@@ -132,7 +140,7 @@ def _select(front: list[Mix], measure_mix, limit: float, budget: int) -> list[in
     return chosen
 
 
-def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_space_spec=DEFAULT_SPACE,
+def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_space_spec=None,
               objective: str = "memory", model=None, device="cpu", dtype=None, text_field: str = "text",
               group_field: str | None = "auto", context: int = 256, eval_windows: int = 8, calib_windows: int = 8,
               evaluation_fraction: float = 0.5, em_prompt: int = 64, em_tokens: int = 4, em_prompts: int = 32,
@@ -164,7 +172,7 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
     if memory not in ("stored", "resident"):
         raise ConfigError(f"memory must be 'stored' or 'resident', got {memory!r}")
     limit = parse_degradation(target_metric, max_degradation)
-    options = search_space(search_space_spec)
+    options = search_space(search_space_spec or default_search_space(device))
     for name, v in (("context", context), ("eval_windows", eval_windows), ("calib_windows", calib_windows),
                     ("max_measured", max_measured), ("decode_steps", decode_steps), ("rounds", rounds)):
         if not isinstance(v, int) or v < 1:
