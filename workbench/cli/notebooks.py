@@ -34,6 +34,8 @@ def cmd_run_notebooks(args) -> int:
     from workbench.lab.runner import run_notebooks
 
     params = {}
+    if args.model is not None:          # the same as -p model='"DIR"': every notebook on that checkpoint
+        params["model"] = args.model
     for item in args.param or []:
         if "=" not in item:
             raise ConfigError(f"--param {item!r}: expected NAME=VALUE (VALUE parsed as JSON when possible)")
@@ -71,6 +73,9 @@ def add_run_notebooks_parser(sub) -> None:
     r.add_argument("--sweep", action="append", help="NAME=V1,V2,... run each notebook once per point of the grid "
                                                     "of all --sweep values (repeatable); writes sweep.csv")
     r.add_argument("--out", default=None, help="output folder (default: runs/<timestamp>)")
+    r.add_argument("--model", default=None,
+                   help="a Hugging Face-format folder every notebook runs on instead of the bundled model (the same "
+                        "as -p model='\"DIR\"'; e.g. one written by workbench import-gguf)")
     r.add_argument("--timeout", type=int, default=900, help="per-cell timeout in seconds")
     r.add_argument("--point-timeout", type=float, default=None, metavar="SECONDS",
                    help="wall-clock limit for one notebook run / sweep point (default: none): a point that runs "
