@@ -54,3 +54,44 @@ def test_timing_reports_every_side():
         < by["dense fp32"]["weight_bytes"]
     assert by["int8pack (w8, per channel)"]["rel_error_vs_dense"] < 0.02
     assert by["int8 reduce (w8, per channel, compiled)"]["rel_error_vs_dense"] < 0.02
+
+
+@pytest.mark.parametrize("out", [64, 96, 160, 32], ids=["one-block", "block+tail", "blocks+tail", "tail-only"])
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_int4_op_holds_the_only_copy_of_the_weight(out, symmetric):
+    """torch's int4 CPU op takes over the layer's buffers: one copy of the packed weight (its
+    layout), the row layout rebuilt from it exactly, outputs unchanged, and back to rows on a switch."""
+    from workbench.quant.cpu_ops import INT4PACK_LAYOUT
+
+    w = torch.randn(out, 256, generator=torch.Generator().manual_seed(5))
+    layer = QuantLinear(quantize_weight(w, bits=4, group=64, symmetric=symmetric), None, {}, 0.0)
+    before = layer.quantized
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(6))
+    ref = layer.reference_forward(x)
+    op = cpu_op(layer)
+    assert layer.qweight_layout == INT4PACK_LAYOUT
+    after = layer.quantized
+    assert torch.equal(after.qweight, before.qweight) and torch.equal(after.scales, before.scales)
+    packed = op.__closure__[op.__code__.co_freevars.index("packed")].cell_contents
+    assert packed is layer.qweight                                         # the op reads the buffer itself
+    assert op.extra_bytes == out * (256 // 64) * 8                        # its scales-and-zeros only
+    assert float((op(x) - ref).abs().max() / ref.abs().max()) < 1e-5
+    many = torch.randn(9, 256, generator=torch.Generator().manual_seed(7))  # past the op's rows: the reference
+    assert torch.allclose(op(many), QuantLinear(before, None, {}, 0.0).reference_forward(many), atol=1e-5)
+    layer.use_row_layout()
+    assert layer.qweight_layout == "rows" and torch.equal(layer.qweight, before.qweight)
+
+
+def test_set_quant_backend_switches_without_losing_the_int4_weight():
+    from workbench.quant.apply import set_quant_backend
+
+    model = torch.nn.Sequential(_layer(4, group=32))
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(8))
+    ref = model(x)
+    stored = model[0].quantized.qweight.clone()
+    for backend in ("cpu", "reference", "cpu", "cpu", "reference"):
+        summary = set_quant_backend(model, backend)
+        assert torch.equal(model[0].quantized.qweight, stored)
+        assert float((model(x) - ref).abs().max() / ref.abs().max()) < 1e-5
+        if backend == "cpu":
+            assert summary["extra_bytes"] == 96 * (256 // 32) * 8

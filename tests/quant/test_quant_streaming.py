@@ -130,8 +130,8 @@ def test_compressed_checkpoint_streams_with_identical_tokens(checkpoint, backend
 def test_streamed_layer_bytes_are_the_stored_quantized_bytes():
     """Measured: the bytes one fetch moves per streamed layer, against the same layer's tensors
     counted here from the all-resident model (each storage once; the buffer adds at most 64 bytes
-    of alignment per storage).  int4 streams well under fp32's bytes even with the CPU op's
-    repacked copy beside the stored integers."""
+    of alignment per storage).  int4 through the CPU op streams one copy of the weight (the op's
+    layout) and the op's scales-and-zeros beside the stored scales: under W8A16's bytes."""
     got = {}
     for name, kw in [("fp32", {}), ("w8a16", {"quant": "w8a16"}),
                      ("w4a16 reference", {"quant": "w4a16:g128", "quant_backend": "reference"}),
@@ -151,8 +151,8 @@ def test_streamed_layer_bytes_are_the_stored_quantized_bytes():
     print(got)
     assert got["w8a16"] < 0.3 * got["fp32"]
     assert got["w4a16 reference"] < 0.15 * got["fp32"]
-    assert got["w4a16 cpu op"] < 0.35 * got["fp32"]
-    assert got["w4a16 reference"] < got["w8a16"] < got["w4a16 cpu op"]
+    assert got["w4a16 reference"] < got["w4a16 cpu op"] < 1.2 * got["w4a16 reference"]
+    assert got["w4a16 cpu op"] < got["w8a16"]
 
 
 class _Opaque:

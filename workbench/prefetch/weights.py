@@ -28,10 +28,10 @@ What streams: every tensor a layer reads at forward time (:func:`forward_tensors
 parameters, its module buffers, and the tensors its quantized layers' compute ops hold.  A
 quantized layer (:class:`~workbench.quant.apply.QuantLinear`) keeps its weight in buffers
 (int8 or packed int4 integers, scales, zero points), and a packed backend keeps more: torch's
-int4 CPU op a repacked copy of the weight and its scales-and-zeros, the int8 op a view of the
+int4 CPU op its scales-and-zeros (the weight is its buffer, in the op's layout), the int8 op a view of the
 scales, W8A8 the transposed weight.  All of them become views into the layer's buffer, tensors
 that share storage (a transpose, a slice) stay views of one another, so the bytes a fetch moves
-are the layer's *stored* bytes: the quantized bytes (and an op's repacked copy) for a quantized
+are the layer's *stored* bytes: the quantized bytes (and an op's own tensors) for a quantized
 model.  Something that cannot be a view into a byte buffer (an opaque packed object, a tensor
 subclass, a non-strided layout) is refused by name at install.
 

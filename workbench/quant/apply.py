@@ -43,10 +43,25 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.settings, self.rel_error = settings, rel_error
 
+    qweight_layout = "rows"      # or cpu_ops.INT4PACK_LAYOUT: the int4 CPU op's layout (one copy, its own)
+
     @property
     def quantized(self) -> QuantizedWeight:
-        return QuantizedWeight(self.qweight, self.scales, self.zeros, self.bits, self.group,
+        """The stored weight in the row layout (rebuilt from the int4 CPU op's layout when that op
+        holds it)."""
+        qweight = self.qweight
+        if self.qweight_layout != "rows":
+            from workbench.quant.cpu_ops import int4pack_values
+            from workbench.quant.rtn import pack_int4
+            qweight = pack_int4(int4pack_values(qweight, self.out_features, self.in_features))
+        return QuantizedWeight(qweight, self.scales, self.zeros, self.bits, self.group,
                                (self.out_features, self.in_features), self.weight_dtype)
+
+    def use_row_layout(self) -> None:
+        """Give the buffers back the row layout (before another backend packs them)."""
+        if self.qweight_layout != "rows":
+            q = self.quantized
+            self.qweight, self.scales, self.qweight_layout = q.qweight, q.scales.contiguous(), "rows"
 
     backend = "reference"        # set_quant_backend: "reference" | "cpu" | "triton"
     _op = None
@@ -211,7 +226,8 @@ def set_quant_backend(model: nn.Module, backend: str = "auto") -> dict:
     ``triton`` that runs no layer at all is a ConfigError), and the returned summary
     says how many layers run where and why: ``{"backend": b, "layers": {backend: n}, "fallbacks":
     {reason: n}, "extra_bytes": n}`` - ``extra_bytes``: what the ops keep beside the stored
-    weights (torch's int4 CPU op repacks the weight into its own layout: a second copy)."""
+    weights (torch's int4 CPU op holds the weight in its own layout, the layer's only copy,
+    and its own scales-and-zeros)."""
     if backend not in BACKENDS:
         raise ConfigError(f"quant backend {backend!r}: expected one of {', '.join(BACKENDS)}")
     if getattr(model, "_wb_stream", None) is not None:     # its ops would repack whatever a buffer holds now
@@ -225,6 +241,7 @@ def set_quant_backend(model: nn.Module, backend: str = "auto") -> dict:
     for mod in model.modules():
         if not isinstance(mod, QuantLinear):
             continue
+        mod.use_row_layout()
         want = backend if backend != "auto" else ("cpu" if mod.qweight.device.type == "cpu" else "triton")
         op, why = None, None
         if want == "cpu":

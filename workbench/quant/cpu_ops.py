@@ -46,6 +46,7 @@ INT4_GROUPS = (32, 64, 128, 256)
 # m = 1 / 8 / 64 and int8pack 9.5 / 58 / 494 ms, against 51 / 60 / 70 ms for the reference.
 INT4_MAX_ROWS = 4
 INT8_MAX_ROWS = 8
+INT4PACK_LAYOUT = "cpu_int4pack"    # QuantLinear.qweight_layout once the int4 op holds the weight
 _GEMV: dict = {}          # the compiled int8 reduction (made on first use), or why it could not be
 
 
@@ -127,16 +128,25 @@ def cpu_op(layer, inner_k_tiles: int = 8, row_fallback: bool = True):
             y = y if layer.bias is None else y + layer.bias
             return y.reshape(*shape[:-1], -1).to(x.dtype)
         return int8
-    q = layer.quantized
+    q = layer.quantized                                                   # the row layout, whatever the buffer holds
     vals = q.int_values()                                                  # symmetric: -7..7; asym: 0..15
     if q.symmetric:
         stored, zero = (vals + 8).to(torch.int32), torch.zeros_like(q.scales)
     else:
         z = q.zeros.float()                                                # in 0..15 for 4 bits
         stored, zero = vals.to(torch.int32), (8 - z) * q.scales
+    n, k = q.shape
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(stored.contiguous(), inner_k_tiles)
     sz = torch.stack([q.scales.T, zero.T], dim=-1).contiguous().float()     # [in / g, out, 2]
     g = layer.group
+    # One copy of the weight: the op's layout holds the same nibbles as the row layout, permuted, so
+    # the layer's qweight buffer becomes the op's packed weight and the row layout is rebuilt from it
+    # when asked for (QuantLinear.quantized).  Where this torch packs differently from what
+    # int4pack_values reads, the row copy stays and is counted.
+    shared = torch.equal(int4pack_values(packed, n, k), stored.to(torch.uint8))
+    del stored, vals
+    if shared:
+        layer.qweight, layer.qweight_layout = packed, INT4PACK_LAYOUT
 
     def int4(x):
         shape = x.shape
@@ -145,8 +155,28 @@ def cpu_op(layer, inner_k_tiles: int = 8, row_fallback: bool = True):
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).float(), packed, g, sz)
         y = y if layer.bias is None else y + layer.bias
         return y.reshape(*shape[:-1], -1).to(x.dtype)
-    int4.extra_bytes = packed.numel() * packed.element_size() + sz.numel() * 4     # a second, op-specific copy
+    # beside the stored bytes: the op's scales-and-zeros (8 bytes a group of a row: 1/8 of the packed
+    # weight at g128), and, where the layouts could not be shared, the repacked weight too
+    int4.extra_bytes = sz.numel() * 4 + (0 if shared else packed.numel() * packed.element_size())
     return int4
+
+
+def int4pack_values(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The 4-bit values ``[n, k]`` (uint8, 0..15) held by torch's CPU int4pack layout
+    (``aten._convert_weight_to_int4pack_for_cpu`` of an ``[n, k]`` weight): blocks of 64 rows as
+    ``[k, 32]`` bytes, low nibble row ``j``, high nibble row ``j + 32``; the last ``n % 64`` rows as
+    ``[k, r / 2]`` bytes, low nibble the even row, high the odd one.  (cpu_op checks it against the
+    values it packed, so a torch that packs otherwise keeps the row copy.)"""
+    b = packed.reshape(-1)
+    full = n // 64 * 64
+    parts = []
+    if full:
+        blk = b[: full * k // 2].view(full // 64, k, 32)
+        parts.append(torch.cat([blk & 15, blk >> 4], dim=2).transpose(1, 2).reshape(full, k))
+    if n - full:
+        t = b[full * k // 2:].view(k, (n - full) // 2)
+        parts.append(torch.stack([t & 15, t >> 4], dim=2).reshape(k, n - full).T)
+    return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
 
 
 def _time(fn, x, repeats: int) -> float:
