@@ -4,6 +4,8 @@
   measuring decode steps of the loaded model).
 * :mod:`.compare`: interleaved A/B comparisons with medians, spreads and a verdict stated only
   beyond the spread; :func:`.probe.noise_probe` measures how noisy this machine is right now.
+* :mod:`.timing`: timing work that may run on a GPU (CUDA events, or a synchronize around the
+  host clock; ``perf_counter`` on a CPU): :func:`.timing.device_timer`, :func:`.timing.time_call`.
 * :mod:`.gpu_results`: the GPU tables committed under ``results/gpu/<device>-<date>/`` by
   ``scripts/device_check.sh``, shown next to CPU figures.
 """
@@ -17,6 +19,7 @@ _EXPORTS = exports({
     "workbench.measure.threads": "ThreadChoice choose_threads apply_thread_policy",
     "workbench.measure.agreement": "first_divergence divergence_margin",
     "workbench.measure.memory": "storage_bytes",
+    "workbench.measure.timing": "DeviceTimer device_timer time_call",
 })
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy(__name__, _EXPORTS)

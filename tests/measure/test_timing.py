@@ -1,0 +1,105 @@
+"""workbench.measure.timing: host clock on a CPU; events or synchronize on a CUDA device.
+
+The CUDA branch is executed on a CPU through recording stand-ins for ``torch.cuda.Event``,
+``torch.cuda.current_stream`` and ``torch.cuda.synchronize``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from workbench.measure import timing
+
+
+class FakeEvent:
+    log: list = []
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing, "timing events must be created with enable_timing=True"
+        self.t = None
+        self.synced = False
+
+    def record(self, stream=None):
+        self.t = time.perf_counter()
+        FakeEvent.log.append(("record", stream))
+
+    def synchronize(self):
+        self.synced = True
+        FakeEvent.log.append(("event_sync", None))
+
+    def elapsed_time(self, end):
+        assert end.synced, "the end event must be waited for before it is read"
+        return 7.0
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    calls = []
+    FakeEvent.log = calls
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream", str(device)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("device_sync", str(device))))
+    return calls
+
+
+def test_cpu_uses_the_host_clock_and_never_touches_cuda(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("CUDA touched for a CPU timing")
+    monkeypatch.setattr(torch.cuda, "synchronize", boom)
+    monkeypatch.setattr(torch.cuda, "Event", boom)
+    timing.sync("cpu")
+    timing.sync(None)
+    with timing.device_timer("cpu") as t:
+        time.sleep(0.01)
+    assert 8 <= t.ms < 1000 and t.seconds == pytest.approx(t.ms / 1e3)
+    ms = timing.time_call(lambda: time.sleep(0.002), torch.device("cpu"), warmup=1, repeats=3)
+    assert len(ms) == 3 and all(m >= 1.5 for m in ms)
+
+
+def test_cuda_events_bracket_the_region_on_the_current_stream(fake_cuda):
+    with timing.device_timer("cuda:0") as t:
+        fake_cuda.append(("work", None))
+    # start recorded before the work, end after; nothing waited for yet (the host is not blocked)
+    assert [c[0] for c in fake_cuda] == ["record", "work", "record"]
+    assert fake_cuda[0][1] == ("stream", "cuda:0")
+    assert t.ms == 7.0
+    assert fake_cuda[-1][0] == "event_sync"
+
+
+def test_cuda_without_events_synchronizes_at_both_ends(fake_cuda):
+    with timing.device_timer(torch.device("cuda"), events=False) as t:
+        fake_cuda.append(("work", None))
+    assert [c[0] for c in fake_cuda] == ["device_sync", "work", "device_sync"]
+    assert t.ms >= 0.0
+
+
+def test_sync_on_cuda_calls_synchronize(fake_cuda):
+    timing.sync("cuda")
+    timing.sync(torch.zeros(1, device="meta"))      # meta: no-op
+    assert fake_cuda == [("device_sync", "cuda")]
+
+
+def test_time_call_on_cuda_uses_one_event_pair_per_repeat(fake_cuda):
+    n = []
+    ms = timing.time_call(lambda: n.append(1), "cuda", warmup=2, repeats=3)
+    assert ms == [7.0, 7.0, 7.0] and len(n) == 5
+    kinds = [c[0] for c in fake_cuda]
+    assert kinds.count("record") == 6 and kinds.count("event_sync") == 3
+    # the warmup is synchronized away before the first timed call
+    assert kinds[0] == "device_sync"
+
+
+def test_time_call_on_cuda_without_events_syncs_each_call(fake_cuda):
+    timing.time_call(lambda: None, "cuda", warmup=0, repeats=2, events=False)
+    assert [c[0] for c in fake_cuda] == ["device_sync"] * 5
+
+
+def test_reading_before_the_end_is_an_error():
+    t = timing.DeviceTimer("cuda")
+    with pytest.raises(RuntimeError):
+        t.ms
+    with pytest.raises(ValueError):
+        timing.time_call(lambda: None, "cpu", repeats=0)
