@@ -181,6 +181,23 @@ def test_make_transport_kinds():
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="needs a CUDA device"):
             make_transport("cuda")
+        # a disk path (WeightStreamConfig.path) is not an argument of the CUDA transport
+        with pytest.raises(ConfigError, match="needs a CUDA device"):
+            make_transport("cuda", "cpu", path="x")
+
+
+def test_make_transport_cuda_drops_the_disk_path(monkeypatch):
+    import workbench.prefetch.cuda_transport as ct
+
+    got = {}
+
+    class Recorder:
+        def __init__(self, device=None, timing=True):
+            got.update(device=device, timing=timing)
+
+    monkeypatch.setattr(ct, "CudaTransport", Recorder)
+    assert isinstance(make_transport("auto", "cuda", path="/tmp/x", directory="/tmp"), Recorder)
+    assert got == {"device": torch.device("cuda"), "timing": True}
 
 
 def test_worker_threads_do_not_leak():

@@ -392,5 +392,7 @@ def make_transport(kind: str = "auto", device=None, **kw) -> Transport:
     if kind == "cuda":
         from workbench.prefetch.cuda_transport import CudaTransport
 
+        kw.pop("path", None)        # a disk file means nothing for pinned host memory (WeightStreamConfig.path)
+        kw.pop("directory", None)
         return CudaTransport(dev, **kw)
     raise ConfigError(f"transport must be 'auto', 'disk', 'host' or 'cuda', got {kind!r}")
