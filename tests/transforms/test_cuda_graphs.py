@@ -3,7 +3,8 @@ graphs need CUDA and the same static path runs eagerly; it must give the referen
 greedy tokens, with eager and with Triton ops, and batch sequences into buckets exactly.
 Launch counting (``launches_per_decode_step``) is checked against the model's structure.
 
-The CUDA capture / replay lines are not run here (no GPU): they are marked ``# CUDA only``.
+Every model is on ``DEVICE``: on a GPU machine the same tests capture and replay real graphs
+(backend 'triton' refuses a CPU model when the kernels are compiled rather than interpreted).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from workbench_kernels._testing import assert_close  # noqa: E402
 from conftest import BUNDLED_READY  # noqa: E402
 
 torch.set_num_threads(1)
+# On a GPU machine the kernels are compiled, not interpreted, and backend 'triton' refuses a CPU
+# model: every model here lives on DEVICE (and the graphs are then really captured and replayed).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback")
 PROMPTS = ["Python is", "The list", "def f(x):"]
 
@@ -36,14 +40,14 @@ PROMPTS = ["Python is", "The list", "def f(x):"]
 def tiny():
     cfg = ModelConfig(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
-    return init_weights(CausalLM(cfg), seed=7).eval()
+    return init_weights(CausalLM(cfg), seed=7).eval().to(DEVICE)
 
 
 @pytest.fixture(scope="module")
 def bundled():
     if not BUNDLED_READY:
         pytest.skip("bundled model weights not present (data/reference-model/model.safetensors)")
-    llm = workbench.LLM(device="cpu")
+    llm = workbench.LLM(device=DEVICE)
     params = workbench.SamplingParams(temperature=0, max_tokens=12)
     ref = [o.token_ids for o in llm.generate(PROMPTS, params)]
     return llm, ref
@@ -104,9 +108,10 @@ def test_a_batch_in_a_bucket_equals_each_sequence_alone(tiny):
     assert logits.shape == (3, tiny.config.vocab_size) and dec.bucket_for(3) == 4
     for row, ids in enumerate(prompts):
         with torch.inference_mode():
-            want = tiny(torch.tensor([ids + [nxt[row]]]))[0, -1]
+            want = tiny(torch.tensor([ids + [nxt[row]]], device=DEVICE))[0, -1]
         # fp32: the same ops with another batch size (matmul kernels differ by a few ulp)
-        assert_close(logits[row], want, atol=1e-5, rtol=1e-5, name=f"row {row}")
+        tol = 1e-5 if DEVICE == "cpu" else 1e-4
+        assert_close(logits[row], want, atol=tol, rtol=tol, name=f"row {row}")
     with pytest.raises(WorkbenchError, match="exceeds the largest bucket"):
         dec.bucket_for(5)
     with pytest.raises(ConfigError, match="buckets must be positive"):
@@ -125,6 +130,9 @@ def test_launches_per_decode_step(tiny):
     assert fused["aten"] < eager["aten"], (fused, eager)
     assert fused["backends"].startswith("rmsnorm=triton") and fused["graphed"] is False
     static = launches_per_decode_step(tiny, parse_backend_spec("triton"), graphed=True)
-    assert static["triton"] == 5 * L + 1 and static["graphed"] is torch.cuda.is_available()
+    on_gpu = torch.cuda.is_available()
+    assert static["graphed"] is on_gpu
+    # a graph replay launches nothing through the Python wrappers; eager, the same 5 L + 1
+    assert static["triton"] == (0 if on_gpu else 5 * L + 1)
     assert current_backends(tiny) == {op: "eager" for op in OPS}, "the model is left as it was"
     assert type(tiny.model.layers[0].mlp) is mlp_class
