@@ -40,17 +40,24 @@ import gc
 import math
 import statistics
 import time
+from functools import partial
 
 import torch
 
 from workbench.errors import ConfigError
+from workbench.measure import timing
 
 BACKENDS = ("math", "flash")
 
 
-def _sdpa_backend(name: str):
+def _sdpa_backend(name: str, device: torch.device | None = None, dtype: torch.dtype | None = None):
+    """The SDPA backend of side ``name``; refuses a combination torch has no kernel for (on CUDA,
+    FlashAttention takes fp16/bf16 only: an fp32 model would fail with "No available kernel")."""
     from torch.nn.attention import SDPBackend
 
+    if name == "flash" and device is not None and torch.device(device).type == "cuda" and dtype == torch.float32:
+        raise ConfigError("prefill_scaling: FlashAttention on CUDA needs fp16/bf16; load the model in bfloat16 "
+                          "(or measure only backends=('math',))")
     return {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION}[name]
 
 
@@ -137,14 +144,15 @@ def prefill_scaling(model, lengths=(256, 512, 1024), repeats: int = 3, backends=
         raise ConfigError(f"prefill_scaling: fit_lengths {fit} must be >= 2 of the measured lengths {lengths}")
     cfg = model.config
     dev, dtype = model.device, model.lm_head.weight.dtype
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    sdpa = {b: _sdpa_backend(b, dev, dtype) for b in backends}       # refuses before anything runs
+    sync = partial(timing.sync, dev)                                  # no-op off CUDA
     g = torch.Generator(device="cpu").manual_seed(seed)
     ids = torch.randint(1, cfg.vocab_size, (1, lengths[-1]), generator=g).to(dev)
     core = _AttentionCore(model, sync)
 
     def prefill(backend: str, n: int) -> tuple[float, float]:
         cache = model.new_cache(1, n)
-        with sdpa_kernel(_sdpa_backend(backend)):
+        with sdpa_kernel(sdpa[backend]):
             core.reset()
             sync()
             t0 = time.perf_counter()
