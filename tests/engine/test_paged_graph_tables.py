@@ -52,3 +52,34 @@ def test_a_replayed_graph_reads_the_block_tables_decode_wrote(random_llm):
     got = dec.decode(tokens, positions, tables)
     assert torch.allclose(got, want, atol=1e-5), (
         f"rows read other rows' blocks after capture: max |diff| per row {(got - want).abs().amax(-1).tolist()}")
+
+
+class _FakeCudaTransport:
+    kind = "cuda"
+
+    def __init__(self) -> None:
+        self.joins = 0
+
+    def join(self) -> None:
+        self.joins += 1
+
+
+@torch.inference_mode()
+def test_a_replay_first_joins_the_weight_copies_an_eager_step_submitted(random_llm):
+    """With stream_weights, the eager prefill's last layers submit the next step's first copies on
+    the copy stream; a replay runs no hooks, so the decoder must join that stream first."""
+    model = copy.deepcopy(random_llm.model)
+    cfg, w = model.config, model.lm_head.weight
+    pool = PagedKVPool(cfg, PagedKVConfig(block_size=4, num_blocks=8), w.device, w.dtype, 0, scratch_blocks=1)
+    dec = PagedDecoder(model, pool, max_blocks=2, buckets=(1,))
+    tr = _FakeCudaTransport()
+    seen = []
+
+    class G:
+        def replay(self):
+            seen.append(tr.joins)
+
+    dec.graphs[1] = (G(), torch.zeros(1, cfg.vocab_size))
+    model._wb_stream = type("Stream", (), {"transport": tr})()
+    dec.decode([3], [1], [[0]])
+    assert seen == [1], "the replay ran before the copy stream was joined"

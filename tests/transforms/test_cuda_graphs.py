@@ -136,3 +136,28 @@ def test_launches_per_decode_step(tiny):
     assert static["triton"] == (0 if on_gpu else 5 * L + 1)
     assert current_backends(tiny) == {op: "eager" for op in OPS}, "the model is left as it was"
     assert type(tiny.model.layers[0].mlp) is mlp_class
+
+
+def test_a_replay_first_joins_the_weight_copies_an_eager_step_submitted(tiny):
+    """Weight streaming on CUDA: a prefill (eager) submits the next step's first copies on the copy
+    stream; the graph replay that follows runs no hooks, so GraphedDecoder joins that stream first."""
+    class Tr:
+        kind, joins = "cuda", 0
+
+        def join(self):
+            Tr.joins += 1
+
+    seen = []
+
+    class G:
+        def replay(self):
+            seen.append(Tr.joins)
+
+    dec = GraphedDecoder(tiny, max_len=16)
+    dec.graphs[1] = (G(), torch.zeros(1, tiny.config.vocab_size, device=DEVICE))
+    tiny._wb_stream = type("Stream", (), {"transport": Tr()})()
+    try:
+        dec.decode([3], [0])
+    finally:
+        del tiny._wb_stream
+    assert seen == [1], "the replay ran before the copy stream was joined"

@@ -134,6 +134,7 @@ class GraphedDecoder(StaticStep):
         self._set_inputs(bs, list(tokens), list(positions))
         if bs in self.graphs:
             graph, out = self.graphs[bs]
+            self._before_replay()
             graph.replay()                                                           # CUDA only
             return out[:n]
         return self._step(bs)[:n]

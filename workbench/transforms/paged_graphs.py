@@ -200,6 +200,7 @@ class PagedDecoder(StaticStep):
         width = self._set_inputs(bs, tokens, positions, tables)
         if bs in self.graphs:
             graph, out = self.graphs[bs]
+            self._before_replay()
             graph.replay()                                                           # CUDA only
             return out[:n]
         args = self.inputs[bs].args(width)

@@ -52,6 +52,17 @@ class StaticStep:
     def _warm_inputs(self, bs: int) -> None:
         raise NotImplementedError
 
+    def _before_replay(self) -> None:
+        """Before a graph replay: the compute stream waits for the weight copies an *eager* step
+        submitted (every prefill chunk is eager; with ``stream_weights`` its last layers start the
+        next step's first copies on the copy stream).  Hooks do not run on a replay and the graph
+        has no dependency on those eager copies: without this wait the replay's first streamed
+        layers read a buffer still being written, and its own copies into that buffer race it.
+        A GPU-side wait; the host does not block."""
+        st = getattr(self.model, "_wb_stream", None)
+        if st is not None and st.transport.kind == "cuda":
+            st.transport.join()
+
     def _own_code(self, step):
         """``step`` as a function with a code object of this decoder's own.  Dynamo caches
         compiled code per code object, up to ``recompile_limit`` (8) entries, and does not guard
