@@ -30,6 +30,10 @@ class FakeEvent:
         self.synced = True
         FakeEvent.log.append(("event_sync", None))
 
+    def query(self):            # the GPU has passed it
+        self.synced = True
+        return True
+
     def elapsed_time(self, end):
         assert end.synced, "the end event must be waited for before it is read"
         return 7.0
@@ -103,3 +107,39 @@ def test_reading_before_the_end_is_an_error():
         t.ms
     with pytest.raises(ValueError):
         timing.time_call(lambda: None, "cpu", repeats=0)
+
+
+def test_elapsed_total_on_cpu_adds_each_region_at_once():
+    total = timing.ElapsedTotal()
+    for _ in range(2):
+        with total.region():
+            time.sleep(0.003)
+    assert total.pending == 0 and total.seconds >= 0.005
+    total.add(1.0)
+    assert total.seconds >= 1.005
+    total.reset()
+    assert total.seconds == 0.0
+
+
+def test_elapsed_total_on_cuda_sums_event_pairs_when_read(fake_cuda, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    total = timing.ElapsedTotal("cuda", resolve_every=3)
+    for _ in range(2):
+        with total.region():
+            pass
+    assert total.pending == 2 and [c[0] for c in fake_cuda] == ["record"] * 4    # nothing waited for yet
+    with total.region():
+        pass
+    assert total.pending == 0                    # the third region folded the passed ones in
+    with total.region():
+        pass
+    assert total.seconds == pytest.approx(4 * 7.0 / 1e3)
+    assert ("event_sync", None) in fake_cuda and total.pending == 0
+
+
+def test_elapsed_total_records_nothing_while_a_graph_is_captured(fake_cuda, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    total = timing.ElapsedTotal("cuda")
+    with total.region():
+        pass
+    assert fake_cuda == [] and total.seconds == 0.0

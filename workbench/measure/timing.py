@@ -36,16 +36,23 @@ API::
         work()
     t.ms                                           # float milliseconds (waits for the end event)
     time_call(fn, device, warmup=1, repeats=5)     # list[float] ms, one per repeat
+    total = ElapsedTotal(device)                   # a running counter of many regions
+    with total.region(): work()                    # (restores, swap-ins: admission work)
+    total.seconds                                  # their sum (CUDA: resolved when read)
+
+Inside a CUDA graph capture no event can be timed: :meth:`ElapsedTotal.region` then records
+nothing (the capture's work is not a host-visible region).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["as_device", "is_cuda", "sync", "DeviceTimer", "device_timer", "time_call"]
+__all__ = ["as_device", "is_cuda", "sync", "DeviceTimer", "device_timer", "time_call", "ElapsedTotal"]
 
 
 def as_device(device: Any) -> torch.device:
@@ -146,3 +153,73 @@ def time_call(fn: Callable[[], Any], device: Any = None, *, warmup: int = 1, rep
             fn()
         timers.append(t)
     return [t.ms for t in timers]
+
+
+class ElapsedTotal:
+    """The running sum of many timed regions, as a counter: ``with total.region(): ...``, then
+    ``total.seconds``.  Off CUDA each region adds its ``perf_counter`` time at once.  On CUDA each
+    region is a pair of timing events on the current stream (the stream's time through the
+    region: the work it enqueued and any GPU-side waits in it, e.g. on a copy); the pairs are
+    summed when ``seconds`` is read, which waits for the last end event.  Pending pairs the GPU
+    has already passed are folded in every ``resolve_every`` regions, so a long run keeps a
+    bounded list.  ``device``: the default for regions (a region may name its own)."""
+
+    def __init__(self, device: Any = None, *, resolve_every: int = 1024) -> None:
+        self.device = as_device(device)
+        self.resolve_every = max(1, int(resolve_every))
+        self._done = 0.0
+        self._pending: list[tuple] = []
+
+    @contextmanager
+    def region(self, device: Any = None) -> Iterator[None]:
+        dev = as_device(device) if device is not None else self.device
+        if dev.type != "cuda":
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._done += time.perf_counter() - t0
+            return
+        if torch.cuda.is_current_stream_capturing():
+            yield                                  # a capture: no event can be timed here
+            return
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record(torch.cuda.current_stream(dev))
+        try:
+            yield
+        finally:
+            end.record(torch.cuda.current_stream(dev))
+            self._pending.append((start, end))
+            if len(self._pending) >= self.resolve_every:
+                self._fold(wait=False)
+
+    def _fold(self, wait: bool) -> None:
+        keep = []
+        for start, end in self._pending:
+            if wait:
+                end.synchronize()
+            elif not end.query():
+                keep.append((start, end))
+                continue
+            self._done += start.elapsed_time(end) / 1e3
+        self._pending = keep
+
+    def add(self, seconds: float) -> None:
+        """Add host-measured seconds (work that is not on a device stream)."""
+        self._done += seconds
+
+    @property
+    def pending(self) -> int:
+        """Regions not yet summed (CUDA event pairs)."""
+        return len(self._pending)
+
+    @property
+    def seconds(self) -> float:
+        if self._pending:
+            self._fold(wait=True)
+        return self._done
+
+    def reset(self, seconds: float = 0.0) -> None:
+        self._pending = []
+        self._done = float(seconds)
