@@ -99,3 +99,42 @@ def test_drain_waits_for_pending_copies(pf):
     job = pf.submit(2, buf)
     pf.drain()
     assert job.done() and not pf.pending and torch.all(buf == 2)
+
+
+# ---- the CUDA branches, on a CPU (tests/fake_cuda.py) ---------------------------------------------
+def test_reset_stats_on_cuda_waits_for_the_device_and_carries_nothing_over(monkeypatch):
+    """Prefill copies still in flight at the reset must not land in the decode counters."""
+    from fake_cuda import FakeCudaTransport, install
+
+    calls = install(monkeypatch)
+    pf = Prefetcher(FakeCudaTransport())
+
+    class Late:
+        def query(self):
+            return False
+
+    pf._unresolved.append((None, Late(), Late(), "prefill", 0, False))
+    pf.reset_stats()
+    assert pf._unresolved == [], "pre-reset events would resolve into the new counters"
+    assert ("synchronize", "cuda") in calls
+
+
+def test_unread_cuda_events_stay_bounded(monkeypatch):
+    """A server that never reads stats(): the pending timing events are folded in as they go."""
+    import workbench.prefetch.prefetcher as pmod
+    from fake_cuda import FakeCudaTransport, FakeEvent, install
+
+    install(monkeypatch)
+    pf = Prefetcher(FakeCudaTransport(timing=True))
+    for i in range(10_000):
+        a, b = FakeEvent(True), FakeEvent(True)
+        a.record()
+        b.record()
+        pf.compute(f"L{i % 16}", a, b)
+    assert len(pf._unresolved) < pmod.RESOLVE_EVERY
+    pf.put("w", torch.arange(64, dtype=torch.uint8))
+    for _ in range(50):
+        pf.wait("w", torch.empty(64, dtype=torch.uint8))
+    assert len(pf._unresolved) < pmod.RESOLVE_EVERY
+    st = pf.stats()
+    assert st["uses"] == 50 and st["demand"] == 50

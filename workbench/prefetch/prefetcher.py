@@ -35,7 +35,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from workbench.measure import timing
 from workbench.prefetch.transports import Job, Transport
+
+# CUDA: pending timing events are folded into the counters once this many wait (a long-running
+# engine that never reads stats() would otherwise keep ~3 events per streamed layer per step)
+RESOLVE_EVERY = 4096
 
 
 @dataclass
@@ -118,6 +123,7 @@ class Prefetcher:
             if after is not None:
                 after.record()
                 self._unresolved.append((job, before, after, label, self.step, demand))
+                self._bound()
             return job
         hit = not demand and job.done()
         t0 = time.perf_counter()
@@ -171,8 +177,13 @@ class Prefetcher:
         """Record a compute span (host seconds, or CUDA events on a CUDA transport)."""
         if self._cuda:
             self._unresolved.append((None, start, end, label, self.step, False))
+            self._bound()
         else:
             self.events.append(("compute", label, start, end, self.step, 0))
+
+    def _bound(self) -> None:
+        if len(self._unresolved) >= RESOLVE_EVERY:
+            self.resolve()
 
     def resolve(self) -> None:
         """CUDA: turn events the GPU has passed into counters and timeline events."""
@@ -205,7 +216,13 @@ class Prefetcher:
         return {"name": self.name, **self.transport.describe(), **self.stats_.as_dict()}
 
     def reset_stats(self) -> None:
+        """Start the counters again.  CUDA: everything enqueued so far is pre-reset work, so the
+        device finishes it first and its events resolve into the counters being discarded (not,
+        later, into the new ones); nothing unresolved is carried over."""
+        if self._cuda and not torch.cuda.is_current_stream_capturing():
+            timing.sync(self.transport.device)
         self.resolve()
+        self._unresolved = []
         self.stats_ = PrefetchStats(ceiling_gbps=self.stats_.ceiling_gbps)
         self.events.clear()
 
