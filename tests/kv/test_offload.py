@@ -85,3 +85,24 @@ def test_offload_config_is_validated():
         PagedKVConfig(offload="ssd")
     with pytest.raises(workbench.WorkbenchError, match="enable_prefix_caching"):
         PagedKVConfig(offload="host", enable_prefix_caching=False)
+
+
+def test_restore_time_on_a_cuda_transport_is_device_time_not_enqueue_time(monkeypatch):
+    """On CUDA a restore only enqueues (the compute stream waits on the copy), so a host clock
+    reads ~0 and gb_per_s_in is inflated: seconds_in comes from CUDA events (here, fakes)."""
+    from fake_cuda import FakeCudaTransport, FakeEvent, install
+    from workbench.prefetch.prefetcher import Prefetcher
+
+    calls = install(monkeypatch)
+    monkeypatch.setattr(FakeEvent, "elapsed_time", lambda self, end: 250.0)
+    shape = (2, 2, 4, 3, 5)
+    store = HostOffload(4, prefetcher=Prefetcher(FakeCudaTransport()), block_shape=shape, dtype=torch.float32)
+    blocks = [torch.randn(shape) for _ in range(2)]
+    for i, b in enumerate(blocks):
+        store.put(i, (i,), b)
+    for i, b in enumerate(blocks):
+        assert torch.equal(store.get(i, (i,), torch.device("cpu")), b)
+    st = store.stats
+    assert st.gets == 2 and st.seconds_in == pytest.approx(0.5)
+    assert st.as_dict()["gb_per_s_in"] == pytest.approx(st.bytes_in / 0.5 / 1e9)
+    assert not any(c[0] == "synchronize" for c in calls), "no full-device synchronize per restored block"

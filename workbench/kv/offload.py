@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from workbench.errors import ConfigError, WorkbenchError
+from workbench.measure.timing import ElapsedTotal
 from workbench.prefetch.prefetcher import Prefetcher
 from workbench.prefetch.cuda_transport import CudaTransport
 from workbench.prefetch.transports import DiskTransport, HostTransport, Transport
@@ -176,7 +177,11 @@ class OffloadStore:
         self.prefetcher, self.transport = prefetcher, prefetcher.transport
         self._owns_transport = owns          # a prefetcher the caller gave is closed by the caller
         self._closed = False
-        self.stats = OffloadStats()
+        self._stats = OffloadStats()
+        # seconds_in: how long restores held their consumer.  A CUDA pool (or transport) does not
+        # make the host wait (copies are enqueued, the compute stream waits on them), so there it
+        # is the stream's time through each restore, from CUDA events, not the host's enqueue time
+        self._in_clock = ElapsedTotal()
         self._index: OrderedDict[int, tuple] = OrderedDict()   # key -> block tokens, LRU order
         self.block_shape = self.dtype = None
         self.block_nbytes = 0
@@ -190,6 +195,15 @@ class OffloadStore:
         self.block_shape, self.dtype = shape, dtype
         self.block_nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         self.staging = Staging(self.prefetcher, self.block_nbytes, self.staging_blocks)
+
+    @property
+    def stats(self) -> OffloadStats:
+        """The counters (``seconds_in`` resolved from the device's events when read)."""
+        self._stats.seconds_in = self._in_clock.seconds
+        return self._stats
+
+    def _clock_device(self, device) -> torch.device:
+        return self.transport.device if self.transport.kind == "cuda" else torch.device(device)
 
     def __contains__(self, key: int) -> bool:
         return key in self._index
@@ -206,7 +220,7 @@ class OffloadStore:
         if self._index.get(key) != tuple(tokens):
             return False
         self._index.move_to_end(key)
-        self.stats.already_held += 1
+        self._stats.already_held += 1
         return True
 
     def put(self, key: int, tokens: tuple, kv: torch.Tensor) -> None:
@@ -223,30 +237,27 @@ class OffloadStore:
             self._drop(key)
         while len(self._index) >= self.capacity_blocks:
             self._drop(next(iter(self._index)))
-            self.stats.evictions += 1
+            self._stats.evictions += 1
         self.transport.put(key, kv if self.transport.kind == "cuda" else kv.detach().to("cpu"))
         self._index[key] = tokens
-        self.stats.puts += 1
-        self.stats.bytes_out += self.block_nbytes
-        self.stats.seconds_out += time.perf_counter() - t0
+        self._stats.puts += 1
+        self._stats.bytes_out += self.block_nbytes
+        self._stats.seconds_out += time.perf_counter() - t0     # synchronous: a CUDA put copies to pinned memory
 
     def get(self, key: int, tokens: tuple, device: torch.device) -> torch.Tensor | None:
         """The block's KV on ``device`` (a tensor the caller owns), or None (a miss: not held, or
         held for other tokens).  From a staged copy when :meth:`prefetch` started one, else
         fetched now (the caller waits for it)."""
         if self._index.get(key) != tuple(tokens):
-            self.stats.misses += 1
+            self._stats.misses += 1
             return None
-        t0 = time.perf_counter()
-        self._index.move_to_end(key)
-        raw, hit = self.staging.take(key, self.block_nbytes, label=f"kv {key:#x}")
-        kv = raw.view(self.dtype).view(self.block_shape).to(device)
-        if kv.device.type == "cuda" and self.transport.kind != "cuda":
-            torch.cuda.synchronize(kv.device)
-        self.stats.gets += 1
-        self.stats.prefetch_hits += hit
-        self.stats.bytes_in += self.block_nbytes
-        self.stats.seconds_in += time.perf_counter() - t0
+        with self._in_clock.region(self._clock_device(device)):
+            self._index.move_to_end(key)
+            raw, hit = self.staging.take(key, self.block_nbytes, label=f"kv {key:#x}")
+            kv = raw.view(self.dtype).view(self.block_shape).to(device)
+        self._stats.gets += 1
+        self._stats.prefetch_hits += hit
+        self._stats.bytes_in += self.block_nbytes
         return kv
 
     def prefetch(self, items) -> int:
