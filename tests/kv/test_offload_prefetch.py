@@ -142,3 +142,20 @@ def test_putting_a_held_block_again_writes_nothing(tmp_path):
     assert store.stats.puts == 1 and store.stats.already_held == 1
     assert torch.equal(store.get(1, (1,), CPU), kv)
     store.close()
+
+
+def test_swap_in_time_on_a_cuda_transport_is_device_time(monkeypatch):
+    """SwapStore.take on CUDA only enqueues (copies, the compute stream's waits, the cat): its
+    seconds_in come from CUDA events (here, fakes), not from the host's enqueue time."""
+    from fake_cuda import FakeCudaTransport, FakeEvent, install
+    from workbench.kv.kv_prefetch import SwapStore
+    from workbench.prefetch.prefetcher import Prefetcher
+
+    install(monkeypatch)
+    monkeypatch.setattr(FakeEvent, "elapsed_time", lambda self, end: 40.0)
+    store = SwapStore(Prefetcher(FakeCudaTransport()), SHAPE, torch.float32, staging_blocks=1)
+    kv = torch.randn(SHAPE[0], SHAPE[1], 3, *SHAPE[2:])
+    store.put("r", kv)
+    out = store.take("r", 0, 3, CPU)
+    assert torch.equal(out, kv.flatten(2, 3))
+    assert store.stats["swap_ins"] == 1 and store.stats["seconds_in"] == pytest.approx(0.04)

@@ -37,6 +37,7 @@ import time
 import torch
 
 from workbench.errors import WorkbenchError
+from workbench.measure.timing import ElapsedTotal
 from workbench.kv.offload import DiskOffload, HostOffload, Staging
 from workbench.prefetch.prefetcher import Prefetcher
 from workbench.prefetch.transports import make_transport
@@ -139,8 +140,16 @@ class SwapStore:
         self._seqs: dict[str, tuple[int, int]] = {}     # request id -> (generation, blocks held)
         self._gen = 0
         self._closed = False
-        self.stats = {"swap_outs": 0, "swap_ins": 0, "bytes_out": 0, "bytes_in": 0, "seconds_out": 0.0,
-                      "seconds_in": 0.0}
+        self._stats = {"swap_outs": 0, "swap_ins": 0, "bytes_out": 0, "bytes_in": 0, "seconds_out": 0.0,
+                       "seconds_in": 0.0}
+        # seconds_in: how long swap-ins held their consumer; on CUDA (nothing makes the host wait)
+        # the stream's time through each take, from CUDA events, not the host's enqueue time
+        self._in_clock = ElapsedTotal()
+
+    @property
+    def stats(self) -> dict:
+        self._stats["seconds_in"] = self._in_clock.seconds
+        return self._stats
 
     def __contains__(self, rid: str) -> bool:
         return rid in self._seqs
@@ -162,9 +171,9 @@ class SwapStore:
         for j in range(kv.shape[2]):
             self.transport.put((rid, self._gen, j), kv[:, :, j])
         self._seqs[rid] = (self._gen, kv.shape[2])
-        self.stats["swap_outs"] += 1
-        self.stats["bytes_out"] += kv.numel() * kv.element_size()
-        self.stats["seconds_out"] += time.perf_counter() - t0
+        self._stats["swap_outs"] += 1
+        self._stats["bytes_out"] += kv.numel() * kv.element_size()
+        self._stats["seconds_out"] += time.perf_counter() - t0
 
     def prefetch(self, keys: list) -> int:
         n = 0
@@ -177,21 +186,21 @@ class SwapStore:
     def take(self, rid: str, first: int, last: int, device) -> torch.Tensor:
         """Blocks ``[first, last)`` of ``rid``'s saved KV as ``[L, 2, (last - first) * B, nkv, hd]``
         (staged ones without waiting, the others fetched now); then everything of ``rid`` goes."""
-        t0 = time.perf_counter()
         gen, n = self._seqs[rid]
         if not 0 <= first <= last <= n:
             raise WorkbenchError(f"SwapStore: blocks [{first}, {last}) of {rid!r}, which saved {n}")
-        parts = []
-        for j in range(first, last):
-            raw, _ = self.staging.take((rid, gen, j), self.block_nbytes, label=f"swap {rid}#{j}")
-            parts.append(raw.view(self.dtype).view(self.block_shape))
-        self.drop(rid)
-        L, two, B, *rest = self.block_shape
-        out = (torch.cat(parts, dim=2) if parts else torch.empty(L, two, 0, *rest, dtype=self.dtype))
-        out = out.to(device)
-        self.stats["swap_ins"] += 1
-        self.stats["bytes_in"] += len(parts) * self.block_nbytes
-        self.stats["seconds_in"] += time.perf_counter() - t0
+        clock = self.transport.device if self.transport.kind == "cuda" else torch.device(device)
+        with self._in_clock.region(clock):
+            parts = []
+            for j in range(first, last):
+                raw, _ = self.staging.take((rid, gen, j), self.block_nbytes, label=f"swap {rid}#{j}")
+                parts.append(raw.view(self.dtype).view(self.block_shape))
+            self.drop(rid)
+            L, two, B, *rest = self.block_shape
+            out = (torch.cat(parts, dim=2) if parts else torch.empty(L, two, 0, *rest, dtype=self.dtype))
+            out = out.to(device)
+        self._stats["swap_ins"] += 1
+        self._stats["bytes_in"] += len(parts) * self.block_nbytes
         return out
 
     def drop(self, rid: str) -> None:
