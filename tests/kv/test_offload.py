@@ -106,3 +106,25 @@ def test_restore_time_on_a_cuda_transport_is_device_time_not_enqueue_time(monkey
     assert st.gets == 2 and st.seconds_in == pytest.approx(0.5)
     assert st.as_dict()["gb_per_s_in"] == pytest.approx(st.bytes_in / 0.5 / 1e9)
     assert not any(c[0] == "synchronize" for c in calls), "no full-device synchronize per restored block"
+
+
+def test_pool_restore_time_is_kept_by_the_pool_device_clock(random_llm, monkeypatch):
+    """restore_wall_s: the pool's restores are timed by an ElapsedTotal of the pool's device, so
+    on a CUDA pool they are event pairs (here, fakes), not host enqueue time."""
+    from fake_cuda import FakeEvent, install
+    from workbench.measure.timing import ElapsedTotal
+
+    llm = workbench.LLM(random_llm.model, tokenizer=random_llm.tokenizer, max_model_len=random_llm.max_model_len,
+                        kv=PagedKVConfig(block_size=4, num_blocks=12, enable_prefix_caching=True, offload="host"))
+    a, b = list(range(10, 41)), list(range(60, 91))
+    llm.generate([a], GREEDY)
+    llm.generate([b], GREEDY)                      # a's cached blocks go to the offload tier
+    pool = llm.kv_pool
+    assert pool._restore_clock.device == pool.device == torch.device("cpu")
+    install(monkeypatch)
+    monkeypatch.setattr(FakeEvent, "elapsed_time", lambda self, end: 30.0)
+    pool._restore_clock = ElapsedTotal("cuda")     # what a CUDA pool makes
+    assert llm.generate([a], GREEDY)[0].num_cached_tokens == 28           # restored
+    assert pool.restore_seconds == pytest.approx(0.03)
+    pool.restore_seconds = 0.0
+    assert pool.restore_seconds == 0.0

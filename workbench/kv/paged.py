@@ -30,6 +30,7 @@ from workbench.errors import ConfigError, WorkbenchError
 from workbench.kv.block_manager import AllocStatus, Allocation, BlockManager
 from workbench.kv.layout import KVLayout
 from workbench.kv.kv_prefetch import KVPrefetch, make_tiers, offloaded_prefix
+from workbench.measure.timing import ElapsedTotal
 
 
 @dataclass
@@ -124,7 +125,9 @@ class PagedKVPool:
                                                    device)
         self.kv_prefetch = (KVPrefetch(self, self.lookahead)
                             if self.offload is not None or self.swap_store is not None else None)
-        self.restore_seconds = 0.0     # wall time of offload restores at admission (reads and writes into the pool)
+        # time of offload restores at admission (reads and writes into the pool): host wall time on a
+        # CPU; on CUDA, where a restore only enqueues copies and waits, the stream's time (events)
+        self._restore_clock = ElapsedTotal(device)
         self.manager = self._new_manager(num_blocks)
         # Observers (kv-inspect, the live block map): called as fn(event, seq_id) with event
         # "begin" (prompt allocated), "step" (KV committed) or "end" (just before the blocks are freed).
@@ -179,7 +182,18 @@ class PagedKVPool:
         the pool as it was."""
         if not len(self.offload):
             return 0
-        t0 = time.perf_counter()
+        with self._restore_clock.region():
+            return self._restore_blocks(token_ids)
+
+    @property
+    def restore_seconds(self) -> float:
+        return self._restore_clock.seconds
+
+    @restore_seconds.setter
+    def restore_seconds(self, value: float) -> None:
+        self._restore_clock.reset(value)
+
+    def _restore_blocks(self, token_ids: list[int]) -> int:
         want, cached_hits = offloaded_prefix(self, token_ids)
         kvs: dict[int, tuple] = {}
         for h, tokens in want[:max(0, self.manager.num_available_blocks - cached_hits)]:
@@ -194,7 +208,6 @@ class PagedKVPool:
             for layer, (k, v) in enumerate(zip(self.k_cache, self.v_cache)):
                 k[idx] = kv[layer, 0]
                 v[idx] = kv[layer, 1]
-        self.restore_seconds += time.perf_counter() - t0
         return len(restored)
 
     def prefetch_stats(self) -> dict | None:
