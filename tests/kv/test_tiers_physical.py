@@ -230,3 +230,22 @@ def test_serve_refuses_tier_store_without_tiers(capsys):
 
     assert main(["serve", "--tier-store", "host", "--port", "0"]) == 2
     assert "--tiers" in capsys.readouterr().err
+
+
+def test_summary_reads_on_a_cuda_transport_are_timed_with_events(model, ids, bases, monkeypatch):
+    """A parked summary read on CUDA enqueues the copy and the compute stream's wait: its time
+    (summary_read_s) comes from CUDA events (here, fakes), not from the host's enqueue time."""
+    from fake_cuda import FakeCudaTransport, FakeEvent, install
+    from workbench.prefetch.prefetcher import Prefetcher
+
+    install(monkeypatch)
+    monkeypatch.setattr(FakeEvent, "elapsed_time", lambda self, end: 2.0)
+    cfg = CONFIGS[0]
+    cache = PhysicalTieredKVCache(model.config, cfg, bases[cfg.key_space], max_len=N,
+                                  prefetcher=Prefetcher(FakeCudaTransport()))
+    phy = run(model, cache, ids, [40] + [1] * 56)
+    assert torch.equal(phy, run(model, TieredKVCache(model.config, cfg, bases[cfg.key_space], max_len=N), ids,
+                                [40] + [1] * 56))
+    assert cache.summary_reads > 0
+    assert cache.summary_read_s == pytest.approx(cache.summary_reads * 2e-3)
+    cache.release()

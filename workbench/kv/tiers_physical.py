@@ -51,7 +51,6 @@ Not thread-safe: ``memory()`` reads what ``attend`` changes (the engine calls bo
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +62,7 @@ from workbench.kv.tier_attention import (attend_zones, chunk_means, dequantise, 
 from workbench.kv.tier_config import TierConfig, full_bytes_per_token, zone_bytes, zone_counts, zone_masks
 from workbench.kv.tiers import check_tier_setup
 from workbench.measure.memory import storage_bytes
+from workbench.measure.timing import ElapsedTotal
 from workbench.model.config import ModelConfig
 from workbench.model.decoder import RotaryEmbedding
 from workbench.prefetch.prefetcher import Prefetcher
@@ -172,7 +172,10 @@ class PhysicalTieredKVCache:
         self.last_selection: dict[int, torch.Tensor] = {}
         self.decode_steps = 0
         self.summary_reads = self.summary_read_bytes = 0   # parked cold summaries read back (not routing)
-        self.summary_read_s = 0.0
+        # their time: host wall time on a CPU; on CUDA (a read enqueues the copy and the compute
+        # stream's wait) the stream's time, from CUDA events
+        tr = self.prefetcher.transport
+        self._summary_clock = ElapsedTotal(tr.device if tr.kind == "cuda" else self.device)
         self.working_bytes = 0        # the last call's dense views (one layer, transient)
         self._released = False
 
@@ -403,12 +406,15 @@ class PhysicalTieredKVCache:
         """A cold chunk's parked summary, read back when the chunk turns cold: a synchronous read
         of the transport, counted apart from routing (``summary_reads``, ``summary_read_s``)."""
         buf = self._buffer(shape)
-        t0 = time.perf_counter()
-        job = self.prefetcher.transport.read(key, self._as_bytes(buf))
-        self.summary_read_s += time.perf_counter() - t0
+        with self._summary_clock.region():
+            job = self.prefetcher.transport.read(key, self._as_bytes(buf))
         self.summary_reads += 1
         self.summary_read_bytes += job.nbytes
         return buf
+
+    @property
+    def summary_read_s(self) -> float:
+        return self._summary_clock.seconds
 
     def _put(self, key, data: torch.Tensor) -> None:
         self.prefetcher.put(key, data)
