@@ -326,3 +326,23 @@ def test_breakdown_splits_a_replay_into_its_parts(tiny):
     with OpTimer() as t, torch.inference_mode():
         torch.nn.functional.linear(x, w)
     assert t.ops >= 1 and t.ms["matmul"] > 0 and t.ms["attention"] == t.ms["gather"] == 0
+
+
+def test_static_step_time_on_cuda_is_synchronized(monkeypatch):
+    """A graph replay returns once enqueued: each timed decode call syncs the device at both ends."""
+    import types
+
+    import torch
+    from fake_cuda import install
+
+    from workbench.bench.e2e_breakdown import _time_static_steps
+
+    calls = install(monkeypatch)
+    dec = types.SimpleNamespace(decode=lambda *a, **k: calls.append(("decode", None)) or "logits")
+    engine = types.SimpleNamespace(device=torch.device("cuda"), runner=types.SimpleNamespace(decoder=dec))
+    spent = [0.0]
+    undo = _time_static_steps(engine, spent)
+    assert dec.decode([1], [2]) == "logits"
+    assert [c[0] for c in calls] == ["synchronize", "decode", "synchronize"]
+    assert spent[0] >= 0.0
+    undo()

@@ -90,8 +90,12 @@ def timer_cost_ms(n: int = 2000) -> float:
 
 def _time_static_steps(engine, spent: list):
     """Wrap the engine's static decoder (if it has one) so that its calls run with the op timer off
-    and add their wall time to ``spent[0]``; returns the undo function."""
+    and add their wall time to ``spent[0]``; returns the undo function.  On CUDA a decode call
+    (a graph replay) returns once enqueued: the device is synchronized at both ends of each call
+    (``measure.timing``, ``events=False``: wall time, like the other columns)."""
     from torch.utils._python_dispatch import _disable_current_modes
+
+    from workbench.measure.timing import device_timer
 
     dec = getattr(engine.runner, "decoder", None)
     if dec is None:
@@ -100,9 +104,9 @@ def _time_static_steps(engine, spent: list):
 
     def timed(*args, **kwargs):
         with _disable_current_modes():
-            t0 = time.perf_counter()
-            out = real(*args, **kwargs)
-            spent[0] += (time.perf_counter() - t0) * 1e3
+            with device_timer(engine.device, events=False) as t:
+                out = real(*args, **kwargs)
+            spent[0] += t.ms
         return out
 
     dec.decode = timed
