@@ -29,7 +29,13 @@ Per request (driven alone, step by step, on an idle :class:`~workbench.engine.co
   was not free within ``wait_s``.
 * ``rss_*`` -- the process's resident set (``/proc/self/statm``) before the request, at its peak
   (read after every step) and right after the release: what the OS sees, allocator caching
-  included (None where /proc is missing).
+  included (None where /proc is missing).  This is *host* memory: with a CUDA engine the KV
+  lives in device memory and RSS does not move.
+* ``device_*`` -- CUDA engines only (None elsewhere): ``torch.cuda.memory_allocated`` of the
+  engine's device before the request, at its peak (read after every step) and right after the
+  release, and the deltas.  A freed tensor goes back to PyTorch's caching allocator, not to the
+  driver: ``memory_allocated`` drops at the release, ``device_reserved_after``
+  (``torch.cuda.memory_reserved``) shows what the allocator still keeps.
 
 ``abort_after``: end the request after that many tokens (``engine.abort``, as a client that stops
 reading does), so a request that ends before its ``max_tokens`` shows what each layout reserved.
@@ -40,6 +46,8 @@ from __future__ import annotations
 import os
 import time
 import weakref
+
+import torch
 
 from workbench.measure.memory import storage_bytes
 
@@ -53,6 +61,22 @@ def rss_bytes() -> int | None:
             return int(f.read().split()[1]) * _PAGE
     except (OSError, ValueError, IndexError):
         return None
+
+
+def device_bytes(engine) -> int | None:
+    """``torch.cuda.memory_allocated`` of a CUDA engine's device (bytes in live tensors); None
+    for an engine on any other device."""
+    dev = getattr(engine, "device", None)
+    if dev is None or torch.device(dev).type != "cuda":
+        return None
+    return int(torch.cuda.memory_allocated(dev))
+
+
+def _device_reserved(engine) -> int | None:
+    dev = getattr(engine, "device", None)
+    if dev is None or torch.device(dev).type != "cuda":
+        return None
+    return int(torch.cuda.memory_reserved(dev))
 
 
 def _cache_bytes(cache) -> int:
@@ -76,6 +100,7 @@ def request_memory(engine, prompt, params, abort_after: int | None = None, wait_
     pool.listeners.append(on_pool)
     try:
         rss0 = rss_bytes()
+        dev0 = dev_peak = device_bytes(engine)
         rid = engine.add_request(prompt, params)
         rid_box.append(rid)
         seq = engine.seqs[rid]
@@ -101,6 +126,8 @@ def request_memory(engine, prompt, params, abort_after: int | None = None, wait_
             peak_kv = max(peak_kv, kv)
             r = rss_bytes()
             peak_rss = max(peak_rss, r) if r is not None and peak_rss is not None else peak_rss
+            d = device_bytes(engine)
+            dev_peak = max(dev_peak, d) if d is not None and dev_peak is not None else dev_peak
 
         def is_free() -> bool:
             return pool.manager.num_used_blocks == base_used if paged else "finalized" in released
@@ -110,6 +137,7 @@ def request_memory(engine, prompt, params, abort_after: int | None = None, wait_
             time.sleep(0.0002)
         t_verified = time.perf_counter() if is_free() else None
         rss_after = rss_bytes()
+        dev_after, dev_reserved = device_bytes(engine), _device_reserved(engine)
         out = engine.release(rid)
     finally:
         pool.listeners.remove(on_pool)
@@ -130,7 +158,11 @@ def request_memory(engine, prompt, params, abort_after: int | None = None, wait_
             "released": t_free is not None, "rss_before": rss0, "rss_peak": peak_rss, "rss_after": rss_after,
             "rss_delta_peak": None if rss0 is None or peak_rss is None else peak_rss - rss0,
             "rss_delta_after": None if rss0 is None or rss_after is None else rss_after - rss0,
+            "device_before": dev0, "device_peak": dev_peak, "device_after": dev_after,
+            "device_delta_peak": None if dev0 is None or dev_peak is None else dev_peak - dev0,
+            "device_delta_after": None if dev0 is None or dev_after is None else dev_after - dev0,
+            "device_reserved_after": dev_reserved,
             "e2e_s": m.e2e}
 
 
-__all__ = ["request_memory", "rss_bytes"]
+__all__ = ["request_memory", "rss_bytes", "device_bytes"]
