@@ -18,6 +18,7 @@ H = hidden size, nh / nkv = query / key-value heads, hd = head dim, V = vocab)::
 from __future__ import annotations
 
 import math
+import zlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -283,5 +284,18 @@ def init_weights(model: CausalLM, seed: int | None = 0, std: float = 0.02) -> Ca
                 if p.device.type == "cpu":
                     p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * s)
                 else:  # fill on the device: a CPU round trip of 8B weights would take minutes
-                    p.normal_(0.0, s)
+                    _fill_on_device(p, s, seed, name)
     return model
+
+
+def _fill_on_device(p: torch.Tensor, std: float, seed: int | None, name: str) -> None:
+    """N(0, std) in place on ``p``'s device from a generator of that device seeded by ``seed``
+    and the parameter's name, so two loads with the same seed give the same weights whatever the
+    device's global RNG did in between (``seed=None``: the global RNG).  These weights are not
+    the CPU path's for the same seed (another generator); a meta tensor has no data to fill."""
+    if seed is None or p.device.type == "meta":
+        p.normal_(0.0, std)
+        return
+    g = torch.Generator(device=p.device)
+    g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63))
+    p.normal_(0.0, std, generator=g)
