@@ -11,13 +11,13 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
 from datetime import datetime, timezone
 from typing import Callable
 
 import torch
 
 from workbench.errors import WorkbenchError
+from workbench.measure.timing import time_call
 
 ROW_FIELDS = [
     "time", "section", "op", "provider", "status", "error", "note", "timing",
@@ -77,25 +77,36 @@ def error_text(e: BaseException) -> str:
 _FLUSH: dict[torch.device, torch.Tensor] = {}
 
 
+# GPU cycles a spin kernel keeps the stream busy between the L2 flush and a timed call, so that the
+# start event fires only once the host has enqueued the call (~0.25 ms at H100/H200 clocks: longer
+# than a Triton wrapper's or a compiled guard's host time)
+SPIN_CYCLES = 500_000
+
+
 def time_calls(fn: Callable, dev: torch.device, warmup: int, repeats: int, flush_l2: bool = False) -> list[float]:
-    """Seconds per call of ``fn`` (``repeats`` of them, after ``warmup`` untimed calls)."""
+    """Seconds per call of ``fn`` (``repeats`` of them, after ``warmup`` untimed calls).
+
+    Off CUDA: :func:`workbench.measure.timing.time_call` (``perf_counter``).  On CUDA: one pair
+    of timing events per call.  With ``flush_l2`` a 256 MiB zero evicts the L2 cache before each
+    call, outside the timed window, and a spin kernel (``torch.cuda._sleep``) then keeps the GPU
+    busy while the host runs the call's Python (wrapper checks, autotune lookup, compile guards):
+    without it the GPU finished the flush, passed the start event and idled until the call's
+    kernels arrived, and a microsecond kernel was charged the host's launch time."""
+    if dev.type != "cuda":
+        return [ms / 1e3 for ms in time_call(fn, dev, warmup=warmup, repeats=repeats)]
     for _ in range(warmup):
         fn()
-    if dev.type != "cuda":
-        out = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
-        return out
     torch.cuda.synchronize(dev)
     if flush_l2 and dev not in _FLUSH:
         _FLUSH[dev] = torch.empty(256 << 20, dtype=torch.int8, device=dev)      # > any L2 cache today
     flush = _FLUSH.get(dev) if flush_l2 else None
+    spin = getattr(torch.cuda, "_sleep", None) if flush is not None else None
     out = []
     for _ in range(repeats):
         if flush is not None:
             flush.zero_()                            # evict the L2 cache (outside the timed window)
+        if spin is not None:
+            spin(SPIN_CYCLES)                        # the GPU is busy while the host enqueues fn
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
