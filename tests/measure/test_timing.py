@@ -39,12 +39,17 @@ class FakeEvent:
         return 7.0
 
 
+class _Stream(tuple):
+    def wait_stream(self, other):
+        pass
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch):
     calls = []
     FakeEvent.log = calls
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream", str(device)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream(("stream", str(device))))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("device_sync", str(device))))
     return calls
 
@@ -143,3 +148,57 @@ def test_elapsed_total_records_nothing_while_a_graph_is_captured(fake_cuda, monk
     with total.region():
         pass
     assert fake_cuda == [] and total.seconds == 0.0
+
+
+def _fake_graphs(monkeypatch, log, fail=False):
+    import contextlib
+
+    class Stream:
+        def __init__(self, device=None):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    class Graph:
+        def replay(self):
+            log.append(("replay", None))
+
+    @contextlib.contextmanager
+    def capture(graph):
+        log.append(("capture", None))
+        if fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        yield
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(("spin", cycles)), raising=False)
+
+
+def test_time_replays_on_cuda_times_graph_replays_per_call(fake_cuda, monkeypatch):
+    _fake_graphs(monkeypatch, fake_cuda)
+    n = []
+    ms = timing.time_replays(lambda: n.append(1), "cuda", calls=4, repeats=3, warmup=2)
+    assert ms == [7.0 / 4] * 3
+    kinds = [c[0] for c in fake_cuda]
+    assert len(n) == 2 * 4 + 4                         # warm-up rounds, then the captured calls (once)
+    assert kinds.count("capture") == 1 and kinds.count("replay") == 1 + 3
+    # each sample: spin, start event, replay, end event
+    i = kinds.index("spin")
+    assert kinds[i:i + 4] == ["spin", "record", "replay", "record"]
+
+
+def test_time_replays_falls_back_to_eager_calls_when_capture_fails(fake_cuda, monkeypatch):
+    _fake_graphs(monkeypatch, fake_cuda, fail=True)
+    n = []
+    ms = timing.time_replays(lambda: n.append(1), "cuda", calls=2, repeats=2, warmup=1)
+    assert ms == [3.5, 3.5] and len(n) == 2 + 2 * 2
+    assert [c[0] for c in fake_cuda].count("replay") == 0
+
+
+def test_time_replays_on_cpu_is_per_call_host_time():
+    ms = timing.time_replays(lambda: time.sleep(0.001), "cpu", calls=3, repeats=2)
+    assert len(ms) == 2 and all(0.8 <= m < 100 for m in ms)

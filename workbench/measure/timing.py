@@ -36,6 +36,7 @@ API::
         work()
     t.ms                                           # float milliseconds (waits for the end event)
     time_call(fn, device, warmup=1, repeats=5)     # list[float] ms, one per repeat
+    time_replays(fn, device, calls=16, repeats=5)  # list[float] ms per call: CUDA-graph replays
     total = ElapsedTotal(device)                   # a running counter of many regions
     with total.region(): work()                    # (restores, swap-ins: admission work)
     total.seconds                                  # their sum (CUDA: resolved when read)
@@ -52,7 +53,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["as_device", "is_cuda", "sync", "DeviceTimer", "device_timer", "time_call", "ElapsedTotal"]
+__all__ = ["as_device", "is_cuda", "sync", "DeviceTimer", "device_timer", "time_call", "time_replays", "ElapsedTotal"]
+
+# GPU cycles of the spin kernel time_replays enqueues before its start event (~0.25 ms at
+# H100/H200 clocks), so the event fires once the host has launched what is timed
+SPIN_CYCLES = 500_000
 
 
 def as_device(device: Any) -> torch.device:
@@ -153,6 +158,61 @@ def time_call(fn: Callable[[], Any], device: Any = None, *, warmup: int = 1, rep
             fn()
         timers.append(t)
     return [t.ms for t in timers]
+
+
+def time_replays(fn: Callable[[], Any], device: Any = None, *, calls: int = 16, repeats: int = 5,
+                 warmup: int = 1) -> list[float]:
+    """Milliseconds per call of ``fn()``, one figure per repeat, for calls too short to time alone.
+
+    On CUDA a single call of a small layer is a few microseconds of GPU work and tens of
+    microseconds of Python launch (and a synchronize): timing it alone measures the host.  Here
+    ``calls`` back-to-back calls are captured in one CUDA graph (after ``warmup`` eager rounds on
+    a side stream, which also compile kernels and create library handles); a sample is one replay
+    between timing events, divided by ``calls``; a spin kernel (``torch.cuda._sleep``) before the
+    start event keeps the GPU busy while the host launches the replay.  If the capture fails the
+    eager calls are timed between the events instead.  ``fn`` must be capturable (no host sync).
+    Off CUDA: :func:`time_call` of ``calls`` calls a sample (``perf_counter``), per call.
+    """
+    if calls < 1 or repeats < 1:
+        raise ValueError("time_replays: calls and repeats must be >= 1")
+    dev = as_device(device)
+
+    def batch() -> None:
+        for _ in range(calls):
+            fn()
+
+    if dev.type != "cuda":
+        return [ms / calls for ms in time_call(batch, dev, warmup=warmup, repeats=repeats)]
+    sync(dev)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _ in range(max(1, warmup)):
+            batch()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    sync(dev)
+    graph = None
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            batch()
+        graph.replay()
+        sync(dev)
+    except Exception:  # noqa: BLE001 - not capturable: the eager calls between the events
+        graph = None
+        sync(dev)
+    spin = getattr(torch.cuda, "_sleep", None)
+    out = []
+    for _ in range(repeats):
+        if spin is not None:
+            spin(SPIN_CYCLES)
+        with DeviceTimer(dev) as t:
+            if graph is not None:
+                graph.replay()
+            else:
+                batch()
+        out.append(t.ms / calls)
+    return out
 
 
 class ElapsedTotal:

@@ -22,16 +22,22 @@ layer shape interleaved over ``rounds`` (A B C, C B A, ...) so that drift hits a
 of the same shape and settings share one measurement.  Layer times do not add up to a step's
 time (norms, attention and launch overheads are outside them): the calibrator ranks mixes by
 the sum and then measures whole decode steps (:func:`decode_step_ms`).
+
+On CUDA one layer call is a few microseconds of GPU work and tens of microseconds of Python
+launch and synchronize: a layer's time is then ``repeats`` calls captured in one CUDA graph and
+replayed between timing events (:func:`workbench.measure.timing.time_replays`), per call.  A
+decode step is timed whole, with a synchronize at both ends (its launch overhead is part of its
+real cost).
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 from torch import nn
 
+from workbench.measure import timing
 from workbench.measure.memory import storage_bytes
 
 
@@ -88,22 +94,13 @@ def interleaved(sides: dict, rounds: int) -> dict[str, list[float]]:
     return samples
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def _time_call(fn, x, repeats: int) -> float:
+    """Median milliseconds of ``fn(x)``: on CUDA, per call of ``repeats`` calls in a CUDA graph
+    (replayed 3 times); elsewhere ``repeats`` calls timed one by one."""
     dev = x.device
-    fn(x)
-    _sync(dev)
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn(x)
-        _sync(dev)
-        ts.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(ts)
+    if dev.type == "cuda":
+        return statistics.median(timing.time_replays(lambda: fn(x), dev, calls=repeats, repeats=3))
+    return statistics.median(timing.time_call(lambda: fn(x), dev, warmup=1, repeats=repeats))
 
 
 @torch.no_grad()
@@ -151,9 +148,7 @@ def decode_step_ms(model: nn.Module, steps: int = 16, prompt_len: int = 16, seed
     tok = model(tok, prompt_len, cache)[:, -1:].argmax(-1)          # warm-up step
     times = []
     for i in range(steps):
-        _sync(p.device)
-        t = time.perf_counter()
-        tok = model(tok, prompt_len + 1 + i, cache)[:, -1:].argmax(-1)
-        _sync(p.device)
-        times.append(1e3 * (time.perf_counter() - t))
+        with timing.device_timer(p.device, events=False) as t:       # a whole step, launches included
+            tok = model(tok, prompt_len + 1 + i, cache)[:, -1:].argmax(-1)
+        times.append(t.ms)
     return times
