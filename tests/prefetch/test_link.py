@@ -73,3 +73,26 @@ def test_a_full_disk_fails_before_writing(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="Lower total_bytes"):
         measure_link("disk", sizes=(1 << 20,), total_bytes=64 << 20, directory=tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_one_fetch_reports_the_host_time_on_every_link(monkeypatch):
+    """CUDA: the link's figure is the copy's own events; the host's (enqueue + synchronize) is
+    reported beside it, the same clock as the CPU links' (here on stand-ins for torch.cuda)."""
+    from fake_cuda import FakeCudaTransport, FakeEvent, install
+    from workbench.prefetch.transports import Job
+
+    calls = install(monkeypatch)
+    monkeypatch.setattr(FakeEvent, "elapsed_time", lambda self, end: 0.002)      # 2 us of copy
+
+    class Tr(FakeCudaTransport):
+        def start(self, key, dst, after=None):
+            job = Job(key, 8, 0.0)
+            job.events = (FakeEvent(True), FakeEvent(True))
+            job.ready = FakeEvent()
+            return job
+
+    link_s, host_s = L._one_seconds(Tr(), 0, torch.empty(8, dtype=torch.uint8))
+    assert link_s == pytest.approx(2e-6) and host_s > 0
+    assert calls[0][0] == "synchronize" and calls[-1][0] == "event_sync"
+    pts = measure_link("host", sizes=(8 << 10,), total_bytes=1 << 16, repeats=1, latency_blocks=2)
+    assert pts[0].us_per_block_host == pts[0].us_per_block > 0

@@ -17,7 +17,10 @@ or ``fdatasync`` + ``fadvise(DONTNEED)``, removed after that size), then each re
   CUDA events on ``cuda``) - the same clock the prefetcher's ``achieved_gbps`` uses, so
   ``link_use`` compares like with like;
 * **one at a time**: fetches up to ``latency_blocks`` blocks, each waited for before the next:
-  the median microseconds per block (the cost a demand fetch pays).
+  the median microseconds per block.  On CPU links that is the host's time from the request to
+  the bytes in place (the cost a demand fetch pays); on ``cuda`` it is the copy's own event time,
+  which leaves out the enqueue and the wait.  ``us_per_block_host`` is the host's time on every
+  link (request to ``synchronize`` on CUDA), the column to compare links by.
 
 Disk space: at most ``total_bytes`` (plus the 256 MiB headroom the disk transport keeps free) is
 on disk at once; the default is a modest 64 MiB, and a file system without room raises
@@ -51,7 +54,9 @@ QUEUE_BUFFERS = 4
 class LinkPoint:
     """One block size on one link.  ``gbps_*``: queued fetches (the lane kept busy), over
     ``repeats`` passes of ``blocks`` blocks; ``us_per_block``: median latency of a block fetched
-    alone; ``sync_gbps``: the bandwidth that latency implies (block_bytes / us_per_block)."""
+    alone (CUDA: the copy's own events); ``sync_gbps``: the bandwidth that latency implies
+    (block_bytes / us_per_block); ``us_per_block_host``: the host's median time for that fetch,
+    request to bytes in place (the same clock on every link)."""
     transport: str
     link: str
     read_mode: str | None
@@ -63,6 +68,7 @@ class LinkPoint:
     repeats: int
     blocks: int = 0
     sync_gbps: float = 0.0
+    us_per_block_host: float = 0.0
 
 
 def _check_args(transport_kind: str, sizes, total_bytes: int, repeats: int) -> None:
@@ -114,15 +120,21 @@ def _queued_seconds(tr, n: int, bufs: list) -> float:
     return jobs[-1].finished - jobs[0].started
 
 
-def _one_seconds(tr, key, buf) -> float:
-    """One fetch, waited for before returning: its seconds (CUDA: the copy's own events)."""
+def _one_seconds(tr, key, buf) -> tuple[float, float]:
+    """One fetch, waited for before returning: ``(link seconds, host seconds)``.  The link's are
+    the copy's own events on CUDA, the host's otherwise; the host's run from the request to the
+    bytes in place (CUDA: enqueue + ``synchronize`` of the copy's ready event)."""
     if tr.kind == "cuda":
+        torch.cuda.synchronize(tr.device)              # nothing queued ahead of this one
+        t0 = time.perf_counter()
         job = tr.start(key, buf, after=None)
         job.ready.synchronize()
-        return job.events[0].elapsed_time(job.events[1]) / 1e3
+        host = time.perf_counter() - t0
+        return job.events[0].elapsed_time(job.events[1]) / 1e3, host
     t0 = time.perf_counter()
     tr.read(key, buf)
-    return time.perf_counter() - t0
+    host = time.perf_counter() - t0
+    return host, host
 
 
 def measure_link(transport_kind: str = "disk", sizes=DEFAULT_SIZES, total_bytes: int = DEFAULT_TOTAL,
@@ -158,16 +170,19 @@ def _measure_size(tr, size: int, n: int, repeats: int, latency_blocks: int) -> L
     _queued_seconds(tr, min(n, 8), bufs)                               # warm-up: threads, buffers, first touch
     if not torch.equal(bufs[0][:size].cpu(), block):
         raise ConfigError(f"measure_link: {tr.kind} link returned wrong bytes at block size {size}")
-    gbps, lat = [], []
+    gbps, lat, lat_host = [], [], []
     for r in range(repeats):
         gbps.append(n * size / _queued_seconds(tr, n, bufs) / 1e9)
         for i in range(min(n, latency_blocks)):
-            lat.append(_one_seconds(tr, (r * latency_blocks + i) % n, bufs[0]))
+            link_s, host_s = _one_seconds(tr, (r * latency_blocks + i) % n, bufs[0])
+            lat.append(link_s)
+            lat_host.append(host_s)
     us = statistics.median(lat) * 1e6
     d = tr.describe()
     return LinkPoint(transport=tr.kind, link=tr.link, read_mode=d.get("read_mode"), block_bytes=size,
                      gbps_median=statistics.median(gbps), gbps_min=min(gbps), gbps_max=max(gbps),
-                     us_per_block=us, repeats=repeats, blocks=n, sync_gbps=size / us / 1e3)
+                     us_per_block=us, repeats=repeats, blocks=n, sync_gbps=size / us / 1e3,
+                     us_per_block_host=statistics.median(lat_host) * 1e6)
 
 
 def ceiling(points) -> float | None:
