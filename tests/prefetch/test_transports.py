@@ -205,3 +205,23 @@ def test_worker_threads_do_not_leak():
     for _ in range(3):
         HostTransport().close()
     assert threading.active_count() == before
+
+
+def test_cuda_transport_time_origin_is_taken_on_an_idle_device(monkeypatch):
+    """The event that maps CUDA times to the host clock is recorded with nothing queued ahead
+    and the host time read once the GPU passed it (stand-ins for torch.cuda)."""
+    import time as _time
+
+    from fake_cuda import FakeEvent, FakeStream, install
+    from workbench.prefetch.cuda_transport import CudaTransport
+
+    calls = install(monkeypatch)
+    order = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: FakeStream("copy"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: order.append("sync"))
+    monkeypatch.setattr(FakeEvent, "record", lambda self, stream=None: order.append("record"))
+    t0 = _time.perf_counter()
+    tr = CudaTransport("cuda")
+    assert order == ["sync", "record", "sync"] and tr._base_host >= t0
+    assert calls == []

@@ -14,6 +14,7 @@ import time
 import torch
 
 from workbench.errors import ConfigError
+from workbench.measure.timing import sync
 from workbench.prefetch.transports import Job, Transport, as_bytes
 
 
@@ -36,8 +37,13 @@ class CudaTransport(Transport):
         self.stream = torch.cuda.Stream(self.device)
         self.timing = timing
         self._data: dict[object, torch.Tensor] = {}
+        # the origin that maps event times to the host clock: recorded on an idle device and read
+        # once the GPU has passed it (an event recorded behind queued work - a model load, a bench -
+        # would shift every mapped time by that backlog)
         self._base = torch.cuda.Event(enable_timing=True)
-        self._base.record()
+        sync(self.device)
+        self._base.record(torch.cuda.current_stream(self.device))
+        sync(self.device)
         self._base_host = time.perf_counter()
         self.epoch = 0          # counts captures (the streamer bumps it when a captured step begins)
 
