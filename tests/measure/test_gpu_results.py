@@ -139,11 +139,12 @@ def test_device_check_script_parses_and_its_caps_fit_the_budget():
     script = ROOT / "scripts" / "device_check.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     text = script.read_text()
-    caps = [int(c) for c in re.findall(r"^\s*step \w+ (\d+) ", text, re.M)]
+    caps = [int(c) for c in re.findall(r"^\s*step \w+ (\d+) \d+ ", text, re.M)]
     budget = int(re.search(r"DEVICE_CHECK_BUDGET_S:-(\d+)", text).group(1))
     reserve = int(re.search(r"^RESERVE=(\d+)", text, re.M).group(1))
     assert len(caps) >= 5 and budget <= 480
-    assert sum(caps) <= budget - reserve, (caps, budget, reserve)
+    # the start-up (the probe's torch import, nvidia-smi, the output folder) is charged to the budget too
+    assert sum(caps) <= budget - reserve - 15, (caps, budget, reserve)
 
 
 def test_missing_table_or_root_is_none_and_describe_says_so(tmp_path):
@@ -298,14 +299,15 @@ def test_start_and_write_tables_on_a_gpu(tmp_path):
     done = gr.write_tables(out, work)
     assert done == {"engine_bench": "ok", "kernel_bench": "ok", "sched_bench": "step timeout", "prefix_bench": "ok",
                     "engine_fast_bench": "not run", "prefetch_bench": "not run", "tier_bench": "not run",
-                    "quant_bench": "not run", "calibrate": "not run", "decode_stack": "not run", "e2e": "not run"}
+                    "quant_bench": "not run", "calibrate": "not run", "decode_stack": "not run", "e2e": "not run",
+                    "warmup": "not run"}
     names = sorted(p.name for p in out.iterdir())
     assert names == ["device_check.log", "engine_bench.csv", "kernel_bench.csv", "meta.json", "prefix_bench.csv",
                      "summary.csv"]
     assert len(names) <= 8          # what one call of the device tool brings back
     summary = _read(out / "summary.csv")
     assert [r["step"] for r in summary] == ["tests", "kernels_bench", "sched_bench", "engine_bench", "prefix_bench"]
-    assert list(summary[0]) == ["step", "status", "seconds", "limit_s"]
+    assert list(summary[0]) == gr.SUMMARY_COLUMNS and list(summary[0])[:4] == ["step", "status", "seconds", "limit_s"]
     assert summary[2]["status"] == "timeout"
     assert _read(out / "prefix_bench.csv")[0] == {"section": "config", "config": "", "metric": "num_requests",
                                                   "value": "8"}

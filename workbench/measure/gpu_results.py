@@ -6,18 +6,25 @@ A GPU is lent now and then for a few minutes; what it measured is committed unde
 ``<date>`` the UTC date ``YYYY-MM-DD``; a second run on the same day gets ``-2``, ``-3`` ...).
 One folder holds (see ``results/gpu/README.md``)::
 
-    meta.json          device_name, date, utc_time, torch, triton, cuda, git_commit, python ...
-    summary.csv        step, status, seconds, limit_s: one row per step of the device check
+    meta.json          device_name, date, utc_time, torch, triton, cuda, git_commit, python ...; tables:
+                       each table "ok", "partial (step timeout)" (what the step saved before its cap) or why not
+    summary.csv        one row per step of the device check: step, status, seconds, limit_s (the cap it ran
+                       under), gpu_cap_s (its planned cap on a GPU), compile_s (Triton JIT + autotuning +
+                       inductor seconds in the step), triton_compiles, triton_jit_s, autotune_s, inductor_s
+    warmup.csv         the warm-up step: one row per benchmark launch case compiled / run / torch.compile'd
+                       (phase, source, case, file, seconds, status)
     engine_bench.csv   `workbench bench`: one row per side (the reference configuration, the bare loop,
                        CUDA-graphed decode / transformers.generate)
     engine_fast_bench.csv  the same with torch.compile'd decode (compile, compile + CUDA graphs)
-    kernel_bench.csv   `workbench kernels-bench`: its own CSV, unchanged
+    kernel_bench.csv   `workbench kernels-bench`'s own CSV, unchanged: the decode roofline's rows (ceilings,
+                       decode step) then the kernel rows, appended as they were measured
     sched_bench.csv    `workbench sched-bench --json`, long format: section, config, metric, value
     prefix_bench.csv   `workbench prefix-bench --json`, long format: section, config, metric, value
-    prefetch_bench.csv `workbench prefetch-bench --json`, long format: section, config, metric, value
+    prefetch_bench.csv the prefetch link step and the weight-streaming step, long format: section, config,
+                       metric, value (link, ceiling_gbps, pick, streaming, verdict, sweep, engine_options)
     tier_bench.csv     `workbench tier-bench --json` (physical KV tiers), long format
-    quant_bench.csv    `workbench quant-bench --kernels --json`: one row per (shape, m): dense bf16 vs
-                       the W4A16 / W8A16 / W4A8 Triton kernels
+    quant_bench.csv    the quantized-kernel step (`workbench.bench.quant_kernels`): one row per (shape, m):
+                       dense bf16 vs the W4A16 / W8A16 / W4A8 Triton kernels
     calibrate.csv      `workbench calibrate-quant --objective latency --json`: one row per measured mix
                        (degradation on the search / confirmation text, decode ms, the recommendation)
     decode_stack.csv   `workbench decode-stack --json`: one row per (configuration, batch): decode tokens/s in the
@@ -42,8 +49,15 @@ The device check calls :func:`start` and :func:`write_tables` through a command 
 :attr:`GpuTable.frame` alone)::
 
     python -m workbench.cli.gpu_results start --probe JSON [--out DIR]   # prints: CUDA<TAB>DIR
+    python -m workbench.cli.gpu_results run [--triton] -- -m MODULE ARGS   # one step, its compile seconds
     python -m workbench.cli.gpu_results write-tables OUT_DIR --work WORK_DIR
     python -m workbench.cli.gpu_results latest TABLE                      # print the latest table
+
+A step that its time cap stops keeps what it measured: the kernel bench appends its CSV row by
+row; the other benchmarks of this package call :func:`save_partial` as they go (a no-op unless
+``$WORKBENCH_PARTIAL_OUT`` is set, as the device check does per step), and :func:`write_tables`
+writes a partial table from it.  :class:`CompileLog` counts a step's JIT / autotune / inductor
+seconds for the summary.
 """
 
 from __future__ import annotations
@@ -64,17 +78,25 @@ REPO = Path(__file__).resolve().parents[2]
 RESULTS_ROOT = REPO / "results" / "gpu"          # committed: measured on a GPU, never edited by hand
 DRY_RUN_DIR = REPO / "runs" / "device_check"     # git-ignored: a run without CUDA writes here
 
-# step -> the table it produces (the CSV is named after the step; kernels_bench keeps the name of
-# the CSV `workbench kernels-bench` has always written)
-TABLES = {"engine_bench": "engine_bench", "engine_fast": "engine_fast_bench", "kernels_bench": "kernel_bench",
-          "sched_bench": "sched_bench", "prefix_bench": "prefix_bench", "prefetch_bench": "prefetch_bench",
-          "tier_bench": "tier_bench", "quant_bench": "quant_bench", "calibrate": "calibrate",
-          "decode_stack": "decode_stack", "e2e": "e2e"}
+# step -> the table it produces (the CSV is named after the step, with these exceptions: the kernel
+# bench's steps keep the name of the CSV `workbench kernels-bench` has always written, and two steps
+# can write one table: the decode roofline and the kernel rows both go to kernel_bench.csv, the
+# prefetch link and the weight-streaming runs to prefetch_bench.csv)
+TABLES = {"warmup": "warmup", "decode_roofline": "kernel_bench", "kernels_bench": "kernel_bench",
+          "decode_stack": "decode_stack", "quant_bench": "quant_bench", "prefetch_link": "prefetch_bench",
+          "e2e": "e2e", "engine_bench": "engine_bench", "engine_fast": "engine_fast_bench",
+          "sched_bench": "sched_bench", "prefetch_bench": "prefetch_bench", "tier_bench": "tier_bench",
+          "prefix_bench": "prefix_bench", "calibrate": "calibrate"}
+CSV_STEPS = ("decode_roofline", "kernels_bench")   # they append rows to <work>/kernel_bench.csv as they go
 ENGINE_STEPS = ("engine_bench", "engine_fast")      # `workbench bench --json` outputs: one row per side
-SUMMARY_COLUMNS = ["step", "status", "seconds", "limit_s"]
+ROW_STEPS = ("e2e", "decode_stack", "warmup")       # {"rows": [...]}: one row each
+SUMMARY_COLUMNS = ["step", "status", "seconds", "limit_s", "gpu_cap_s", "compile_s", "triton_compiles",
+                   "triton_jit_s", "autotune_s", "inductor_s"]
 LONG_COLUMNS = ["section", "config", "metric", "value"]
 LOG_NAME = "device_check.log"
 LOG_TAIL_LINES = 40
+PARTIAL_ENV = "WORKBENCH_PARTIAL_OUT"      # where a step saves what it has measured so far (JSON)
+COMPILE_ENV = "WORKBENCH_COMPILE_LOG"      # where a step's process writes its JIT / compile seconds (JSON)
 
 _DATE = re.compile(r"(\d{4}-\d{2}-\d{2})")
 
@@ -276,7 +298,8 @@ def read_json_output(path: str | Path) -> dict:
 
 
 def read_steps(path: str | Path) -> list[dict]:
-    """``steps.tsv`` (step, status, seconds, limit_s; tab-separated, written by device_check.sh)."""
+    """``steps.tsv`` (tab-separated, written by device_check.sh: step, status, seconds, limit_s,
+    then where present gpu_cap_s and the compile columns of :data:`SUMMARY_COLUMNS`)."""
     rows = []
     p = Path(path)
     if not p.is_file():
@@ -284,7 +307,7 @@ def read_steps(path: str | Path) -> list[dict]:
     for line in p.read_text().splitlines():
         parts = line.rstrip("\n").split("\t")
         if len(parts) >= 4 and parts[0] != "step":
-            rows.append(dict(zip(SUMMARY_COLUMNS, parts[:4])))
+            rows.append(dict(zip(SUMMARY_COLUMNS, parts)))
     return rows
 
 
@@ -296,46 +319,112 @@ def _tail(path: Path, lines: int) -> list[str]:
     return text[-lines:]
 
 
+# ---- what a step leaves when it is stopped ---------------------------------------------------------
+
+def save_partial(data: dict, path: str | Path | None = None) -> Path | None:
+    """Write what a step has measured so far (``data``: the JSON its command would print) to
+    ``path`` (default ``$WORKBENCH_PARTIAL_OUT``, which device_check.sh sets per step; nothing
+    when neither is set).  Atomic (a temporary file renamed), so a step killed mid-write leaves
+    the previous version.  The benchmarks call it after each row or section."""
+    target = path or os.environ.get(PARTIAL_ENV)
+    if not target:
+        return None
+    p = Path(target)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps({**data, "partial": True}, default=str))
+    os.replace(tmp, p)
+    return p
+
+
+def _step_data(work: Path, step: str, status: str) -> tuple[dict | None, str]:
+    """The JSON of a step (its stdout when it finished, else what it saved as it went) and how
+    complete it is: ``ok`` or ``partial (step <status>)``; (None, why) when there is nothing."""
+    if status == "ok":
+        try:
+            return read_json_output(work / f"{step}.out"), "ok"
+        except (OSError, ValueError):
+            if not (work / f"{step}.partial.json").is_file():
+                raise
+    partial = work / f"{step}.partial.json"
+    if partial.is_file():
+        data = json.loads(partial.read_text())
+        return data, "ok" if status == "ok" else f"partial (step {status})"
+    return None, f"step {status}"
+
+
+def _rows_of(step: str, data: dict) -> tuple[list[dict], list[str] | None]:
+    """A step's JSON -> (rows, columns or None for every key in order)."""
+    if step == "quant_bench":                   # already one flat row per measurement
+        return [{k: v for k, v in r.items() if _scalar(v)} for r in data["kernels"]], None
+    if step in ROW_STEPS:                        # one row per configuration (and batch / skipped layer / case)
+        return [{k: v for k, v in r.items() if _scalar(v)} for r in data["rows"]], None
+    if step == "calibrate":                      # one row per measured mix
+        res = data["result"]
+        return [{k: v for k, v in r.items() if _scalar(v)} | {"recommended": r["key"] == res["recommendation"]["key"]}
+                for r in res["candidates"]], None
+    if step in ENGINE_STEPS:
+        return engine_rows(data), None
+    return long_rows(data), LONG_COLUMNS
+
+
+def _csv_has_rows(path: Path) -> bool:
+    try:
+        with open(path, newline="") as f:
+            return sum(1 for _ in csv.reader(f)) > 1
+    except OSError:
+        return False
+
+
 def write_tables(out_dir: str | Path, work_dir: str | Path) -> dict[str, str]:
     """Turn one device check's raw outputs (``work_dir``: ``<step>.out`` = the command's stdout,
-    ``<step>.log`` = its stderr, ``kernel_bench.csv``, ``steps.tsv``) into the tables of
-    ``out_dir``.  Returns {table: "ok" | why not}.  A step that failed writes no table, so the
-    previous run's table stays the latest."""
+    ``<step>.log`` = its stderr, ``<step>.partial.json`` = what a step saved as it went,
+    ``kernel_bench.csv`` (appended row by row), ``steps.tsv``) into the tables of ``out_dir``.
+    Returns {table: "ok" | "partial (step timeout)" | why not}.  A step that ran out of time or
+    failed writes what it saved before it stopped (a partial table, said so in meta.json's
+    ``tables``); a step that saved nothing writes no table, so the previous run's stays the latest."""
     out, work = Path(out_dir), Path(work_dir)
     out.mkdir(parents=True, exist_ok=True)
     steps = read_steps(work / "steps.tsv")
     status = {s["step"]: s["status"] for s in steps}
     done: dict[str, str] = {}
+    by_table: dict[str, list[str]] = {}
     for step, table in TABLES.items():
-        if step not in status:
+        by_table.setdefault(table, []).append(step)
+    for table, producers in by_table.items():
+        ran = [p for p in producers if p in status]
+        if not ran:
             done[table] = "not run"
             continue
-        if status[step] != "ok":
-            done[table] = f"step {status[step]}"
-            continue
+        incomplete = [f"{p} {status[p]}" for p in ran if status[p] != "ok"]
         try:
-            if step == "kernels_bench":
+            if table == "kernel_bench":            # the steps appended rows to one CSV as they went
                 src = work / "kernel_bench.csv"
-                if not src.is_file():
-                    raise FileNotFoundError(f"{src} is missing")
+                if not _csv_has_rows(src):
+                    done[table] = f"step {'; '.join(incomplete)}" if incomplete else f"error: {src} has no rows"
+                    continue
                 if src.resolve() != (out / "kernel_bench.csv").resolve():
                     shutil.copyfile(src, out / "kernel_bench.csv")
-            else:
-                data = read_json_output(work / f"{step}.out")
-                if step == "quant_bench":                   # already one flat row per measurement
-                    rows = [{k: v for k, v in r.items() if _scalar(v)} for r in data["kernels"]]
-                    write_csv(rows, out / f"{table}.csv")
-                elif step in ("e2e", "decode_stack"):      # one row per configuration (and batch / skipped layer)
-                    write_csv([{k: v for k, v in r.items() if _scalar(v)} for r in data["rows"]], out / f"{table}.csv")
-                elif step == "calibrate":                   # one row per measured mix
-                    res = data["result"]
-                    rows = [{k: v for k, v in r.items() if _scalar(v)} | {"recommended": r["key"] == res["recommendation"]["key"]}
-                            for r in res["candidates"]]
-                    write_csv(rows, out / f"{table}.csv")
-                else:
-                    rows = engine_rows(data) if step in ENGINE_STEPS else long_rows(data)
-                    write_csv(rows, out / f"{table}.csv", None if step in ENGINE_STEPS else LONG_COLUMNS)
-            done[table] = "ok"
+                done[table] = f"partial (step {'; '.join(incomplete)})" if incomplete else "ok"
+                continue
+            merged: dict = {}
+            how = []
+            for p in ran:                           # later producers' sections win
+                data, state = _step_data(work, p, status[p])
+                how.append(state)
+                if data is not None:
+                    if len(ran) == 1:
+                        merged = data
+                    else:
+                        merged.update({k: v for k, v in data.items() if k != "partial"})
+            if not merged:
+                done[table] = "; ".join(how)
+                continue
+            rows, columns = _rows_of(ran[-1], merged)      # a table's producers share one format
+            write_csv(rows, out / f"{table}.csv", columns)
+            bad = [h for h in how if h != "ok"]
+            done[table] = "ok" if not bad else "partial (" + "; ".join(
+                h.removeprefix("partial (").removesuffix(")") for h in bad) + ")"
         except Exception as e:  # noqa: BLE001 - one table's problem must not lose the others
             done[table] = f"error: {type(e).__name__}: {e}"
     write_csv(steps, out / "summary.csv", SUMMARY_COLUMNS)
@@ -354,6 +443,98 @@ def write_tables(out_dir: str | Path, work_dir: str | Path) -> dict[str, str]:
         meta["tables"] = done
         (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     return done
+
+
+# ---- JIT and compile seconds of a step --------------------------------------------------------------
+
+class CompileLog:
+    """Seconds a process spends compiling: Triton JIT (``JITFunction._do_compile``: a compile, or
+    a load from Triton's cache; ``triton_compiles`` counts them), Triton autotuning
+    (``Autotuner._bench``: benchmarking one config, its compile included, so not counted again in
+    ``triton_jit_s``) and inductor (``torch.compile``: dynamo's ``_compile.compile_inner``, read at
+    the end).  ``compile_s`` is their sum.  :meth:`install` patches the Triton classes (what exists in this Triton is
+    patched; a missing API is left alone); :meth:`dump` writes the totals as JSON."""
+
+    def __init__(self) -> None:
+        self.triton_compiles = 0
+        self.triton_jit_s = 0.0
+        self.autotune_s = 0.0
+        self.autotunes = 0
+        self._depth = 0
+
+    def install(self) -> "CompileLog":
+        import time
+
+        try:
+            from triton.runtime.jit import JITFunction
+        except Exception:  # noqa: BLE001 - no triton: inductor only
+            return self
+        log = self
+
+        def wrap(fn, bench: bool):
+            def wrapper(*a, **k):
+                t0 = time.perf_counter()
+                if bench:
+                    log._depth += 1
+                try:
+                    return fn(*a, **k)
+                finally:
+                    dt = time.perf_counter() - t0
+                    if bench:
+                        log._depth -= 1
+                        log.autotunes += 1
+                        log.autotune_s += dt
+                    else:
+                        log.triton_compiles += 1
+                        if not log._depth:           # inside autotuning: counted in autotune_s
+                            log.triton_jit_s += dt
+            wrapper.__wrapped__ = fn
+            return wrapper
+
+        if hasattr(JITFunction, "_do_compile") and not hasattr(JITFunction._do_compile, "__wrapped__"):
+            JITFunction._do_compile = wrap(JITFunction._do_compile, False)
+        try:
+            from triton.runtime.autotuner import Autotuner
+
+            if hasattr(Autotuner, "_bench") and not hasattr(Autotuner._bench, "__wrapped__"):
+                Autotuner._bench = wrap(Autotuner._bench, True)
+        except Exception:  # noqa: BLE001
+            pass
+        return self
+
+    @staticmethod
+    def inductor_seconds() -> float:
+        import sys
+
+        utils = sys.modules.get("torch._dynamo.utils")
+        metrics = getattr(utils, "compilation_time_metrics", None) or {}
+        for key in ("_compile.compile_inner", "compile_inner"):
+            if key in metrics:
+                return float(sum(metrics[key]))
+        return 0.0
+
+    def totals(self) -> dict:
+        inductor = self.inductor_seconds()
+        return {"compile_s": round(self.triton_jit_s + self.autotune_s + inductor, 2),
+                "triton_compiles": self.triton_compiles, "triton_jit_s": round(self.triton_jit_s, 2),
+                "autotune_s": round(self.autotune_s, 2), "autotunes": self.autotunes, "inductor_s": round(inductor, 2)}
+
+    def dump(self, path: str | Path | None = None) -> None:
+        target = path or os.environ.get(COMPILE_ENV)
+        if target:
+            try:
+                Path(target).write_text(json.dumps(self.totals()))
+            except OSError:
+                pass
+
+
+def read_compile_log(path: str | Path) -> dict:
+    """A step's compile totals (empty when the step wrote none)."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return d if isinstance(d, dict) else {}
 
 
 # ---- the output folder and meta.json --------------------------------------------------------------
