@@ -123,8 +123,14 @@ def resolve_sizes(cfg: KernelBenchConfig, dev: torch.device) -> dict:
     return sz
 
 
-def run_kernel_bench(cfg: KernelBenchConfig, progress: Callable[[str], None] | None = None) -> list[dict]:
-    """Run the configured sections; returns every row (failed and skipped ones included)."""
+def run_kernel_bench(cfg: KernelBenchConfig, progress: Callable[[str], None] | None = None,
+                     on_rows: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Run the configured sections (ceilings first, then the others in the order of
+    ``cfg.sections``); returns every row (failed and skipped ones included).  ``on_rows(new)``
+    gets each batch of finished rows as soon as it is done (``run_and_report`` appends them to the
+    CSV then, so a run stopped by a time cap keeps what it measured).  In the kernels section
+    every op's ``eager`` and ``triton`` rows come first, the ``compile`` rows (inductor's compile
+    time is the slow part) in a second pass."""
     from workbench.model.loader import load_model, parse_dtype
 
     dev = prepare_device(cfg.device)
@@ -132,56 +138,85 @@ def run_kernel_bench(cfg: KernelBenchConfig, progress: Callable[[str], None] | N
     sz = resolve_sizes(cfg, dev)
     env = environment(dev)
     say = progress or (lambda msg: None)
+    rows: list[dict] = []
+
+    def emit(new: list[dict]) -> None:
+        rows.extend(new)
+        if on_rows is not None and new:
+            on_rows(new)
+
     torch.manual_seed(cfg.seed)
     # The ceilings are measured whatever the sections: every fraction below divides by them.
     say("ceilings: copy bandwidth, matmul rate")
-    rows, ceilings = measure_ceilings(dev, dtype, sz, env, sz["warmup"] + 1, max(sz["repeats"], 5))
-    if "kernels" in cfg.sections:
-        compile_skip = None
-        if cfg.compile == "off":
-            compile_skip = "torch.compile switched off (--compile off)"
-        elif cfg.compile == "auto" and dev.type != "cuda":
-            compile_skip = ("torch.compile skipped on CPU by default (~10 s of C++ compilation per op); "
-                            "--compile on runs it")
-        for op in cfg.ops:
-            say(f"kernels: {op}")
-            providers = {"eager": None, "compile": compile_skip, "triton": None}
+    ceiling_rows, ceilings = measure_ceilings(dev, dtype, sz, env, sz["warmup"] + 1, max(sz["repeats"], 5))
+    emit(ceiling_rows)
+    for section in cfg.sections:
+        if section == "kernels":
+            _kernel_section(cfg, sz, dev, dtype, env, ceilings, say, emit)
+        elif section == "decode":
+            say(f"decode step: {sz['model']} at context {sz['context']}")
             try:
-                case = make_case(op, sz, dev, dtype, cfg.seed)
-                rows += run_case(case, providers, dev, env, ceilings, sz["warmup"], sz["repeats"], dtype)
-            except Exception as e:  # noqa: BLE001 - the inputs or the reference failed
-                rows += [new_row(env, "kernels", op, p, status="error", error=error_text(e), dtype=dtype_name(dtype))
-                         for p in providers]
-    if "decode" in cfg.sections:
-        say(f"decode step: {sz['model']} at context {sz['context']}")
-        try:
-            model = load_model(sz["model"], device=dev, dtype=cfg.dtype or (dtype if dev.type == "cuda" else None))
-            name = sz["model"] + ("" if dev.type == "cuda" else " (CPU size, not the Llama-3.2-1B shape)")
-            rows += decode_rows(model, {"eager": {}, "fused": {k: v for k, v in fused_backends().items()
-                                                               if v == "triton"}},
-                                sz["context"], env, ceilings, sz["warmup"], sz["repeats"], model_name=name,
-                                seed=cfg.seed)
-            del model
-        except Exception as e:  # noqa: BLE001
-            rows += [new_row(env, "decode", "decode_step", p, status="error", error=error_text(e), model=sz["model"])
-                     for p in ("eager", "fused", "fused+graphs")]
+                model = load_model(sz["model"], device=dev, dtype=cfg.dtype or (dtype if dev.type == "cuda" else None))
+                name = sz["model"] + ("" if dev.type == "cuda" else " (CPU size, not the Llama-3.2-1B shape)")
+                emit(decode_rows(model, {"eager": {}, "fused": {k: v for k, v in fused_backends().items()
+                                                                if v == "triton"}},
+                                 sz["context"], env, ceilings, sz["warmup"], sz["repeats"], model_name=name,
+                                 seed=cfg.seed))
+                del model
+            except Exception as e:  # noqa: BLE001
+                emit([new_row(env, "decode", "decode_step", p, status="error", error=error_text(e), model=sz["model"])
+                      for p in ("eager", "fused", "fused+graphs")])
     return rows
 
+
+def _kernel_section(cfg, sz, dev, dtype, env, ceilings, say, emit) -> None:
+    """Pass 1: each op's eager and Triton rows; pass 2: its torch.compile row (vs the eager row of pass 1)."""
+    compile_skip = None
+    if cfg.compile == "off":
+        compile_skip = "torch.compile switched off (--compile off)"
+    elif cfg.compile == "auto" and dev.type != "cuda":
+        compile_skip = ("torch.compile skipped on CPU by default (~10 s of C++ compilation per op); "
+                        "--compile on runs it")
+    eager_ms: dict[str, float | None] = {}
+    for op in cfg.ops:
+        say(f"kernels: {op}")
+        providers = {"eager": None, "triton": None}
+        try:
+            case = make_case(op, sz, dev, dtype, cfg.seed)
+            got = run_case(case, providers, dev, env, ceilings, sz["warmup"], sz["repeats"], dtype)
+        except Exception as e:  # noqa: BLE001 - the inputs or the reference failed
+            got = [new_row(env, "kernels", op, p, status="error", error=error_text(e), dtype=dtype_name(dtype))
+                   for p in providers]
+        eager_ms[op] = next((r["ms_median"] for r in got if r["provider"] == "eager"), None)
+        emit(got)
+    for op in cfg.ops:
+        if compile_skip is None:
+            say(f"kernels: {op} (torch.compile)")
+        try:
+            case = make_case(op, sz, dev, dtype, cfg.seed)
+            got = run_case(case, {"compile": compile_skip}, dev, env, ceilings, sz["warmup"], sz["repeats"], dtype)
+        except Exception as e:  # noqa: BLE001
+            got = [new_row(env, "kernels", op, "compile", status="error", error=error_text(e), dtype=dtype_name(dtype))]
+        for r in got:
+            if eager_ms.get(op) and r["ms_median"]:
+                r["vs_eager"] = eager_ms[op] / r["ms_median"]      # > 1: faster than eager
+        emit(got)
 
 
 def run_and_report(cfg: KernelBenchConfig, csv: str | None = "runs/kernel_bench.csv", json_path: str | None = None,
                    quiet: bool = False) -> list[dict]:
-    """What ``workbench kernels-bench`` does: run, append the rows to ``csv`` (refused before
-    running when its columns differ; None or '' skips it), write ``{'rows': [...]}`` to
-    ``json_path``, and print the table last (progress lines on stderr unless ``quiet``).
+    """What ``workbench kernels-bench`` does: run, append the rows to ``csv`` as each batch is
+    measured (refused before running when its columns differ; None or '' skips it), write
+    ``{'rows': [...]}`` to ``json_path``, and print the table last (progress lines on stderr
+    unless ``quiet``).
     Returns the rows; failed rows are data, not an exception."""
     if csv:
         check_csv(csv)
     say = None if quiet else (lambda msg: print(f"[kernel bench] {msg}", file=sys.stderr, flush=True))
     t0 = time.perf_counter()
-    rows = run_kernel_bench(cfg, progress=say)
+    rows = run_kernel_bench(cfg, progress=say, on_rows=(lambda new: append_csv(new, csv)) if csv else None)
     if csv:
-        print(f"appended {len(rows)} rows to {append_csv(rows, csv)}")
+        print(f"appended {len(rows)} rows to {csv} (as they were measured)")
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps({"rows": rows}, indent=1))
