@@ -56,6 +56,10 @@ from workbench.errors import ConfigError
 
 SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008))      # (N = out, K = in): Llama-2-7B q/o, gate/up, down
 MS = (1, 2, 4, 8, 16, 32, 64)
+GROUP = 128                       # columns per scale
+# the device check's dry run (no GPU): the same code path under the Triton interpreter, at a size it
+# runs in seconds (host timer: the times are not kernel speeds)
+DRY_RUN = dict(shapes=((256, 256),), ms=(1, 4), group=64, dtype=torch.float32, reps=2, repeats=2, warmup=1)
 PROVIDERS = ("dense", "w4a16", "w8a16", "w4a8")
 KERNEL_PROVIDERS = PROVIDERS[1:]
 _L2_FALLBACK = 50 << 20           # H100 / H200 L2, when torch does not report it
@@ -72,12 +76,14 @@ def _require_cuda(device) -> torch.device:
     return dev
 
 
-def quant_kernel_rows(ms=MS, shapes=SHAPES, group: int = 128, dtype: torch.dtype = torch.bfloat16,
+def quant_kernel_rows(ms=MS, shapes=SHAPES, group: int = GROUP, dtype: torch.dtype = torch.bfloat16,
                       device="cuda", reps: int = 32, repeats: int = 7, warmup: int = 2, seed: int = 0,
-                      progress: Callable[[str], None] | None = None) -> list[dict]:
+                      progress: Callable[[str], None] | None = None,
+                      on_row: Callable[[dict], None] | None = None) -> list[dict]:
     """One row per (shape, m): see the module docstring for the columns and how they are timed.
     ``reps``: calls per timed sample (at least the number of weight copies that keep the weights
-    L2-cold); ``repeats``: interleaved rounds.  CUDA only (ConfigError otherwise)."""
+    L2-cold); ``repeats``: interleaved rounds.  ``on_row(row)`` is called as each row is done (a
+    caller that may be stopped keeps what was measured).  CUDA only (ConfigError otherwise)."""
     dev = _require_cuda(device)
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ConfigError(f"quant_kernel_rows: dtype must be bfloat16, float16 or float32, got {dtype}")
@@ -89,7 +95,25 @@ def quant_kernel_rows(ms=MS, shapes=SHAPES, group: int = 128, dtype: torch.dtype
     rows = []
     for N, K in shapes:
         rows.extend(shape_rows(N, K, ms, group, dtype, dev, timer, env, reps=reps, repeats=repeats,
-                               warmup=warmup, seed=seed, l2_bytes=l2, progress=progress))
+                               warmup=warmup, seed=seed, l2_bytes=l2, progress=progress, on_row=on_row))
+    return rows
+
+
+def dry_run_rows(progress: Callable[[str], None] | None = None,
+                 on_row: Callable[[dict], None] | None = None) -> list[dict]:
+    """The table's rows at :data:`DRY_RUN` sizes on the CPU, the Triton kernels under the
+    interpreter and a host timer (the device check's dry run: the columns and the code path,
+    not speeds).  Sets ``TRITON_INTERPRET=1`` before any kernel import (ConfigError when a kernel
+    module was already imported compiled)."""
+    from workbench.bench.kernel_timing import prepare_device
+
+    dev = prepare_device("cpu")
+    env = environment(dev)
+    d = DRY_RUN
+    rows = []
+    for N, K in d["shapes"]:
+        rows.extend(shape_rows(N, K, d["ms"], d["group"], d["dtype"], dev, host_timer, env, reps=d["reps"],
+                               repeats=d["repeats"], warmup=d["warmup"], progress=progress, on_row=on_row))
     return rows
 
 
@@ -105,7 +129,8 @@ def weight_bytes(provider: str, N: int, K: int, group: int, dtype: torch.dtype) 
 
 def shape_rows(N: int, K: int, ms, group: int, dtype: torch.dtype, dev: torch.device, timer, env: dict,
                reps: int = 32, repeats: int = 7, warmup: int = 2, seed: int = 0, l2_bytes: int = _L2_FALLBACK,
-               progress: Callable[[str], None] | None = None) -> list[dict]:
+               progress: Callable[[str], None] | None = None,
+               on_row: Callable[[dict], None] | None = None) -> list[dict]:
     """The rows of one layer shape [N, K], every m of ``ms``; ``timer(calls, warmup) -> (fn, label)``
     turns a list of zero-argument calls into a function timing one sample (seconds per call).
     :func:`quant_kernel_rows` passes the CUDA-graph timer; any other device is for tests only."""
@@ -171,6 +196,8 @@ def shape_rows(N: int, K: int, ms, group: int, dtype: torch.dtype, dev: torch.de
                         times[p] = []
         row["timing"] = "; ".join(sorted(labels))
         rows.append(summarize(row, times))
+        if on_row is not None:
+            on_row(row)
         if progress:
             progress(f"{N}x{K} m={m}: " + ", ".join(f"{p} {row.get(f'{p}_ms', float('nan')):.4f} ms" for p in PROVIDERS))
     return rows
