@@ -180,10 +180,13 @@ def default_candidates(smoke: bool = True, device=None) -> list[dict]:
     """The configurations :func:`pick_config` tries: the bundled model's decode (its ~3 MB layer
     copies in ~3 ms) at growing batch, then prefill-heavy steps of the ``stream-demo`` preset.
     On CUDA: a Llama-3.2-1B-shaped layer (~120 MB in bf16, ~2.5 ms over PCIe) against prefill
-    steps of a few thousand tokens, where its compute takes about as long."""
+    steps of a few thousand tokens, where its compute takes about as long (smoke: the first
+    only -- each candidate costs three runs, each installing ~1.8 GB of streamed layers)."""
     if device is not None and torch.device(device).type == "cuda":
-        return [dict(model="preset:llama-3.2-1b", workload=Workload(4, 512, 2)),
-                dict(model="preset:llama-3.2-1b", workload=Workload(8, 1024, 2))]
+        c = [dict(model="preset:llama-3.2-1b", workload=Workload(4, 512, 2))]
+        if not smoke:
+            c.append(dict(model="preset:llama-3.2-1b", workload=Workload(8, 1024, 2)))
+        return c
     c = [dict(model=None, workload=Workload(1, 16, 16)), dict(model=None, workload=Workload(4, 128, 4))]
     if not smoke:
         c += [dict(model=None, workload=Workload(4, 64, 8)),
@@ -304,18 +307,22 @@ def streaming_experiment(model=None, resident_layers: int = 1, distances=(0, 1, 
 
 def resident_fraction_sweep(model=None, distance: int = 2, workload: Workload | None = None, repeats: int = 2,
                             transport: str = "auto", dtype=None, threads=1, device=None, ceiling_gbps=None,
-                            engine: LLMEngine | None = None) -> dict:
-    """Tokens/s with 0 .. L-1 layers resident (and all resident), at ``distance``."""
+                            engine: LLMEngine | None = None, points: int | None = None) -> dict:
+    """Tokens/s with 0 .. L-1 layers resident (and all resident), at ``distance``; ``points``:
+    at most that many resident counts, spread over 0 .. L (None: every one)."""
     w = workload or Workload()
     eng = engine or make_engine(model, dtype, w, threads, device)
     L = len(eng.model.model.layers)
+    counts = list(range(L + 1))
+    if points is not None and points < len(counts):
+        counts = sorted({round(i * L / max(1, points - 1)) for i in range(points)})
     configs = {f"resident={n}": {"distance": distance, "resident_layers": n, "transport": transport,
-                                 "ceiling_gbps": ceiling_gbps} for n in range(L)}
+                                 "ceiling_gbps": ceiling_gbps} for n in counts if n < L}
     configs[f"resident={L}"] = {}
     runs = _rounds(eng, w, configs, repeats, warmup=False)
     ref = runs[f"resident={L}"][0]["tokens"]
     rows = [{**_row(f"resident={n}", runs[f"resident={n}"], ref, ceiling_gbps), "resident_layers": n,
-             "fraction": n / L} for n in range(L + 1)]
+             "fraction": n / L} for n in counts]
     return {"distance": distance, "layers": L, "workload": asdict(w), "rows": rows}
 
 
@@ -403,41 +410,108 @@ def verdict(exp: dict) -> dict:
     return out
 
 
+# the link's block sizes: smoke (and the device check) / full
+LINK_SIZES = {"smoke": (8 << 10, 64 << 10, 512 << 10, 4 << 20), "full": DEFAULT_SIZES}
+LINK_SIZES_CUDA = (64 << 10, 512 << 10, 4 << 20, 32 << 20, 128 << 20)   # up to a Llama-3.2-1B layer (~120 MB)
+
+
+def _slow_kind(dev: torch.device, transport: str) -> str:
+    return transport if transport != "auto" else "cuda" if dev.type == "cuda" else "disk"
+
+
+def link_step(device=None, smoke: bool = True, transport: str = "auto", progress=None) -> dict:
+    """The link alone (the device check's ``prefetch_link`` step, before the weight-streaming
+    runs): GB/s and latency per block size of the slow tier (pinned host -> HBM on CUDA, the disk
+    file on a CPU) and of the host copy; the ceiling the streaming rows divide by."""
+    say = progress or (lambda msg: None)
+    t0 = time.perf_counter()
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    kind = _slow_kind(dev, transport)
+    sizes = LINK_SIZES_CUDA if kind == "cuda" else LINK_SIZES["smoke" if smoke else "full"]
+    total = max((64 if smoke else 128) << 20, 2 * max(sizes))
+    say(f"link: {kind} and host, blocks {', '.join(f'{b >> 10} KiB' for b in sizes)}")
+    link = block_size_experiment(sizes, total, 3 if smoke else 5, tuple(dict.fromkeys((kind, "host"))), str(dev))
+    return {"mode": "smoke" if smoke else "full", "device": str(dev), "link": link,
+            "ceiling_gbps": link["ceiling_gbps"][kind], "seconds": time.perf_counter() - t0}
+
+
 def prefetch_bench(smoke: bool = True, device=None, threads=1, transport: str = "auto", candidates=None,
                    options=("eager", "fused", "compile"), repeats: int | None = None, link_bytes: int | None = None,
-                   progress=None) -> dict:
+                   progress=None, link: dict | None = None, deadline: float | None = None, on_section=None) -> dict:
     """Everything, sized for < 60 s (smoke) or < 10 min (full) on 2 CPU cores.  ``candidates``
     (for :func:`pick_config`), ``options``, ``repeats`` (streaming runs per configuration) and
-    ``link_bytes`` (per block size) override the mode's defaults."""
+    ``link_bytes`` (per block size) override the mode's defaults.
+
+    Sections in order of value, each added to the result as it is done: the link (the ceiling
+    every fraction divides by; ``link``: a :func:`link_step` result to reuse instead of measuring
+    again), the configuration pick, the streaming runs and the verdict, the resident-fraction
+    sweep, the engine options.  ``on_section(result so far)`` is called after each (the device
+    check saves it, so a run stopped by its time cap keeps what it measured); past ``deadline``
+    (``time.time()``) the sweep and the options are not started."""
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     device = str(dev)
-    kind = transport if transport != "auto" else "cuda" if dev.type == "cuda" else "disk"
+    kind = _slow_kind(dev, transport)
+    res: dict = {"mode": "smoke" if smoke else "full", "device": device, "threads": torch.get_num_threads()}
+
+    def section(name, value):
+        res[name] = value
+        res["seconds"] = time.perf_counter() - t0
+        if on_section is not None:
+            on_section(res)
+
+    def late() -> bool:
+        return deadline is not None and time.time() > deadline
+
+    if link is not None and kind in (link.get("link") or {}).get("ceiling_gbps", {}):
+        say("link: measured by the link step")
+        link = link["link"]
+    else:
+        say("link: block sizes")
+        sizes = LINK_SIZES_CUDA if kind == "cuda" else LINK_SIZES["smoke" if smoke else "full"]
+        total = max(link_bytes or (64 if smoke else 128) << 20, max(sizes))
+        link = block_size_experiment(sizes, total, 3 if smoke else 5, tuple(dict.fromkeys((kind, "host"))), device)
+    ceil = link["ceiling_gbps"][kind]
+    section("link", link)
+    section("ceiling_gbps", ceil)
     say("pick a configuration (copy / compute ratio)")
     engines: dict = {}
     pick = pick_config(candidates, transport=transport, threads=threads, device=device, smoke=smoke, engines=engines)
+    section("pick", pick)
     ch = pick["chosen"]
-    say("link: block sizes")
-    sizes = sorted({*((8 << 10, 64 << 10, 512 << 10, 4 << 20) if smoke else DEFAULT_SIZES), ch["layer_bytes"]})
-    total = max(link_bytes or (64 if smoke else 128) << 20, max(sizes))
-    link = block_size_experiment(sizes, total, 3 if smoke else 5, tuple(dict.fromkeys((kind, "host"))), device)
-    ceil = link["ceiling_gbps"][kind]
+    lb = ch["layer_bytes"]
+    if lb not in {r["block_bytes"] for r in link["rows"] if r["transport"] == kind}:
+        say(f"link: the chosen layer's block size ({lb >> 10} KiB)")       # the size the runs move
+        pts = measure_link(kind, sizes=(lb,), total_bytes=max(link.get("total_bytes") or 0, lb),
+                           repeats=3 if smoke else 5, device=device)
+        link["rows"] += [asdict(p) for p in pts]
+        ceil = link["ceiling_gbps"][kind] = max(ceil or 0.0, ceiling(pts) or 0.0) or None
+        section("link", link)
+        section("ceiling_gbps", ceil)
     w = Workload(ch["prompts"], ch["prompt_tokens"], ch["max_tokens"], ch["seed"])
     model = None if ch["model"] == "bundled" else ch["model"]
     eng = engines[model]
     say(f"streaming: {ch['model']} {w.describe()}")
     exp = streaming_experiment(model, 1, (0, 1, 2, 3), w, repeats or (3 if smoke else 9), transport,
                                ceiling_gbps=ceil, engine=eng)
-    say("resident-fraction sweep")
-    sweep = resident_fraction_sweep(model, exp.get("best_distance", 1), w, 1 if smoke else 5, transport,
-                                    ceiling_gbps=ceil, engine=eng)
-    say("engine options")
-    opts = engine_options_check(None, options, transport=transport, threads=threads, device=device)
-    return {"mode": "smoke" if smoke else "full", "device": device, "threads": torch.get_num_threads(),
-            "link": link, "ceiling_gbps": ceil, "pick": pick, "streaming": exp, "sweep": sweep,
-            "engine_options": opts, "verdict": verdict(exp), "seconds": time.perf_counter() - t0}
+    section("streaming", exp)
+    section("verdict", verdict(exp))
+    if late():
+        say("past the deadline: no resident-fraction sweep, no engine options")
+    else:
+        say("resident-fraction sweep")
+        sweep = resident_fraction_sweep(model, exp.get("best_distance", 1), w, 1 if smoke else 5, transport,
+                                        ceiling_gbps=ceil, engine=eng, points=5 if smoke else None)
+        section("sweep", sweep)
+    if not late():
+        say("engine options")
+        section("engine_options", engine_options_check(None, options, transport=transport, threads=threads,
+                                                       device=device) if options else [])
+    res["seconds"] = time.perf_counter() - t0
+    return res
 
 
 __all__ = ["Workload", "make_engine", "pick_config", "default_candidates", "streaming_experiment",
-           "resident_fraction_sweep", "block_size_experiment", "engine_options_check", "verdict", "prefetch_bench"]
+           "resident_fraction_sweep", "block_size_experiment", "engine_options_check", "verdict", "link_step",
+           "prefetch_bench"]
