@@ -243,6 +243,44 @@ def run_decode_stack(cfg: DecodeStackConfig, progress: Callable[[str], None] | N
     def fail(name, b, e):
         rows[name, b].update(status="error", reason=error_text(e))
 
+    def summarize(rows, final=True):
+        """Each row's figures from the samples so far (a snapshot after every repeat, then final)."""
+        for (name, b), row in rows.items():
+            got = samples[name, b]
+            if row["status"] != "ok" or not got:
+                if row["status"] == "ok":
+                    row.update(status="error", reason="no timed run") if final else \
+                        row.update(reason="not timed yet (the run was stopped before its first repeat)")
+                continue
+            rates = [x[0] for x in got]
+            p50 = statistics.median(rates)
+            row.update(repeats=len(rates), decode_tok_s_p50=p50, decode_tok_s_min=min(rates), decode_tok_s_max=max(rates),
+                       ms_per_step_p50=1e3 * b / p50, ttft_ms_p50=1e3 * statistics.median(x[1] for x in got),
+                       first_token_spread_ms=1e3 * max(x[2] for x in got))
+            if b == 1:
+                row.update(step_bytes=bytes_b1, achieved_gb_s=bytes_b1 * p50 / 1e9,
+                           bytes_formula=f"weights {weights} B + K/V {kv_pos} B/position x {mean_keys:g} mean keys "
+                                         f"(prompt {s['prompt_tokens']} + max_tokens/2) per step")
+                if ceiling["gb_s"]:
+                    row.update(ceiling_gb_s=ceiling["gb_s"], ceiling=ceiling["label"],
+                               frac_of_ceiling=row["achieved_gb_s"] / ceiling["gb_s"])
+                else:
+                    row["ceiling"] = f"no fraction: the copy bandwidth was not measured ({ceiling.get('error')})"
+
+    def order():
+        return sorted(rows, key=lambda k: (k[1], s["configs"].index(k[0])))     # batch by batch, side by side
+
+    def save(repeats_done):
+        import copy
+
+        from workbench.measure.gpu_results import save_partial
+
+        snap = copy.deepcopy(rows)
+        summarize(snap, final=False)
+        save_partial({"rows": [snap[k] for k in order()], "config": {**asdict(cfg), **s, "repeats_done": repeats_done},
+                      "ceiling": ceiling, "environment": env, "notes": notes,
+                      "seconds": round(time.perf_counter() - t_start, 2)})
+
     # warm-up: every configuration at every batch size (prefill shapes, Triton JIT, sampling), untimed
     vocab = model.config.vocab_size
     warm = SamplingParams(temperature=0, max_tokens=cfg.warmup_tokens, ignore_eos=True)
@@ -259,6 +297,7 @@ def run_decode_stack(cfg: DecodeStackConfig, progress: Callable[[str], None] | N
     prompts_used: dict[int, list] = {b: [] for b in s["batches"]}
     done, last_round, notes = 0, 0.0, []
     names = list(engines)
+    save(0)
     for r in range(s["repeats"]):
         elapsed = time.perf_counter() - t_start
         if r and cfg.budget_s is not None and elapsed + last_round > cfg.budget_s:
@@ -281,30 +320,11 @@ def run_decode_stack(cfg: DecodeStackConfig, progress: Callable[[str], None] | N
                 except Exception as e:  # noqa: BLE001
                     fail(name, b, e)
         done, last_round = r + 1, time.perf_counter() - t_round
+        save(done)                                    # what a run stopped by its time cap keeps
 
-    for (name, b), row in rows.items():
-        got = samples[name, b]
-        if row["status"] != "ok" or not got:
-            if row["status"] == "ok":
-                row.update(status="error", reason="no timed run")
-            continue
-        rates = [x[0] for x in got]
-        p50 = statistics.median(rates)
-        row.update(repeats=len(rates), decode_tok_s_p50=p50, decode_tok_s_min=min(rates), decode_tok_s_max=max(rates),
-                   ms_per_step_p50=1e3 * b / p50, ttft_ms_p50=1e3 * statistics.median(x[1] for x in got),
-                   first_token_spread_ms=1e3 * max(x[2] for x in got))
-        if b == 1:
-            row.update(step_bytes=bytes_b1, achieved_gb_s=bytes_b1 * p50 / 1e9,
-                       bytes_formula=f"weights {weights} B + K/V {kv_pos} B/position x {mean_keys:g} mean keys "
-                                     f"(prompt {s['prompt_tokens']} + max_tokens/2) per step")
-            if ceiling["gb_s"]:
-                row.update(ceiling_gb_s=ceiling["gb_s"], ceiling=ceiling["label"],
-                           frac_of_ceiling=row["achieved_gb_s"] / ceiling["gb_s"])
-            else:
-                row["ceiling"] = f"no fraction: the copy bandwidth was not measured ({ceiling.get('error')})"
+    summarize(rows)
     _compare(rows, samples, tokens, prompts_used, model, s, notes)
-    order = sorted(rows, key=lambda k: (k[1], s["configs"].index(k[0])))     # batch by batch, side by side
-    return {"rows": [rows[k] for k in order], "config": {**asdict(cfg), **s, "repeats_done": done},
+    return {"rows": [rows[k] for k in order()], "config": {**asdict(cfg), **s, "repeats_done": done},
             "ceiling": ceiling, "environment": env, "notes": notes,
             "seconds": round(time.perf_counter() - t_start, 2)}
 

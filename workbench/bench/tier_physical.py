@@ -40,6 +40,8 @@ from workbench.kv.pca import fit_pca_from_model
 from workbench.kv.tier_config import TierConfig
 from workbench.kv.tiers import TieredKVCache, tiered_attention
 from workbench.kv.tiers_physical import PREDICTORS, PhysicalTieredKVCache, TierStore
+from workbench.measure.gpu_results import save_partial
+from workbench.measure.timing import sync
 
 DEFAULT = TierConfig(window=32, rank=8, warm_tokens=64, chunk=16, block=16, budget=64, key_space="pre_rope")
 CONFIGS = {"default": DEFAULT, "no-routing": DEFAULT.replace(budget=None),
@@ -117,6 +119,10 @@ def physical_eval(model, cfg: TierConfig, basis, sequences, eval_tokens: int = 2
 
             def on_step(p, cache=cache, mark=mark):
                 if p is None:
+                    # the prefill's work is done before the decode counters and clock start: its
+                    # copies' events are resolved into the stats being dropped, its tail is not
+                    # charged to the first decode step (a CUDA call returns before the GPU is done)
+                    sync(dev)
                     cache.prefetcher.reset_stats()
                     mark["routed"], mark["t"] = cache.routed_bytes, time.perf_counter()
                     return
@@ -131,6 +137,7 @@ def physical_eval(model, cfg: TierConfig, basis, sequences, eval_tokens: int = 2
                 work.append(m["working_one_layer"])
 
             logits = _run(model, cache, ids, P, E, on_step)
+            sync(dev)                                   # the last decode step's tail belongs to decode
             decode_s += time.perf_counter() - mark["t"] - mark.get("memory_s", 0.0)
             st = cache.prefetcher.stats()
             for k in _COUNTERS:
@@ -251,15 +258,22 @@ def tier_bench(model, tokenizer, docs: int = 2, eval_tokens: int = 64, configs=N
     bases = {ks: fit_pca_from_model(model, split["calibration"][:calibration_docs], key_space=ks,
                                     source="heldout_split calibration") for ks in spaces}
     reference = reference_logits(model, evaluation)
+    c = model.config
+    head = {"model": {"layers": c.num_hidden_layers, "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+                      "context": context, "device": str(model.device)},
+            "docs": split["evaluation_docs"][:docs], "calibration_docs": split["calibration_docs"][:calibration_docs],
+            "eval_tokens": eval_tokens, "threads": torch.get_num_threads(), "store": store.name}
     rows = []
     for cfg in configs:
         r = physical_eval(model, cfg, bases.get(cfg.key_space), evaluation, eval_tokens, store, reference,
                           check_accounted)
         rows.append(r)
+        save_partial({**head, "rows": rows})            # the device check keeps it if its time cap stops the run
         say(f"{cfg.name}: rel ppl {100 * r['rel_ppl']:+.2f}%, {r['reduction_measured']:.2f}x ({r['seconds']:.0f} s)")
     first, base = configs[0], bases.get(configs[0].key_space)
     preds = (predictor_comparison(model, first, base, evaluation, eval_tokens, reference, offload,
                                   known={(offload, predict): rows[0]}, progress=say) if compare else None)
+    save_partial({**head, "rows": rows, "predictors": preds})
     claim = None
     try:
         projection = long_context_projection(rows[0], first, presets=presets, lengths=lengths)
@@ -267,7 +281,6 @@ def tier_bench(model, tokenizer, docs: int = 2, eval_tokens: int = 64, configs=N
         projection = {"kind": "projection", "error": str(e)}
     if "rows" in projection and "llama-2-7b" in presets and {8192, 65536} <= set(lengths):
         claim = claim_8k_64k(projection, measured=rows[0])
-    c = model.config
     return {"model": {"layers": c.num_hidden_layers, "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
                       "context": context, "dtype": rows[0]["dtype"], "device": str(model.device)},
             "docs": split["evaluation_docs"][:docs], "calibration_docs": split["calibration_docs"][:calibration_docs],
