@@ -88,3 +88,31 @@ class FakeCudaTransport(HostTransport):
 
     def resolve(self, jobs) -> None:       # host jobs carry their own times
         pass
+
+
+class CountSyncs:
+    """A dispatch mode counting the ops that make a GPU host wait (on a CPU tensor too):
+    ``aten._local_scalar_dense`` (``bool(t)``, ``float(t)``, ``.item()``), ``nonzero``,
+    ``masked_select`` and indexing with a boolean mask.  ``.cpu()`` / ``.tolist()`` of a CPU
+    tensor dispatch nothing: count those by patching ``torch.Tensor``.  ``with CountSyncs() as c:``
+    then ``c.n`` and ``c.ops`` (their names)."""
+
+    def __new__(cls):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class _Mode(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.n, self.ops = 0, []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                idx = args[1] if len(args) > 1 and name in ("index", "index_put_", "index_put", "_index_put_impl_") \
+                    else ()
+                bool_idx = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (idx or ()))
+                if name in ("_local_scalar_dense", "nonzero", "masked_select") or bool_idx:
+                    self.n += 1
+                    self.ops.append(name)
+                return func(*args, **(kwargs or {}))
+
+        return _Mode()

@@ -96,6 +96,12 @@ class _Group:
         for i, (_, _, n, off) in enumerate(spans):
             qrows[i, :n] = torch.arange(off, off + n)
         self.qrows = qrows.to(dev)
+        # the (sequence, query) pairs that are real, sequence by sequence, and their packed rows:
+        # known here on the host, so no step indexes with a boolean mask (a nonzero and a
+        # device->host sync per layer on a GPU)
+        self.valid_b = torch.tensor([i for i, (_, _, n, _) in enumerate(spans) for _ in range(n)], device=dev)
+        self.valid_t = torch.tensor([j for _, _, n, _ in spans for j in range(n)], device=dev)
+        self.valid_rows = torch.tensor([off + j for _, _, n, off in spans for j in range(n)], device=dev)
         starts = torch.tensor([start for _, start, _, _ in spans], device=dev)
         self.q_lens = [n for _, _, n, _ in spans]
         self.ends = starts + torch.tensor(self.q_lens, device=dev)
@@ -124,7 +130,7 @@ class _Group:
         [B+1] int32) for the attention kernels, made on first use and shared by every layer."""
         if self._kernel_args is None:
             dev = self.qrows.device
-            rows = self.qrows[self.qrows >= 0]            # sequence by sequence, in order
+            rows = self.valid_rows                        # sequence by sequence, in order
             cu = torch.tensor([0] + self.q_lens, device=dev).cumsum(0).to(torch.int32)
             self._kernel_args = (rows, self.tables.to(torch.int32), self.ends.to(torch.int32), cu)
         return self._kernel_args
@@ -160,8 +166,7 @@ class _Group:
         else:
             out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=self.mask(), enable_gqa=qb.shape[1] != nkv)
         rows = out.transpose(1, 2)                                                       # [B, T, nh, hd]
-        valid = self.qrows >= 0
-        packed[self.qrows[valid]] = rows[valid]
+        packed[self.valid_rows] = rows[self.valid_b, self.valid_t]
 
 
     def _attend_each(self, q: torch.Tensor, packed: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> None:
