@@ -76,9 +76,13 @@ def _dot(a, b, FP32_IEEE: tl.constexpr):
         return tl.dot(a, b)
 
 
-@triton.autotune(configs=_CONFIGS, key=["HEAD_DIM", "CAUSAL", "WINDOWED", "PAGED"],
+# max_seqlen_bucket (the longest query run, as a power of two in [64, 4096]) is in the autotune
+# key so that a 16-token test prompt does not choose the tiles of a 4096-token prefill; the kernel
+# does not read it, and it is not specialized (the compiled configs are shared by every bucket:
+# a new bucket costs a benchmark of them, not compiles)
+@triton.autotune(configs=_CONFIGS, key=["HEAD_DIM", "CAUSAL", "WINDOWED", "PAGED", "max_seqlen_bucket"],
                  prune_configs_by={"early_config_prune": _prune})
-@triton.jit
+@triton.jit(do_not_specialize=["max_seqlen_bucket"])
 def _flash_prefill_kernel(
     Q,                      # [total_q, nh, hd] queries, packed sequence after sequence
     K, V,                   # packed: [total_k, nkv, hd]; paged: [num_blocks, PAGE_SIZE, nkv, hd]
@@ -93,6 +97,7 @@ def _flash_prefill_kernel(
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
     stride_bt,              # BLOCK_TABLE row stride
+    max_seqlen_bucket,      # autotune key only (see above); unused by the kernel
     GROUP: tl.constexpr,    # nh // nkv query heads share one kv head (GQA; 1 = MHA, nh = MQA)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  # BLOCK_D = next power of two >= max(hd, 16)
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
@@ -226,6 +231,12 @@ def _check_cu(name: str, cu: torch.Tensor, total: int) -> torch.Tensor:
     return c[1:] - c[:-1]
 
 
+def seqlen_bucket(max_seqlen_q: int) -> int:
+    """The autotune bucket of a launch: the longest query run rounded up to a power of two,
+    clamped to [64, 4096] (at most 7 tunings per kernel variant)."""
+    return min(4096, max(64, triton.next_power_of_2(max(1, int(max_seqlen_q)))))
+
+
 def _launch(q, k, v, cu_q, k_lens, block_table, max_seqlen_q, scale, causal, sliding_window, paged):
     if sliding_window is not None and (not causal or sliding_window < 1):
         raise ValueError(f"sliding_window={sliding_window} needs causal=True and a window >= 1")
@@ -251,7 +262,7 @@ def _launch(q, k, v, cu_q, k_lens, block_table, max_seqlen_q, scale, causal, sli
     check_interpreter()
     _flash_prefill_kernel[grid](
         q, k, v, o, cu_q, k_lens, bt, scale * math.log2(math.e), sliding_window or 0,
-        *q.stride(), skb, skt, skh, skd, svb, svt, svh, svd, *o.stride(), sbt,
+        *q.stride(), skb, skt, skh, skd, svb, svt, svh, svd, *o.stride(), sbt, seqlen_bucket(max_seqlen_q),
         GROUP=nh // k.shape[-2], HEAD_DIM=hd, BLOCK_D=max(16, triton.next_power_of_2(hd)),
         PAGE_SIZE=page, PAGED=paged, CAUSAL=causal, WINDOWED=sliding_window is not None,
         FP32_IEEE=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreter_active()))

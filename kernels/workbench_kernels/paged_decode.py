@@ -51,11 +51,17 @@ def _dot(a, b, FP32_IEEE: tl.constexpr):
         return tl.dot(a, b)
 
 
-@triton.autotune(configs=_CONFIGS, key=["HEAD_DIM", "BLOCK_G", "PAGE_SIZE", "SINGLE_SPLIT"])
-@triton.jit
+# The page size is a run-time argument, out of the autotune key and never specialized: the
+# contiguous per-sequence cache hands a whole row (prompt + max_tokens positions) as one page, so
+# a compile-time page size meant a fresh 5-config autotune (and JIT compiles) for every distinct
+# request length, inside timed requests.  num_splits and stride_bt (the block-table width, which
+# grows with the context) are not specialized either (Triton's == 1 / % 16 variants: more compiles
+# in the middle of a generation).
+@triton.autotune(configs=_CONFIGS, key=["HEAD_DIM", "BLOCK_G", "SINGLE_SPLIT"])
+@triton.jit(do_not_specialize=["page_size", "num_splits", "stride_bt"])
 def _paged_decode_split_kernel(
     Q,                      # [B, nh, hd] the new token's queries
-    K_CACHE, V_CACHE,       # [num_blocks, PAGE_SIZE, nkv, hd] paged pool of one layer
+    K_CACHE, V_CACHE,       # [num_blocks, page_size, nkv, hd] paged pool of one layer
     BLOCK_TABLES,           # [B, max_blocks] int32: physical block of each logical block
     CONTEXT_LENS,           # [B] int32: tokens in each sequence's context (>= 1, incl. the new one)
     M_PART, L_PART,         # [B, nh, num_splits] fp32: per split, running max (base 2) and sum
@@ -65,6 +71,7 @@ def _paged_decode_split_kernel(
     window,                 # sliding window (keys with position > ctx - 1 - window), if WINDOWED
     num_splits,             # splits per sequence (runtime: any number; the heuristic uses powers of 2)
     num_heads,
+    page_size,              # tokens per page (run time: see above)
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
@@ -72,7 +79,7 @@ def _paged_decode_split_kernel(
     stride_ob, stride_oh, stride_od,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr,     # query heads per kv head; tile rows >= 16 for tl.dot
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, WINDOWED: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    WINDOWED: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
     FP32_IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program: one split of one sequence's context, for the GROUP query heads of one kv
@@ -111,8 +118,8 @@ def _paged_decode_split_kernel(
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
-        blk = tl.load(BLOCK_TABLES + b * stride_bt + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-        in_blk = offs_n % PAGE_SIZE
+        blk = tl.load(BLOCK_TABLES + b * stride_bt + offs_n // page_size, mask=n_ok, other=0).to(tl.int64)
+        in_blk = offs_n % page_size
         kT = tl.load(K_CACHE + blk[None, :] * stride_kb + in_blk[None, :] * stride_kt + kvh * stride_kh
                      + offs_d[:, None] * stride_kd, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         s = _dot(q, kT, FP32_IEEE) * qk_scale                                  # [BLOCK_G, BLOCK_N]
@@ -259,10 +266,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     check_interpreter()
     _paged_decode_split_kernel[(B, nkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, m_part, l_part, acc_part, o,
-        scale * math.log2(math.e), sliding_window or 0, num_splits, nh,
+        scale * math.log2(math.e), sliding_window or 0, num_splits, nh, page,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *o.stride(),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=hd, BLOCK_D=block_d,
-        PAGE_SIZE=page, WINDOWED=sliding_window is not None, SINGLE_SPLIT=single,
+        WINDOWED=sliding_window is not None, SINGLE_SPLIT=single,
         FP32_IEEE=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreter_active()))
     count_launch("paged_decode")
     if not single:

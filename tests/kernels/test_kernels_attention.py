@@ -20,6 +20,7 @@ hundred elements is noisy).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -397,3 +398,33 @@ def test_kernels_equal_model_attention_over_paged_pool(monkeypatch, window):
     for sid in prompts:
         pool.end(sid)
     assert pool.manager.num_used_blocks == 0
+
+
+def test_paged_decode_page_size_is_a_run_time_argument():
+    """One compiled variant serves every page size (the contiguous cache's page is a whole row,
+    one per request length): the page size is neither constexpr nor in the autotune key, and the
+    arguments that vary within a generation are not specialized."""
+    import ast
+    import inspect
+
+    from workbench_kernels import paged_decode as pd
+
+    k = pd._paged_decode_split_kernel
+    assert "PAGE_SIZE" not in k.keys and "page_size" not in k.keys
+    src = Path(inspect.getsourcefile(pd)).read_text()
+    fn = next(n for n in ast.walk(ast.parse(src))
+              if isinstance(n, ast.FunctionDef) and n.name == "_paged_decode_split_kernel")
+    ann = {a.arg: ast.unparse(a.annotation) if a.annotation else "" for a in fn.args.args}
+    assert "page_size" in ann and "constexpr" not in ann["page_size"] and "PAGE_SIZE" not in ann
+    jit = next(d for d in fn.decorator_list if isinstance(d, ast.Call) and ast.unparse(d.func) == "triton.jit")
+    dns = next(kw for kw in jit.keywords if kw.arg == "do_not_specialize")
+    assert set(ast.literal_eval(dns.value)) >= {"page_size", "num_splits", "stride_bt"}
+
+
+def test_flash_prefill_tunes_per_length_bucket():
+    """The autotune key includes the query length's bucket (a 16-token prompt's choice is not
+    reused for a 4096-token prefill), a run-time argument the kernel does not specialize on."""
+    from workbench_kernels import flash_prefill as fp
+
+    assert "max_seqlen_bucket" in _flash_prefill_kernel.keys
+    assert [fp.seqlen_bucket(n) for n in (1, 16, 65, 1000, 4096, 100_000)] == [64, 64, 128, 1024, 4096, 4096]
