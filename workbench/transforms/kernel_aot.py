@@ -34,7 +34,17 @@ tensor's ``data_ptr()`` standing for a 16-byte-aligned allocation plus its stora
 The one thing no wrapper can compute here is the number of SMs (``paged_decode`` asks the
 CUDA device): the decode cases pass ``num_splits`` from the wrapper's own
 ``choose_num_splits`` with the SM count of a representative GPU of the target (H100/H200:
-132, A100: 108).
+132, A100: 108); the benchmark cases below see that count through the wrappers' ``_num_sms``.
+
+Two sets of cases.  The representative ones (:func:`~workbench.transforms.kernel_launches._cases`:
+each wrapper at model shapes, every dtype) and, for bf16 (the dtype every GPU benchmark runs),
+every launch configuration the benchmarks make, for sm_90 (the GPUs the device check runs on)
+(:func:`workbench.bench.kernel_cases.bench_launch_cases`: the kernel bench at its full sizes, the
+decode roofline, decode-stack's batches over the paged pool and the contiguous cache, the W4A16 /
+W8A16 / W4A8 table's shapes and rows, notebook 06's ablation).  A launch whose specialisation
+(signature, constexprs, alignment / ``== 1`` attributes, options) and config equal one already
+compiled for the target is not compiled again: its case is added to that row's ``covers``.  So
+each row is one distinct binary, and ``covers`` names every case that launches it.
 
 The process must not run the interpreter (``TRITON_INTERPRET=1`` turns ``@triton.jit`` into an
 interpreted function when a kernel module is imported).  :func:`collect` checks that, and
@@ -46,30 +56,113 @@ The parts: :mod:`~workbench.transforms.kernel_launches` records the launches,
 (:func:`collect`) and reports (:func:`format_aot`, :func:`report_aot`).
 
 CLI: ``workbench kernels-aot [--targets 90,80] [--dtypes bfloat16,float16,float32]
-[--configs all|first|last|ends] [--kernels rmsnorm,...] [--json]``.
+[--configs all|first|last|ends] [--kernels rmsnorm,...] [--json]``.  :func:`plan` lists the
+launches and their de-duplication without compiling (the coverage tests use it).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import sys
 from typing import Callable
 
 from workbench.transforms.kernel_compile import compile_launch, ptxas_missing, toolchain
-from workbench.transforms.kernel_launches import (DTYPE_SHORT, KERNEL_FILES, TARGETS, check_not_interpreted,
-                                                  record_launches, torch_dtype)
+from workbench.transforms.kernel_launches import (DTYPE_SHORT, KERNEL_FILES, TARGETS, Launch, _recording,
+                                                  check_not_interpreted, record_launches, torch_dtype)
 
 CONFIG_CHOICES = ("all", "first", "last", "ends")
+BENCH_DTYPES = ("bfloat16",)          # the dtype of every GPU benchmark: its launch configurations are added,
+BENCH_TARGETS = (90,)                 # for the GPUs the device check runs on (H100 / H200)
 
 
-def collect(targets=(90, 80), dtypes=("bfloat16",), configs: str = "all", kernels=KERNEL_FILES,
-            progress: Callable[[str], None] | None = None) -> list[dict]:
-    """Compile every kernel of ``kernels`` (file names) at its representative cases for each
-    target capability and dtype.  ``configs``: ``all`` autotune configs (after pruning), the
-    ``first`` of each, the ``last``, or both (``ends``: the largest and the smallest tile in
-    this library's config lists).  Returns one row per (launch, config, target); see
-    :func:`compile_launch`.
-    A kernel that no case launches gets an error row (a new kernel needs a case here)."""
+# ---- the benchmarks' launch configurations, recorded ------------------------------------------------
+
+@contextlib.contextmanager
+def _sm_count(sms: int | None):
+    """The wrappers' SM count (``_num_sms``) fixed to ``sms`` (None: unchanged, a live device's)."""
+    if sms is None:
+        yield
+        return
+    saved = []
+    for file in ("paged_decode", "quant_matmul"):
+        mod = importlib.import_module(f"workbench_kernels.{file}")
+        saved.append((mod, mod._num_sms))
+        mod._num_sms = lambda device=None, _n=sms: _n
+    try:
+        yield
+    finally:
+        for mod, fn in saved:
+            mod._num_sms = fn
+
+
+def _with_configs(launches: list[Launch], real: dict) -> None:
+    """Each launch's autotune configs after the kernel's own pruning ([None]: not autotuned)."""
+    for ln in launches:
+        kern = real[ln.kernel]
+        if hasattr(kern, "configs"):
+            kern.nargs = dict(zip(kern.arg_names, ln.args))
+            try:
+                ln.configs = list(kern.prune_configs(ln.kwargs))
+            finally:
+                kern.nargs = None
+        else:
+            ln.configs = [None]
+
+
+def record_case(case, device, dtype, sms: int | None = None) -> tuple[list[Launch], dict]:
+    """The launches one :class:`~workbench.bench.kernel_cases.LaunchCase` makes on ``device``
+    (meta: shapes only), with its file's kernels swapped for recorders (nothing runs); and the
+    real kernel objects by name.  ``sms``: the SM count the wrappers see (a target's, for meta)."""
+    import torch
+
+    importlib.import_module("workbench")
+    module = importlib.import_module(f"workbench_kernels.{case.file}")
+    launches: list[Launch] = []
+    short = DTYPE_SHORT.get(str(dtype).removeprefix("torch."), str(dtype))
+    context = {"file": case.file, "case": f"{case.label()} {short}"}
+    with _sm_count(sms), _recording(module, launches, context) as real, torch.inference_mode():
+        case.call(torch.device(device), dtype)
+    _with_configs(launches, real)
+    return launches, real
+
+
+def bench_launches(file: str, dtype, capability: int, cases=None) -> list[Launch]:
+    """The launches of every benchmark case of kernel ``file`` on meta tensors, for ``capability``."""
+    from workbench.bench.kernel_cases import bench_launch_cases
+
+    out: list[Launch] = []
+    for case in (cases if cases is not None else bench_launch_cases()):
+        if case.file == file:
+            out += record_case(case, "meta", dtype, sms=TARGETS[capability][1])[0]
+    return out
+
+
+def _spec_key(ln: Launch, cfg, capability: int, backends: dict):
+    """What makes a distinct binary: Triton's launch-time specialisation of this launch (with
+    ``cfg``'s meta-parameters) for the target; None when it cannot be derived (then the launch
+    is compiled on its own and reports the error)."""
+    try:
+        from workbench.transforms.kernel_compile import _specialize, _triton_internals
+
+        _, GPUTarget, _, make_backend, _ = _triton_internals()
+        if capability not in backends:
+            backends[capability] = make_backend(GPUTarget("cuda", capability, 32))
+        kern = getattr(importlib.import_module(f"workbench_kernels.{ln.file}"), ln.kernel)
+        jit = kern.fn if hasattr(kern, "configs") else kern
+        kwargs = {**ln.kwargs, **(cfg.all_kwargs() if cfg is not None else {})}
+        sig, constexprs, attrs, options, _ = _specialize(jit, backends[capability], ln.args, kwargs)
+        return (ln.kernel, repr(sig), repr(sorted(constexprs.items(), key=repr)), repr(attrs), repr(options))
+    except Exception:   # noqa: BLE001 - compile_launch reports it
+        return None
+
+
+def plan(targets=(90, 80), dtypes=("bfloat16",), configs: str = "all", kernels=KERNEL_FILES,
+         bench: bool = True) -> list[tuple]:
+    """What :func:`collect` compiles, without compiling: ``(launch, config, capability, dtype name,
+    covers)`` per distinct binary, ``covers`` the case names that launch it.  ``bench``: add the
+    benchmarks' launch configurations (bf16 for sm_90 only: :data:`BENCH_DTYPES`, :data:`BENCH_TARGETS`)."""
     check_not_interpreted()
     if configs not in CONFIG_CHOICES:
         raise ValueError(f"configs={configs!r}: expected one of {', '.join(CONFIG_CHOICES)}")
@@ -79,36 +172,77 @@ def collect(targets=(90, 80), dtypes=("bfloat16",), configs: str = "all", kernel
     bad = [k for k in kernels if k not in KERNEL_FILES]
     if bad:
         raise ValueError(f"kernels {bad}: expected some of {', '.join(KERNEL_FILES)}")
-    tools = toolchain()
-    rows: list[dict] = []
+    cases = None
+    if bench and any(dt in BENCH_DTYPES for dt in dtypes):
+        from workbench.bench.kernel_cases import bench_launch_cases
+
+        cases = bench_launch_cases()
+    out: list[tuple] = []
+    backends: dict = {}
     for file in kernels:
         for dt in dtypes:
             dtype = torch_dtype(dt)
             for cap in targets:
                 launches, names = record_launches(file, dtype, cap)
-                seen: set = set()
-                for ln in launches:
+                extra = (bench_launches(file, dtype, cap, cases)
+                         if cases is not None and dt in BENCH_DTYPES and cap in BENCH_TARGETS else [])
+                bench_ids = {id(x) for x in extra}
+                seen: set = set()           # representative cases: one row per (kernel, case, config), as always
+                binaries: dict = {}         # specialisation -> its row: a benchmark launch joins it
+                for ln in launches + extra:
                     cfgs = {"all": ln.configs, "first": ln.configs[:1], "last": ln.configs[-1:],
                             "ends": ln.configs[:1] + ln.configs[1:][-1:]}[configs]
                     for cfg in cfgs:
-                        key = (ln.kernel, ln.case, None if cfg is None else str(cfg))
+                        spec = _spec_key(ln, cfg, cap, backends)
+                        if id(ln) in bench_ids and spec is not None:
+                            if spec in binaries:                     # the same binary: one more case launches it
+                                if ln.case not in binaries[spec][4]:
+                                    binaries[spec][4].append(ln.case)
+                                continue
+                            key = spec
+                        else:
+                            key = (ln.kernel, ln.case, None if cfg is None else str(cfg))
                         if key in seen:     # e.g. a wrapper launching the same kernel twice
                             continue
                         seen.add(key)
-                        row = compile_launch(ln, cfg, cap, tools)
-                        row["dtype"] = DTYPE_SHORT.get(dt, dt)
-                        rows.append(row)
-                        if progress:
-                            progress(f"{row['target']} {row['kernel']} [{row['case']}] {row['config']}: "
-                                     f"{row['status']} {row['seconds']:.1f}s")
+                        entry = (ln, cfg, cap, dt, [ln.case])
+                        if spec is not None:
+                            binaries.setdefault(spec, entry)
+                        out.append(entry)
+                launches = launches + extra
                 launched = {ln.kernel for ln in launches}
-                for n in names:
-                    if n not in launched:
-                        rows.append({"file": file, "kernel": n, "case": f"(no case) {DTYPE_SHORT.get(dt, dt)}",
-                                     "target": f"sm_{cap}", "config": "", "grid": "", "status": "error",
-                                     "error": "no representative case launches this kernel: add one to "
-                                              "workbench.transforms.kernel_launches._cases", "seconds": 0.0,
-                                     "dtype": DTYPE_SHORT.get(dt, dt), "note": ""})
+                out += [(None, n, cap, dt, [file]) for n in names if n not in launched]
+    return out
+
+
+def collect(targets=(90, 80), dtypes=("bfloat16",), configs: str = "all", kernels=KERNEL_FILES,
+            progress: Callable[[str], None] | None = None, bench: bool = True) -> list[dict]:
+    """Compile every kernel of ``kernels`` (file names) at its representative cases, and (bf16,
+    ``bench``) at every launch configuration of the benchmarks, for each target capability and
+    dtype.  ``configs``: ``all`` autotune configs (after pruning), the ``first`` of each, the
+    ``last``, or both (``ends``: the largest and the smallest tile in this library's config
+    lists).  Returns one row per distinct binary (launch specialisation, config, target; see
+    :func:`plan`) with ``covers``: the cases that launch it; see :func:`compile_launch`.
+    A kernel that no case launches gets an error row (a new kernel needs a case here)."""
+    planned = plan(targets, dtypes, configs, kernels, bench)
+    tools = toolchain()
+    rows: list[dict] = []
+    for ln, cfg, cap, dt, covers in planned:
+        if ln is None:              # cfg holds the kernel's name: no case launches it
+            rows.append({"file": covers[0], "kernel": cfg, "case": f"(no case) {DTYPE_SHORT.get(dt, dt)}",
+                         "target": f"sm_{cap}", "config": "", "grid": "", "status": "error",
+                         "error": "no representative case launches this kernel: add one to "
+                                  "workbench.transforms.kernel_launches._cases", "seconds": 0.0,
+                         "dtype": DTYPE_SHORT.get(dt, dt), "note": "", "covers": []})
+            continue
+        row = compile_launch(ln, cfg, cap, tools)
+        row["dtype"] = DTYPE_SHORT.get(dt, dt)
+        row["covers"] = list(covers)
+        rows.append(row)
+        if progress:
+            more = f" (+{len(covers) - 1} cases)" if len(covers) > 1 else ""
+            progress(f"{row['target']} {row['kernel']} [{row['case']}]{more} {row['config']}: "
+                     f"{row['status']} {row['seconds']:.1f}s")
     return rows
 
 
@@ -145,6 +279,11 @@ def format_aot(rows: list[dict]) -> str:
                 "ld.global in the PTX (static counts); cp.async: global->shared async copies; mma.sync / "
                 "wgmma: tensor-core instructions; regs: per thread (cuobjdump); spill B: ptxas spill "
                 "stores + loads ('-' when Triton's cache served the kernel).")
+    bench = [r for r in rows if any(": " in c for c in r.get("covers") or ())]
+    if bench:
+        cases = {c for r in bench for c in r["covers"] if ": " in c}
+        text.append(f"{len(bench)} of the binaries are launched by the benchmarks ({len(cases)} benchmark cases; "
+                    "a row's 'covers' in --json names every case that launches it).")
     for r in rows:
         if r.get("note"):
             text.append(f"note: {r['target']} {cell(r, 'kernel')} [{r['case']}] {r['config']}: {r['note']}")
