@@ -346,3 +346,21 @@ def test_static_step_time_on_cuda_is_synchronized(monkeypatch):
     assert [c[0] for c in calls] == ["synchronize", "decode", "synchronize"]
     assert spent[0] >= 0.0
     undo()
+
+
+def test_alone_chooses_the_layers_measured_one_at_a_time(monkeypatch):
+    from workbench.engine.llm import LLM
+
+    with pytest.raises(ConfigError, match=r"E2EConfig.alone: unknown layer\(s\) \['warp'\]"):
+        E2EConfig(alone=("paged", "warp"))
+    llm = LLM(None, device="cpu")
+    wl = build_workload(llm.tokenizer, WorkloadConfig(**TINY_WL), llm.max_model_len)
+    ab = Ablation(llm, wl, E2EConfig(reference_row=False, quant_variants=(), alone=("paged", "quant")))
+    built = []
+    monkeypatch.setattr(ab, "_add", lambda name, *a, **k: built.append(name) or type("C", (), {"name": name})())
+    ab.build()
+    assert ab.singles == ["paged", "quant"]
+    assert [n for n in built if not n.startswith("stack")] == ["baseline", "+paged", "+quant"]
+    left = {s["layer"] for s in ab.skipped if s["kind"] == "left out"}
+    assert left == set(device_layers("cpu")[0]) - {"paged", "quant"}
+    assert any(n.startswith("stack") for n in built)                  # the stack is built as before

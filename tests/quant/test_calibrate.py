@@ -343,3 +343,18 @@ def test_check_exits_1_when_the_figure_is_not_reproduced(run, tmp_path):
     assert main(["calibrate-quant", "--check", str(tmp_path / "r.json"), "--json"]) == 1
     (tmp_path / "r.json").write_text(json.dumps({k: v for k, v in doc.items() if k != "reported"}))
     assert main(["calibrate-quant", "--check", str(tmp_path / "r.json")]) == 2
+
+
+def test_block_units_group_every_linear_of_a_decoder_block():
+    from workbench.quant.sensitivity import layer_units
+
+    targets = [f"model.layers.{i}.{k}" for i in (0, 1, 10) for k in
+               ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")] + ["lm_head"]
+    blocks = layer_units(targets, unit="block")
+    assert list(blocks) == ["model.layers.0", "model.layers.1", "model.layers.10", "lm_head"]
+    assert all(len(v) == 7 for k, v in blocks.items() if k != "lm_head")
+    assert sum(map(len, blocks.values())) == len(targets)
+    assert len(layer_units(targets)) == 3 * 4 + 1                  # q/k/v and gate/up tied
+    with pytest.raises(ConfigError, match="unit must be one of layer, block"):
+        layer_units(targets, unit="head")

@@ -99,6 +99,7 @@ class E2EConfig:
     lookahead: int = 4
     reference_row: bool = True           # replay the trace on LLM() too (one request at a time)
     stack: tuple[str, ...] | None = None    # None: the device's order (device_layers)
+    alone: tuple[str, ...] | None = None    # the layers measured one at a time (None: every layer the device has)
     batch_invariant: bool = False        # True: exact greedy tokens under batching, at a price on the paged pool
                                          # (float64 attention on a CPU); static decode paths ignore it
     eval_docs: int = 2                   # held-out documents for perplexity / KL
@@ -110,9 +111,10 @@ class E2EConfig:
             raise ConfigError(f"E2EConfig.repeats must be an integer >= 1, got {self.repeats!r}")
         if not 0 <= self.stream_resident < 1:
             raise ConfigError(f"E2EConfig.stream_resident must be in [0, 1), got {self.stream_resident!r}")
-        unknown = [x for x in (self.stack or ()) if x not in LAYERS]
-        if unknown:
-            raise ConfigError(f"E2EConfig.stack: unknown layer(s) {unknown}; known: {', '.join(LAYERS)}")
+        for name, value in (("stack", self.stack), ("alone", self.alone)):
+            unknown = [x for x in (value or ()) if x not in LAYERS]
+            if unknown:
+                raise ConfigError(f"E2EConfig.{name}: unknown layer(s) {unknown}; known: {', '.join(LAYERS)}")
 
     @classmethod
     def preset(cls, mode: str, **over) -> E2EConfig:

@@ -108,11 +108,12 @@ class Ablation(AblationResults):
         self.model_source, self.noise = model, noise
         self.device = str(llm.device)
         singles, stack, self.not_here = device_layers(self.device)
-        self.singles = singles + [f"quant:{q}" for q in self.cfg.quant_variants]
+        self.left_out = [x for x in singles if cfg.alone is not None and x not in cfg.alone]
+        self.singles = [x for x in singles if x not in self.left_out] + [f"quant:{q}" for q in self.cfg.quant_variants]
         self.stack_order = list(self.cfg.stack) if self.cfg.stack else stack
         self.configs: list[Config] = []
         self.stack: list[dict] = []         # step -> layer, config name (or None when skipped), reason
-        self.skipped: list[dict] = []       # stage, layer, reason, kind ("cannot combine" | "not here" | "failed")
+        self.skipped: list[dict] = []       # stage, layer, reason, kind ("cannot combine" | "not here" | "left out" | "failed")
         self._basis = self._split = None
         longest = max(len(p) + sp.max_tokens for p, sp in zip(workload.prompts, workload.params))
         self.ctx = {"layers": llm.model.config.num_hidden_layers,
@@ -210,6 +211,9 @@ class Ablation(AblationResults):
         for layer, why in self.not_here.items():
             self.skipped.append({"stage": "one at a time", "layer": layer, "layers": layer, "kind": "not here",
                                  "reason": why})
+        for layer in self.left_out:
+            self.skipped.append({"stage": "one at a time", "layer": layer, "layers": layer, "kind": "left out",
+                                 "reason": "not in this run's E2EConfig.alone"})
         spec, layers = base, []
         self.stack = [{"step": 0, "layer": "baseline", "config": "baseline", "reason": None}]
         for layer in self.stack_order:

@@ -57,7 +57,8 @@ def format_result(res: dict) -> str:
                f"({res['degradation_units']}); objective: {res['objective']}; backend {res['backend']}, "
                f"{res['threads']} thread(s)")
     worst = sorted(res["sensitivity"], key=lambda s: -s[metric][0])[:8]
-    what = "q/k/v and gate/up of a block tied" if res.get("tie_fused") else "every layer on its own"
+    what = ("one unit per decoder block" if res.get("unit") == "block" else
+            "q/k/v and gate/up of a block tied" if res.get("tie_fused") else "every layer on its own")
     out += ["", f"most sensitive units (one unit quantized at a time, {what}; {len(res['sensitivity'])} measured in "
                 f"{res['seconds']['sensitivity']:.0f} s; MEASURED)"]
     out.append(_table(["unit", "option", f"{metric} degradation", "agreement"],
@@ -107,7 +108,7 @@ def cmd_calibrate_quant(args) -> int:
                     search_space_spec=args.search_space, objective=args.objective, model=args.model,
                     device=args.device or "cpu", dtype=args.dtype, text_field=args.text_field,
                     group_field=None if args.group_field == "none" else args.group_field, memory=args.memory,
-                    tie_fused=not args.untie_fused, context=args.context,
+                    tie_fused=not args.untie_fused, unit=args.unit, context=args.context,
                     eval_windows=args.eval_windows, calib_windows=args.calib_windows,
                     evaluation_fraction=args.evaluation_fraction, em_prompt=args.em_prompt, em_tokens=args.em_tokens,
                     em_prompts=args.em_prompts, backend=args.backend, max_measured=args.max_measured,
@@ -188,7 +189,10 @@ def add_calibrate_parser(sub) -> None:
                    help="minimise measured resident bytes or measured decode-step latency")
     p.add_argument("--memory", choices=("stored", "resident"), default="stored",
                    help="memory objective: the stored format's bytes (what a GPU's kernels hold), or also what the "
-                        "backend keeps beside them (torch's int4 CPU op: a repacked second copy)")
+                        "backend keeps beside them (torch's int4 CPU op: its own scales-and-zeros)")
+    p.add_argument("--unit", choices=("layer", "block"), default="layer",
+                   help="what gets one precision: a layer (q/k/v and gate/up tied), or a whole decoder block "
+                        "(7x fewer sensitivity measurements: a first pass on a large model)")
     p.add_argument("--untie-fused", action="store_true",
                    help="choose q/k/v and gate/up separately (engines that fuse them need one setting per group)")
     p.add_argument("--model", default=None, help="model folder (default: the bundled model)")

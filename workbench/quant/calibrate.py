@@ -144,15 +144,18 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
               objective: str = "memory", model=None, device="cpu", dtype=None, text_field: str = "text",
               group_field: str | None = "auto", context: int = 256, eval_windows: int = 8, calib_windows: int = 8,
               evaluation_fraction: float = 0.5, em_prompt: int = 64, em_tokens: int = 4, em_prompts: int = 32,
-              backend: str = "auto", memory: str = "stored", tie_fused: bool = True, max_measured: int = 10,
+              backend: str = "auto", memory: str = "stored", tie_fused: bool = True, unit: str = "layer",
+              max_measured: int = 10,
               decode_steps: int = 16, rounds: int = 5, latency_rows: int = 1, sensitivity: list[dict] | None = None,
               progress=None) -> dict:
     """Run the calibrator (see the module docstring); returns a JSON-ready result dict.
 
     ``memory``: what the memory objective counts - ``"stored"`` (the format's bytes: integers,
     scales, zero points, and every tensor left dense) or ``"resident"`` (also what the backend
-    keeps beside them: torch's int4 CPU op holds a repacked second copy).  ``tie_fused``: q/k/v
+    keeps beside them: torch's int4 CPU op its own scales-and-zeros).  ``tie_fused``: q/k/v
     and gate/up of a block get one precision (one unit), as the engines that fuse them need.
+    ``unit="block"``: one precision per decoder block (7x fewer sensitivity measurements: a
+    first pass on a large model).
     ``sensitivity``: the ``"sensitivity"`` rows of an earlier result on the same model, data,
     evaluation settings, units and search space (e.g. to run the other objective without
     measuring every unit again); they must cover every (unit, option) of this search."""
@@ -192,7 +195,7 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
     base = load_model(folder, device=device, dtype=dtype).eval()
     context = min(context, base.config.max_position_embeddings)
     targets = linear_targets(base)
-    units = layer_units(targets, tie_fused)
+    units = layer_units(targets, tie_fused, unit)
     sens = None
     if sensitivity is not None:                # given rows must cover this search (checked before any work)
         sens = [dict(r) for r in sensitivity if r["option"] in options]
@@ -371,7 +374,7 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
     return {"dataset": str(dataset), "model": str(folder), "device": str(device), "dtype": str(next(base.parameters()).dtype),
             "target_metric": target_metric, "max_degradation": limit, "degradation_units": UNITS[target_metric],
             "objective": objective, "memory": memory if objective == "memory" else None, "search_space": names,
-            "backend": backend, "tie_fused": tie_fused, "units": units, "threads": torch.get_num_threads(),
+            "backend": backend, "tie_fused": tie_fused, "unit": unit, "units": units, "threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count(), "diagnostics": diag, "warnings": warnings,
             "reference": {k: {"ppl": r.ppl, "top1": float(r.top1_hits.double().mean()),
                               "exact_match": None if r.em_hits is None else float(r.em_hits.mean()),

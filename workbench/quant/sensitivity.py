@@ -29,6 +29,7 @@ import time
 
 from torch import nn
 
+from workbench.errors import ConfigError
 from workbench.quant.quality import Reference, measure
 from workbench.quant.recipe import QuantRecipe
 
@@ -54,15 +55,23 @@ FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate
          "up_proj": "gate_up_proj"}
 
 
-def layer_units(targets: list[str], tie_fused: bool = True) -> dict[str, list[str]]:
+UNIT_KINDS = ("layer", "block")
+
+
+def layer_units(targets: list[str], tie_fused: bool = True, unit: str = "layer") -> dict[str, list[str]]:
     """The units a precision is chosen for: unit name -> its layers, in module order.  With
     ``tie_fused`` the layers an engine fuses (``FUSED``: q/k/v, gate/up of one block) are one
     unit (``model.layers.3.self_attn.qkv_proj``), so a mix stays loadable where they are one
-    matmul; every other layer is its own unit."""
+    matmul; every other layer is its own unit.  ``unit="block"``: every linear of one decoder
+    block is one unit (``model.layers.3``; a layer outside the blocks, e.g. the LM head, stays
+    its own): 7x fewer sensitivity measurements, a coarser mix - the first pass on a large model."""
+    if unit not in UNIT_KINDS:
+        raise ConfigError(f"calibrate: unit must be one of {', '.join(UNIT_KINDS)}, got {unit!r}")
     units: dict[str, list[str]] = {}
     for t in targets:
         parent, _, kind = t.rpartition(".")
-        key = f"{parent}.{FUSED[kind]}" if tie_fused and kind in FUSED else t
+        block = re.match(r"(.*\.layers\.\d+)\.", t) if unit == "block" else None
+        key = block.group(1) if block else f"{parent}.{FUSED[kind]}" if tie_fused and kind in FUSED else t
         units.setdefault(key, []).append(t)
     return units
 
