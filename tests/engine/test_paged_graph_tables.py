@@ -83,3 +83,59 @@ def test_a_replay_first_joins_the_weight_copies_an_eager_step_submitted(random_l
     model._wb_stream = type("Stream", (), {"transport": tr})()
     dec.decode([3], [1], [[0]])
     assert seen == [1], "the replay ran before the copy stream was joined"
+
+
+def test_inputs_on_cuda_go_through_pinned_buffers_with_non_blocking_copies(monkeypatch):
+    """InputCopies' CUDA branch on a CPU: each source is staged in a (reused, grown) host buffer and
+    copied with non_blocking=True; the previous step's copies are waited for before the host
+    buffers are rewritten."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fake_cuda import install
+    from workbench.transforms.static_step import InputCopies
+
+    calls = install(monkeypatch)
+    cp = InputCopies(torch.device("cuda"))
+    cp.device = torch.device("cpu")
+    allocs = []
+    monkeypatch.setattr(cp, "_pinned", lambda shape, dtype: allocs.append(shape) or torch.empty(shape, dtype=dtype))
+
+    class Copies(TorchDispatchMode):
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ == "copy_":
+                Copies.seen.append(bool(args[2] if len(args) > 2 else (kwargs or {}).get("non_blocking", False)))
+            return func(*args, **(kwargs or {}))
+
+    a, t = torch.zeros(3, 4, dtype=torch.long), torch.zeros(4, 8, dtype=torch.int32)
+    with Copies():
+        cp((a, torch.arange(12).view(3, 4)), (t[:, :2], torch.ones(4, 2, dtype=torch.int32)))
+        cp((a, torch.arange(12).view(3, 4) + 1), (t[:, :5], torch.full((4, 5), 2, dtype=torch.int32)))
+    assert torch.equal(a, torch.arange(12).view(3, 4) + 1) and int(t[:, :5].min()) == 2
+    assert Copies.seen == [False, True] * 4          # host fill, then the non-blocking device copy
+    assert allocs == [(12,), (8,), (20,)]            # the tables' buffer grew once, the ids' was reused
+    assert [c[0] for c in calls] == ["event_sync"]   # the second step waited for the first's copies
+
+
+def test_graphed_decoder_fills_its_inputs_with_one_copy(random_llm):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from workbench.transforms.cuda_graphs import GraphedDecoder
+
+    model = copy.deepcopy(random_llm.model)
+    dec = GraphedDecoder(model, max_len=16, buckets=(4,))
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += func.overloadpacket.__name__ == "copy_"
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        dec._set_inputs(4, [5, 6, None], [3, 1, 0])
+    assert Count.n == 1
+    c = dec.static[4]
+    assert c.ids.view(-1).tolist() == [5, 6, 0, 0] and c.positions.tolist() == [3, 1, 0, 0]
+    assert c.slots.tolist() == [3, 16 + 1, 4 * 16, 4 * 16]

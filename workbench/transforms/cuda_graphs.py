@@ -52,11 +52,14 @@ class StaticDecodeCache:
 
     static_decode = True
 
-    def __init__(self, kv: KVCache, rows: int, window: int | None) -> None:
+    def __init__(self, kv: KVCache, rows: int, window: int | None, inputs: torch.Tensor | None = None) -> None:
         dev = kv.k[0].device
         self.k, self.v, self.max_len, self.rows, self.window = kv.k, kv.v, kv.max_len, rows, window
-        self.positions = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.slots = torch.zeros(rows, dtype=torch.long, device=dev)
+        # inputs: [3, rows] long (ids, positions, slots), filled by one host -> device copy a step
+        self.inputs = torch.zeros(3, rows, dtype=torch.long, device=dev) if inputs is None else inputs
+        self.ids = self.inputs[0].view(rows, 1)
+        self.positions = self.inputs[1]
+        self.slots = self.inputs[2]
         self.block_tables = torch.arange(rows, dtype=torch.int32, device=dev)[:, None]   # row b = block b
         self._pos_grid = torch.arange(kv.max_len, device=dev)[None, :]
         self.derive()
@@ -91,7 +94,7 @@ class GraphedDecoder(StaticStep):
         cos, sin = model.model.rotary_emb._table(max_len, self.device)     # fp32 [>= max_len, hd]
         self.cos, self.sin = cos[:max_len].to(self.dtype), sin[:max_len].to(self.dtype)
         self.static = {b: StaticDecodeCache(self.kv, b, model.config.sliding_window) for b in self.buckets}
-        self.ids = {b: torch.zeros(b, 1, dtype=torch.long, device=self.device) for b in self.buckets}
+        self.ids = {b: self.static[b].ids for b in self.buckets}
         self.backends = current_backends(model)
 
     def _forward(self, bs: int) -> torch.Tensor:
@@ -110,9 +113,8 @@ class GraphedDecoder(StaticStep):
         toks = list(tokens) + [None] * (bs - len(tokens))
         pos = list(positions) + [0] * (bs - len(positions))
         slots = [self.scratch * ml if t is None else i * ml + p for i, (t, p) in enumerate(zip(toks, pos))]
-        self.ids[bs].copy_(torch.tensor([0 if t is None else t for t in toks]).view(bs, 1))
-        c.positions.copy_(torch.tensor(pos))
-        c.slots.copy_(torch.tensor(slots))
+        # ids, positions and slots are rows of one buffer: one copy (pinned, non-blocking on CUDA)
+        self.copy_inputs((c.inputs, torch.tensor([[0 if t is None else t for t in toks], pos, slots])))
 
     def _step_args(self, bs: int) -> tuple:
         return (bs,)

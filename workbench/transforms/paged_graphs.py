@@ -176,11 +176,13 @@ class PagedDecoder(StaticStep):
         pad = self.pool.scratch_block
         rows = [t[:cols] + [pad] * (cols - len(t[:cols])) for t in tables] + [[pad] * cols] * (bs - n)
         slots = [tables[i][p // B] * B + p % B for i, p in enumerate(positions)] + [pad * B] * (bs - n)
-        c.ids.copy_(torch.tensor(list(tokens) + [0] * (bs - n)).view(bs, 1))
-        c.positions.copy_(torch.tensor(list(positions) + [0] * (bs - n)))
-        c.seq_lens.copy_(torch.tensor([p + 1 for p in positions] + [1] * (bs - n), dtype=torch.int32))
-        c.slots.copy_(torch.tensor(slots))
-        c.tables(width)[:, :cols].copy_(torch.tensor(rows, dtype=torch.int32))
+        # pinned, non-blocking copies on CUDA (InputCopies); the inputs stay separate tensors, as
+        # the compiled step takes them as arguments (views of one buffer would alias them)
+        self.copy_inputs((c.ids, torch.tensor(list(tokens) + [0] * (bs - n)).view(bs, 1)),
+                         (c.positions, torch.tensor(list(positions) + [0] * (bs - n))),
+                         (c.seq_lens, torch.tensor([p + 1 for p in positions] + [1] * (bs - n), dtype=torch.int32)),
+                         (c.slots, torch.tensor(slots)),
+                         (c.tables(width)[:, :cols], torch.tensor(rows, dtype=torch.int32)))
         return width
 
     @torch.inference_mode()

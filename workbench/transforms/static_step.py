@@ -18,6 +18,46 @@ from workbench.errors import ConfigError, WorkbenchError
 NO_CUDA = "CUDA graphs need a CUDA device; running eager"
 
 
+class InputCopies:
+    """The host -> device copies that fill a static step's inputs before each step.
+
+    On a CPU a plain ``copy_``.  On CUDA each source goes through a pinned host buffer of its own
+    (kept per shape) and is copied with ``non_blocking=True``: a copy from pageable memory is staged
+    by the driver and makes the host wait, a pinned one is a DMA the host only enqueues.  The
+    pinned buffers are rewritten only after the previous step's copies finished (an event; in
+    practice the sampler's read of the logits has already waited for them).  Each input has one
+    flat pinned buffer, grown when a larger source comes (the paged tables' width varies)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self._host: dict[tuple, torch.Tensor] = {}       # (input index, dtype) -> flat pinned buffer
+        self._done = None
+
+    def _pinned(self, shape, dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def __call__(self, *pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """``(dst, src)`` pairs: ``dst`` a device tensor (or view), ``src`` a CPU tensor of its shape."""
+        if not self.cuda:
+            for dst, src in pairs:
+                dst.copy_(src)
+            return
+        if self._done is not None:
+            self._done.synchronize()          # the pinned buffers' previous copies have landed
+        for i, (dst, src) in enumerate(pairs):
+            n = src.numel()
+            flat = self._host.get((i, src.dtype))
+            if flat is None or flat.numel() < n:          # one flat buffer per input, grown as needed
+                flat = self._host[(i, src.dtype)] = self._pinned((max(n, 2 * flat.numel() if flat is not None else n),),
+                                                                 src.dtype)
+            host = flat[:n].view(src.shape)
+            host.copy_(src)
+            dst.copy_(host, non_blocking=True)
+        self._done = torch.cuda.Event()
+        self._done.record(torch.cuda.current_stream(self.device))
+
+
 class StaticStep:
     """Buckets, compile and capture around a subclass's ``_forward``."""
 
@@ -29,6 +69,7 @@ class StaticStep:
         w = model.lm_head.weight
         self.device, self.dtype = w.device, w.dtype
         self.graphs: dict[int, tuple] = {}                      # bucket -> (CUDAGraph, static logits)
+        self.copy_inputs = InputCopies(self.device)
         self._step, self.compiled = self._forward, False
 
     @property
