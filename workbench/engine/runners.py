@@ -116,9 +116,16 @@ class ModelRunner:
         for layer in range(len(self.pool.k_cache)):
             slots, k, v = self._gather(s.block_table, 0, s.num_tokens, layer)
             layers.append(torch.stack((k[slots], v[slots])))
-        pin = self.device.type == "cuda"
-        host = torch.stack(layers).to("cpu")
-        self.swap_space[s.seq.request_id] = host.pin_memory() if pin else host
+        kv = torch.stack(layers)
+        if kv.device.type == "cuda":
+            # straight into pinned memory (one copy, not a pageable one and then a second to pin it);
+            # the swap-in's non-blocking copy back is then a DMA the host only enqueues
+            host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+            host.copy_(kv, non_blocking=True)
+            torch.cuda.current_stream(kv.device).synchronize()     # the bytes are on the host now
+        else:
+            host = kv
+        self.swap_space[s.seq.request_id] = host
 
     def swap_in(self, s: SwapIn) -> None:
         rid, store = s.seq.request_id, self.pool.swap_store
@@ -127,7 +134,7 @@ class ModelRunner:
             first, last = s.num_cached // B, max(s.num_cached // B, -(-s.num_tokens // B))
             saved, offset = store.take(rid, first, last, self.device), first * B
         else:
-            saved, offset = self.swap_space.pop(rid).to(self.device), 0
+            saved, offset = self.swap_space.pop(rid).to(self.device, non_blocking=True), 0
         table = self.pool.manager.block_table(rid)
         for layer in range(len(self.pool.k_cache)):
             slots, k, v = self._gather(table, s.num_cached, s.num_tokens, layer)
