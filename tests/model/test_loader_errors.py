@@ -736,3 +736,10 @@ def test_cli_refuses_non_finite_weights_unless_told(good, capsys):
     assert "non-finite" in err and "--no-check-finite" in err and "Traceback" not in err
     assert main(args + ["--no-check-finite"]) == 0
     assert len(json.loads(capsys.readouterr().out)[0]["token_ids"]) == 2
+
+
+@pytest.mark.parametrize("value", ["compressed-tensors", ["gptq"], 4])
+def test_a_quantization_config_that_is_no_object_is_refused_clearly(good, value):
+    edit_config(good, quantization_config=value)
+    raises_fast(good, "config.json", "'quantization_config' must be an object", type(value).__name__,
+                exc=CheckpointError)

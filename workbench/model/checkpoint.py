@@ -220,8 +220,11 @@ def check_quantization(cfg: ModelConfig, folder: Path) -> None:
     compressed-tensors checkpoint is named with the way to load it
     (:func:`workbench.quant.compressed.load_compressed`)."""
     q = cfg.extra.get("quantization_config")
+    if q is not None and not isinstance(q, dict):
+        raise CheckpointError(f"{folder / 'config.json'}: field 'quantization_config' must be an object "
+                              f"(quant_method, format, config_groups, ...), got {type(q).__name__} {q!r:.80}")
     if q:
-        method = q.get("quant_method", "?") if isinstance(q, dict) else q
+        method = q.get("quant_method", "?")
         if method == "compressed-tensors":
             raise CheckpointError(f"{folder / 'config.json'}: field 'quantization_config' declares a compressed-tensors "
                                   f"checkpoint (format {q.get('format', '?')!r}); {_COMPRESSED_HINT}")
