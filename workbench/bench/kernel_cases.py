@@ -497,7 +497,8 @@ def warm_up(device=None, dtype=None, workers: int = 0, inductor: bool = True, de
             left = None if deadline is None else max(1.0, deadline - time.time())
             try:
                 out, _ = p.communicate(timeout=left)
-                for r in json.loads(out or "{}").get("rows", []):
+                last = (out or "").strip().splitlines()[-1:] or ["{}"]      # the worker prints its JSON last
+                for r in json.loads(last[0]).get("rows", []):
                     done(r)
             except (subprocess.TimeoutExpired, ValueError) as e:
                 p.kill()
