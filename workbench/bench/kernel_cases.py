@@ -52,10 +52,14 @@ def make_case(op: str, sz: dict, dev: torch.device, dtype: torch.dtype, seed: in
     import workbench_kernels.swiglu as ks
 
     g = torch.Generator(device="cpu").manual_seed(seed)
+    # on a GPU the inputs are drawn there (the full sizes are GBs: a host draw and copy took seconds per case)
+    g_dev = torch.Generator(device=dev).manual_seed(seed) if dev.type == "cuda" else None
 
     def rnd(*shape, scale=1.0):
         if dev.type == "meta":          # shapes only (kernels-aot records the launches): no host tensor
             return torch.empty(*shape, device=dev, dtype=dtype)
+        if g_dev is not None:
+            return (torch.randn(*shape, generator=g_dev, device=dev, dtype=torch.float32) * scale).to(dtype)
         return (torch.randn(*shape, generator=g) * scale).to(device=dev, dtype=dtype)
 
     e = torch.finfo(dtype).bits // 8
