@@ -3,32 +3,34 @@
 #
 #   bash scripts/device_check.sh [OUT_DIR]
 #
-# The steps, most valuable rows first (GPU cap in seconds; the sum of the caps, 455 s, leaves the
-# start-up and the tables inside DEVICE_CHECK_BUDGET_S = 480 s):
+# The steps, most valuable rows first (GPU cap in seconds; the caps sum to 445 s, which leaves the
+# start-up (~10 s: the probe's torch import, nvidia-smi) and the tables inside
+# DEVICE_CHECK_BUDGET_S = 480 s):
 #
-#   1. warmup           60  compile and autotune, once, every Triton kernel at the launch configurations the
+#   1. warmup           55  compile and autotune, once, every Triton kernel at the launch configurations the
 #                           steps below use (workbench.bench.kernel_cases.bench_launch_cases: the kernel
 #                           bench's full sizes, the decode roofline, decode-stack's batches, the W4A16 /
 #                           W8A16 / W4A8 table, notebook 06's ablation): 8 processes compile without
 #                           launching, then each case runs once (autotuning its configs), then
 #                           torch.compile of the kernel bench's ops at their sizes (inductor's cache);
-#   2. decode_roofline  35  `workbench kernels-bench --sections ceilings,decode`: the measured copy / matmul
+#                           phases past 48 s are skipped (the later steps then compile what is left);
+#   2. decode_roofline  30  `workbench kernels-bench --sections ceilings,decode`: the measured copy / matmul
 #                           ceilings and the bf16 decode step of a Llama-3.2-1B-shaped model at batch 1,
 #                           eager / fused / fused + CUDA graphs (ms, fraction of the roofline, launches);
 #   3. kernels_bench    40  `--sections kernels`: each fused kernel's GB/s (TFLOP/s) vs eager, then vs
 #                           torch.compile (rows appended to kernel_bench.csv as they are measured);
 #   4. decode_stack     35  `workbench decode-stack`: the paged pool + prefix cache + Triton paged decode +
 #                           CUDA graphs vs the contiguous graph path, batch 1 / 8 / 32 (saved per round);
-#   5. quant_bench      25  the W4A16 split-K GEMV / GEMM, W8A16 and W4A8 kernels vs dense bf16 at m = 1, 4,
+#   5. quant_bench      20  the W4A16 split-K GEMV / GEMM, W8A16 and W4A8 kernels vs dense bf16 at m = 1, 4,
 #                           16, 64 on Llama-7B-sized layers (saved per row; exits 1 beyond 1e-2 error);
 #   6. prefetch_link    15  the pinned host -> HBM link's GB/s per block size (and the host copy);
 #   7. e2e              45  notebook 06's ablation at its tiny size: every layer alone and stacked;
-#   then the rest, while time remains:
-#   8. tests            50  the kernel, backend, CUDA-graph, batched-engine, CUDA prefetch, CUDA tiers and
+#   then the rest, in the time that remains:
+#   8. tests            45  the kernel, backend, CUDA-graph, batched-engine, CUDA prefetch, CUDA tiers and
 #                           quantized-kernel tests on the GPU (compiled Triton; 8 xdist workers, at most 5
 #                           failures, 60 s a test): a crash here stops nothing else;
 #   9. engine_bench     25  `workbench bench`: reference, bare loop, CUDA-graphed decode vs transformers;
-#  10. engine_fast      30  torch.compile'd decode, alone and captured as CUDA graphs;
+#  10. engine_fast      40  torch.compile'd decode, alone and captured as CUDA graphs (inductor compiles);
 #  11. sched_bench      20  `workbench sched-bench`;
 #  12. prefetch_bench   25  weight streaming with half the layers offloaded vs all resident (hit rate, stall,
 #                           prefetch_efficiency), reusing step 6's link; saved per section;
@@ -118,7 +120,7 @@ HAS_XDIST=0; "$PY" -c "import xdist" 2> /dev/null && HAS_XDIST=1
 HAS_TIMEOUT=0; "$PY" -c "import pytest_timeout" 2> /dev/null && HAS_TIMEOUT=1
 if [ "$CUDA" = 1 ]; then
   DEV=cuda; SIZE=full; RUN=(--triton)         # count Triton JIT / autotuning too (no interpreter here)
-  WARMUP=(--workers 8 --budget-s 52)          # 16 cores: 8 compile processes; the cap is 60 s
+  WARMUP=(--workers 8 --budget-s 48)          # 16 cores: 8 compile processes; the cap is 55 s
   TESTS=(tests/kernels/test_kernels_pointwise.py tests/kernels/test_kernels_attention.py tests/transforms/test_backends.py
          tests/transforms/test_cuda_graphs.py tests/transforms/test_batched_backends.py tests/prefetch/test_cuda_prefetch.py
          tests/kv/test_tiers_cuda.py tests/kernels/test_kernels_quant.py)
@@ -193,20 +195,20 @@ WB=(-m workbench.cli.main)
 GR=(-m workbench.cli.gpu_results step)
 echo "device check: $DEV, $PY, tables -> $DIR"
 # ---- the most valuable rows first ----
-step warmup 60 150 "${GR[@]}" warmup --device "$DEV" "${WARMUP[@]}"
-step decode_roofline 35 60 "${WB[@]}" kernels-bench --device "$DEV" --size "$SIZE" --sections ceilings,decode \
+step warmup 55 150 "${GR[@]}" warmup --device "$DEV" "${WARMUP[@]}"
+step decode_roofline 30 60 "${WB[@]}" kernels-bench --device "$DEV" --size "$SIZE" --sections ceilings,decode \
   --csv "$WORK/kernel_bench.csv" --quiet
 step kernels_bench 40 60 "${WB[@]}" kernels-bench --device "$DEV" --size "$SIZE" --sections kernels \
   --csv "$WORK/kernel_bench.csv" --quiet
 step decode_stack 35 60 "${WB[@]}" decode-stack --device "$DEV" "${DECODE[@]}" --json --quiet
-step quant_bench 25 90 "${GR[@]}" quant-kernels --device "$DEV" "${QUANT[@]}"
+step quant_bench 20 90 "${GR[@]}" quant-kernels --device "$DEV" "${QUANT[@]}"
 step prefetch_link 15 45 "${GR[@]}" prefetch-link --device "$DEV"
 step e2e 45 120 -c 'import json, sys; from workbench.bench.end_to_end import run_end_to_end
 print(json.dumps(run_end_to_end(device=sys.argv[1], mode="tiny", progress=True), default=str))' "$DEV"
 # ---- then the rest, while time remains ----
-step tests 50 150 -m pytest -q --maxfail=5 -p no:cacheprovider "${TESTS[@]}"
+step tests 45 150 -m pytest -q --maxfail=5 -p no:cacheprovider "${TESTS[@]}"
 step engine_bench 25 60 "${WB[@]}" bench --device "$DEV" "${ENGINE[@]}" --json --quiet
-step engine_fast 30 90 "${WB[@]}" bench --device "$DEV" "${FAST[@]}" --json --quiet
+step engine_fast 40 90 "${WB[@]}" bench --device "$DEV" "${FAST[@]}" --json --quiet
 step sched_bench 20 60 "${WB[@]}" sched-bench --device "$DEV" "${SCHED[@]}" --json --quiet
 step prefetch_bench 25 60 "${GR[@]}" prefetch-stream --device "$DEV" --link-json "$WORK/prefetch_link.out" "${PREFETCH[@]}"
 step tier_bench 20 60 "${WB[@]}" tier-bench --device "$DEV" "${TIER[@]}" --json
