@@ -302,3 +302,18 @@ def test_engine_runs_tiered_requests_and_exposes_their_caches(random_llm):
         workbench.LLM(model, tiers=TierConfig(), kv=workbench.kv.PagedKVConfig())
     with pytest.raises(workbench.WorkbenchError, match="basis"):
         workbench.LLM(model, tiers=TierConfig(window=8))
+
+
+def test_zone_masks_say_on_the_host_whether_any_token_is_warm_or_cold():
+    """attend_zones asks these flags instead of the masks (a device sync per layer on a GPU)."""
+    import itertools
+
+    from workbench.kv.tier_config import zone_masks
+
+    for window, sink, wt, chunk in itertools.product((1, 5), (0, 3), (None, 0, 4), (1, 4)):
+        cfg = TierConfig(window=window, rank=1, sink=sink, warm_tokens=wt, chunk=chunk, block=4)
+        for start in range(0, 16):
+            for T in (1, 3):
+                m = zone_masks(start, T, cfg)
+                assert m.any_warm == bool(m.warm.any()), (cfg, start, T)
+                assert m.any_chunk_cold == bool(m.chunk_cold.any()), (cfg, start, T)

@@ -249,3 +249,39 @@ def test_summary_reads_on_a_cuda_transport_are_timed_with_events(model, ids, bas
     assert cache.summary_reads > 0
     assert cache.summary_read_s == pytest.approx(cache.summary_reads * 2e-3)
     cache.release()
+
+
+@pytest.mark.parametrize("budget", [8, 32])
+def test_a_decode_step_syncs_per_layer_not_per_routed_block(model, ids, bases, budget, monkeypatch):
+    """Per layer and step: one device -> host copy for routing's bytes and one for the fetch
+    decision, no scalar reads, nonzero or boolean indexing; the same with more routed blocks."""
+    from fake_cuda import CountSyncs
+
+    cfg = TierConfig(window=16, rank=4, warm_tokens=16, chunk=8, block=8, budget=budget)
+    cache = PhysicalTieredKVCache(model.config, cfg, bases[cfg.key_space], store=TierStore(predict="both"), max_len=N)
+    run(model, cache, ids, [N - 1])
+    copies = []
+    real = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: copies.append(1) or real(self, *a, **k))
+    with CountSyncs() as c, torch.no_grad(), tiered_attention(model):
+        model(ids[:, N - 1:], start_pos=N - 1, cache=cache)
+    assert c.n == 0, c.ops
+    assert len(copies) == 2 * model.config.num_hidden_layers
+    assert cache.routed_bytes > 0
+
+
+def test_completed_blocks_are_offloaded_in_one_batch_per_layer(model, ids, bases, monkeypatch):
+    from fake_cuda import FakeCudaTransport, install
+    from workbench.prefetch.prefetcher import Prefetcher
+
+    install(monkeypatch)
+    tr = FakeCudaTransport()
+    batches = []
+    real = tr.put_many
+    monkeypatch.setattr(tr, "put_many", lambda items: batches.append(len(items)) or real(items))
+    cfg = CONFIGS[0]
+    cache = PhysicalTieredKVCache(model.config, cfg, bases[cfg.key_space], max_len=N, prefetcher=Prefetcher(tr))
+    run(model, cache, ids, [64])
+    assert len(batches) == model.config.num_hidden_layers and min(batches) > 2
+    assert len(cache._keys) == sum(batches)
+    cache.release()

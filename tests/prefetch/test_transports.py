@@ -225,3 +225,27 @@ def test_cuda_transport_time_origin_is_taken_on_an_idle_device(monkeypatch):
     tr = CudaTransport("cuda")
     assert order == ["sync", "record", "sync"] and tr._base_host >= t0
     assert calls == []
+
+
+def test_cuda_transport_stores_a_batch_in_one_pinned_buffer(monkeypatch):
+    """put_many on CUDA: one pinned allocation and one device -> host copy for all the records,
+    each key a view of it (stand-ins for torch.cuda; CPU tensors for the device ones)."""
+    from fake_cuda import FakeStream, install
+    from workbench.prefetch.cuda_transport import CudaTransport
+
+    install(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: FakeStream("copy"))
+    tr = CudaTransport("cuda")
+    allocs = []
+    monkeypatch.setattr(tr, "_pinned", lambda n: allocs.append(n) or torch.empty(n, dtype=torch.uint8))
+    recs = [torch.randn(4, 8) for _ in range(5)]
+    tr.put_many([(("k", i), r) for i, r in enumerate(recs)])
+    assert allocs == [5 * 4 * 8 * 4]
+    assert tr.bytes_stored == 5 * 128 and all(("k", i) in tr for i in range(5))
+    for i, r in enumerate(recs):
+        assert torch.equal(tr._data[("k", i)].view(torch.float32).view(4, 8), r)
+    tr.put_many([(("k", 0), torch.zeros(4, 8))])            # a key written again replaces its bytes
+    assert tr.bytes_stored == 5 * 128 and torch.equal(tr._data[("k", 0)], torch.zeros(128, dtype=torch.uint8))
+    tr.drop(("k", 1))
+    assert tr.bytes_stored == 4 * 128 and ("k", 1) not in tr

@@ -120,8 +120,11 @@ def attend_zones(cfg: TierConfig, q: torch.Tensor, start: int, m, K: torch.Tenso
     nkv = K.shape[1]
     g = nh // nkv
     qg = q.float().view(B, nkv, g, T, hd) / math.sqrt(hd)
-    any_warm, nC = bool(m.warm.any()), m.n_chunks
-    any_cold = cfg.cold_mode == "mean" and nC > 0 and bool(m.chunk_cold.any())
+    nC = m.n_chunks
+    # from the host when the masks know it (zone_masks): no device sync per layer
+    any_warm = m.any_warm if m.any_warm is not None else bool(m.warm.any())
+    any_cold = cfg.cold_mode == "mean" and nC > 0 and (m.any_chunk_cold if m.any_chunk_cold is not None
+                                                       else bool(m.chunk_cold.any()))
     s_w = qg @ k_hat.float()[:, :, None].transpose(-1, -2) if any_warm else None
     s_c = qg @ Kc.float()[:, :, None].transpose(-1, -2) if any_cold else None      # [B, nkv, g, T, nC]
     fetched = chunk_fetched = None

@@ -158,7 +158,9 @@ class ZoneMasks:
     """Boolean masks for queries at positions ``start .. start+T-1`` over keys ``0 .. S-1``.
 
     ``visible/hot/warm/cold`` are [T, S]; ``chunk_cold`` is [T, n_chunks] for the chunks
-    ``[sink + i*chunk, sink + (i+1)*chunk)`` that are complete in the cache.
+    ``[sink + i*chunk, sink + (i+1)*chunk)`` that are complete in the cache.  ``any_warm`` /
+    ``any_chunk_cold``: whether ``warm`` / ``chunk_cold`` hold any True, known on the host from
+    the positions (asking the device would be a sync per layer); None: ask the masks.
     """
 
     visible: torch.Tensor
@@ -166,10 +168,28 @@ class ZoneMasks:
     warm: torch.Tensor
     cold: torch.Tensor
     chunk_cold: torch.Tensor
+    any_warm: bool | None = None
+    any_chunk_cold: bool | None = None
 
     @property
     def n_chunks(self) -> int:
         return self.chunk_cold.shape[1]
+
+
+def _any_warm(start: int, S: int, cfg: TierConfig) -> bool:
+    """Whether any query at positions start..S-1 has a warm key, from :func:`zone_counts`' sizes:
+    with n tokens, x = n - sink - window tokens are past the hot zone (when positive) and
+    ``warm = x`` without a cold zone, else ``x`` below ``warm_tokens`` and ``warm_tokens + (x -
+    warm_tokens) % chunk`` from there on: positive whenever x is, except with ``warm_tokens=0``,
+    where it is 0 when x is a multiple of ``chunk``."""
+    lo = max(start + 1, cfg.sink + cfg.window + 1)       # the first length with x > 0
+    if lo > S:
+        return False
+    if not cfg.has_cold or cfg.warm_tokens > 0:
+        return True
+    if cfg.chunk == 1:
+        return False
+    return S > lo or (S - cfg.sink - cfg.window) % cfg.chunk != 0
 
 
 def zone_masks(start: int, T: int, cfg: TierConfig, device=None) -> ZoneMasks:
@@ -190,7 +210,10 @@ def zone_masks(start: int, T: int, cfg: TierConfig, device=None) -> ZoneMasks:
         cold = torch.zeros_like(visible)
         chunk_cold = torch.zeros(T, 0, dtype=torch.bool, device=device)
     warm = visible & ~hot & ~cold
-    return ZoneMasks(visible, hot, warm, cold, chunk_cold)
+    # host-side (a chunk is cold for some query iff it is for the last one: the limit grows with p)
+    any_warm = _any_warm(start, S, cfg)
+    any_chunk_cold = bool(n_chunks) and cfg.sink + cfg.chunk <= S - cfg.window - cfg.warm_tokens
+    return ZoneMasks(visible, hot, warm, cold, chunk_cold, any_warm, any_chunk_cold)
 
 
 # ---- bytes -------------------------------------------------------------------------------

@@ -200,8 +200,9 @@ class PhysicalTieredKVCache:
 
         def on_route(sel, per_q):
             self.last_selection[layer] = sel
-            self.fetched_bytes_by_pos[start:S] += per_q.cpu()
-            self.routed_bytes += float(per_q.sum())
+            pq = per_q.cpu()                                     # one device -> host copy a layer
+            self.fetched_bytes_by_pos[start:S] += pq
+            self.routed_bytes += float(pq.numpy().sum())         # host arithmetic: no second sync
 
         def fetch(fetched):
             self._fetch(layer, fetched, m, v_, start, used)
@@ -282,20 +283,23 @@ class PhysicalTieredKVCache:
         need = fetched[0, :, 0].any(dim=1)                       # [nkv, S]
         need[:, h0:] = False
         need[:, :cfg.sink] = False
-        if not bool(need.any()):
-            return
-        cold_any = m.cold.any(0)                                 # [S]
-        heads, pos = need.nonzero(as_tuple=True)
-        pairs = sorted({(int(h), (int(t) - cfg.sink) // cfg.block) for h, t in zip(heads.tolist(), pos.tolist())})
         last = fetched[0, :, 0, -1]                              # the last query: the next step's best guess
-        last_pairs = {(h, b) for h, b in pairs if bool(last[h, cfg.sink + b * cfg.block:
-                                                            cfg.sink + (b + 1) * cfg.block].any())}
+        nkv = need.shape[0]
+        # what the host decides on, in one device -> host copy a layer (not a sync per routed block)
+        host = torch.cat([need, last, m.cold.any(0)[None]]).cpu().numpy()
+        need_h, last_h, cold_h = host[:nkv], host[nkv:2 * nkv], host[2 * nkv]
+        heads, pos = need_h.nonzero()
+        if not len(heads):
+            return
+        pairs = sorted(set(zip(heads.tolist(), ((pos - cfg.sink) // cfg.block).tolist())))
+        last_pairs = {(h, b) for h, b in pairs if last_h[h, cfg.sink + b * cfg.block:
+                                                         cfg.sink + (b + 1) * cfg.block].any()}
         hd = views["K"].shape[-1]
         for h, blk in pairs:
             lo = cfg.sink + blk * cfg.block
             hi = lo + cfg.block
             parts = ["k"]
-            if cfg.value_format == "int8" or bool(cold_any[lo:hi].any()):
+            if cfg.value_format == "int8" or cold_h[lo:hi].any():
                 parts.append("v")
             for part in parts:
                 rec = self._staged(layer, h, blk, part, (cfg.block, hd))
@@ -370,9 +374,10 @@ class PhysicalTieredKVCache:
     def _offload_blocks(self, layer: int, K, V, start: int, S: int) -> None:
         """Write the blocks completed by this call (all their tokens are in hand) and park the
         summaries of their chunks that are not cold yet."""
-        cfg, pf = self.cfg, self.prefetcher
+        cfg = self.cfg
         first = max(0, (start - cfg.sink) // cfg.block) if start > cfg.sink else 0
         last = (S - cfg.sink) // cfg.block if S > cfg.sink else 0           # blocks [0, last) complete
+        items = []                      # written in one batch (CUDA: one pinned buffer, one copy)
         for blk in range(first, last):
             lo = cfg.sink + blk * cfg.block
             if lo + cfg.block <= start:
@@ -380,7 +385,7 @@ class PhysicalTieredKVCache:
             for h in range(K.shape[1]):
                 for part, X in (("k", K), ("v", V)):
                     key = (self.uid, layer, h, blk, part)
-                    self._put(key, X[0, h, lo:lo + cfg.block].contiguous())
+                    items.append((key, X[0, h, lo:lo + cfg.block].contiguous()))
             if cfg.has_cold and cfg.cold_mode == "mean":
                 cold_now = zone_counts(S, cfg).cold_chunks
                 for j in range((lo - cfg.sink) // cfg.chunk, (lo - cfg.sink + cfg.block) // cfg.chunk):
@@ -388,7 +393,8 @@ class PhysicalTieredKVCache:
                         c = slice(cfg.sink + j * cfg.chunk, cfg.sink + (j + 1) * cfg.chunk)
                         rec = torch.stack([chunk_means(K[:, :, c], cfg.chunk)[0, :, 0],
                                            chunk_means(V[:, :, c], cfg.chunk)[0, :, 0]])
-                        self._put((self.uid, layer, "sum", j), rec)
+                        items.append(((self.uid, layer, "sum", j), rec))
+        self._put_many(items)
 
     # ---- the offload tier -----------------------------------------------------------------------
     def _buffer(self, shape) -> torch.Tensor:
@@ -417,9 +423,15 @@ class PhysicalTieredKVCache:
         return self._summary_clock.seconds
 
     def _put(self, key, data: torch.Tensor) -> None:
-        self.prefetcher.put(key, data)
-        self._keys.add(key)
-        self._offloaded += data.numel() * data.element_size()
+        self._put_many([(key, data)])
+
+    def _put_many(self, items) -> None:
+        if not items:
+            return
+        self.prefetcher.put_many(items)
+        for key, data in items:
+            self._keys.add(key)
+            self._offloaded += data.numel() * data.element_size()
 
     def _drop(self, key) -> None:
         tr = self.prefetcher.transport

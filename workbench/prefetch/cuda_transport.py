@@ -47,10 +47,28 @@ class CudaTransport(Transport):
         self._base_host = time.perf_counter()
         self.epoch = 0          # counts captures (the streamer bumps it when a captured step begins)
 
+    def _pinned(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
     def _store(self, key, raw: torch.Tensor) -> None:
-        host = torch.empty(raw.numel(), dtype=torch.uint8, pin_memory=True)
+        host = self._pinned(raw.numel())
         host.copy_(raw)
         self._data[key] = host
+
+    def _store_many(self, keys: list, raws: list) -> None:
+        """One pinned buffer and one device -> host copy for all the records (a pinned allocation
+        and a synchronous copy per record cost a host sync each); each key holds a view of it,
+        so the buffer lives until its last record is dropped."""
+        if len(raws) == 1:
+            self._store(keys[0], raws[0])
+            return
+        slab = self._pinned(sum(r.numel() for r in raws))
+        slab.copy_(torch.cat([r.reshape(-1) for r in raws]))
+        off = 0
+        for key, raw in zip(keys, raws):
+            n = raw.numel()
+            self._data[key] = slab[off:off + n]
+            off += n
 
     def _forget(self, key) -> None:
         self._data.pop(key, None)

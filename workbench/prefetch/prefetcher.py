@@ -87,6 +87,10 @@ class Prefetcher:
     def put(self, key, data: torch.Tensor) -> None:
         self.transport.put(key, data)
 
+    def put_many(self, items) -> None:
+        """``put`` of several ``(key, data)`` pairs in one batch (see ``Transport.put_many``)."""
+        self.transport.put_many(items)
+
     def __contains__(self, key) -> bool:
         return key in self.transport
 

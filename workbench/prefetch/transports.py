@@ -120,6 +120,26 @@ class Transport:
         self._sizes[key] = raw.numel()
         self.bytes_stored += raw.numel()
 
+    def put_many(self, items) -> None:
+        """``put`` of every ``(key, data)`` pair, in one batch where the transport can (the CUDA
+        one: one device -> host copy into one pinned buffer instead of one per record)."""
+        keys, raws = [], []
+        for key, data in items:
+            if key in self._sizes:
+                self.drop(key)
+            keys.append(key)
+            raws.append(as_bytes(data.detach().contiguous()))
+        if not keys:
+            return
+        self._store_many(keys, raws)
+        for key, raw in zip(keys, raws):
+            self._sizes[key] = raw.numel()
+            self.bytes_stored += raw.numel()
+
+    def _store_many(self, keys: list, raws: list) -> None:
+        for key, raw in zip(keys, raws):
+            self._store(key, raw)
+
     def drop(self, key) -> None:
         n = self._sizes.pop(key, None)
         if n is not None:
