@@ -491,8 +491,17 @@ class CompileLog:
             wrapper.__wrapped__ = fn
             return wrapper
 
-        if hasattr(JITFunction, "_do_compile") and not hasattr(JITFunction._do_compile, "__wrapped__"):
-            JITFunction._do_compile = wrap(JITFunction._do_compile, False)
+        if hasattr(JITFunction, "_do_compile"):
+            if not hasattr(JITFunction._do_compile, "__wrapped__"):
+                JITFunction._do_compile = wrap(JITFunction._do_compile, False)
+        else:               # a Triton without it: the compile entry point a kernel's binder picks up on first run
+            try:
+                import triton.compiler as tc
+
+                if not hasattr(tc.compile, "__wrapped__"):
+                    tc.compile = wrap(tc.compile, False)
+            except Exception:  # noqa: BLE001
+                pass
         try:
             from triton.runtime.autotuner import Autotuner
 
