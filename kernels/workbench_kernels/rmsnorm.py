@@ -105,7 +105,11 @@ def _launch(x, weight, eps, residual):
         interp = interpreter_active()
         BLOCK_N = triton.next_power_of_2(N)
         BLOCK_M = rows_per_program(M, BLOCK_N, interp)
-        extra = {} if interp else {"num_warps": 8 if BLOCK_M * BLOCK_N >= 4096 else 4}
+        # enough threads to cover the tile, but no more than give each thread one 16-byte load:
+        # a 256-column bf16 row on 4 warps would leave each thread 2 elements (scalar loads)
+        per_load = 16 // x.element_size()
+        warps = min(8 if BLOCK_M * BLOCK_N >= 4096 else 4, max(1, BLOCK_M * BLOCK_N // (32 * per_load)))
+        extra = {} if interp else {"num_warps": warps}
         _rmsnorm_fwd_kernel[(triton.cdiv(M, BLOCK_M),)](
             x2, r2, weight, y, h, x2.stride(0), r2.stride(0), y.stride(0), h.stride(0), M, N, float(eps),
             HAS_RESIDUAL=residual is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, **extra)

@@ -94,8 +94,9 @@ def test_kernels_aot_plans_every_benchmark_case_for_sm90():
     for sm_90 (each planned binary lists the cases that launch it); bf16 only, as the GPU runs."""
     code = """
 import json
+from workbench.bench.kernel_cases import bench_launch_cases
 from workbench.transforms.kernel_aot import plan
-rows = plan(targets=(90,), dtypes=("bfloat16",), configs="first")
+rows = plan(targets=(90,), dtypes=("bfloat16",), configs="first", bench_cases=bench_launch_cases())
 print(json.dumps([{"kernel": ln.kernel if ln is not None else cfg, "covers": covers, "ok": ln is not None}
                   for ln, cfg, cap, dt, covers in rows]))
 """

@@ -130,8 +130,10 @@ def cmd_kernels_aot(args: argparse.Namespace) -> int:
     except ValueError:
         raise WorkbenchError(f"--targets {args.targets!r}: expected capabilities such as 90,80")
     dtypes = DTYPES if args.dtypes.strip() == "all" else _split(args.dtypes)
+    from workbench.bench.kernel_cases import bench_launch_cases
+
     rows = report_aot(targets=targets, dtypes=dtypes, configs=args.configs, kernels=_split(args.kernels),
-                      as_json=args.json, quiet=args.quiet)
+                      as_json=args.json, quiet=args.quiet, bench_cases=bench_launch_cases())
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 

@@ -128,12 +128,10 @@ def record_case(case, device, dtype, sms: int | None = None) -> tuple[list[Launc
     return launches, real
 
 
-def bench_launches(file: str, dtype, capability: int, cases=None) -> list[Launch]:
-    """The launches of every benchmark case of kernel ``file`` on meta tensors, for ``capability``."""
-    from workbench.bench.kernel_cases import bench_launch_cases
-
+def bench_launches(file: str, dtype, capability: int, cases) -> list[Launch]:
+    """The launches of the benchmark ``cases`` of kernel ``file`` on meta tensors, for ``capability``."""
     out: list[Launch] = []
-    for case in (cases if cases is not None else bench_launch_cases()):
+    for case in cases:
         if case.file == file:
             out += record_case(case, "meta", dtype, sms=TARGETS[capability][1])[0]
     return out
@@ -159,10 +157,12 @@ def _spec_key(ln: Launch, cfg, capability: int, backends: dict):
 
 
 def plan(targets=(90, 80), dtypes=("bfloat16",), configs: str = "all", kernels=KERNEL_FILES,
-         bench: bool = True) -> list[tuple]:
+         bench_cases=None) -> list[tuple]:
     """What :func:`collect` compiles, without compiling: ``(launch, config, capability, dtype name,
-    covers)`` per distinct binary, ``covers`` the case names that launch it.  ``bench``: add the
-    benchmarks' launch configurations (bf16 for sm_90 only: :data:`BENCH_DTYPES`, :data:`BENCH_TARGETS`)."""
+    covers)`` per distinct binary, ``covers`` the case names that launch it.  ``bench_cases``: add these
+    benchmark launch configurations (:func:`workbench.bench.kernel_cases.bench_launch_cases`, which the
+    caller passes: this layer sits below the benchmarks), bf16 for sm_90 only (:data:`BENCH_DTYPES`,
+    :data:`BENCH_TARGETS`)."""
     check_not_interpreted()
     if configs not in CONFIG_CHOICES:
         raise ValueError(f"configs={configs!r}: expected one of {', '.join(CONFIG_CHOICES)}")
@@ -172,11 +172,7 @@ def plan(targets=(90, 80), dtypes=("bfloat16",), configs: str = "all", kernels=K
     bad = [k for k in kernels if k not in KERNEL_FILES]
     if bad:
         raise ValueError(f"kernels {bad}: expected some of {', '.join(KERNEL_FILES)}")
-    cases = None
-    if bench and any(dt in BENCH_DTYPES for dt in dtypes):
-        from workbench.bench.kernel_cases import bench_launch_cases
-
-        cases = bench_launch_cases()
+    cases = list(bench_cases) if bench_cases is not None and any(dt in BENCH_DTYPES for dt in dtypes) else None
     out: list[tuple] = []
     backends: dict = {}
     for file in kernels:
@@ -216,15 +212,15 @@ def plan(targets=(90, 80), dtypes=("bfloat16",), configs: str = "all", kernels=K
 
 
 def collect(targets=(90, 80), dtypes=("bfloat16",), configs: str = "all", kernels=KERNEL_FILES,
-            progress: Callable[[str], None] | None = None, bench: bool = True) -> list[dict]:
+            progress: Callable[[str], None] | None = None, bench_cases=None) -> list[dict]:
     """Compile every kernel of ``kernels`` (file names) at its representative cases, and (bf16,
-    ``bench``) at every launch configuration of the benchmarks, for each target capability and
+    ``bench_cases``) at every launch configuration of the benchmarks, for each target capability and
     dtype.  ``configs``: ``all`` autotune configs (after pruning), the ``first`` of each, the
     ``last``, or both (``ends``: the largest and the smallest tile in this library's config
     lists).  Returns one row per distinct binary (launch specialisation, config, target; see
     :func:`plan`) with ``covers``: the cases that launch it; see :func:`compile_launch`.
     A kernel that no case launches gets an error row (a new kernel needs a case here)."""
-    planned = plan(targets, dtypes, configs, kernels, bench)
+    planned = plan(targets, dtypes, configs, kernels, bench_cases)
     tools = toolchain()
     rows: list[dict] = []
     for ln, cfg, cap, dt, covers in planned:
@@ -297,7 +293,7 @@ def format_aot(rows: list[dict]) -> str:
 
 
 def report_aot(targets=(90, 80), dtypes=("bfloat16",), configs: str = "all", kernels=KERNEL_FILES,
-               as_json: bool = False, quiet: bool = False) -> list[dict]:
+               as_json: bool = False, quiet: bool = False, bench_cases=None) -> list[dict]:
     """What ``workbench kernels-aot`` does in a process without the interpreter: compile
     (:func:`collect`, progress lines on stderr unless ``quiet`` or ``as_json``), then print
     ``{'rows': [...]}`` as JSON or the table (:func:`format_aot`).  Returns the rows.
@@ -309,7 +305,8 @@ def report_aot(targets=(90, 80), dtypes=("bfloat16",), configs: str = "all", ker
         raise WorkbenchError(missing)
     say = None if (quiet or as_json) else (lambda msg: print(f"[kernels-aot] {msg}", file=sys.stderr, flush=True))
     try:
-        rows = collect(targets=targets, dtypes=dtypes, configs=configs, kernels=kernels, progress=say)
+        rows = collect(targets=targets, dtypes=dtypes, configs=configs, kernels=kernels, progress=say,
+                       bench_cases=bench_cases)
     except ValueError as e:
         raise WorkbenchError(str(e)) from None
     if as_json:
