@@ -30,11 +30,14 @@ from workbench.lab.claims import (
 STEPS = {
     "engine_bench": "engine_bench (`workbench bench --configs reference,loop,cuda-graphs --json`)",
     "engine_fast_bench": "engine_fast (`workbench bench --configs reference,compile,compile+graphs --json`)",
-    "kernel_bench": "kernels_bench (`workbench kernels-bench --size full --csv`)",
-    "prefetch_bench": "prefetch_bench (`workbench prefetch-bench --json`)",
-    "quant_bench": "quant_bench (`workbench quant-bench --kernels --json`)",
+    "kernel_bench": "decode_roofline + kernels_bench (`workbench kernels-bench --size full --sections "
+                    "ceilings,decode`, then `--sections kernels`)",
+    "prefetch_bench": "prefetch_link + prefetch_bench (`python -m workbench.cli.gpu_results prefetch-link`, "
+                      "then `prefetch-stream`)",
+    "quant_bench": "quant_bench (`python -m workbench.cli.gpu_results quant-kernels`)",
     "calibrate": "calibrate (`workbench calibrate-quant --objective latency --json`)",
     "e2e": "e2e (notebook 06's ablation at its tiny size, `workbench.bench.end_to_end.run_end_to_end`)",
+    "decode_stack": "decode_stack (`workbench decode-stack --json`)",
 }
 
 

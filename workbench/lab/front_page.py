@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 # GPU tables shown on the front page, in order (workbench.measure.gpu_results lists them all)
-GPU_TABLES = ("summary", "engine_bench", "engine_fast_bench", "kernel_bench", "sched_bench", "prefix_bench", "prefetch_bench",
-              "tier_bench", "quant_bench", "calibrate", "e2e")
+GPU_TABLES = ("summary", "warmup", "kernel_bench", "decode_stack", "quant_bench", "prefetch_bench", "e2e", "engine_bench",
+              "engine_fast_bench", "sched_bench", "tier_bench", "prefix_bench", "calibrate")
 
 
 @dataclass(frozen=True)
