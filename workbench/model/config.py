@@ -166,6 +166,9 @@ class ModelConfig:
         if not archs:
             raise ConfigError(f"{source}: field 'architectures' is missing or empty; expected one of "
                               f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        if not isinstance(archs, list):
+            raise ConfigError(f"{source}: field 'architectures' must be a list such as [\"LlamaForCausalLM\"], "
+                              f"got {type(archs).__name__} {archs!r:.80}")
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(f"{source}: field 'architectures' is {archs!r}; supported: "

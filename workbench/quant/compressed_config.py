@@ -100,38 +100,70 @@ def _is_empty(v) -> bool:
     return v is None or v == {} or v == []
 
 
+def _whole(v):
+    """A JSON integer as an int (``4.0`` as 4: pydantic, which compressed-tensors reads configs
+    with, takes it too); anything else - ``true``, ``4.5``, ``"4"``, NaN - as it is, to be refused."""
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
+def _int_field(v) -> bool:
+    return type(v) is int
+
+
+def _member(where: str, key: str) -> str:
+    """``where.key``, or ``where[<key's repr>]`` for a key that would not read as one (a space, a
+    newline, a dot)."""
+    return f"{where}.{key}" if key.isidentifier() or key.replace("_", "").replace("-", "").isalnum() \
+        else f"{where}[{key!r:.60}]"
+
+
+def _format_error(where: str, fmt) -> str:
+    why = _OTHER_FORMATS.get(fmt) if isinstance(fmt, str) else None
+    return f"{where} is {fmt!r:.80}: " + (why or "only pack-quantized is read here")
+
+
 def _weights(w, where: str) -> tuple[int, str, int | None, bool]:
     """Checked ``weights`` args -> (bits, strategy, group, symmetric)."""
     if not isinstance(w, dict):
         raise CheckpointError(f"{where}: activation-only quantization (no 'weights') is not run here")
-    kind = str(w.get("type", "int")).lower()
-    if kind != "int":
-        raise CheckpointError(f"{where}.type is {kind!r}: float weights (FP8 / FP4) are not run here, only int4 / int8")
-    bits = w.get("num_bits", 8)
-    if bits not in (4, 8):
-        raise CheckpointError(f"{where}.num_bits is {bits!r}: only 4- and 8-bit integer weights are run here")
-    group = w.get("group_size")
+    kind = w.get("type", "int")
+    if not isinstance(kind, str):
+        raise CheckpointError(f"{where}.type must be a string such as \"int\", got {kind!r:.80}")
+    if kind.lower() != "int":
+        raise CheckpointError(f"{where}.type is {kind.lower()!r:.80}: float weights (FP8 / FP4) are not run here, "
+                              "only int4 / int8")
+    bits = _whole(w.get("num_bits", 8))
+    if not _int_field(bits) or bits not in (4, 8):
+        raise CheckpointError(f"{where}.num_bits is {bits!r:.80}: only 4- and 8-bit integer weights are run here")
+    group = _whole(w.get("group_size"))
+    if group is not None and not _int_field(group):
+        raise CheckpointError(f"{where}.group_size must be an integer or null, got {group!r:.80}")
     strategy = w.get("strategy")
     if strategy is None:        # compressed-tensors' inference from group_size
         strategy = "tensor" if group is None else "channel" if group == -1 else "group"
-    strategy = str(strategy).lower()
+    if not isinstance(strategy, str):
+        raise CheckpointError(f"{where}.strategy must be a string (tensor, channel or group), got {strategy!r:.80}")
+    strategy = strategy.lower()
     if strategy not in ("tensor", "channel", "group"):
-        raise CheckpointError(f"{where}.strategy is {strategy!r}: only tensor, channel and group scales are run "
+        raise CheckpointError(f"{where}.strategy is {strategy!r:.80}: only tensor, channel and group scales are run "
                               "here (not block / tensor_group / token / attn_head)")
     if w.get("block_structure") is not None:
         raise CheckpointError(f"{where}.block_structure is set: block-wise scales are not run here")
-    if w.get("dynamic") not in (None, False):
-        raise CheckpointError(f"{where}.dynamic is {w.get('dynamic')!r}: weights need static scales")
+    dynamic = w.get("dynamic")
+    if not (dynamic is None or dynamic is False or (type(dynamic) is int and dynamic == 0)):
+        raise CheckpointError(f"{where}.dynamic is {w.get('dynamic')!r:.80}: weights need static scales (false)")
     actorder = w.get("actorder")
-    if actorder not in (None, False, "weight", "static"):
-        raise CheckpointError(f"{where}.actorder is {actorder!r}: activation reordering with g_idx ('group') is "
+    if actorder is not None and actorder is not False and actorder not in ("weight", "static"):
+        raise CheckpointError(f"{where}.actorder is {actorder!r:.80}: activation reordering with g_idx ('group') is "
                               "not run here (actorder 'weight' keeps the layout and is fine)")
     sym = w.get("symmetric", True)
     if not isinstance(sym, bool):
-        raise CheckpointError(f"{where}.symmetric must be true or false, got {sym!r}")
+        raise CheckpointError(f"{where}.symmetric must be true or false, got {sym!r:.80}")
     if strategy == "group":
-        if not isinstance(group, int) or group < 2 or group % 2:
-            raise CheckpointError(f"{where}.group_size is {group!r}: expected an even group of 2 or more columns")
+        if not _int_field(group) or group < 2 or group % 2:
+            raise CheckpointError(f"{where}.group_size is {group!r:.80}: expected an even group of 2 or more columns")
         return bits, strategy, group, sym
     return bits, strategy, None, sym
 
@@ -139,12 +171,16 @@ def _weights(w, where: str) -> tuple[int, str, int | None, bool]:
 def _activations(a, where: str) -> int | None:
     if a is None:
         return None
+    if not isinstance(a, dict):
+        raise CheckpointError(f"{where}: expected an object (num_bits, type, strategy, dynamic, symmetric) or null, "
+                              f"got {type(a).__name__} {a!r:.80}")
     want = dict(ACT8)
-    got = {k: (str(a.get(k)).lower() if k in ("type", "strategy") else a.get(k)) for k in want}
-    if got != want:
-        bad = next(k for k in want if got[k] != want[k])
-        raise CheckpointError(f"{where}.{bad} is {a.get(bad)!r}: activations are run only as dynamic symmetric int8 "
-                              f"with one scale per token ({want})")
+    got = {k: (a.get(k).lower() if k in ("type", "strategy") and isinstance(a.get(k), str) else _whole(a.get(k)))
+           for k in want}
+    bad = next((k for k in want if got[k] != want[k] or type(got[k]) is not type(want[k])), None)
+    if bad is not None:
+        raise CheckpointError(f"{where}.{bad} is {a.get(bad)!r:.80}: activations are run only as dynamic symmetric "
+                              f"int8 with one scale per token ({want})")
     return 8
 
 
@@ -153,11 +189,11 @@ def parse_groups(qc: dict, where: str) -> dict[str, LayerScheme]:
     if qc.get("quant_method") != "compressed-tensors":
         raise CheckpointError(f"{where}: quant_method is {qc.get('quant_method')!r}, expected 'compressed-tensors'")
     fmt = qc.get("format", PACKED)
-    if fmt not in (PACKED, "mixed-precision"):
-        raise CheckpointError(f"{where}.format is {fmt!r}: " + _OTHER_FORMATS.get(fmt, "only pack-quantized is read here"))
+    if not isinstance(fmt, str) or fmt not in (PACKED, "mixed-precision"):
+        raise CheckpointError(_format_error(f"{where}.format", fmt))
     status = qc.get("quantization_status", "compressed")
     if status != "compressed":
-        raise CheckpointError(f"{where}.quantization_status is {status!r}: expected 'compressed' (packed integers); "
+        raise CheckpointError(f"{where}.quantization_status is {status!r:.80}: expected 'compressed' (packed integers); "
                               "a checkpoint saved before compression holds float weights")
     for f, what in (("kv_cache_scheme", "KV-cache quantization"), ("sparsity_config", "sparsity"),
                     ("transform_config", "transforms (rotations)")):
@@ -165,15 +201,15 @@ def parse_groups(qc: dict, where: str) -> dict[str, LayerScheme]:
             raise CheckpointError(f"{where}.{f} is set: {what} is not run here")
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
-        raise CheckpointError(f"{where}.config_groups: expected an object of named schemes, got {groups!r}")
+        raise CheckpointError(f"{where}.config_groups: expected an object of named schemes, got {groups!r:.80}")
     out = {}
     for gname, g in groups.items():
-        w = f"{where}.config_groups.{gname}"
+        w = _member(f"{where}.config_groups", gname)
         if not isinstance(g, dict):
-            raise CheckpointError(f"{w}: a preset name ({g!r}) is not read here; write the scheme out")
+            raise CheckpointError(f"{w}: a preset name ({g!r:.80}) is not read here; write the scheme out")
         gfmt = g.get("format") or fmt
         if gfmt != PACKED:
-            raise CheckpointError(f"{w}.format is {gfmt!r}: " + _OTHER_FORMATS.get(gfmt, "only pack-quantized is read here"))
+            raise CheckpointError(_format_error(f"{w}.format", gfmt))
         if g.get("output_activations") is not None:
             raise CheckpointError(f"{w}.output_activations is set: output quantization is not run here")
         bits, strategy, group, sym = _weights(g.get("weights"), f"{w}.weights")
@@ -187,10 +223,42 @@ def parse_groups(qc: dict, where: str) -> dict[str, LayerScheme]:
     return out
 
 
-def _matches(name: str, cls: str, target: str) -> bool:
-    if target.startswith("re:"):
-        return re.match(target[3:], name) is not None
-    return target == name or target == cls
+# A "re:" pattern is matched against module names with this time limit: a pattern that backtracks
+# exponentially ("re:(.*)*x") would otherwise hold the loader forever (the `regex` module, a
+# transformers dependency, takes a timeout; the standard `re` does not).
+REGEX_SECONDS = 1.0
+
+
+class _Patterns:
+    """The ``re:`` targets and ignore entries of one config, compiled once, matched with a time limit."""
+
+    def __init__(self, where: str) -> None:
+        self.where, self.compiled = where, {}
+
+    def compile(self, target: str, field: str) -> None:
+        if not target.startswith("re:") or target in self.compiled:
+            return
+        try:
+            import regex as engine
+        except ImportError:          # pragma: no cover - transformers brings it
+            engine = re
+        try:
+            self.compiled[target] = (engine.compile(target[3:]), field, engine is not re)
+        except Exception as e:  # noqa: BLE001 - re.error, regex.error (not re.error), OverflowError, RecursionError
+            raise CheckpointError(f"{self.where}.{field}: {target!r:.80} is not a valid regular expression "
+                                  f"({type(e).__name__}: {e})") from None
+
+    def matches(self, name: str, cls: str, target: str) -> bool:
+        if not target.startswith("re:"):
+            return target == name or target == cls
+        pattern, field, timed = self.compiled[target]
+        try:
+            hit = pattern.match(name, timeout=REGEX_SECONDS) if timed else pattern.match(name)
+        except TimeoutError:
+            raise CheckpointError(f"{self.where}.{field}: {target!r:.80} takes more than {REGEX_SECONDS:g} s to match "
+                                  f"{name!r} (a pattern that backtracks without end); write it without nested "
+                                  "repeats") from None
+        return hit is not None
 
 
 def assign_layers(qc: dict, modules: dict[str, str], where: str) -> dict[str, LayerScheme | None]:
@@ -200,12 +268,19 @@ def assign_layers(qc: dict, modules: dict[str, str], where: str) -> dict[str, La
     ignore = qc.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(t, str) for t in ignore):
         raise CheckpointError(f"{where}.ignore: expected a list of layer names / 're:' patterns")
+    patterns = _Patterns(where)
+    for t in ignore:
+        patterns.compile(t, "ignore")
+    for gname, (_, targets) in groups.items():
+        for t in targets:
+            patterns.compile(t, _member("config_groups", gname) + ".targets")
+    _matches = patterns.matches             # timed, and a bad pattern named
     by_target: dict[str, LayerScheme] = {}
     for scheme, targets in groups.values():
         for t in targets:
             by_target[t] = scheme                       # a later group naming the same target wins
             if not t.startswith("re:") and t not in modules and t not in ("Linear", "Embedding"):
-                raise CheckpointError(f"{where}.config_groups.{scheme.group_name}.targets: {t!r} names no linear "
+                raise CheckpointError(f"{_member(where + '.config_groups', scheme.group_name)}.targets: {t!r:.80} names no linear "
                                       "layer of this model (class targets other than 'Linear' are not read here)")
     ordered = sorted(by_target, key=lambda t: ("re:" in t, t))
     out: dict[str, LayerScheme | None] = {}
