@@ -27,10 +27,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import event, given
+from hypothesis import given
 from hypothesis import strategies as st
 
-from fuzzkit import (MiB, check_refusal, dump_json, fuzz, get_value, json_paths, mutated_bytes, mutated_json,
+from fuzzkit import (MiB, check_refusal, note, dump_json, fuzz, get_value, json_paths, mutated_bytes, mutated_json,
                      outcome)
 
 from workbench.engine.loaded import LoadedModel
@@ -314,7 +314,7 @@ def _mutation(draw, valid):
 def test_fuzz_compressed_checkpoint(valid, tmp_path, data):
     case = data.draw(_mutation(valid), label="mutation")
     err = check(valid, tmp_path / "ck", case.files, case.must_refuse, case.same_logits)
-    event(f"{case.kind}: {'refused' if err else 'loaded'}")
+    note(f"{case.kind}: {'refused' if err else 'loaded'}")
 
 
 def test_the_valid_checkpoint_loads(valid, tmp_path):
@@ -390,3 +390,17 @@ def test_a_pattern_past_its_time_limit_is_refused_by_name(valid, tmp_path, monke
     files = _edit_config(valid, _set(G0 + ("targets",), ["re:slow"]))
     err = check(valid, tmp_path / "ck", files, True, True, fields=["group_0.targets"])
     assert f"takes more than {compressed_config.REGEX_SECONDS:g} s" in str(err)
+
+
+@pytest.mark.parametrize("edit, field", [
+    # the recipe side file's 'layers' as a string: AttributeError ('str' object has no attribute 'get')
+    (lambda d: d.update(layers="model.layers.0"), "field 'layers'"),
+    (lambda d: d["layers"]["model.layers.0.mlp.up_proj"].update(rel_error="0.08"), "'rel_error'"),
+    (lambda d: d["layers"]["model.layers.0.mlp.up_proj"].update(rel_error=math.nan), "'rel_error'"),
+])
+def test_side_file_values_found_by_fuzzing_are_refused_by_name(valid, tmp_path, edit, field):
+    doc = json.loads(valid["files"]["workbench_recipe.json"])
+    edit(doc)
+    files = dict(valid["files"], **{"workbench_recipe.json": dump_json(doc).encode()})
+    err = check(valid, tmp_path / "ck", files, True, True, fields=[field])
+    assert "workbench_recipe.json" in str(err)

@@ -216,6 +216,28 @@ def _check_layer_headers(folder: Path, name: str, s: LayerScheme, out: int, inp:
     return tuple(f"{name}.{x}" for x in exp)
 
 
+def _layer_errors(doc: dict | None, side: Path) -> dict[str, float]:
+    """``{layer: rel_error}`` from the recipe file's ``layers`` (what the writer measured; a layer
+    without one has none).  A ``layers`` that is no object, or an error that is no number, is a
+    CheckpointError naming the field: the file was not written by save_compressed."""
+    import math
+
+    layers = (doc or {}).get("layers")
+    if layers is None:
+        return {}
+    if not isinstance(layers, dict):
+        raise CheckpointError(f"{side}: field 'layers' must be an object of layer name -> "
+                              f"{{rel_error, fallback}}, got {type(layers).__name__}")
+    out = {}
+    for name, entry in layers.items():
+        rel = entry.get("rel_error") if isinstance(entry, dict) else None
+        if rel is not None and (isinstance(rel, bool) or not isinstance(rel, (int, float)) or not math.isfinite(rel)):
+            raise CheckpointError(f"{side}: field 'layers' entry {name!r:.80}: 'rel_error' must be a finite number "
+                                  f"or null, got {rel!r:.80}")
+        out[name] = rel
+    return out
+
+
 def load_compressed(folder: str | Path, device: str | torch.device | None = None,
                     dtype: str | torch.dtype | None = None, check_finite: bool = True) -> CausalLM:
     """Read a compressed-tensors ``pack-quantized`` checkpoint (ours or one compressed-tensors /
@@ -289,7 +311,7 @@ def load_compressed(folder: str | Path, device: str | torch.device | None = None
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.to(device=dev, dtype=dt)
-    errors = ((doc or {}).get("layers") or {})
+    errors = _layer_errors(doc, side)
     for n, s in layers.items():
         out, inp = shapes[n]
         t = {k.removeprefix(n + "."): v for k, v in packed.items() if k.startswith(n + ".")}
@@ -297,7 +319,7 @@ def load_compressed(folder: str | Path, device: str | torch.device | None = None
         q = QuantizedWeight(q.qweight.to(dev), q.scales.to(dev), None if q.zeros is None else q.zeros.to(dev),
                             q.bits, q.group, q.shape, dt)
         bias = state.get(f"{n}.bias")
-        rel = errors.get(n, {}).get("rel_error") if isinstance(errors.get(n), dict) else None
+        rel = errors.get(n)
         set_module(model, n, QuantLinear(q, None if bias is None else bias.to(dev, dt), recipe.layer_settings(n, inp), rel))
     left = [k for k, v in list(model.named_parameters()) + list(model.named_buffers()) if v.is_meta]
     if left:
