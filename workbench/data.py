@@ -102,6 +102,10 @@ def read_jsonl(path: str | Path, text_field: str = "text") -> list[dict]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{p}, line {lineno}: bad JSON ({e.msg}: column {e.colno})") from None
+        except RecursionError:
+            raise DataError(f"{p}, line {lineno}: bad JSON (nested too deeply)") from None
+        except ValueError as e:          # an integer of more than 4,300 digits
+            raise DataError(f"{p}, line {lineno}: bad JSON ({e})") from None
         if not isinstance(obj, dict):
             raise DataError(f"{p}, line {lineno}: expected a JSON object with a {text_field!r} field, "
                             f"got {type(obj).__name__}")
@@ -141,17 +145,29 @@ def split_rows(rows: list, evaluation_fraction: float = 0.5, group_field: str | 
     return [r for r, e in zip(rows, ev) if not e], [r for r, e in zip(rows, ev) if e]
 
 
-def group_field_of(rows: list, group_field: str | None = "auto") -> str | None:
+GROUP_TYPES = (str, int, float, bool, type(None))
+
+
+def group_field_of(rows: list, group_field: str | None = "auto", path: str | Path | None = None) -> str | None:
     """``"auto"``: ``"source"`` when every row has one (the shipped sets do), else None (split by
-    row); a named field must be in every row."""
+    row); a named field must be in every row.  The field's values name groups: strings, numbers,
+    true / false or null (a list or an object in it is a DataError naming ``path`` and the line)."""
     from workbench.errors import DataError
 
+    where = f"{path}, " if path is not None else ""
     if group_field == "auto":
-        return "source" if rows and all(isinstance(r, dict) and "source" in r for r in rows) else None
-    if group_field is not None:
+        group_field = "source" if rows and all(isinstance(r, dict) and "source" in r for r in rows) else None
+    elif group_field is not None:
+        if not isinstance(group_field, str):
+            raise DataError(f"{where}the group field must be a field name, got {group_field!r:.80}")
         missing = next((r for r in rows if group_field not in r), None)
         if missing is not None:
-            raise DataError(f"line {missing.get('line', '?')}: no {group_field!r} field to group rows by")
+            raise DataError(f"{where}line {missing.get('line', '?')}: no {group_field!r:.80} field to group rows by")
+    if group_field is not None:
+        odd = next((r for r in rows if not isinstance(r[group_field], GROUP_TYPES)), None)
+        if odd is not None:
+            raise DataError(f"{where}line {odd.get('line', '?')}: field {group_field!r:.80} groups rows by document "
+                            f"and must be a string or a number, got {type(odd[group_field]).__name__}")
     return group_field
 
 
@@ -237,7 +253,7 @@ def jsonl_windows(path: str | Path, tokenizer, context: int, max_windows: int | 
     fields, split, sizes, rows used) is what a recipe file records as its calibration and
     evaluation source (:func:`windows_from_spec`)."""
     rows = read_jsonl(path, text_field)
-    group = group_field_of(rows, group_field)
+    group = group_field_of(rows, group_field, path)
     part = dataset_split(rows, split, evaluation_fraction, group)
     windows, used = pack_windows([tokenizer.encode(r["text"]) for r in part], context, max_windows, with_rows=True)
     resolved = Path(path).resolve()
@@ -255,6 +271,40 @@ def jsonl_windows(path: str | Path, tokenizer, context: int, max_windows: int | 
 SPEC_KEYS = ("dataset", "context", "split")
 
 
+def check_spec(spec, where: str = "a data spec") -> None:
+    """A DataError naming ``where`` and the field unless ``spec`` is what :func:`jsonl_windows`
+    writes: the fields :data:`SPEC_KEYS`, each optional one of its type and range."""
+    from workbench.errors import DataError
+
+    if not isinstance(spec, dict) or any(k not in spec for k in SPEC_KEYS):
+        raise DataError(f"{where}: a data spec needs the fields {', '.join(SPEC_KEYS)}; got "
+                        f"{sorted(map(str, spec))[:8] if isinstance(spec, dict) else type(spec).__name__}")
+
+    def bad(key: str, want: str):
+        return DataError(f"{where}: field {key!r} must be {want}, got {spec.get(key)!r:.80}")
+
+    def count(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+    if not isinstance(spec["dataset"], str) or not spec["dataset"].strip() or "\0" in spec["dataset"]:
+        raise bad("dataset", "the path of the JSONL file")
+    for key in ("data_relative", "sha256", "group_field"):
+        v = spec.get(key)
+        if v is not None and (not isinstance(v, str) or "\0" in v):
+            raise bad(key, "a string or null")
+    if not isinstance(spec.get("text_field", "text"), str):
+        raise bad("text_field", "a field name")
+    if not isinstance(spec["split"], str) or spec["split"] not in SPLITS:
+        raise bad("split", f"one of {', '.join(SPLITS)}")
+    if not count(spec["context"]):
+        raise bad("context", "an integer >= 1 (tokens per window)")
+    if spec.get("max_windows") is not None and not count(spec["max_windows"]):
+        raise bad("max_windows", "an integer >= 1 or null")
+    f = spec.get("evaluation_fraction", 0.5)
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < 1:
+        raise bad("evaluation_fraction", "a number between 0 and 1")
+
+
 def windows_from_spec(spec: dict, tokenizer) -> list[list[int]]:
     """The windows :func:`jsonl_windows` built for ``spec``, from the same file (found at its
     recorded path, or for a shipped set under this checkout's ``data/``): a
@@ -262,14 +312,13 @@ def windows_from_spec(spec: dict, tokenizer) -> list[list[int]]:
     SHA-256 differs), so a recipe is never recalibrated on other text without saying so."""
     from workbench.errors import DataError
 
-    if not isinstance(spec, dict) or any(k not in spec for k in SPEC_KEYS):
-        raise DataError(f"a data spec needs the fields {', '.join(SPEC_KEYS)}; got "
-                        f"{sorted(spec) if isinstance(spec, dict) else type(spec).__name__}")
+    check_spec(spec)
     path = Path(spec["dataset"])
     if not path.is_file() and spec.get("data_relative"):
         path = DATA_DIR / spec["data_relative"]            # a shipped set, in another checkout
     if not path.is_file():
-        raise DataError(f"{spec['dataset']}: the text file this recipe was made with is not there")
+        shown = spec["dataset"] if spec["dataset"].isprintable() else repr(spec["dataset"])
+        raise DataError(f"{shown}: the text file this recipe was made with is not there")
     if spec.get("sha256") and file_sha256(path) != spec["sha256"]:
         raise DataError(f"{path}: the file changed since the recipe was made (SHA-256 differs); "
                         "calibrate again or restore the file")

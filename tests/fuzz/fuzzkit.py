@@ -155,6 +155,27 @@ def outcome(call, errors=(WorkbenchError,), seconds: float = HANG_SECONDS, max_b
         return "error", e
 
 
+def note(label: str) -> None:
+    """A hypothesis event (counted in ``--hypothesis-show-statistics``), also outside a test."""
+    from hypothesis import event
+    from hypothesis.control import currently_in_test_context
+
+    if currently_in_test_context():
+        event(label)
+
+
+class Shown:
+    """A drawn or fixture value that a falsifying example shows by its label (a file's bytes or a
+    model would fill the screen)."""
+
+    def __init__(self, value, label: str, **more) -> None:
+        self.value, self.label = value, label
+        self.__dict__.update(more)
+
+    def __repr__(self) -> str:
+        return self.label
+
+
 # ---- JSON mutations --------------------------------------------------------------------------------
 
 ODD_STRINGS = ["", " ", "null", "0", "-1", "4", "true", "re:(", "re:.*", "[", "\x00", "é", "💥", "a" * 300,

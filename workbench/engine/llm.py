@@ -186,7 +186,12 @@ class LLM:
                 raise ConfigError(f"LLM: the recipe file {quant} calibrates on text and this model has no tokenizer")
             from workbench.data import windows_from_spec
 
-            calibration = windows_from_spec(doc["calibration"], self.loaded.tokenizer)   # the recipe's own text
+            from workbench.errors import DataError
+
+            try:
+                calibration = windows_from_spec(doc["calibration"], self.loaded.tokenizer)   # the recipe's own text
+            except DataError as e:
+                raise DataError(f"{quant}: field 'calibration': {e}") from None
         if recipe.needs_calibration and calibration is None:
             if self.loaded.tokenizer is None:
                 raise ConfigError(f"LLM: {recipe.name} reads activations and this model has no tokenizer; "
@@ -194,7 +199,12 @@ class LLM:
             from workbench.data import heldout_split
 
             calibration = heldout_split(self.loaded.tokenizer, min(512, self.loaded.max_model_len))["calibration"][:8]
-        quantize_model(self.loaded.model, recipe, calibration=calibration)
+        try:
+            quantize_model(self.loaded.model, recipe, calibration=calibration)
+        except ConfigError as e:         # e.g. a layer name the recipe file gives that this model lacks
+            if doc is None:
+                raise
+            raise ConfigError(f"{quant}: {e}") from None
         self.quant_placement = set_quant_backend(self.loaded.model, backend)
 
     # ---- what was loaded ---------------------------------------------------------------------

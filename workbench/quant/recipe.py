@@ -50,7 +50,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +63,11 @@ SCHEMES = {"w8a16": (8, None), "w4a16": (4, None), "w4a8": (4, 8), "w8a8": (8, 8
 FALLBACKS = ("pow2", "per-channel")
 METHODS = ("rtn", "awq", "gptq")
 RECIPE_FORMAT = "workbench-quant-recipe"
+
+
+def _is_int(v) -> bool:
+    """An integer (numpy's too), not a bool and not a float that happens to be whole."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def name_matches(name: str, entry: str) -> bool:
@@ -87,33 +95,38 @@ class QuantRecipe:
     smooth: float | None = None        # SmoothQuant migration strength alpha in [0, 1]
 
     def __post_init__(self) -> None:
-        if self.weight_bits not in (4, 8):
-            raise ConfigError(f"QuantRecipe field 'weight_bits' must be 4 or 8, got {self.weight_bits!r}")
-        if self.group is not None and (not isinstance(self.group, int) or self.group < 2 or self.group % 2):
-            raise ConfigError(f"QuantRecipe field 'group' must be None or an even integer >= 2, got {self.group!r}")
-        if self.method not in METHODS:
-            raise ConfigError(f"QuantRecipe field 'method' must be one of {METHODS}, got {self.method!r}")
-        if self.act_bits not in (None, 8):
-            raise ConfigError(f"QuantRecipe field 'act_bits' must be None (the model's dtype) or 8, got {self.act_bits!r}")
+        if not _is_int(self.weight_bits) or self.weight_bits not in (4, 8):
+            raise ConfigError(f"QuantRecipe field 'weight_bits' must be 4 or 8, got {self.weight_bits!r:.80}")
+        if self.group is not None and (not _is_int(self.group) or self.group < 2 or self.group % 2):
+            raise ConfigError(f"QuantRecipe field 'group' must be None or an even integer >= 2, got {self.group!r:.80}")
+        for name in ("per_channel", "symmetric"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"QuantRecipe field {name!r} must be true or false, got {getattr(self, name)!r:.80}")
+        if not isinstance(self.method, str) or self.method not in METHODS:
+            raise ConfigError(f"QuantRecipe field 'method' must be one of {METHODS}, got {self.method!r:.80}")
+        if self.act_bits is not None and (not _is_int(self.act_bits) or self.act_bits != 8):
+            raise ConfigError(f"QuantRecipe field 'act_bits' must be None (the model's dtype) or 8, "
+                              f"got {self.act_bits!r:.80}")
         if self.act_bits and not self.symmetric:
             raise ConfigError("QuantRecipe: int8 activations (W4A8 / W8A8) need symmetric weights; drop 'asym'")
-        if self.smooth is not None and not (isinstance(self.smooth, (int, float)) and 0 <= self.smooth <= 1):
-            raise ConfigError(f"QuantRecipe field 'smooth' must be None or an alpha in [0, 1], got {self.smooth!r}")
-        if self.group_fallback not in FALLBACKS:
+        if self.smooth is not None and not (isinstance(self.smooth, (int, float)) and not isinstance(self.smooth, bool)
+                                            and math.isfinite(self.smooth) and 0 <= self.smooth <= 1):
+            raise ConfigError(f"QuantRecipe field 'smooth' must be None or an alpha in [0, 1], got {self.smooth!r:.80}")
+        if not isinstance(self.group_fallback, str) or self.group_fallback not in FALLBACKS:
             raise ConfigError(f"QuantRecipe field 'group_fallback' must be one of {FALLBACKS}, "
-                              f"got {self.group_fallback!r}")
+                              f"got {self.group_fallback!r:.80}")
         if not isinstance(self.skip, tuple) or not all(isinstance(x, str) and x for x in self.skip):
-            raise ConfigError(f"QuantRecipe field 'skip' must be a tuple of layer names, got {self.skip!r}")
+            raise ConfigError(f"QuantRecipe field 'skip' must be a tuple of layer names, got {self.skip!r:.80}")
         if not isinstance(self.overrides, tuple):
             raise ConfigError(f"QuantRecipe field 'overrides' must be a tuple of (layer name, {{field: value}}) pairs, "
-                              f"got {self.overrides!r}")
+                              f"got {self.overrides!r:.80}")
         # method and smooth act on the whole model (calibration, folding): not per layer
         allowed = {f.name for f in dataclasses.fields(self)} - {"overrides", "skip", "method", "smooth"}
         for item in self.overrides:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and item[0]
                     and isinstance(item[1], dict)):
                 raise ConfigError(f"QuantRecipe field 'overrides': expected (name suffix, {{field: value}}) pairs, "
-                                  f"got {item!r}")
+                                  f"got {item!r:.80}")
             bad = set(item[1]) - allowed
             if bad:
                 raise ConfigError(f"QuantRecipe field 'overrides' for {item[0]!r}: unknown fields {sorted(bad)}")
@@ -260,18 +273,48 @@ def save_recipe(path: str | Path, recipe: QuantRecipe, calibration: dict | None 
     return path
 
 
+# A recipe file is a few kB; anything far larger is no recipe file (and is not read into memory).
+MAX_RECIPE_BYTES = 16 * 2**20
+
+
 def load_recipe(path: str | Path) -> tuple[QuantRecipe, dict]:
     """``(recipe, document)`` of a recipe file written by :func:`save_recipe`; every problem is
-    a ConfigError naming the file."""
+    a ConfigError naming the file (and the field): a missing or special file (a FIFO is refused
+    unopened), bytes that are not UTF-8 JSON, a recipe field of the wrong type or range, a
+    ``calibration`` spec whose fields :func:`workbench.data.check_spec` refuses."""
     path = Path(path)
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        st = path.stat()
     except FileNotFoundError:
         raise ConfigError(f"{path}: recipe file not found") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: not a JSON recipe file ({e})") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: cannot read the recipe file ({getattr(e, 'strerror', None) or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{path}: not a regular file; expected a JSON recipe file")
+    if st.st_size > MAX_RECIPE_BYTES:
+        raise ConfigError(f"{path}: {st.st_size:,} bytes is too large for a recipe file (limit {MAX_RECIPE_BYTES:,})")
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the recipe file ({e.strerror or e})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:    # ValueError: JSONDecodeError, a 5,000-digit int
+        raise ConfigError(f"{path}: not a JSON recipe file ({type(e).__name__}: {e})") from None
     if not isinstance(doc, dict) or doc.get("format") != RECIPE_FORMAT:
         raise ConfigError(f"{path}: not a workbench recipe file (expected \"format\": \"{RECIPE_FORMAT}\")")
+    cal = doc.get("calibration")
+    if cal is not None:
+        if not isinstance(cal, dict):
+            raise ConfigError(f"{path}: field 'calibration' must be an object (where the calibration text came from) "
+                              f"or null, got {type(cal).__name__} {cal!r:.80}")
+        if "dataset" in cal or "source" not in cal:   # a data spec (jsonl_windows), not the held-out corpus's
+            # record ({"source": "bundled held-out corpus ...", ...}): LLM(quant=...) rebuilds its windows
+            from workbench.data import check_spec
+            from workbench.errors import DataError
+
+            try:
+                check_spec(cal, f"{path}: field 'calibration'")
+            except DataError as e:
+                raise ConfigError(str(e)) from None
     return QuantRecipe.from_dict(doc.get("recipe"), where=f"{path}: field 'recipe'"), doc
 
 
