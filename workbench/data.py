@@ -118,6 +118,11 @@ def read_jsonl(path: str | Path, text_field: str = "text") -> list[dict]:
             raise DataError(f"{p}, line {lineno}: field {text_field!r} must be a string, got {type(text).__name__}")
         if not text.strip():
             raise DataError(f"{p}, line {lineno}: field {text_field!r} is empty")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:      # JSON's "\ud800" escape: Python reads a lone surrogate
+            raise DataError(f"{p}, line {lineno}: field {text_field!r} holds a lone surrogate "
+                            f"(a \\u{ord(text[e.start]):04x} escape without its pair): not Unicode text") from None
         rows.append({**{k: v for k, v in obj.items() if k != text_field}, "line": lineno, "text": text})
     if not rows:
         raise DataError(f"{p}: the file is empty (expected one JSON object per line with a {text_field!r} field)")

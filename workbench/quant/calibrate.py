@@ -190,7 +190,7 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
         raise ConfigError(f"calibrate: {folder} is a quantized (compressed-tensors) checkpoint; give the unquantized "
                           "model it was made from")
     rows = read_jsonl(dataset, text_field)              # a bad file fails before any model loads
-    group = group_field_of(rows, group_field)
+    group = group_field_of(rows, group_field, dataset)
     tok = workbench.Tokenizer(folder)
     base = load_model(folder, device=device, dtype=dtype).eval()
     context = min(context, base.config.max_position_embeddings)
