@@ -193,8 +193,8 @@ def parse_groups(qc: dict, where: str) -> dict[str, LayerScheme]:
         raise CheckpointError(_format_error(f"{where}.format", fmt))
     status = qc.get("quantization_status", "compressed")
     if status != "compressed":
-        raise CheckpointError(f"{where}.quantization_status is {status!r:.80}: expected 'compressed' (packed integers); "
-                              "a checkpoint saved before compression holds float weights")
+        raise CheckpointError(f"{where}.quantization_status is {status!r:.80}: expected 'compressed' (packed "
+                              "integers); a checkpoint saved before compression holds float weights")
     for f, what in (("kv_cache_scheme", "KV-cache quantization"), ("sparsity_config", "sparsity"),
                     ("transform_config", "transforms (rotations)")):
         if not _is_empty(qc.get(f)):
@@ -280,8 +280,9 @@ def assign_layers(qc: dict, modules: dict[str, str], where: str) -> dict[str, La
         for t in targets:
             by_target[t] = scheme                       # a later group naming the same target wins
             if not t.startswith("re:") and t not in modules and t not in ("Linear", "Embedding"):
-                raise CheckpointError(f"{_member(where + '.config_groups', scheme.group_name)}.targets: {t!r:.80} names no linear "
-                                      "layer of this model (class targets other than 'Linear' are not read here)")
+                field = _member(f"{where}.config_groups", scheme.group_name)
+                raise CheckpointError(f"{field}.targets: {t!r:.80} names no linear layer of this model (class "
+                                      "targets other than 'Linear' are not read here)")
     ordered = sorted(by_target, key=lambda t: ("re:" in t, t))
     out: dict[str, LayerScheme | None] = {}
     for name, cls in modules.items():
