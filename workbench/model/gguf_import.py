@@ -203,8 +203,8 @@ def check_gguf_header(path: Path) -> dict:
         start = h.pos + (-h.pos % alignment)
         for what, nbytes, offset in infos:
             if start + offset + nbytes > size:
-                raise CheckpointError(f"{path}: {what} ends at byte {start + offset + nbytes:,} but the file has "
-                                      f"{size:,} bytes (truncated download?)")
+                raise CheckpointError(f"{path}: GGUF {what} ends at byte {start + offset + nbytes:,} but the file "
+                                      f"has {size:,} bytes (truncated download?)")
             if offset % alignment:
                 raise h.fail(f"{what}: its offset {offset:,} is not a multiple of the alignment {alignment} "
                              "(llama.cpp refuses it too)")
