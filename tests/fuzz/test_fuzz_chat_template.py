@@ -90,8 +90,8 @@ TEMPLATES = st.recursive(ATOMS, _stmt, max_leaves=6).map(
 
 ROLES = st.sampled_from(["system", "user", "assistant", "tool", "", "ROLE"])
 CONTENT = st.one_of(st.text(max_size=20), st.sampled_from(["a" * 10_000, "{{ bos_token }}", "\x00"]), st.none(),
-                    st.integers(), st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=8)}),
-                                            max_size=3))
+                    st.integers(),
+                    st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=8)}), max_size=3))
 MESSAGES = st.lists(st.fixed_dictionaries({"role": ROLES, "content": CONTENT}), min_size=1, max_size=4)
 
 
@@ -100,8 +100,8 @@ def template_source(draw):
     src = draw(TEMPLATES)
     if draw(st.integers(0, 9)) == 0:                       # a typo somewhere
         i = draw(st.integers(0, len(src)))
-        src = src[:i] + draw(st.sampled_from(["{", "}", "%", "{%", "%}", "{{", "}}", ")", "(", "'", "", "{% break %}"])) + \
-            src[i + draw(st.integers(0, 2)):]
+        typo = draw(st.sampled_from(["{", "}", "%", "{%", "%}", "{{", "}}", ")", "(", "'", "", "{% break %}"]))
+        src = src[:i] + typo + src[i + draw(st.integers(0, 2)):]
     return src
 
 
@@ -157,7 +157,7 @@ MSGS = [{"role": "user", "content": "Hi"}]
 
 
 def test_the_limits_are_two_seconds_and_one_mebibyte():
-    assert (ct.RENDER_SECONDS, ct.MAX_OUTPUT_CHARS) == (2.0, 2**20)
+    assert (ct.RENDER_SECONDS, ct.MAX_OUTPUT_CHARS, ct.MAX_CALL_DEPTH) == (2.0, 2**20, 64)
 
 
 def test_a_loop_that_writes_nothing_ends_at_the_time_limit():
@@ -182,6 +182,23 @@ def test_what_would_take_the_memory_is_refused_before_it_is_built(src, needle):
     assert kind == "error" and needle in str(err) and took < 1.5, (str(err), took)
 
 
+@pytest.mark.parametrize("src", [
+    "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}",
+    "{% macro g(x) %}{{ x | upper }}{% endmacro %}{% macro f(n) %}{% for m in messages %}{{ g(m.role) }}{% endfor %}"
+    "{{ (f(n) ~ 'a') | replace('a', 'b') }}{% endmacro %}{{ f(1) }}",
+    "{% for m in messages recursive %}{{ loop(messages) }}{% endfor %}",
+])
+def test_a_macro_calling_itself_ends_at_the_call_depth_limit(src):
+    """A macro recursing through loops and filters, under the render's trace function, crashed the
+    long fuzz run with a segmentation fault (the C stack, before Python's recursion limit); calls
+    are now nested at most MAX_CALL_DEPTH deep.  Rendered from 400 frames down, as under a server."""
+    def deep(k):
+        return deep(k - 1) if k else _timed(src, MSGS, RENDER_SECONDS)
+
+    kind, err, _ = deep(400)
+    assert kind == "error" and f"nests calls more than {ct.MAX_CALL_DEPTH} deep" in str(err)
+
+
 def test_the_sandbox_stays():
     kind, err, _ = _timed("{{ cycler.__init__.__globals__ }}", MSGS, RENDER_SECONDS)
     assert kind == "error" and "unsafe" in str(err)
@@ -195,8 +212,8 @@ def test_the_sandbox_stays():
     ({"tokenizer_config.json": b"[" * 100_000}, "tokenizer_config.json: cannot read it"),
     # nesting past the parser's recursion: RecursionError escaped the constructor
     ({"chat_template.jinja": b"{{ " + b"(" * 100_000 + b"1" + b")" * 100_000 + b" }}"}, "does not parse"),
-    ({"tokenizer_config.json": json.dumps({"chat_template": "{{ " + "[" * 50_000 + "1" + "]" * 50_000 + " }}"}).encode()},
-     "does not parse"),
+    ({"tokenizer_config.json": json.dumps({"chat_template": "{{ " + "[" * 50_000 + "1" + "]" * 50_000 + " }}"})
+      .encode()}, "does not parse"),
 ])
 def test_template_files_found_by_fuzzing_are_refused_by_name(tmp_path, files, needle):
     for name, data in files.items():
@@ -266,7 +283,8 @@ def test_the_server_answers_a_runaway_template_with_a_400_and_goes_on(srv):
                 r = http.post("/v1/chat/completions", json=body)
                 assert r.status_code == 400, r.text
                 err = r.json()["error"]
-                assert err["param"] == "messages" and needle in err["message"] and "fuzz chat template" in err["message"]
+                assert err["param"] == "messages" and needle in err["message"]
+                assert "fuzz chat template" in err["message"]
                 assert time.perf_counter() - t0 < RENDER_SECONDS + 5
             state.chat_template = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}", {}, "fine")
             r = http.post("/v1/chat/completions", json=body)

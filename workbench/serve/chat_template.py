@@ -16,9 +16,10 @@ A template that raises (``raise_exception("roles must alternate")``) gives a :cl
 with its message: the server answers it as a 400 on ``messages`` and goes on serving.
 
 A template is bounded.  Rendering stops with a TemplateError naming the template when it runs
-longer than :data:`RENDER_SECONDS` (checked on every line the template executes and every Python
-call it makes: a loop of loops that writes nothing ends too) or writes more than
-:data:`MAX_OUTPUT_CHARS` characters; and no single value it builds may be larger than that -
+longer than :data:`RENDER_SECONDS` (checked on every line the template executes: a loop of loops
+that writes nothing ends too), writes more than :data:`MAX_OUTPUT_CHARS` characters, or nests
+calls (a macro calling itself) more than :data:`MAX_CALL_DEPTH` deep; and no single value it
+builds may be larger than the output limit -
 ``'x' * 10**9``, ``'x' | center(10**9)``, ``'{:>999999999}'.format(x)``, ``10 ** 10 ** 9``, a
 string doubled in a loop - each refused before (or as soon as) it is built, so a template cannot
 take the server's memory.  The sandbox stays: ``cycler.__init__.__globals__`` and the like are
@@ -31,6 +32,7 @@ import functools
 import json
 import re
 import sys
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -42,6 +44,10 @@ RENDER_SECONDS = 2.0
 MAX_OUTPUT_CHARS = 2**20          # 1 MiB of ASCII text: some 250,000 tokens, past any context here
 # A template file larger than this is refused unread (the largest real templates are a few tens of kB).
 MAX_TEMPLATE_BYTES = 4 * 2**20
+# Calls (macros, recursive loops) nested deeper than this end the render: a macro calling itself
+# would otherwise reach Python's recursion limit - and, with C frames between its Python ones and
+# the render's trace function, could overflow the C stack first (a segmentation fault).
+MAX_CALL_DEPTH = 64
 
 
 class TemplateError(WorkbenchError):
@@ -60,6 +66,10 @@ def _one_line(text: str) -> str:
 class _TooBig(TemplateError):
     """A value the template builds is past :data:`MAX_OUTPUT_CHARS` (an Exception, unlike the time
     limit: Jinja's constant folding at parse time must be able to decline it)."""
+
+
+class _TooDeep(TemplateError):
+    """Calls nested past :data:`MAX_CALL_DEPTH`."""
 
 
 def _too_big(what: str, n: int | float) -> TemplateError:
@@ -142,6 +152,8 @@ def _bounded_environment(**options):
             super().visit_Concat(node, frame)
             self.write(")")
 
+    depth = threading.local()
+
     class Bounded(ImmutableSandboxedEnvironment):
         code_generator_class = Generator
         intercepted_binops = frozenset({"*", "**", "+", "%"})
@@ -164,7 +176,15 @@ def _bounded_environment(**options):
                     _check_format_string(owner, f"{name}()")
                 elif name == "join" and args:
                     _check_join(args[0], "join(): the joined text")
-            return _check_result(super().call(__context, __obj, *args, **kwargs), f"{name}(): a result")
+            level = getattr(depth, "level", 0)
+            if level >= MAX_CALL_DEPTH:
+                raise _TooDeep(f"nests calls more than {MAX_CALL_DEPTH} deep (a macro calling itself?)")
+            depth.level = level + 1
+            try:
+                result = super().call(__context, __obj, *args, **kwargs)
+            finally:
+                depth.level = level
+            return _check_result(result, f"{name}(): a result")
 
     env = Bounded(**options)
     for name, f in list(env.filters.items()):
@@ -282,6 +302,8 @@ class ChatTemplate:
                                 "these messages") from None
         except _TooBig as e:
             raise TemplateError(f"{self.origin}: the chat template built {_one_line(e)}") from None
+        except _TooDeep as e:
+            raise TemplateError(f"{self.origin}: the chat template {_one_line(e)}") from None
         except TemplateError as e:
             raise TemplateError(_one_line(e)) from None
         except self._jinja_error as e:
