@@ -30,7 +30,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fuzzkit import (MiB, check_refusal, note, dump_json, fuzz, get_value, json_paths, mutated_bytes, mutated_json,
+from fuzzkit import (MiB, check_refusal, dump_json, fuzz, get_value, json_paths, mutated_bytes, mutated_json, note,
                      outcome)
 
 from workbench.engine.loaded import LoadedModel
@@ -67,7 +67,8 @@ class Case:
     valid logits; shown (in a falsifying example) as what was changed."""
 
     def __init__(self, files: dict, must_refuse: bool, same_logits: bool, what: str, kind: str) -> None:
-        self.files, self.must_refuse, self.same_logits, self.what, self.kind = files, must_refuse, same_logits, what, kind
+        self.files, self.must_refuse, self.same_logits = files, must_refuse, same_logits
+        self.what, self.kind = what, kind
 
     def __repr__(self) -> str:
         return self.what
@@ -206,7 +207,8 @@ def header_mutation(draw, valid):
         numel = n_bytes // ITEMSIZE[entry["dtype"]]
         divisors = [d for d in range(1, numel + 1) if numel % d == 0]
         a = draw(st.sampled_from(divisors))
-        entry["shape"] = draw(st.sampled_from([[numel], [a, numel // a], [numel // a, a], [1, numel], [a, 1, numel // a]]))
+        entry["shape"] = draw(st.sampled_from([[numel], [a, numel // a], [numel // a, a], [1, numel],
+                                               [a, 1, numel // a]]))
     elif kind == "redtype":                   # the same byte count
         size = ITEMSIZE[entry["dtype"]]
         numel = n_bytes // size
@@ -239,7 +241,9 @@ def header_mutation(draw, valid):
         # accepted alternatives: a per-tensor scale / zero point [1] or [1, 1]; weight_shape I64 or I32
         # (I32 holds 4 bytes: not the same byte count as [2] I64); a scale's F16 / BF16 (not the same bytes)
         e, orig = header[name], valid["header"][name]
-        alt_shape = {tuple(orig["shape"]), *((tuple(s) for s in ([1], [1, 1])) if orig["shape"] in ([1], [1, 1]) else ())}
+        alt_shape = {tuple(orig["shape"])}
+        if orig["shape"] in ([1], [1, 1]):
+            alt_shape |= {(1,), (1, 1)}
         if e["dtype"] == orig["dtype"] and tuple(e["shape"]) in alt_shape:
             must_refuse = False
     files = dict(valid["files"], **{"model.safetensors": _safetensors(header, _data(valid))})
@@ -255,8 +259,8 @@ def value_mutation(draw, valid):
         name = draw(st.sampled_from([n for n in names if n.endswith("weight_shape")]))
         a, b = valid["header"][name]["data_offsets"]
         old = list(struct.unpack("<2q", data[a:b]))
-        new = draw(st.lists(st.sampled_from([0, 1, -1, 32, 64, 96, 2**62, -2**63, 2**63 - 1]) | st.integers(-2**63, 2**63 - 1),
-                            min_size=2, max_size=2) | st.just(old[::-1]))
+        odd = st.sampled_from([0, 1, -1, 32, 64, 96, 2**62, -2**63, 2**63 - 1]) | st.integers(-2**63, 2**63 - 1)
+        new = draw(st.lists(odd, min_size=2, max_size=2) | st.just(old[::-1]))
         data[a:b] = struct.pack("<2q", *new)
         must_refuse = new != old
         what, kind = f"{name} holds {new}", "weight_shape values"

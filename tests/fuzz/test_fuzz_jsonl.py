@@ -28,7 +28,8 @@ from workbench.errors import ConfigError, DataError
 
 KEYS = ("text", "source", "line", "id", "meta")
 ODD_LINES = [b"", b" ", b"\t", b"{}", b"[]", b"null", b"\"text\"", b"{\"text\": \"\\ud800\", \"source\": \"d\"}",
-             b"{\"text\": \"a\\u0000b\", \"source\": \"d\"}", b"{\"text\": \"\\udfff\\ud800\"}", b"\xef\xbb\xbf{\"text\": \"x\"}",
+             b"{\"text\": \"a\\u0000b\", \"source\": \"d\"}", b"{\"text\": \"\\udfff\\ud800\"}",
+             b"\xef\xbb\xbf{\"text\": \"x\"}",
              b"{\"text\": \"x\", \"source\": [1]}", b"{\"text\": \"x\", \"source\": {\"a\": 1}}", b"{\"text\": NaN}",
              b"{\"text\": \"x\"} {\"text\": \"y\"}", b"{\"text\": \"x\",}", b"\xff\xfe", b"\x00" * 8,
              b"[" * 2000 + b"]" * 2000, b"{\"text\": " + b"9" * 5000 + b"}", b"{\"text\": \"" + b"x" * 5000 + b"\"}"]
@@ -121,7 +122,8 @@ def mutation(draw, valid):
         data, what = draw(mutated_bytes(data))
     elif kind == "file":
         op = draw(st.sampled_from(["bom", "crlf", "no final newline", "empty", "blank lines", "only one document"]))
-        data = {"bom": b"\xef\xbb\xbf" + data, "crlf": data.replace(b"\n", b"\r\n"), "no final newline": data.rstrip(b"\n"),
+        data = {"bom": b"\xef\xbb\xbf" + data, "crlf": data.replace(b"\n", b"\r\n"),
+                "no final newline": data.rstrip(b"\n"),
                 "empty": b"", "blank lines": b"\n\n" + data.replace(b"\n", b"\n \n"),
                 "only one document": encode([dict(r, source="one") for r in rows])}[op]
         what = f"file: {op}"

@@ -21,7 +21,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fuzzkit import Shown, check_refusal, note, dump_json, fuzz, get_value, json_paths, mutated_bytes, mutated_json, outcome
+from fuzzkit import (Shown, check_refusal, dump_json, fuzz, get_value, json_paths, mutated_bytes, mutated_json, note,
+                     outcome)
 
 import workbench
 from workbench.data import jsonl_windows
@@ -31,7 +32,8 @@ from workbench.model.decoder import CausalLM, init_weights
 from workbench.quant.recipe import FALLBACKS, METHODS, QuantRecipe, save_recipe
 
 RECIPE = QuantRecipe(weight_bits=4, group=32, act_bits=8, smooth=0.5, skip=("embed_tokens", "lm_head", "o_proj"),
-                     overrides=(("down_proj", {"weight_bits": 8, "group": None}), ("layers.0.mlp.up_proj", {"group": 16})))
+                     overrides=(("down_proj", {"weight_bits": 8, "group": None}),
+                                ("layers.0.mlp.up_proj", {"group": 16})))
 KEYS = ("format", "version", "name", "recipe", "calibration", "weight_bits", "group", "per_channel", "symmetric",
         "method", "group_fallback", "skip", "overrides", "act_bits", "smooth", "dataset", "data_relative", "sha256",
         "text_field", "group_field", "split", "evaluation_fraction", "context", "max_windows")
