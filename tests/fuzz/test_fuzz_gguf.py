@@ -358,3 +358,12 @@ def _with_nan(valid, which):
 def test_files_found_by_fuzzing_are_refused_by_name(valid, tmp_path, case, needles):
     err = run_case(tmp_path, case(valid), "regression")
     assert err is not None and all(n in str(err) for n in needles), err
+
+
+def test_a_key_with_control_characters_is_named_on_one_line(valid, tmp_path):
+    """A corrupted key ('llama.embedding_le\\x00\\x00\\x00\\n') was printed as it is: a newline in the message."""
+    parts = valid.value["parts"]
+    kv = list(parts["kv"])
+    kv[0] = ("general.arch\x00\n", 13, b"")                    # and an unknown value type
+    err = run_case(tmp_path, join_gguf(dict(parts, kv=kv)), "regression")
+    assert "'general.arch\\x00\\n'" in str(err) and "unknown value type 13" in str(err)

@@ -172,8 +172,8 @@ def check_gguf_header(path: Path) -> dict:
             if key in keys:
                 raise h.fail(f"key {key!r:.80} appears twice")
             keys.add(key)
-            vtype = h.uint(4, f"'{key:.80}' (its type)")
-            value = h.value(vtype, f"'{key:.80}'")
+            vtype = h.uint(4, f"{key!r:.80} (its type)")
+            value = h.value(vtype, f"{key!r:.80}")
             if key == "general.alignment":
                 if vtype != 4 or not value or value & (value - 1):
                     raise h.fail(f"'general.alignment' is {value!r}: expected a power of two (uint32)")
@@ -181,7 +181,7 @@ def check_gguf_header(path: Path) -> dict:
         infos = []
         for i in range(n_tensors):
             name = h.string(f"tensor #{i}'s name")
-            what = f"tensor '{name:.80}'"
+            what = f"tensor {name!r:.80}"
             n_dims = h.uint(4, f"{what} (its number of dimensions)")
             if n_dims > _MAX_DIMS:
                 raise h.fail(f"{what} has {n_dims:,} dimensions; GGUF tensors have at most {_MAX_DIMS}")
