@@ -276,17 +276,19 @@ def jsonl_windows(path: str | Path, tokenizer, context: int, max_windows: int | 
 SPEC_KEYS = ("dataset", "context", "split")
 
 
-def check_spec(spec, where: str = "a data spec") -> None:
-    """A DataError naming ``where`` and the field unless ``spec`` is what :func:`jsonl_windows`
-    writes: the fields :data:`SPEC_KEYS`, each optional one of its type and range."""
+def check_spec(spec, where: str = "") -> None:
+    """A DataError naming ``where`` (a file and its field) and the spec's field unless ``spec`` is
+    what :func:`jsonl_windows` writes: the fields :data:`SPEC_KEYS`, each optional one of its type
+    and range."""
     from workbench.errors import DataError
 
+    at = f"{where}: " if where else ""
     if not isinstance(spec, dict) or any(k not in spec for k in SPEC_KEYS):
-        raise DataError(f"{where}: a data spec needs the fields {', '.join(SPEC_KEYS)}; got "
+        raise DataError(f"{at}a data spec needs the fields {', '.join(SPEC_KEYS)}; got "
                         f"{sorted(map(str, spec))[:8] if isinstance(spec, dict) else type(spec).__name__}")
 
     def bad(key: str, want: str):
-        return DataError(f"{where}: field {key!r} must be {want}, got {spec.get(key)!r:.80}")
+        return DataError(f"{at}data spec field {key!r} must be {want}, got {spec.get(key)!r:.80}")
 
     def count(v) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and v >= 1
