@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ["workbench", "workbench.model", "workbench.kv", "workbench.prefetch", "workbench.sched",
             "workbench.transforms", "workbench.quant", "workbench.engine", "workbench.load", "workbench.serve",
-            "workbench.bench", "workbench.lab", "workbench.cli", "workbench.measure"]
+            "workbench.bench", "workbench.bench.claims", "workbench.lab", "workbench.cli", "workbench.measure"]
 
 
 def test_import_contracts_hold():

@@ -7,7 +7,7 @@ instead of 56 s (papermill alone on a 2-core machine; 54 vs 73 s for the noteboo
 start's batch run (and CI's) runs it in smoke mode, its default. Its claims lab section runs on
 three claims, one of each kind (a serving claim, with its HTTP server; a model claim; a GPU claim
 read from the committed results): every claim is measured in smoke mode by
-``tests/lab/test_claims_*.py``, and the Quick start's batch run measures all of them in this notebook.
+``tests/bench/test_claims_*.py``, and the Quick start's batch run measures all of them in this notebook.
 
 It has a file of its own so that pytest-xdist's ``--dist loadfile`` runs it on the other worker
 than ``tests/lab/test_notebooks.py``.

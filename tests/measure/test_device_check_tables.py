@@ -25,7 +25,7 @@ from workbench.measure import gpu_results as gr
 ROOT = Path(__file__).resolve().parents[2]
 
 # ---- who reads what ---------------------------------------------------------------------------------
-# table -> columns its readers use (workbench/lab/claims_gpu.py, workbench/bench/quant.py claim_verdicts,
+# table -> columns its readers use (workbench/bench/claims/gpu_*.py, workbench/bench/quant.py claim_verdicts,
 # notebooks 00-06); long-format tables: (section, metric) rows, a metric ending in "*" a prefix.
 COLUMNS = {
     "kernel_bench": ["section", "op", "provider", "status", "dtype", "sizes", "ms_median", "ms_min", "ms_max",
@@ -168,9 +168,9 @@ def test_written_tables_have_the_columns_their_readers_use(results):
 def test_the_readers_find_their_figures(results):
     """The GPU claims and the quantization verdicts read the written tables: none says its table
     or its rows are missing."""
+    from workbench.bench import claims as lab
+    from workbench.bench.claims.gpu_tables import STEPS
     from workbench.bench.quant import claim_verdicts
-    from workbench.lab import claims as lab
-    from workbench.lab import claims_gpu as cg
 
     root, folder, _ = results
     res = {r.id: r for r in lab.run_claims(["fused_launches", "prefetch_bandwidth", "w4a16_speed",
@@ -179,7 +179,7 @@ def test_the_readers_find_their_figures(results):
         assert "no committed GPU run" not in r.reason and " has no " not in r.reason, (r.id, r.reason)
         assert f"results/gpu/{folder.name}/" in r.reason
     assert res["fused_launches"].verdict == lab.HOLDS and res["decode_bandwidth_bound"].verdict == lab.HOLDS
-    assert cg.STEPS.keys() >= {"kernel_bench", "prefetch_bench", "quant_bench"}
+    assert STEPS.keys() >= {"kernel_bench", "prefetch_bench", "quant_bench"}
     rows = gr.latest("quant_bench", root=root).frame.to_dict("records")
     gpu = [v for v in claim_verdicts(None, None, rows) if "GPU" in v["claim"]]
     assert gpu and gpu[0]["verdict"] != "not measured here" and "W4A16 vs bf16" in gpu[0]["measured"]

@@ -6,7 +6,10 @@
 * ``prefix``: cross-request prefix reuse (``workbench prefix-bench``);
 * ``tier_eval``: perplexity / KL / top-1 of the tiered KV cache, sweeps and the Pareto front;
 * ``profile``: where a decode step's time goes;
-* ``llamacpp``: the optional llama.cpp side (GGUF export, its decode rate).
+* ``llamacpp``: the optional llama.cpp side (GGUF export, its decode rate);
+* ``claims``: the claims lab (``workbench claims``): each testable claim of the source articles
+  measured here, with a verdict;
+* ``run_facts``: the facts a notebook prints atop its numbers (machine, threads, noise).
 """
 
 from workbench._exports import exports, lazy

@@ -7,7 +7,14 @@ import sys
 
 
 def cmd_claims(args) -> int:
-    from workbench.lab.claims import ClaimContext, all_claims, dumps, format_claims, problems, run_claims
+    from workbench.bench.claims import (
+        ClaimContext,
+        all_claims,
+        dumps,
+        format_claims,
+        problems,
+        run_claims,
+    )
 
     if args.list:
         for c in all_claims():

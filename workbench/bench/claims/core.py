@@ -1,4 +1,9 @@
-"""The claims lab: every testable claim of the two source articles, measured here, with a verdict.
+"""The claims lab's core: a claim, its finding, the run's context, and running them.
+
+Every testable claim of the two source articles, measured here, with a verdict (the package
+:mod:`workbench.bench.claims`; the claims themselves are listed in
+:mod:`~workbench.bench.claims.catalogue`, the table / text / JSON of a run are in
+:mod:`~workbench.bench.claims.report`).
 
 ::
 
@@ -21,7 +26,7 @@ architecture teardown), the layer it is about, and a ``measure`` function that r
   here, and the finding says how large an effect the run could have seen.
 * ``cannot be tested here``: the claim needs something this machine does not have; the reason
   says what.  Claims marked ``device="cpu"`` are built to be measured on any CPU, so for them
-  this verdict is recorded as a defect (:func:`problems`).
+  this verdict is recorded as a defect (:func:`~workbench.bench.claims.report.problems`).
 * ``not measured``: a GPU claim with no committed GPU results (``results/gpu/``) to read.
 * ``error``: the measurement raised; the error is recorded and the other claims still run.
 
@@ -32,12 +37,11 @@ or the exact figure when the claim is arithmetic (bytes of a KV cache).
 
 from __future__ import annotations
 
-import json
-import platform
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 HOLDS = "holds"
 FAILS = "does not hold"
@@ -75,7 +79,7 @@ class Claim:
     source: str                                   # "A §2 (layer 2)", "B §5.3"
     layer: str                                    # "prefix cache", "scheduler", "serving", ...
     device: str                                   # "cpu": measured on any machine; "gpu": read from results/gpu
-    measure: Callable[["ClaimContext"], Finding]
+    measure: Callable[[ClaimContext], Finding]
 
 
 @dataclass
@@ -187,9 +191,11 @@ class ClaimContext:
 
 def all_claims() -> list[Claim]:
     """Every claim, in the order of the articles' layers."""
-    from workbench.lab import claims_gpu, claims_model, claims_serving
+    from workbench.bench.claims.catalogue import (
+        CLAIMS,  # imported when used: its modules import this one
+    )
 
-    out = [*claims_serving.CLAIMS, *claims_model.CLAIMS, *claims_gpu.CLAIMS]
+    out = list(CLAIMS)
     ids = [c.id for c in out]
     dup = sorted({i for i in ids if ids.count(i) > 1})
     if dup:
@@ -251,59 +257,3 @@ def run_claims(ids=None, mode: str = "smoke", model=None, device: str | None = "
 
             warnings.warn(str(e), RuntimeWarning, stacklevel=2)
     return out
-
-
-def problems(results: list[ClaimResult]) -> list[str]:
-    """What makes a claims run incomplete: errors, and CPU claims without a measured verdict."""
-    bad = []
-    for r in results:
-        if r.verdict == ERROR:
-            bad.append(f"{r.id}: {r.error}")
-        elif r.device == "cpu" and r.verdict not in (HOLDS, FAILS):
-            bad.append(f"{r.id}: a CPU claim must be measured here, got {r.verdict!r} ({r.reason})")
-        elif r.verdict in (HOLDS, FAILS) and not r.figure.strip("- "):
-            bad.append(f"{r.id}: a verdict without a measured figure")
-    return bad
-
-
-def claims_table(results: list[ClaimResult]):
-    """A DataFrame, one row per claim: id, source, claim, figure, verdict, reason, seconds."""
-    import pandas as pd
-
-    return pd.DataFrame([{"id": r.id, "layer": r.layer, "source": r.source, "claim": r.claim, "measured": r.figure,
-                          "verdict": r.verdict, "why": r.reason, "device": r.device, "seconds": round(r.seconds, 1)}
-                         for r in results]).set_index("id")
-
-
-def verdict_counts(results: list[ClaimResult]) -> dict[str, int]:
-    return {v: sum(r.verdict == v for r in results) for v in VERDICTS if any(r.verdict == v for r in results)}
-
-
-def format_claims(results: list[ClaimResult], width: int = 100) -> str:
-    """The claims as plain text: one block per claim."""
-    import textwrap
-
-    lines = []
-    for r in results:
-        lines.append(f"[{r.verdict.upper()}] {r.id} ({r.source}; {r.layer}; {r.seconds:.1f} s)")
-        for label, text in (("claim", r.claim), ("measured", r.figure), ("why", r.reason)):
-            lines.extend(textwrap.wrap(text, width=width, initial_indent=f"  {label + ':':<10}",
-                                       subsequent_indent=" " * 12) or [f"  {label}:"])
-    counts = ", ".join(f"{n} {v}" for v, n in verdict_counts(results).items())
-    lines.append(f"{len(results)} claims: {counts}")
-    return "\n".join(lines)
-
-
-def claims_report(results: list[ClaimResult], ctx: ClaimContext | None = None) -> dict:
-    """The JSON document of ``workbench claims --json``: the run's facts and one object per claim."""
-    meta = {"format": "workbench-claims/1", "mode": ctx.mode if ctx else None, "machine": platform.machine(),
-            "python": platform.python_version(), "sources": SOURCES, "counts": verdict_counts(results)}
-    if ctx is not None and ctx._llm is not None:
-        from workbench.lab.context import run_facts
-
-        meta.update(_jsonable(run_facts(ctx._llm, ctx._probe)))
-    return {"meta": meta, "claims": [r.to_dict() for r in results], "problems": problems(results)}
-
-
-def dumps(results: list[ClaimResult], ctx: ClaimContext | None = None) -> str:
-    return json.dumps(claims_report(results, ctx), indent=2)

@@ -1,4 +1,4 @@
-"""The model / memory claims (workbench.lab.claims_model): each measured once in smoke mode (one
+"""The model / memory claims (workbench.bench.claims.model_*): each measured once in smoke mode (one
 module fixture: about 20 s on 2 cores) to a verdict with a figure; the exact-bytes claim against
 its formula; every verdict rule on synthetic inputs, both ways."""
 
@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from workbench.lab import claims as lab
-from workbench.lab import claims_model as cm
+from workbench.bench import claims as lab
+from workbench.bench.claims import model_compute, model_memory, model_quality
+from workbench.bench.claims.catalogue import MODEL
 
 IDS = ["compute_share", "prefill_scaling", "kv_size_llama2_7b_32k", "request_memory_release", "cold_zone_reuse",
        "calibrator_domain"]
@@ -25,9 +26,9 @@ def smoke():
 
 
 def test_the_six_claims_are_registered_for_the_cpu():
-    ids = [c.id for c in cm.CLAIMS]
+    ids = [c.id for c in MODEL]
     assert ids == IDS
-    assert all(c.device == "cpu" and c.source.startswith("B §") for c in cm.CLAIMS)
+    assert all(c.device == "cpu" and c.source.startswith("B §") for c in MODEL)
     assert set(IDS) <= {c.id for c in lab.all_claims()}
 
 
@@ -44,18 +45,18 @@ def _rule_verdict(r) -> str:
     """The verdict each claim's rule gives on the figures the finding recorded (values / table)."""
     v = r.values
     if r.id == "compute_share":
-        return cm.share_rule(v["shares"], v["claimed_share"], v["noise"])[0]
+        return model_compute.share_rule(v["shares"], v["claimed_share"], v["noise"])[0]
     if r.id == "prefill_scaling":
-        return cm.slope_rule(v["slopes"]["math"], v["slopes"]["flash"])[0]
+        return model_compute.slope_rule(v["slopes"]["math"], v["slopes"]["flash"])[0]
     if r.id == "kv_size_llama2_7b_32k":
         return lab.HOLDS if v["consistent"] and v["size_ok"] and v["cap_ok"] else lab.FAILS
     if r.id == "request_memory_release":
-        return cm.release_rule(v["release_s"]["paged"], v["release_s"]["contiguous"], v["kv_bytes"]["paged"],
+        return model_memory.release_rule(v["release_s"]["paged"], v["release_s"]["contiguous"], v["kv_bytes"]["paged"],
                                v["kv_bytes"]["contiguous"], v["noise"])[0]
     if r.id == "cold_zone_reuse":
-        return cm.reuse_rule(r.table)[0]
+        return model_quality.reuse_rule(r.table)[0]
     if r.id == "calibrator_domain":
-        return cm.domain_rule(r.table)["verdict"]
+        return model_quality.domain_rule(r.table)["verdict"]
     raise AssertionError(r.id)
 
 
@@ -98,17 +99,17 @@ def test_prefill_fits_at_least_three_lengths(smoke):
 # ---- the rules, on synthetic numbers ---------------------------------------------------------------
 
 def test_share_rule_both_ways():
-    assert cm.share_rule([0.33, 0.37, 0.40], 0.36, 0.1)[0] == lab.HOLDS
-    v, why = cm.share_rule([0.90, 0.95, 0.97], 0.36, 0.1)
+    assert model_compute.share_rule([0.33, 0.37, 0.40], 0.36, 0.1)[0] == lab.HOLDS
+    v, why = model_compute.share_rule([0.90, 0.95, 0.97], 0.36, 0.1)
     assert v == lab.FAILS and "more than the claimed" in why
-    assert cm.share_rule([0.10, 0.12], 0.36, 0.1)[0] == lab.FAILS
-    assert cm.share_rule([0.30, 0.31], 0.36, 0.25)[0] == lab.HOLDS          # within the noise floor
+    assert model_compute.share_rule([0.10, 0.12], 0.36, 0.1)[0] == lab.FAILS
+    assert model_compute.share_rule([0.30, 0.31], 0.36, 0.25)[0] == lab.HOLDS          # within the noise floor
 
 
 def test_the_forward_only_bounds_pure_compute_from_above():
     # a forward share above 36 % says nothing about pure compute; one below it puts pure compute below too
-    assert "says nothing" in cm.pure_compute_bound([0.80, 0.85], 0.36, 0.1)
-    assert "below 36 % here too" in cm.pure_compute_bound([0.20, 0.25], 0.36, 0.1)
+    assert "says nothing" in model_compute.pure_compute_bound([0.80, 0.85], 0.36, 0.1)
+    assert "below 36 % here too" in model_compute.pure_compute_bound([0.20, 0.25], 0.36, 0.1)
 
 
 def _slopes(lo, hi):
@@ -117,12 +118,12 @@ def _slopes(lo, hi):
 
 
 def test_slope_rule_needs_the_rounds_separated():
-    assert cm.slope_rule(_slopes(1.8, 2.1), _slopes(0.9, 1.2))[0] == lab.HOLDS
-    v, why = cm.slope_rule(_slopes(1.2, 1.3), _slopes(1.05, 1.1))
+    assert model_compute.slope_rule(_slopes(1.8, 2.1), _slopes(0.9, 1.2))[0] == lab.HOLDS
+    v, why = model_compute.slope_rule(_slopes(1.2, 1.3), _slopes(1.05, 1.1))
     assert v == lab.FAILS and "eager's lowest round (1.20)" in why
-    v, why = cm.slope_rule(_slopes(1.8, 2.1), _slopes(0.54, 1.53))     # the smoke run's straddling fused rounds
+    v, why = model_compute.slope_rule(_slopes(1.8, 2.1), _slopes(0.54, 1.53))     # the smoke run's straddling fused rounds
     assert v == lab.FAILS and "fused's highest round (1.53)" in why and "within noise" in why
-    v, why = cm.slope_rule(_slopes(1.45, 2.1), _slopes(0.9, 1.2))      # median 1.78 > 1.5, one round below
+    v, why = model_compute.slope_rule(_slopes(1.45, 2.1), _slopes(0.9, 1.2))      # median 1.78 > 1.5, one round below
     assert v == lab.FAILS and "eager" in why
 
 
@@ -136,27 +137,27 @@ def test_prefill_loglog_slope_is_exact_on_power_laws():
 
 def test_kv_size_rule_both_ways():
     exact, weights = 17_179_869_184, 13_476_831_232
-    cards = [cm.A100_80GB_BYTES, 80 * 10 ** 9]
-    r = cm.kv_size_rule(exact, 18, weights, cards, 4)
+    cards = [model_memory.A100_80GB_BYTES, 80 * 10 ** 9]
+    r = model_memory.kv_size_rule(exact, 18, weights, cards, 4)
     assert r["verdict"] == lab.HOLDS and r["fits"] == [4, 3] and r["rel_gb"] == pytest.approx(0.0477, abs=1e-3)
-    assert cm.kv_size_rule(exact, 25, weights, cards, 4)["verdict"] == lab.FAILS       # size 45 % off
-    r = cm.kv_size_rule(exact, 18, weights, cards, 2)
+    assert model_memory.kv_size_rule(exact, 25, weights, cards, 4)["verdict"] == lab.FAILS       # size 45 % off
+    r = model_memory.kv_size_rule(exact, 18, weights, cards, 2)
     assert r["verdict"] == lab.FAILS and not r["cap_ok"]                                 # 4 fit, more than 2
-    r = cm.kv_size_rule(exact, 18, weights, cards, 8)
+    r = model_memory.kv_size_rule(exact, 18, weights, cards, 8)
     assert r["verdict"] == lab.FAILS and not r["cap_ok"] and "fewer than" in r["why"]    # 4 fit: the cap is not 8
 
 
 def test_release_rule_both_ways():
     mib = 2 ** 20
-    v, parts = cm.release_rule([1e-4] * 3, [1.2, 1.3, 1.1], 800 * mib, 2100 * mib, noise=0.1)
+    v, parts = model_memory.release_rule([1e-4] * 3, [1.2, 1.3, 1.1], 800 * mib, 2100 * mib, noise=0.1)
     assert v == lab.HOLDS and len(parts) == 3 and "within 15%" in parts[0]
-    v, parts = cm.release_rule([1e-4] * 3, [2e-4] * 3, 800 * mib, 2100 * mib, noise=0.1)     # both instant
+    v, parts = model_memory.release_rule([1e-4] * 3, [2e-4] * 3, 800 * mib, 2100 * mib, noise=0.1)     # both instant
     assert v == lab.FAILS and "no delayed release" in parts[-1]
-    v, parts = cm.release_rule([1e-4] * 3, [1.2] * 3, 2100 * mib, 2100 * mib, noise=0.1)     # no byte saving
+    v, parts = model_memory.release_rule([1e-4] * 3, [1.2] * 3, 2100 * mib, 2100 * mib, noise=0.1)     # no byte saving
     assert v == lab.FAILS and "1.00x" in parts[0]
-    v, parts = cm.release_rule([1e-4] * 3, [1.2] * 3, 1024 * mib, 4096 * mib, noise=0.1)     # 4x: a saving, not 2.6x
+    v, parts = model_memory.release_rule([1e-4] * 3, [1.2] * 3, 1024 * mib, 4096 * mib, noise=0.1)     # 4x: a saving, not 2.6x
     assert v == lab.FAILS and "+52%" in parts[0] and "beyond 15%" in parts[0]
-    v, parts = cm.release_rule([0.02] * 3, [1.2] * 3, 800 * mib, 2100 * mib, noise=0.1)      # paged not instant
+    v, parts = model_memory.release_rule([0.02] * 3, [1.2] * 3, 800 * mib, 2100 * mib, noise=0.1)      # paged not instant
     assert v == lab.FAILS and "not < 5 ms" in parts[1]
 
 
@@ -166,13 +167,13 @@ def _row(name, reuse, loses):
 
 def test_reuse_rule_one_way():
     good = [_row("a", 0.05, True), _row("b", 0.10, True), _row("c", 0.30, False), _row("d", 0.2, False)]
-    assert cm.reuse_rule(good)[0] == lab.HOLDS
+    assert model_quality.reuse_rule(good)[0] == lab.HOLDS
     # a setting above 15 % that loses quality does not contradict "below 15 % => quality lost"
-    v, why, _ = cm.reuse_rule(good + [_row("e", 0.4, True)])
+    v, why, _ = model_quality.reuse_rule(good + [_row("e", 0.4, True)])
     assert v == lab.HOLDS and "1 of the 3 setting(s) at or above 15% lose quality" in why
-    v, why, wrong = cm.reuse_rule(good + [_row("f", 0.08, False)])      # below 15 %, quality within noise
+    v, why, wrong = model_quality.reuse_rule(good + [_row("f", 0.08, False)])      # below 15 %, quality within noise
     assert v == lab.FAILS and [r["name"] for r in wrong] == ["f"] and "1 of the 3 setting(s) below 15%" in why
-    v, why, _ = cm.reuse_rule([_row("c", 0.3, False), _row("d", 0.2, True)])           # nothing below 15 %
+    v, why, _ = model_quality.reuse_rule([_row("c", 0.3, False), _row("d", 0.2, True)])           # nothing below 15 %
     assert v == lab.FAILS and "never triggered" in why
 
 
@@ -183,21 +184,21 @@ def _udom(values):
 def test_domain_rule_needs_the_claimed_direction():
     flip = _udom({("reference", "w4a16:g128"): (0.05, 0.005), ("reference", "w4a8"): (0.02, 0.005),
                   ("prose", "w4a16:g128"): (0.01, 0.005), ("prose", "w4a8"): (0.04, 0.005)})
-    r = cm.domain_rule(flip)
+    r = model_quality.domain_rule(flip)
     assert r["verdict"] == lab.HOLDS and r["preference"]["reference"]["better"] == "w4a8" and r["as_expected"]
     # the same flip the wrong way round: reference prefers W4A16, prose W4A8
     wrong = _udom({("reference", "w4a16:g128"): (0.02, 0.005), ("reference", "w4a8"): (0.05, 0.005),
                    ("prose", "w4a16:g128"): (0.04, 0.005), ("prose", "w4a8"): (0.01, 0.005)})
-    r = cm.domain_rule(wrong)
+    r = model_quality.domain_rule(wrong)
     assert r["verdict"] == lab.FAILS and r["flips"] and r["wrong_way"]
     same = _udom({("reference", "w4a16:g128"): (0.020, 0.002), ("reference", "w4a8"): (0.022, 0.002),
                   ("prose", "w4a16:g128"): (0.019, 0.002), ("prose", "w4a8"): (0.021, 0.002)})
-    r = cm.domain_rule(same)
+    r = model_quality.domain_rule(same)
     assert r["verdict"] == lab.FAILS and not r["flips"] and not r["gaps"]["w4a8"]["beyond_2se"]
     # the expected direction on one text, within noise on the other: no verdict
     half = _udom({("reference", "w4a16:g128"): (0.05, 0.005), ("reference", "w4a8"): (0.02, 0.005),
                   ("prose", "w4a16:g128"): (0.020, 0.005), ("prose", "w4a8"): (0.022, 0.005)})
-    assert cm.domain_rule(half)["verdict"] == lab.FAILS
+    assert model_quality.domain_rule(half)["verdict"] == lab.FAILS
 
 
 def test_cold_reuse_counts_the_routed_cold_tokens_of_the_last_steps():

@@ -1,4 +1,4 @@
-"""The claims lab's core (workbench.lab.claims): selection, one failing claim never ends the run,
+"""The claims lab's core (workbench.bench.claims): selection, one failing claim never ends the run,
 the rules that make a run incomplete, the JSON document and the CLI.  The claims themselves are
 tested in test_claims_serving.py, test_claims_model.py and test_claims_gpu.py."""
 
@@ -8,9 +8,10 @@ import json
 
 import pytest
 
+from workbench.bench import claims as lab
+from workbench.bench.claims import core
 from workbench.cli.main import main
 from workbench.errors import ConfigError
-from workbench.lab import claims as lab
 
 
 def _fake_claims():
@@ -34,7 +35,8 @@ def _fake_claims():
 
 @pytest.fixture()
 def fake(monkeypatch):
-    monkeypatch.setattr(lab, "all_claims", _fake_claims)
+    monkeypatch.setattr(core, "all_claims", _fake_claims)       # what select() (and run_claims) reads
+    monkeypatch.setattr(lab, "all_claims", _fake_claims)        # what `workbench claims --list` reads
 
 
 def test_a_failing_claim_is_recorded_and_the_run_goes_on(fake):

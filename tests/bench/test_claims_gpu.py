@@ -1,4 +1,4 @@
-"""The GPU claims (workbench.lab.claims_gpu): "not measured" without committed GPU results, naming the
+"""The GPU claims (workbench.bench.claims.gpu_*): "not measured" without committed GPU results, naming the
 table and the device-check step; a verdict from a temporary results folder written by
 workbench.measure.gpu_results' own writers (start + write_tables, as scripts/device_check.sh does)."""
 
@@ -8,16 +8,17 @@ import json
 
 import pytest
 
-from workbench.lab import claims as lab
-from workbench.lab import claims_gpu as cg
+from workbench.bench import claims as lab
+from workbench.bench.claims import gpu_bandwidth, gpu_stack, gpu_tables
+from workbench.bench.claims.catalogue import GPU
 from workbench.measure import gpu_results
 
 IDS = ["full_stack_4x", "fused_launches", "prefetch_bandwidth", "w4a16_speed", "decode_bandwidth_bound"]
 
 
 def test_the_five_claims_are_registered_for_the_gpu():
-    assert [c.id for c in cg.CLAIMS] == IDS
-    assert all(c.device == "gpu" for c in cg.CLAIMS)
+    assert [c.id for c in GPU] == IDS
+    assert all(c.device == "gpu" for c in GPU)
 
 
 def test_not_measured_without_results(tmp_path):
@@ -117,42 +118,42 @@ def test_rules_on_synthetic_numbers():
            "decode_tokens_per_s_max": 110.0}
     fast = {"side": "compile", "ttft_ms_p50": 19.0, "decode_tokens_per_s_p50": 420.0, "decode_tokens_per_s_min": 400.0,
             "decode_tokens_per_s_max": 430.0}
-    r = cg.full_stack_rule([ref, fast])
+    r = gpu_stack.full_stack_rule([ref, fast])
     assert r["verdict"] == lab.FAILS and "straddles it" in r["why"]          # decode 3.6..4.8x straddles 4x
     # the low end decides, not the medians: 4.4x medians, TTFT range 3.6..5.5x -> within noise
     ref_t = {**ref, "ttft_ms_p50_min": 18.0, "ttft_ms_p50_max": 22.0}
     fast_t = {**fast, "ttft_ms_p50": 4.5, "ttft_ms_p50_min": 4.0, "ttft_ms_p50_max": 5.0, "decode_tokens_per_s_p50": 500.0,
               "decode_tokens_per_s_min": 480.0, "decode_tokens_per_s_max": 520.0}
-    r = cg.full_stack_rule([ref_t, fast_t])
+    r = gpu_stack.full_stack_rule([ref_t, fast_t])
     assert r["ttft_ratio"] == pytest.approx(20 / 4.5) and r["ttft_range"] == pytest.approx([3.6, 5.5])
     assert r["verdict"] == lab.FAILS and "TTFT 4.44x (range 3.60..5.50x) straddles" in r["why"]
     fast_t.update(ttft_ms_p50_min=4.2, ttft_ms_p50_max=4.4)                  # 18 / 4.4 = 4.09x at the low end
-    assert cg.full_stack_rule([ref_t, fast_t])["verdict"] == lab.HOLDS
-    assert cg.full_stack_rule([ref, {**fast_t, "ttft_ms_p50_min": None}])["verdict"] == lab.NOT_MEASURED
-    assert cg.at_least(4.1, 4.5, 4.0) == lab.HOLDS and cg.at_least(3.9, 4.5, 4.0) == lab.FAILS
+    assert gpu_stack.full_stack_rule([ref_t, fast_t])["verdict"] == lab.HOLDS
+    assert gpu_stack.full_stack_rule([ref, {**fast_t, "ttft_ms_p50_min": None}])["verdict"] == lab.NOT_MEASURED
+    assert gpu_tables.at_least(4.1, 4.5, 4.0) == lab.HOLDS and gpu_tables.at_least(3.9, 4.5, 4.0) == lab.FAILS
     rows = [{"N": 4096, "K": 4096, "dense_ms": 0.02, "dense_ms_min": 0.019, "dense_ms_max": 0.021,
              "w4a16_ms": 0.012, "w4a16_ms_min": 0.011, "w4a16_ms_max": 0.013}]
-    assert cg.w4a16_rule(rows)["verdict"] == lab.FAILS                            # even the bound: 1.46..1.91x < 2.1x
+    assert gpu_bandwidth.w4a16_rule(rows)["verdict"] == lab.FAILS                            # even the bound: 1.46..1.91x < 2.1x
     fast_rows = [{**rows[0], "w4a16_ms": 0.008, "w4a16_ms_min": 0.0078, "w4a16_ms_max": 0.0082}]
-    assert cg.w4a16_rule(fast_rows)["verdict"] == lab.NOT_MEASURED             # a bound above 2.1x confirms nothing
+    assert gpu_bandwidth.w4a16_rule(fast_rows)["verdict"] == lab.NOT_MEASURED             # a bound above 2.1x confirms nothing
     # one m whose bound reaches 2.1x: the rule cannot refute the claim
-    assert cg.w4a16_rule(rows + [{**fast_rows[0], "m": 16}])["verdict"] == lab.NOT_MEASURED
+    assert gpu_bandwidth.w4a16_rule(rows + [{**fast_rows[0], "m": 16}])["verdict"] == lab.NOT_MEASURED
     krows, _ = _kernel_rows()
     dec = [{"provider": r["provider"], "sizes": r["sizes"], "dtype": r["dtype"], "ms_median": r["ms_median"],
             "ms_min": r["ms_min"], "ms_max": r["ms_max"], "frac_of_ceiling": r["frac_of_ceiling"]}
            for r in krows if r["section"] == "decode"]
-    assert cg.bandwidth_rule(dec, 4000.0, 800.0)["verdict"] == lab.HOLDS
+    assert gpu_bandwidth.bandwidth_rule(dec, 4000.0, 800.0)["verdict"] == lab.HOLDS
     big = [{**d, "sizes": d["sizes"].replace("batch=1", "batch=256")} for d in dec]   # intensity <= 256 > ridge 200
-    b = cg.bandwidth_rule(big, 4000.0, 800.0)
+    b = gpu_bandwidth.bandwidth_rule(big, 4000.0, 800.0)
     assert b["verdict"] == lab.FAILS and b["intensity_bound"] == 256 and "not shown" in b["why"]
 
 
 def test_fused_rule_without_eager_launches():
     rows = [{"provider": "eager", "launches_per_step": None, "ms_median": 10.0, "ms_min": 9.8, "ms_max": 10.2},
             {"provider": "fused", "launches_per_step": 120.0, "ms_median": 2.0, "ms_min": 1.9, "ms_max": 2.1}]
-    r = cg.fused_rule(rows)                                 # no TypeError on the missing count
+    r = gpu_stack.fused_rule(rows)                                 # no TypeError on the missing count
     assert r["verdict"] == lab.FAILS and r["launch_ratio"] is None and "not counted for eager" in r["why"]
-    p = cg.prefetch_rule((0.95, 0.93, 0.97), 0.6, (0.95, 0.94, 0.96), "within noise (1.02x, ranges overlap)")
+    p = gpu_bandwidth.prefetch_rule((0.95, 0.93, 0.97), 0.6, (0.95, 0.94, 0.96), "within noise (1.02x, ranges overlap)")
     assert p["hit_ok"] and not p["link_ok"] and p["verdict"] == lab.FAILS
 
 
