@@ -361,7 +361,8 @@ def _rows_of(step: str, data: dict) -> tuple[list[dict], list[str] | None]:
         return [{k: v for k, v in r.items() if _scalar(v)} for r in data["rows"]], None
     if step == "calibrate":                      # one row per measured mix
         res = data["result"]
-        return [{k: v for k, v in r.items() if _scalar(v)} | {"recommended": r["key"] == res["recommendation"]["key"]}
+        rec = (res.get("recommendation") or {}).get("key")     # None in a partial result: nothing recommended yet
+        return [{k: v for k, v in r.items() if _scalar(v)} | {"recommended": rec is not None and r["key"] == rec}
                 for r in res["candidates"]], None
     if step in ENGINE_STEPS:
         return engine_rows(data), None
@@ -417,12 +418,16 @@ def write_tables(out_dir: str | Path, work_dir: str | Path) -> dict[str, str]:
                         merged = data
                     else:
                         merged.update({k: v for k, v in data.items() if k != "partial"})
-            if not merged:
-                done[table] = "; ".join(how)
+            merged.pop("partial", None)             # said in meta.json's tables, not a column / run row
+            if not merged:                          # killed before it saved a row
+                done[table] = "; ".join(h.replace("partial (", "nothing saved (") for h in how)
                 continue
             rows, columns = _rows_of(ran[-1], merged)      # a table's producers share one format
-            write_csv(rows, out / f"{table}.csv", columns)
             bad = [h for h in how if h != "ok"]
+            if not rows and bad:                    # stopped before its first row: keep the previous run's table
+                done[table] = "; ".join(h.replace("partial (", "nothing saved (") for h in how)
+                continue
+            write_csv(rows, out / f"{table}.csv", columns)
             done[table] = "ok" if not bad else "partial (" + "; ".join(
                 h.removeprefix("partial (").removesuffix(")") for h in bad) + ")"
         except Exception as e:  # noqa: BLE001 - one table's problem must not lose the others
