@@ -360,9 +360,16 @@ def run_end_to_end(model=None, device=None, dtype=None, mode: str = "tiny", slo_
     """The whole ablation in one call, JSON-ready (``scripts/device_check.sh``'s ``e2e`` step):
     ``rows`` (:func:`report_rows`), ``stack``, ``waterfall`` of ``metric``, the recommendation for
     P95 TTFT <= ``slo_ttft_p95_ms`` (None: the baseline's slowest round, "never slower than the
-    baseline was") and perplexity +2 % at most, and the run's facts."""
+    baseline was") and perplexity +2 % at most, and the run's facts.
+
+    After every run (one configuration in one round) the result so far goes to
+    :func:`workbench.measure.gpu_results.save_partial` (a no-op unless ``$WORKBENCH_PARTIAL_OUT``
+    is set): the run's facts, ``rows`` of the configurations measured so far (medians of their
+    runs, verdicts against the baseline's runs so far; quality is measured after the last round)
+    and the layers not measured, and ``stack``."""
     from workbench.bench.vs_transformers import device_name
     from workbench.engine.llm import LLM
+    from workbench.measure.gpu_results import save_partial
     from workbench.measure.probe import noise_probe
 
     t0 = time.perf_counter()
@@ -370,14 +377,31 @@ def run_end_to_end(model=None, device=None, dtype=None, mode: str = "tiny", slo_
     probe = noise_probe()
     wl = build_workload(llm.tokenizer, WorkloadConfig.preset(mode), llm.max_model_len)
     cfg = E2EConfig.preset(mode)
-    say = (lambda r, c, row: print(f"[e2e] round {r + 1} {c.name}: {metric} {row[metric]:.1f}", file=sys.stderr,
-                                   flush=True)) if progress else None
-    ab = run_ablation(llm, wl, cfg, model=model, progress=say)
-    slo = SLO(ttft_p95_ms=slo_ttft_p95_ms or max(ab.samples("baseline", "ttft_ms_p95")))
-    rec = recommend(ab.candidates(), slo)
-    return {"mode": mode, "device": str(llm.device), "device_name": device_name(llm.device),
+    head = {"mode": mode, "device": str(llm.device), "device_name": device_name(llm.device),
             "dtype": str(llm.model.lm_head.weight.dtype).replace("torch.", ""), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "noise_threshold": probe.threshold, "workload": wl.describe(),
-            "repeats": cfg.repeats, "rows": report_rows(ab), "stack": ab.stack, "waterfall": ab.waterfall(metric),
+            "repeats": cfg.repeats}
+    ab = Ablation(llm, wl, cfg, model=model).build()
+
+    def on_run(r, c, row) -> None:
+        if progress:
+            print(f"[e2e] round {r + 1} {c.name}: {metric} {row[metric]:.1f}", file=sys.stderr, flush=True)
+        # what is measured so far, in the finished result's shape (rows of the runs done, the stack), for a
+        # time cap that stops the run (scripts/device_check.sh); the waterfall and the pick need every run
+        try:
+            save_partial({**head, "rows": report_rows(ab), "stack": ab.stack,
+                          "seconds": time.perf_counter() - t0})
+        except Exception as e:  # noqa: BLE001 - saving what there is must never stop the measuring
+            print(f"[e2e] could not save the partial result: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+    try:                                 # run_ablation's steps, saving as the runs go
+        ab.warm_up()
+        ab.run(progress=on_run)
+        ab.measure_quality()
+    finally:
+        ab.close()
+    slo = SLO(ttft_p95_ms=slo_ttft_p95_ms or max(ab.samples("baseline", "ttft_ms_p95")))
+    rec = recommend(ab.candidates(), slo)
+    return {**head, "rows": report_rows(ab), "stack": ab.stack, "waterfall": ab.waterfall(metric),
             "slo": slo.describe(), "recommendation": rec["pick"], "recommendation_reason": rec["reason"],
             "seconds": time.perf_counter() - t0}
