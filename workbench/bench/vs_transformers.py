@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -337,10 +338,16 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     configuration, one request at a time, runs them one after another).  The top-level rows are the
     smallest batch; ``batches`` holds every size's rows, and ``paged_vs_contiguous`` the paged
     pool's static steps against the contiguous ones at each size (``paged+compile`` vs ``compile``,
-    ``paged+graphs`` vs ``cuda-graphs``) with a verdict."""
+    ``paged+graphs`` vs ``cuda-graphs``) with a verdict.
+
+    After every group of prompts that every side has run, the result so far (without ``raw``, as
+    ``workbench bench --json`` prints it) goes to :func:`workbench.measure.gpu_results.save_partial`
+    (a no-op unless ``$WORKBENCH_PARTIAL_OUT`` is set): the statistics, ratios and verdicts of the
+    runs done, token agreement on the prompts run so far, no perplexity (measured after the runs)."""
     import transformers
     from tqdm.auto import tqdm
 
+    from workbench.measure.gpu_results import save_partial
     from workbench.measure.probe import noise_probe
 
     names = parse_configs(cfg.configs)
@@ -363,14 +370,37 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
                     fn(pool[:b])
     steps = sum(cfg.repeats * cfg.num_prompts * sum(b == 1 or n not in SINGLE_STREAM for n in sides) for b in batches)
     bar = tqdm(total=steps, desc="bench", unit="run", disable=not progress)
+    head = {"model": cfg.model or "bundled", "device": str(llm.device), "device_name": device_name(llm.device),
+            "dtype": str(llm.model.lm_head.weight.dtype).removeprefix("torch."), "threads": threads,
+            "threads_policy": llm.thread_choice.as_dict(), "noise": probe.as_dict(),
+            "torch": torch.__version__, "transformers": transformers.__version__, "config": asdict(cfg)}
     per_batch = {}
     for b in batches:
         groups = [[pool[(i + j) % len(pool)] for j in range(b)] for i in range(cfg.num_prompts)]
         run = {n: fn for n, fn in sides.items() if b == 1 or n not in SINGLE_STREAM}
-        raw, tokens = _measure(run, groups, cfg.repeats, threads, bar)
+
+        def save(raw, tokens, done, b=b, groups=groups):
+            """The result so far (this batch size's groups measured until now, the sizes before it whole;
+            no perplexity yet), for a time cap that stops the run (scripts/device_check.sh)."""
+            try:
+                part = {**per_batch, b: _batch_rows(llm, raw, tokens, groups[:done], info, ours)}
+                res = _result(head, batches, part, {}, cfg.max_rel_ppl, llm, info["skipped"])
+                save_partial({k: v for k, v in res.items() if k != "raw"})
+            except Exception as e:  # noqa: BLE001 - saving what there is must never stop the measuring
+                print(f"bench: could not save the partial result: {type(e).__name__}: {e}", file=sys.stderr)
+
+        raw, tokens = _measure(run, groups, cfg.repeats, threads, bar, on_group=save)
         per_batch[b] = _batch_rows(llm, raw, tokens, groups, info, ours)
     bar.close()
     quality = bench_quality(llm, info["models"], cfg.quality_windows)
+    return _result(head, batches, per_batch, quality, cfg.max_rel_ppl, llm, info["skipped"])
+
+
+def _result(head: dict, batches: list[int], per_batch: dict, quality: dict, max_rel_ppl: float, llm: LLM,
+            skipped: dict) -> dict:
+    """:func:`run_bench`'s result from each batch size's rows (:func:`_batch_rows`; the smallest size is
+    the top level), the quantized rows' perplexity (``quality``; ``{}``: not measured yet) and the sides
+    not measured (``skipped``: name -> why)."""
     for pb in per_batch.values():
         for name, c in pb["configs"].items():
             c["quality"] = quality.get(name) if name.startswith("q:") else "the reference's weights"
@@ -378,18 +408,15 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     res, configs = first["stats"], first["configs"]
     raw = first["raw"]
     out = {
-        "model": cfg.model or "bundled", "device": str(llm.device), "device_name": device_name(llm.device),
-        "dtype": str(llm.model.lm_head.weight.dtype).removeprefix("torch."), "threads": threads,
-        "threads_policy": llm.thread_choice.as_dict(), "noise": probe.as_dict(),
-        "torch": torch.__version__, "transformers": transformers.__version__, "config": asdict(cfg),
+        **head,
         "batch": batches[0], "workbench": res["reference"], "transformers_generate": res["transformers"],
         "decode_speedup": res["reference"]["decode_tokens_per_s_p50"] / res["transformers"]["decode_tokens_per_s_p50"],
         "ttft_ratio": res["reference"]["ttft_ms_p50"] / res["transformers"]["ttft_ms_p50"],
         **first["reference_vs_hf"],
         "greedy_token_agreement": first["reference_agreement"],
-        "configs": configs, "skipped": info["skipped"],
+        "configs": configs, "skipped": skipped,
         "fastest": max(configs, key=lambda c: configs[c]["decode_tokens_per_s_p50"] if c not in LLAMACPP else -1),
-        **_fastest_within(configs, cfg.max_rel_ppl),
+        **_fastest_within(configs, max_rel_ppl),
         "backends": _backends_row(llm.model), "quality": quality,
         "batches": {str(b): {k: v for k, v in pb.items() if k in ("configs", "fastest", "paged_vs_contiguous")}
                     | {"transformers_generate": pb["stats"]["transformers"]} for b, pb in per_batch.items()},
@@ -411,9 +438,10 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     return out
 
 
-def _measure(sides: dict, groups: list, repeats: int, threads: int, bar) -> tuple[dict, dict]:
+def _measure(sides: dict, groups: list, repeats: int, threads: int, bar, on_group=None) -> tuple[dict, dict]:
     """Every side on every group of prompts, ``repeats`` times, interleaved (the order rotated after
-    each group, so no side always follows the same one): raw rows and the first repeat's tokens."""
+    each group, so no side always follows the same one): raw rows and the first repeat's tokens.
+    ``on_group(raw, tokens, groups_with_tokens)`` after each group every side has run."""
     raw = {k: [] for k in sides}
     tokens = {k: [] for k in sides}
     order = list(sides)
@@ -429,6 +457,8 @@ def _measure(sides: dict, groups: list, repeats: int, threads: int, bar) -> tupl
                     tokens[side] += toks
                 bar.update()
             order = order[1:] + order[:1]
+            if on_group is not None:
+                on_group(raw, tokens, i + 1 if r == 0 else len(groups))
     return raw, tokens
 
 
