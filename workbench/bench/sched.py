@@ -16,12 +16,17 @@ Four experiments on one loaded model, each comparing configurations on the same 
   the time in :meth:`Scheduler.schedule` (pure Python) and in the post-step bookkeeping as a
   share of the whole step.
 
+After each experiment, and each row of the trace experiments, the result so far goes to
+:func:`workbench.measure.gpu_results.save_partial` (a no-op unless ``$WORKBENCH_PARTIAL_OUT`` is
+set; the device check's ``sched_bench`` step keeps it when its time cap stops the run).
+
 Every number is measured here, on this machine; nothing is extrapolated.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -168,14 +173,26 @@ def compare_runs(llm: LLM, cfg: SchedBenchConfig, trace: Trace, sides: dict[str,
     return compare(runs, repeats=repeats, key=lambda row: row[metric], metric=metric, lower_is_better=lower_is_better)
 
 
-def chunked_prefill(llm: LLM, cfg: SchedBenchConfig, trace: Trace | None = None) -> list[dict]:
+def chunked_prefill(llm: LLM, cfg: SchedBenchConfig, trace: Trace | None = None, on_row=None) -> list[dict]:
+    """The trace with chunked prefill off, then on; ``on_row(rows)`` after each (the rows so far)."""
     trace = trace or mixed_trace(llm, cfg)
-    return [trace_run(llm, cfg, trace, label={"chunked_prefill": c}, chunked_prefill=c) for c in (False, True)]
+    rows: list[dict] = []
+    for c in (False, True):
+        rows.append(trace_run(llm, cfg, trace, label={"chunked_prefill": c}, chunked_prefill=c))
+        if on_row is not None:
+            on_row(rows)
+    return rows
 
 
-def window_sweep(llm: LLM, cfg: SchedBenchConfig, trace: Trace | None = None) -> list[dict]:
+def window_sweep(llm: LLM, cfg: SchedBenchConfig, trace: Trace | None = None, on_row=None) -> list[dict]:
+    """The trace under each micro-batch window; ``on_row(rows)`` after each (the rows so far)."""
     trace = trace or mixed_trace(llm, cfg)
-    return [trace_run(llm, cfg, trace, label={"window_ms": w}, micro_batch_window_s=w / 1e3) for w in cfg.windows_ms]
+    rows: list[dict] = []
+    for w in cfg.windows_ms:
+        rows.append(trace_run(llm, cfg, trace, label={"window_ms": w}, micro_batch_window_s=w / 1e3))
+        if on_row is not None:
+            on_row(rows)
+    return rows
 
 
 # ---- 4. scheduler overhead --------------------------------------------------------------------
@@ -221,24 +238,42 @@ def run_sched_bench(model=None, cfg: SchedBenchConfig | None = None, device=None
     if progress:
         from tqdm.auto import tqdm
         bar = tqdm(total=len(steps), desc="sched-bench", unit="exp")
+    from workbench.measure.gpu_results import save_partial
+
+    def save(**more) -> None:
+        """The result so far, for a time cap that stops the run (scripts/device_check.sh)."""
+        try:
+            save_partial(_finished({**res, **more}))
+        except Exception as e:  # noqa: BLE001 - saving what there is must never stop the measuring
+            print(f"sched-bench: could not save the partial result: {type(e).__name__}: {e}", file=sys.stderr)
+
     for e in steps:
         if e == "throughput":
             res["throughput"] = throughput(llm, cfg)
         elif e == "chunked":
-            res["chunked"] = chunked_prefill(llm, cfg, trace)
+            res["chunked"] = chunked_prefill(llm, cfg, trace, on_row=lambda rows: save(chunked=rows))
         elif e == "window":
-            res["window"] = window_sweep(llm, cfg, trace)
+            res["window"] = window_sweep(llm, cfg, trace, on_row=lambda rows: save(window=rows))
         else:
             res["overhead"] = overhead(llm, cfg)
+        save()
         if bar is not None:
             bar.update()
     if bar is not None:
         bar.close()
+    return _finished(res)
+
+
+def _finished(res: dict) -> dict:
+    """``res`` as the benchmark reports it: the trace rows without their tokens, and whether every
+    row of a trace experiment gave the same greedy tokens (``<experiment>_identical_tokens``)."""
+    out = dict(res)
     for key in ("chunked", "window"):          # same trace, greedy: every configuration must agree
-        if key in res:
-            toks = [r.pop("tokens") for r in res[key]]
-            res[f"{key}_identical_tokens"] = all(t == toks[0] for t in toks)
-    return res
+        if key in out:
+            toks = [r.get("tokens") for r in out[key]]
+            out[key] = [{k: v for k, v in r.items() if k != "tokens"} for r in out[key]]
+            out[f"{key}_identical_tokens"] = all(t == toks[0] for t in toks)
+    return out
 
 
 def _f(v, spec=".1f") -> str:
