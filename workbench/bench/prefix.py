@@ -18,6 +18,7 @@ compared on vs off: the prefix cache is exact, so they must be identical.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
@@ -101,7 +102,9 @@ def run_prefix_bench(model=None, cfg: PrefixBenchConfig | None = None, device=No
                      progress: bool = True) -> dict:
     """Both workloads, cache on vs off.  ``model``: a path / preset / None (bundled) or a loaded
     :class:`~workbench.engine.llm.LLM` (its model and tokenizer are reused).  Returns a JSON-ready
-    dict (see the module docstring)."""
+    dict (see the module docstring).  After each round the result so far (a workload's section once
+    it has a round) goes to :func:`workbench.measure.gpu_results.save_partial` (a no-op unless
+    ``$WORKBENCH_PARTIAL_OUT`` is set)."""
     from tqdm.auto import tqdm
 
     cfg = cfg or PrefixBenchConfig()
@@ -112,6 +115,7 @@ def run_prefix_bench(model=None, cfg: PrefixBenchConfig | None = None, device=No
     unique = unique_prompts(base.tokenizer, cfg)
     longest = max(len(base.tokenizer.encode(p)) for p in shared) + cfg.max_tokens
     blocks = -(-longest // cfg.block_size) * 4 + 8   # the shared prefix + a few requests' worth
+    from workbench.measure.gpu_results import save_partial
     from workbench.measure.probe import noise_probe
 
     probe = noise_probe()            # the noise floor of the verdicts below
@@ -122,6 +126,9 @@ def run_prefix_bench(model=None, cfg: PrefixBenchConfig | None = None, device=No
     params = SamplingParams(temperature=0, max_tokens=cfg.max_tokens, ignore_eos=True)
 
     runs = {("shared", on): [] for on in (False, True)} | {("unique", on): [] for on in (False, True)}
+    head = {"config": cfg.__dict__, "system_prompt_tokens": len(base.tokenizer.encode(system)),
+            "device": str(base.device), "pool_blocks": blocks, "noise": probe.as_dict()}
+    shared_stats = None
     bar = tqdm(total=2 * cfg.rounds, desc="prefix bench", disable=not progress)
     for workload, prompts in (("shared", shared), ("unique", unique)):
         for on in (False, True):                            # warm-up
@@ -133,8 +140,19 @@ def run_prefix_bench(model=None, cfg: PrefixBenchConfig | None = None, device=No
                 runs[(workload, on)].append(res)
             if workload == "shared":
                 shared_stats = engines[True].kv_pool.manager.stats.as_dict()
+            try:                              # the rounds so far, for a time cap that stops the run
+                save_partial(_result(head, runs, shared_stats))
+            except Exception as e:  # noqa: BLE001 - saving what there is must never stop the measuring
+                print(f"prefix-bench: could not save the partial result: {type(e).__name__}: {e}", file=sys.stderr)
             bar.update()
     bar.close()
+    return _result(head, runs, shared_stats)
+
+
+def _result(head: dict, runs: dict, shared_stats: dict | None) -> dict:
+    """The benchmark's result from the rounds run so far (``runs``: (workload, on) -> one summary per
+    round): a workload's section once it has a round."""
+    out = dict(head)
 
     def ttft_stats(rs):
         all_ttft = [t for r in rs for t in r["ttft_ms"]]
@@ -143,51 +161,52 @@ def run_prefix_bench(model=None, cfg: PrefixBenchConfig | None = None, device=No
                 "ttft_ms_p95": sorted(all_ttft)[int(0.95 * (len(all_ttft) - 1))],
                 "ttft_ms_std_after_first": jitter(warm)}
 
-    off, on = ttft_stats(runs[("shared", False)]), ttft_stats(runs[("shared", True)])
-    hit = runs[("shared", True)][-1]
-    prompt_tokens = sum(len(o.prompt_token_ids) for o in hit["outs"])
-    reasons: dict[str, int] = {}
-    for r in hit["miss_reasons"]:
-        reasons[str(r)] = reasons.get(str(r), 0) + 1
-    same = all(a.token_ids == b.token_ids for a, b in zip(runs[("shared", False)][0]["outs"], hit["outs"]))
-    tps_off = statistics.median(r["tokens_per_s"] for r in runs[("unique", False)])
-    tps_on = statistics.median(r["tokens_per_s"] for r in runs[("unique", True)])
-    # Wall-clock throughput differences of a few percent drown in machine noise; the share of
-    # time spent inside the block manager is measured directly and is what the cache adds.
-    share_off = statistics.median(r["manager_share"] for r in runs[("unique", False)])
-    share_on = statistics.median(r["manager_share"] for r in runs[("unique", True)])
-    same_unique = all(a.token_ids == b.token_ids for a, b in
-                      zip(runs[("unique", False)][0]["outs"], runs[("unique", True)][0]["outs"]))
-    # The verdicts: each request after a round's first (which cannot hit) off vs on, neighbours
-    # in time; and per-request tokens/s without sharing, where only "within noise" is expected.
-    warm = {on: [t for r in runs[("shared", on)] for t in r["ttft_ms"][1:]] for on in (False, True)}
     names = ("prefix cache off", "prefix cache on")
-    ttft_cmp = (compare_samples(warm[False], warm[True], names=names, metric="TTFT of requests after the first",
-                                unit="ms") if warm[False] else None)
-    tps_cmp = compare_samples([t for r in runs[("unique", False)] for t in r["request_tokens_per_s"]],
-                              [t for r in runs[("unique", True)] for t in r["request_tokens_per_s"]], names=names,
-                              metric="tokens/s per request, nothing shared", lower_is_better=False,
-                              better_word="faster")
-    return {
-        "config": cfg.__dict__, "system_prompt_tokens": len(base.tokenizer.encode(system)),
-        "device": str(base.device), "pool_blocks": blocks, "noise": probe.as_dict(),
-        "shared_prefix": {"off": off, "on": on, "ttft_p50_reduction": off["ttft_ms_p50"] / on["ttft_ms_p50"],
-                          "ttft_verdict": ttft_cmp.verdict if ttft_cmp else "needs 2+ requests",
-                          "ttft_winner": ttft_cmp.winner if ttft_cmp else None,
-                          "ttft_comparison": ttft_cmp.as_dict() if ttft_cmp else None,
-                          "jitter_off_ms": off["ttft_ms_std"], "jitter_on_ms": on["ttft_ms_std"],
-                          "hit_tokens": sum(hit["cached_tokens"]), "prompt_tokens": prompt_tokens,
-                          "hit_rate": sum(hit["cached_tokens"]) / prompt_tokens,
-                          "miss_reasons": reasons, "identical_greedy_tokens": same},
-        "no_sharing": {"tokens_per_s_off": tps_off, "tokens_per_s_on": tps_on,
-                       "relative_cost": 1 - tps_on / tps_off,
-                       "tokens_per_s_runs_off": [r["tokens_per_s"] for r in runs[("unique", False)]],
-                       "tokens_per_s_runs_on": [r["tokens_per_s"] for r in runs[("unique", True)]],
-                       "manager_share_off": share_off, "manager_share_on": share_on,
-                       "bookkeeping_cost": share_on - share_off, "identical_greedy_tokens": same_unique,
-                       "tokens_per_s_verdict": tps_cmp.verdict},
-        "block_manager_stats_shared": shared_stats,
-    }
+    if runs[("shared", True)]:
+        off, on = ttft_stats(runs[("shared", False)]), ttft_stats(runs[("shared", True)])
+        hit = runs[("shared", True)][-1]
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in hit["outs"])
+        reasons: dict[str, int] = {}
+        for r in hit["miss_reasons"]:
+            reasons[str(r)] = reasons.get(str(r), 0) + 1
+        same = all(a.token_ids == b.token_ids for a, b in zip(runs[("shared", False)][0]["outs"], hit["outs"]))
+        # The verdict: each request after a round's first (which cannot hit) off vs on, neighbours in time
+        warm = {on: [t for r in runs[("shared", on)] for t in r["ttft_ms"][1:]] for on in (False, True)}
+        ttft_cmp = (compare_samples(warm[False], warm[True], names=names, metric="TTFT of requests after the first",
+                                    unit="ms") if warm[False] else None)
+        out["shared_prefix"] = {
+            "off": off, "on": on, "ttft_p50_reduction": off["ttft_ms_p50"] / on["ttft_ms_p50"],
+            "ttft_verdict": ttft_cmp.verdict if ttft_cmp else "needs 2+ requests",
+            "ttft_winner": ttft_cmp.winner if ttft_cmp else None,
+            "ttft_comparison": ttft_cmp.as_dict() if ttft_cmp else None,
+            "jitter_off_ms": off["ttft_ms_std"], "jitter_on_ms": on["ttft_ms_std"],
+            "hit_tokens": sum(hit["cached_tokens"]), "prompt_tokens": prompt_tokens,
+            "hit_rate": sum(hit["cached_tokens"]) / prompt_tokens,
+            "miss_reasons": reasons, "identical_greedy_tokens": same}
+    if runs[("unique", True)]:
+        tps_off = statistics.median(r["tokens_per_s"] for r in runs[("unique", False)])
+        tps_on = statistics.median(r["tokens_per_s"] for r in runs[("unique", True)])
+        # Wall-clock throughput differences of a few percent drown in machine noise; the share of
+        # time spent inside the block manager is measured directly and is what the cache adds.
+        share_off = statistics.median(r["manager_share"] for r in runs[("unique", False)])
+        share_on = statistics.median(r["manager_share"] for r in runs[("unique", True)])
+        same_unique = all(a.token_ids == b.token_ids for a, b in
+                          zip(runs[("unique", False)][0]["outs"], runs[("unique", True)][0]["outs"]))
+        # per-request tokens/s without sharing, where only "within noise" is expected
+        tps_cmp = compare_samples([t for r in runs[("unique", False)] for t in r["request_tokens_per_s"]],
+                                  [t for r in runs[("unique", True)] for t in r["request_tokens_per_s"]], names=names,
+                                  metric="tokens/s per request, nothing shared", lower_is_better=False,
+                                  better_word="faster")
+        out["no_sharing"] = {
+            "tokens_per_s_off": tps_off, "tokens_per_s_on": tps_on, "relative_cost": 1 - tps_on / tps_off,
+            "tokens_per_s_runs_off": [r["tokens_per_s"] for r in runs[("unique", False)]],
+            "tokens_per_s_runs_on": [r["tokens_per_s"] for r in runs[("unique", True)]],
+            "manager_share_off": share_off, "manager_share_on": share_on,
+            "bookkeeping_cost": share_on - share_off, "identical_greedy_tokens": same_unique,
+            "tokens_per_s_verdict": tps_cmp.verdict}
+    if shared_stats is not None:
+        out["block_manager_stats_shared"] = shared_stats
+    return out
 
 
 def format_prefix_bench(res: dict) -> str:
