@@ -112,7 +112,8 @@ def cmd_calibrate_quant(args) -> int:
                     eval_windows=args.eval_windows, calib_windows=args.calib_windows,
                     evaluation_fraction=args.evaluation_fraction, em_prompt=args.em_prompt, em_tokens=args.em_tokens,
                     em_prompts=args.em_prompts, backend=args.backend, max_measured=args.max_measured,
-                    decode_steps=args.decode_steps, rounds=args.rounds, progress=progress)
+                    decode_steps=args.decode_steps, rounds=args.rounds, progress=progress,
+                    on_partial=_save_partial)
     out = Path(args.out or f"runs/calibrate/{time.strftime('%Y%m%d-%H%M%S')}")
     paths = write_outputs(res, out)
     try:
@@ -130,6 +131,17 @@ def cmd_calibrate_quant(args) -> int:
         print("\nno recipe.json: the recommendation is the unquantized model")
     print("\nwrote " + ", ".join(str(p) for p in paths.values()))
     return 0
+
+
+def _save_partial(res: dict) -> None:
+    """The result so far, in the shape ``--json`` prints (without the files, written at the end), for a
+    time cap that stops the run (``$WORKBENCH_PARTIAL_OUT``: scripts/device_check.sh's calibrate step)."""
+    from workbench.measure.gpu_results import save_partial
+
+    try:
+        save_partial({"result": res})
+    except Exception as e:  # noqa: BLE001 - saving what there is must never stop the measuring
+        print(f"calibrate-quant: could not save the partial result: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 def _check(args) -> int:

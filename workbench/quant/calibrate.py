@@ -147,7 +147,7 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
               backend: str = "auto", memory: str = "stored", tie_fused: bool = True, unit: str = "layer",
               max_measured: int = 10,
               decode_steps: int = 16, rounds: int = 5, latency_rows: int = 1, sensitivity: list[dict] | None = None,
-              progress=None) -> dict:
+              progress=None, on_partial=None) -> dict:
     """Run the calibrator (see the module docstring); returns a JSON-ready result dict.
 
     ``memory``: what the memory objective counts - ``"stored"`` (the format's bytes: integers,
@@ -158,7 +158,11 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
     first pass on a large model).
     ``sensitivity``: the ``"sensitivity"`` rows of an earlier result on the same model, data,
     evaluation settings, units and search space (e.g. to run the other objective without
-    measuring every unit again); they must cover every (unit, option) of this search."""
+    measuring every unit again); they must cover every (unit, option) of this search.
+    ``on_partial(result)``: called with the result so far after each measured mix and after the
+    decode timing (``candidates``: the mixes measured
+    until then, in the order measured; ``recommendation`` None), so a run stopped part way keeps
+    its rows (``workbench calibrate-quant`` saves it for the device check's time cap)."""
     import workbench
     from workbench.data import dataset_split, group_field_of, jsonl_windows, read_jsonl
     from workbench.model.loader import BUNDLED_MODEL, load_model
@@ -272,6 +276,34 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
     names = list(options)
     front = lagrangian_front(list(units), names, delta, cost)
     measured: dict[str, dict] = {}
+    front_keys: dict[int, str] = {}
+
+    def result(candidates: list[dict], rec: dict | None, offset: float | None) -> dict:
+        return {"dataset": str(dataset), "model": str(folder), "device": str(device),
+                "dtype": str(next(base.parameters()).dtype), "target_metric": target_metric, "max_degradation": limit,
+                "degradation_units": UNITS[target_metric], "objective": objective,
+                "memory": memory if objective == "memory" else None, "search_space": names, "backend": backend,
+                "tie_fused": tie_fused, "unit": unit, "units": units, "threads": torch.get_num_threads(),
+                "cpu_count": os.cpu_count(), "diagnostics": diag, "warnings": warnings,
+                "reference": {k: {"ppl": r.ppl, "top1": float(r.top1_hits.double().mean()),
+                                  "exact_match": None if r.em_hits is None else float(r.em_hits.mean()),
+                                  "tokens": r.evalset.tokens, "prompts": len(r.evalset.prompts)}
+                              for k, r in (("search", ref), ("confirmation", ref_c))},
+                "evaluation": {**spec["confirmation"], **em}, "search_evaluation": {**spec["search"], **em},
+                "calibration": spec["calibration"] if needs_cal else None,
+                "sensitivity": sens, "layer_costs": layer_cost, "cost_offset": offset,
+                "front": [{"index": i, "label": expand(m, units).label(), "predicted_cost": m.cost,
+                           "predicted_degradation": m.degradation, "measured_as": front_keys.get(i)}
+                          for i, m in enumerate(front)],
+                "candidates": candidates, "recommendation": rec,
+                "latency": {"decode_steps": decode_steps, "rounds": rounds, "layer_rows": latency_rows}
+                if objective == "latency" else None,
+                "seconds": {"sensitivity": t_sens, "layer_costs": t_cost, "total": time.perf_counter() - t_start}}
+
+    def partial() -> None:
+        if on_partial is not None:
+            on_partial(result([dict(r) for r in measured.values()], None, None))
+
     models: dict[str, torch.nn.Module] = {}
     by_assignment: dict[tuple, str] = {}
 
@@ -311,13 +343,12 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
                    metrics={k: v for k, v in q.items() if k != "degradation"},
                    degradations={k: list(v) for k, v in q["degradation"].items()})
         measured[key] = row
+        partial()
         return row
 
     say("measure the uniform mixes and the predicted front")
     for o in names:
         run_mix("unquantized" if o == DENSE else f"uniform {o}", uniform_mix(list(units), o, delta, cost), "uniform")
-    front_keys: dict[int, str] = {}
-
     def measure_front(i: int) -> float:
         row = run_mix(f"front {i}", front[i], "front")
         front_keys[i] = row["key"]
@@ -330,6 +361,7 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
         say(f"decode steps of {len(models)} models, {rounds} interleaved rounds")
         for k, c in _decode_samples(models, decode_steps, rounds).items():
             measured[k].update(c)
+        partial()
     for row in measured.values():
         row["cost"] = row["bytes"] if objective == "memory" else row["ms"]
     unq = measured["unquantized"]
@@ -371,22 +403,4 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
 
     rec["reasons"] = reasons(rec, measured, sens, target_metric, objective, limit, cost=cost, units=units)
 
-    return {"dataset": str(dataset), "model": str(folder), "device": str(device), "dtype": str(next(base.parameters()).dtype),
-            "target_metric": target_metric, "max_degradation": limit, "degradation_units": UNITS[target_metric],
-            "objective": objective, "memory": memory if objective == "memory" else None, "search_space": names,
-            "backend": backend, "tie_fused": tie_fused, "unit": unit, "units": units, "threads": torch.get_num_threads(),
-            "cpu_count": os.cpu_count(), "diagnostics": diag, "warnings": warnings,
-            "reference": {k: {"ppl": r.ppl, "top1": float(r.top1_hits.double().mean()),
-                              "exact_match": None if r.em_hits is None else float(r.em_hits.mean()),
-                              "tokens": r.evalset.tokens, "prompts": len(r.evalset.prompts)}
-                          for k, r in (("search", ref), ("confirmation", ref_c))},
-            "evaluation": {**spec["confirmation"], **em}, "search_evaluation": {**spec["search"], **em},
-            "calibration": spec["calibration"] if needs_cal else None,
-            "sensitivity": sens, "layer_costs": layer_cost, "cost_offset": offset,
-            "front": [{"index": i, "label": expand(m, units).label(), "predicted_cost": m.cost,
-                       "predicted_degradation": m.degradation, "measured_as": front_keys.get(i)}
-                      for i, m in enumerate(front)],
-            "candidates": sorted(measured.values(), key=lambda r: r["cost"]), "recommendation": rec,
-            "latency": {"decode_steps": decode_steps, "rounds": rounds, "layer_rows": latency_rows}
-            if objective == "latency" else None,
-            "seconds": {"sensitivity": t_sens, "layer_costs": t_cost, "total": time.perf_counter() - t_start}}
+    return result(sorted(measured.values(), key=lambda r: r["cost"]), rec, offset)
