@@ -43,3 +43,13 @@ def test_flushed_calls_spin_between_the_flush_and_the_start_event(monkeypatch):
 def test_cpu_calls_use_the_host_clock():
     out = kt.time_calls(lambda: sum(range(1000)), torch.device("cpu"), warmup=1, repeats=3)
     assert len(out) == 3 and all(0 < t < 1 for t in out)
+
+
+def test_compare_timing_states_the_noise():
+    def row(ms: float) -> dict:
+        return {"ms_median": ms, "ms_min": ms * 0.9, "ms_max": ms * 1.1}
+
+    ref = row(10.0)
+    assert kt.compare_timing(row(10.5), ref).startswith("within noise")
+    assert kt.compare_timing(row(30.0), ref) == "3x slower"
+    assert kt.compare_timing(row(5.0), ref) == "2x faster"

@@ -1,8 +1,8 @@
 """The experiment logic the notebooks 01, 02 and 04 call, tested on small shapes.
 
 * 01 (fused kernels): ``workbench.bench.kernel_models`` (traffic and FLOP models, the scattered
-  block table, the tolerance check, greedy agreement); its views, ``workbench.lab.kernels_lab``,
-  in test_kernels_lab.py;
+  block table, the tolerance check, greedy agreement); its views, ``workbench.lab.kernels_view``,
+  in test_kernels_view.py;
 * 02 (KV tiers): ``workbench.bench.kv_experiments`` (offload experiment, control-vs-cold verdicts,
   ``tier_config_of``, explained variance) and ``workbench.lab.kv_lab`` (PCA and KL figures);
 * 04 (scheduler): ``workbench.bench.sched_experiments`` (``summary_row``, the preemption

@@ -13,7 +13,7 @@ notebook *predicts* and *checks* around them, as plain functions with tests
 * :func:`check_close`: a kernel's output against torch's, with the tolerance rule per dtype;
 * :func:`greedy_tokens` and :func:`token_agreement`: the greedy-decoding check of a backend.
 
-No plotting here (the views are in :mod:`workbench.lab.kernels_lab`); pandas is imported when used.
+No plotting here (the views are in :mod:`workbench.lab.kernels_view`); pandas is imported when used.
 """
 
 from __future__ import annotations

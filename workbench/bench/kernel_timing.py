@@ -2,8 +2,9 @@
 
 Every measurement is one row with the columns :data:`ROW_FIELDS` (:func:`new_row` fills the
 environment: device, versions, interpreter).  :func:`time_calls` times a call (CUDA events after
-an L2 flush on a GPU, ``perf_counter`` on a CPU); :func:`measure_ceilings` measures the copy
-bandwidth and matmul rate every other row is a fraction of.
+an L2 flush on a GPU, ``perf_counter`` on a CPU), :func:`compare_timing` states one row against
+another with the noise; :func:`measure_ceilings` measures the copy bandwidth and matmul rate every
+other row is a fraction of.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Callable
 
 import torch
 
@@ -119,6 +120,15 @@ def time_calls(fn: Callable, dev: torch.device, warmup: int, repeats: int, flush
 def timing_fields(times: list[float]) -> dict:
     return {"repeats": len(times), "ms_median": statistics.median(times) * 1e3, "ms_min": min(times) * 1e3,
             "ms_max": max(times) * 1e3}
+
+
+def compare_timing(row, ref) -> str:
+    """A timing against the reference, with the noise stated: ``within noise`` when the two
+    ``ms_min..ms_max`` ranges overlap, else the ratio of the medians (``25.3x slower``)."""
+    if row["ms_min"] <= ref["ms_max"] and ref["ms_min"] <= row["ms_max"]:
+        return "within noise (min..max ranges overlap)"
+    ratio = row["ms_median"] / ref["ms_median"]
+    return f"{ratio:.3g}x slower" if ratio > 1 else f"{1 / ratio:.3g}x faster"
 
 
 # ---- 1. ceilings ------------------------------------------------------------------------------

@@ -43,24 +43,40 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from workbench.bench.kernel_cases import BACKEND_OP, OPS, Case, make_case, run_case
-from workbench.bench.kernel_decode import count_step_launches, decode_rows, fused_backends, step_bytes
+from workbench.bench.kernel_decode import (
+    count_step_launches,
+    decode_rows,
+    fused_backends,
+    step_bytes,
+)
 from workbench.bench.kernel_report import append_csv, check_csv, format_table
-from workbench.bench.kernel_timing import (INTERPRETER_NOTE, ROW_FIELDS, dtype_name, environment, error_text,
-                                           measure_ceilings, new_row, prepare_device, time_calls, timing_fields)
+from workbench.bench.kernel_timing import (
+    INTERPRETER_NOTE,
+    ROW_FIELDS,
+    compare_timing,
+    dtype_name,
+    environment,
+    error_text,
+    measure_ceilings,
+    new_row,
+    prepare_device,
+    time_calls,
+    timing_fields,
+)
 from workbench.errors import ConfigError
 
 __all__ = [
-    "SECTIONS", "SIZES", "KernelBenchConfig", "resolve_sizes", "run_kernel_bench", "run_and_report",
+    "SECTIONS", "SIZES", "KernelBenchConfig", "resolve_sizes", "run_kernel_bench", "run_and_report", "measure_op",
     # the parts (see the module docstring)
     "ROW_FIELDS", "INTERPRETER_NOTE", "prepare_device", "environment", "new_row", "time_calls", "timing_fields",
-    "measure_ceilings", "OPS", "BACKEND_OP", "Case", "make_case", "run_case", "fused_backends",
+    "compare_timing", "measure_ceilings", "OPS", "BACKEND_OP", "Case", "make_case", "run_case", "fused_backends",
     "count_step_launches", "step_bytes", "decode_rows", "check_csv", "append_csv", "format_table",
 ]
 
@@ -201,6 +217,23 @@ def _kernel_section(cfg, sz, dev, dtype, env, ceilings, say, emit) -> None:
             if eager_ms.get(op) and r["ms_median"]:
                 r["vs_eager"] = eager_ms[op] / r["ms_median"]      # > 1: faster than eager
         emit(got)
+
+
+def measure_op(op: str, sizes: dict, dev: torch.device, dtype: torch.dtype, providers: dict, env: dict,
+               ceilings: dict, warmup: int, repeats: int):
+    """Every provider of one op at ``sizes``, as the kernel section measures it (the kernels
+    notebook measures its ops one at a time with this), asserting that none failed.  Returns the
+    rows as a DataFrame (one per provider); its ``attrs`` say what was measured: ``op``,
+    ``sizes``, ``metric`` and the ``formula`` of its FLOPs / bytes."""
+    import pandas as pd
+
+    case = make_case(op, sizes, dev, dtype)
+    rows = run_case(case, providers, dev, env, ceilings, warmup, repeats, dtype)
+    failed = [f"{r['provider']}: {r['error']}" for r in rows if r["status"] == "error"]
+    assert not failed, failed
+    df = pd.DataFrame(rows)
+    df.attrs.update(op=op, sizes=case.sizes, metric=case.metric, formula=case.formula)
+    return df
 
 
 def run_and_report(cfg: KernelBenchConfig, csv: str | None = "runs/kernel_bench.csv", json_path: str | None = None,
