@@ -24,27 +24,33 @@
 #   5. quant_bench      20  the W4A16 split-K GEMV / GEMM, W8A16 and W4A8 kernels vs dense bf16 at m = 1, 4,
 #                           16, 64 on Llama-7B-sized layers (saved per row; exits 1 beyond 1e-2 error);
 #   6. prefetch_link    15  the pinned host -> HBM link's GB/s per block size (and the host copy);
-#   7. e2e              45  notebook 06's ablation at its tiny size: every layer alone and stacked;
+#   7. e2e              45  notebook 06's ablation at its tiny size: every layer alone and stacked (saved
+#                           after every run of a configuration);
 #   then the rest, in the time that remains:
 #   8. tests            45  the kernel, backend, CUDA-graph, batched-engine, CUDA prefetch, CUDA tiers and
 #                           quantized-kernel tests on the GPU (compiled Triton; 8 xdist workers, at most 5
 #                           failures, 60 s a test): a crash here stops nothing else;
-#   9. engine_bench     25  `workbench bench`: reference, bare loop, CUDA-graphed decode vs transformers;
-#  10. engine_fast      40  torch.compile'd decode, alone and captured as CUDA graphs (inductor compiles);
-#  11. sched_bench      20  `workbench sched-bench`;
+#   9. engine_bench     25  `workbench bench`: reference, bare loop, CUDA-graphed decode vs transformers
+#                           (saved after every group of prompts all sides have run);
+#  10. engine_fast      40  torch.compile'd decode, alone and captured as CUDA graphs (inductor compiles;
+#                           saved as step 9);
+#  11. sched_bench      20  `workbench sched-bench` (saved per experiment and per trace row);
 #  12. prefetch_bench   25  weight streaming with half the layers offloaded vs all resident (hit rate, stall,
 #                           prefetch_efficiency), reusing step 6's link; saved per section;
 #  13. tier_bench       20  `workbench tier-bench`: the physical hot / warm / cold cache (saved per config);
-#  14. prefix_bench     15  `workbench prefix-bench`;
-#  15. calibrate        15  `workbench calibrate-quant --objective latency` on the GPU's own kernels.
+#  14. prefix_bench     15  `workbench prefix-bench` (saved per round);
+#  15. calibrate        15  `workbench calibrate-quant --objective latency` on the GPU's own kernels (saved
+#                           per measured mix).
 #
 # A step gets its cap or the time left, whichever is less; one that would start with under 5 s
 # left is skipped.  A failed step is reported and the next one runs.  A step stopped by its cap
 # keeps what it measured: the kernel bench appends its CSV row by row, and the steps marked
-# "saved" above write what they have to <step>.partial.json as they go (a partial table, said so
-# in meta.json).  Every step runs through `python -m workbench.cli.gpu_results run`, which
-# records its JIT (Triton compiles or cache loads), autotuning and inductor seconds: the summary
-# prints them per step (compile_s), so a kernel the warm-up missed shows where it was paid.
+# "saved" above (and the warm-up, per case) write what they have to <step>.partial.json as they go,
+# in the shape of their finished JSON (a partial table, said so in meta.json; a step stopped before
+# its first row writes none, so the previous run's table stays the latest).  Every step runs
+# through `python -m workbench.cli.gpu_results run`, which records its JIT (Triton compiles or cache
+# loads), autotuning and inductor seconds: the summary prints them per step (compile_s), so a kernel
+# the warm-up missed shows where it was paid.
 # Triton's and inductor's caches live in runs/device_check/cache/ (TRITON_CACHE_DIR,
 # TORCHINDUCTOR_CACHE_DIR; TRITON_CACHE_AUTOTUNING=1 keeps the autotuner's choices): compiled once,
 # reused by every later step (and by a second run on the same machine;
