@@ -218,5 +218,5 @@ def test_a_step_stopped_before_its_first_row_keeps_the_previous_table(tmp_path):
     w.mkdir()
     (w / "calibrate.partial.json").write_text(json.dumps({"result": {"candidates": [], "recommendation": None},
                                                           "partial": True}))
-    how, rows = _write(w, "calibrate", tmp_path)
+    how, _ = _write(w, "calibrate", tmp_path)
     assert how == "nothing saved (step timeout)" and not (tmp_path / "out" / "calibrate.csv").exists()
