@@ -166,7 +166,7 @@ def test_a_worker_that_cannot_start_fails_its_point_only(tmp_path, monkeypatch):
         Pipe = staticmethod(mp.Pipe)
         Process = NoFork
 
-    monkeypatch.setattr(executors, "_context", lambda mp: Ctx())
+    monkeypatch.setattr(executors.local, "_context", lambda mp: Ctx())
     tasks = [executors.Task(index=i, name=f"p{i}", notebook=tmp_path / "n.ipynb", parameters={},
                             output=tmp_path / f"p{i}.ipynb", results=tmp_path / f"p{i}.json") for i in range(3)]
     got = []
@@ -184,7 +184,7 @@ def test_ray_files_that_cannot_be_written_fail_the_point(tmp_path):
 
     task = executors.Task(index=0, name="p", notebook=tmp_path / "n.ipynb", parameters={},
                           output=tmp_path / "gone" / "p.ipynb", results=tmp_path / "gone" / "p.json")
-    rec = executors.RayExecutor._receive(Ray, None, task, time.perf_counter())
+    rec = executors.RayExecutor._receive(Ray, None, task, time.monotonic())
     assert rec["status"] == "failed" and "could not write what the worker sent: FileNotFoundError" in rec["error"]
     assert rec["worker"] == {"executor": "ray"} and rec["seconds"] == 1.5
 
@@ -228,21 +228,21 @@ def test_parallel_points_split_the_cores_between_their_kernels(monkeypatch):
 
 def test_an_address_nobody_answers_is_an_error_at_once():
     with pytest.raises(ConfigError, match=r"no Ray cluster answers at '127.0.0.1:\d+'"):
-        executors._probe(f"127.0.0.1:{_free_port()}")                    # ray.init() would retry for minutes
+        executors.ray._probe(f"127.0.0.1:{_free_port()}")                    # ray.init() would retry for minutes
     with pytest.raises(ConfigError, match="expected HOST:PORT"):
-        executors._probe("headnode")
+        executors.ray._probe("headnode")
     for fine in (None, "auto", "local"):
-        executors._probe(fine)                                             # Ray's own to resolve
+        executors.ray._probe(fine)                                             # Ray's own to resolve
 
 
 def test_a_worker_works_in_the_notebook_folder_it_has(tmp_path):
     """The Ray task's working directory: the notebook's folder under the worker's own notebooks/,
     else the driver's folder where the worker has it (same machine, shared disk), else notebooks/."""
     nb = runner.NOTEBOOKS / "00_tour.ipynb"
-    assert executors._notebook_dir(nb)["notebooks"] == "."
-    assert executors._worker_cwd(executors._notebook_dir(nb)) == runner.NOTEBOOKS
-    assert executors._worker_cwd(executors._notebook_dir(tmp_path / "x.ipynb")) == tmp_path
-    assert executors._worker_cwd({"notebooks": None, "path": "/nowhere/on/this/worker"}) == runner.NOTEBOOKS
+    assert executors.ray_task._notebook_dir(nb)["notebooks"] == "."
+    assert executors.ray_task._worker_cwd(executors.ray_task._notebook_dir(nb)) == runner.NOTEBOOKS
+    assert executors.ray_task._worker_cwd(executors.ray_task._notebook_dir(tmp_path / "x.ipynb")) == tmp_path
+    assert executors.ray_task._worker_cwd({"notebooks": None, "path": "/nowhere/on/this/worker"}) == runner.NOTEBOOKS
 
 
 def test_memory_sizes_and_requests():

@@ -223,7 +223,7 @@ def execute_one(nb: Path, output: Path, parameters: dict, timeout: int | None, k
     if spec is not None:
         shutil.rmtree(dumps, ignore_errors=True)
         dumps.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
+    t0 = time.monotonic()
     for attempt in range(1, attempts + 1):
         rec["attempts"] = attempt
         try:
@@ -244,7 +244,7 @@ def execute_one(nb: Path, output: Path, parameters: dict, timeout: int | None, k
                 time.sleep(1.0)
                 continue
             break
-    rec["seconds"] = time.perf_counter() - t0
+    rec["seconds"] = time.monotonic() - t0
     if output.is_file():
         with contextlib.suppress(Exception):       # a half-written output is still worth keeping
             _strip_widget_state(output)
