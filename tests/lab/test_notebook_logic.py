@@ -6,7 +6,8 @@
 * 02 (KV tiers): ``workbench.bench.kv_experiments`` (offload experiment, control-vs-cold verdicts,
   ``tier_config_of``, explained variance) and ``workbench.lab.kv_lab`` (PCA and KL figures);
 * 04 (scheduler): ``workbench.bench.sched_experiments`` (``summary_row``, the preemption
-  experiment) and ``workbench.lab.sched_lab`` (the load ramp with the SLO guard).
+  experiment, the load ramp with the SLO guard; its dashboard, ``workbench.lab.sched_lab``, in
+  test_sched_views.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import torch
 from workbench.bench import kernel_models as km
 from workbench.bench import kv_experiments as kx
 from workbench.bench import sched_experiments as sx
-from workbench.lab import sched_lab
 
 pytest.importorskip("plotly")
 
@@ -281,19 +281,18 @@ def test_preemption_experiment_preempts_and_keeps_tokens(random_llm):
 
 
 def test_ramp_stages():
-    warm, peak, stages = sched_lab.ramp_stages(10.0)
+    warm, peak, stages = sx.ramp_stages(10.0)
     assert (warm, peak) == (3.0, 25.0)
     assert [s[2] for s in stages] == ["warm", "ramp", "peak", "cool-down"] and stages[-1][1] == 0.0
-    assert sched_lab.ramp_stages(1000.0)[1] == 200.0                     # the peak is capped
+    assert sx.ramp_stages(1000.0)[1] == 200.0                            # the peak is capped
     with pytest.raises(ValueError):
-        sched_lab.ramp_stages(0.0)
+        sx.ramp_stages(0.0)
 
 
 def test_load_ramp_runs_both_sides_and_returns_the_pool(random_llm):
-    lab = sched_lab
+    lab = sx
     warm, _, stages = lab.ramp_stages(8.0, durations=(0.4, 0.2, 0.4, 0.2))
-    ramp = lab.load_ramp(random_llm, stages, warm, max_tokens=4, dashboard=False,
-                         guard_config={"min_samples": 4, "window": 8})
+    ramp = lab.load_ramp(random_llm, stages, warm, max_tokens=4, guard_config={"min_samples": 4, "window": 8})
     table = ramp["load_table"]
     assert set(table.index.get_level_values(0)) == {"no guard", "SLO guard"}
     assert ("no guard", "all") in table.index and list(table.columns) == lab.LOAD_TABLE_COLUMNS

@@ -29,7 +29,7 @@ httpx = pytest.importorskip("httpx")
 from workbench.cli.main import main  # noqa: E402
 from workbench.errors import WorkbenchError  # noqa: E402
 from workbench.kv import inspect as kvi  # noqa: E402
-from workbench.lab import kv_inspect as kv_inspect_lab  # noqa: E402
+from workbench.bench import kv_inspect as kv_inspect_bench  # noqa: E402
 from workbench.kv.block_manager import BlockManager  # noqa: E402
 from workbench.kv.inspect import KV_POOL_PATH, fetch_pool_report, pool_report_from_thread  # noqa: E402
 from workbench.kv.layout import KVLayout  # noqa: E402
@@ -264,7 +264,7 @@ def test_cli_url_prints_the_servers_pool_without_loading_a_model(srv, capsys, mo
     def no_model(*a, **k):
         raise AssertionError("kv-inspect --url ran the local workload")
 
-    monkeypatch.setattr(kv_inspect_lab, "inspect_paged_workload", no_model)
+    monkeypatch.setattr(kv_inspect_bench, "inspect_paged_workload", no_model)
     monkeypatch.setenv("WORKBENCH_API_KEY", KEY)
     assert main(["kv-inspect", "--url", srv.url, "--width", "16"]) == 0
     out = capsys.readouterr().out

@@ -4,10 +4,9 @@
   batch, steps, tokens/s), what a ``mode="point"`` sweep point records;
 * :func:`preemption_experiment`: low-priority requests fill a small KV pool, high-priority ones
   arrive, once per preemption mode; per request its priority, preemptions, TTFT and E2E, and its
-  tokens next to the tokens it gets when run alone.
-
-The load ramp with its SLO guard uses the server's guard and a live dashboard, so it lives in
-:mod:`workbench.lab.sched_lab`.
+  tokens next to the tokens it gets when run alone;
+* :func:`ramp_stages`, :func:`load_ramp`: a k6-style ramp against the engine, without and with the
+  server's SLO guard (its live dashboard is attached by :func:`workbench.lab.sched_lab.load_ramp`).
 """
 
 from __future__ import annotations
@@ -18,6 +17,8 @@ from workbench.engine.core import LLMEngine
 from workbench.kv import PagedKVConfig
 from workbench.sched.config import SchedulerConfig
 
+LOAD_TABLE_COLUMNS = ["requests", "ok", "rejected", "offered_qps", "goodput_qps", "ttft_p50_ms", "ttft_p95_ms",
+                      "ttft_p99_ms"]
 SUMMARY_COLUMNS = ("TTFT p50 ms", "TTFT p95 ms", "queue p95 ms", "ITL p95 ms", "mean batch", "steps", "tokens/s")
 
 
@@ -82,3 +83,56 @@ def preemption_experiment(llm, prompts, params, modes=("recompute", "swap"), low
                                 "preemptions": o.num_preemptions, "TTFT ms": o.metrics.ttft * 1e3,
                                 "E2E ms": o.metrics.e2e * 1e3})
     return out
+
+
+# ---- the load ramp, without and with the SLO guard ------------------------------------------------
+def ramp_stages(capacity: float, warm_frac: float = 0.3, peak_frac: float = 2.5, peak_cap: float = 200.0,
+                durations=(3.0, 2.0, 4.0, 3.0)) -> tuple[float, float, list[tuple[float, float, str]]]:
+    """The ramp sized from a measured ``capacity`` (requests/s): a warm stage at ``warm_frac`` of
+    it, a ramp to and a plateau at ``peak_frac`` of it (at most ``peak_cap``), then a cool-down
+    at rate 0.  Returns ``(warm, peak, stages)`` with stages ``(seconds, rate, name)`` as
+    ``LoadConfig(stages=...)`` takes them; rates rounded to 0.1."""
+    if not capacity > 0:
+        raise ValueError(f"ramp_stages: capacity must be > 0 requests/s, got {capacity!r}")
+    warm, peak = round(warm_frac * capacity, 1), round(min(peak_frac * capacity, peak_cap), 1)
+    d_warm, d_ramp, d_peak, d_cool = durations
+    return warm, peak, [(d_warm, warm, "warm"), (d_ramp, peak, "ramp"), (d_peak, peak, "peak"), (d_cool, 0.0, "cool-down")]
+
+
+def load_ramp(llm, stages, warm: float, max_tokens: int = 16, window_ms: float = 0.0, seed: int = 3,
+              guard_config: dict | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
+              watch=None) -> dict:
+    """The same ramp twice on one engine (``AsyncEngine`` behind an ``EngineTarget``): without a
+    guard, then behind an :class:`~workbench.serve.slo.SLOGuard` (``guard_config``: SLOConfig
+    fields; default factor 2, window 20, 8 samples, 1 s cool-down, 3 probes).  ``watch(run,
+    target, guard)``, if given, is called before the guarded run starts (a live view attaches
+    itself to the ``LoadRun`` there) and its result is returned as ``dashboard``.  The target is
+    closed at the end.
+
+    Returns a dict: ``plain`` and ``guarded`` (the ``LoadResult`` of each run), ``guard``,
+    ``target`` (its ``engine`` keeps every step: ``target.engine.steps_frame()``), ``dashboard``
+    (what ``watch`` returned, or None) and ``load_table``: :data:`LOAD_TABLE_COLUMNS` of both
+    runs' summaries, indexed by (run, stage)."""
+    import pandas as pd
+
+    from workbench.load import EngineTarget, LoadConfig, LoadRun
+    from workbench.serve.slo import GuardedTarget, SLOConfig, SLOGuard
+
+    load_cfg = dict(mode="poisson", rate=warm, stages=stages, max_tokens=max_tokens, seed=seed,
+                    sampling={"temperature": 0.0})
+    target = EngineTarget(LLMEngine(llm, scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                                                   max_num_batched_tokens=max_num_batched_tokens,
+                                                                   micro_batch_window_s=float(window_ms) / 1e3)))
+    try:
+        plain = LoadRun(target, LoadConfig(**load_cfg, name="no guard")).run()
+        guard = SLOGuard(SLOConfig(**({"factor": 2.0, "window": 20, "min_samples": 8, "cooldown_s": 1.0, "probes": 3}
+                                      | (guard_config or {}))))
+        run = LoadRun(GuardedTarget(target, guard), LoadConfig(**load_cfg, name="SLO guard"))
+        dash = watch(run, target, guard) if watch is not None else None
+        guarded = run.run()
+    finally:
+        target.close()
+    load_table = pd.concat({"no guard": plain.summary()[LOAD_TABLE_COLUMNS],
+                            "SLO guard": guarded.summary()[LOAD_TABLE_COLUMNS]})
+    return {"plain": plain, "guarded": guarded, "guard": guard, "target": target, "dashboard": dash,
+            "load_table": load_table}

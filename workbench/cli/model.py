@@ -86,7 +86,7 @@ def cmd_kv_inspect(args) -> int:
         rep = fetch_pool_report(args.url, api_key=os.environ.get("WORKBENCH_API_KEY") or None)
         print(json.dumps(rep, indent=1) if args.json else format_report(rep, width=args.width))
         return 0
-    from workbench.lab.kv_inspect import inspect_paged_workload, inspect_tiered_workload
+    from workbench.bench.kv_inspect import inspect_paged_workload, inspect_tiered_workload
     from workbench.lab.kv_view import format_report
 
     progress = not args.json and not args.quiet

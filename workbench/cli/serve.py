@@ -38,7 +38,7 @@ def cmd_serve(args) -> int:
     apply_backend(llm, args.backend, llm.device.type)
     tiers = basis = store = None
     if args.tiers:
-        from workbench.lab.kv_inspect import fit_heldout_basis
+        from workbench.bench.kv_inspect import fit_heldout_basis
 
         tiers = tier_config(args)
         basis = fit_heldout_basis(llm, tiers, args.calibration_docs)

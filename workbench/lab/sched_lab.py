@@ -1,76 +1,37 @@
-"""Notebook 04's load section: a k6-style ramp against the engine, without and with the SLO guard;
-and the figure of its micro-batch window sweep.
-
-It drives the server's SLO guard (``workbench.serve.slo``) and a live dashboard
-(:class:`workbench.lab.load_views.LatencyDashboard`), so it lives in ``lab``; the scheduler's
-measurements are in :mod:`workbench.bench.sched_experiments` and :mod:`workbench.bench.sched`.
+"""Notebook 04's load section, its views: the load ramp with a live dashboard on its guarded run
+(:func:`load_ramp`; the ramp itself, a measurement, is
+:func:`workbench.bench.sched_experiments.load_ramp`) and the figure of the micro-batch window
+sweep.  The scheduler's measurements are in :mod:`workbench.bench.sched_experiments` and
+:mod:`workbench.bench.sched`.
 """
 
 from __future__ import annotations
 
-LOAD_TABLE_COLUMNS = ["requests", "ok", "rejected", "offered_qps", "goodput_qps", "ttft_p50_ms", "ttft_p95_ms",
-                      "ttft_p99_ms"]
+from workbench.bench import sched_experiments as sx
 
-
-def ramp_stages(capacity: float, warm_frac: float = 0.3, peak_frac: float = 2.5, peak_cap: float = 200.0,
-                durations=(3.0, 2.0, 4.0, 3.0)) -> tuple[float, float, list[tuple[float, float, str]]]:
-    """The ramp sized from a measured ``capacity`` (requests/s): a warm stage at ``warm_frac`` of
-    it, a ramp to and a plateau at ``peak_frac`` of it (at most ``peak_cap``), then a cool-down
-    at rate 0.  Returns ``(warm, peak, stages)`` with stages ``(seconds, rate, name)`` as
-    ``LoadConfig(stages=...)`` takes them; rates rounded to 0.1."""
-    if not capacity > 0:
-        raise ValueError(f"ramp_stages: capacity must be > 0 requests/s, got {capacity!r}")
-    warm, peak = round(warm_frac * capacity, 1), round(min(peak_frac * capacity, peak_cap), 1)
-    d_warm, d_ramp, d_peak, d_cool = durations
-    return warm, peak, [(d_warm, warm, "warm"), (d_ramp, peak, "ramp"), (d_peak, peak, "peak"), (d_cool, 0.0, "cool-down")]
+# notebook 04 imports ramp_stages from here; it is the ramp's sizing, in bench with the ramp
+from workbench.bench.sched_experiments import LOAD_TABLE_COLUMNS, ramp_stages  # noqa: F401
 
 
 def load_ramp(llm, stages, warm: float, max_tokens: int = 16, window_ms: float = 0.0, seed: int = 3,
               guard_config: dict | None = None, dashboard: bool = True, max_num_seqs: int = 16,
               max_num_batched_tokens: int = 256, live: bool = True) -> dict:
-    """The same ramp twice on one engine (``AsyncEngine`` behind an ``EngineTarget``): without a
-    guard, then behind an :class:`~workbench.serve.slo.SLOGuard` (``guard_config``: SLOConfig
-    fields; default factor 2, window 20, 8 samples, 1 s cool-down, 3 probes).  With
-    ``dashboard`` a :class:`~workbench.lab.load_views.LatencyDashboard` is attached to the
-    guarded run; with ``live`` too it is displayed before the run starts (a notebook run by
-    hand), without it nothing is displayed and ``dashboard.static_figure()`` is the record
-    (a batch run).  The target is closed at the end.
+    """:func:`workbench.bench.sched_experiments.load_ramp` (the same ramp without and with the SLO
+    guard; see there for what it returns) with a :class:`~workbench.lab.load_views.LatencyDashboard`
+    attached to the guarded run when ``dashboard``; with ``live`` too it is displayed before the run
+    starts (a notebook run by hand), without it nothing is displayed and
+    ``dashboard.static_figure()`` is the record (a batch run)."""
+    def watch(run, target, guard):
+        from workbench.lab.load_views import LatencyDashboard
 
-    Returns a dict: ``plain`` and ``guarded`` (the ``LoadResult`` of each run), ``guard``,
-    ``target`` (its ``engine`` keeps every step: ``target.engine.steps_frame()``), ``dashboard``
-    (or None) and ``load_table``: :data:`LOAD_TABLE_COLUMNS` of both runs' summaries, indexed by
-    (run, stage)."""
-    import pandas as pd
+        dash = LatencyDashboard(metrics_fn=target.metrics, guard=guard, title="ramp with the SLO guard").attach(run)
+        if live:
+            dash.display()
+        return dash
 
-    from workbench.engine.core import LLMEngine
-    from workbench.load import EngineTarget, LoadConfig, LoadRun
-    from workbench.sched import SchedulerConfig
-    from workbench.serve.slo import GuardedTarget, SLOConfig, SLOGuard
-
-    load_cfg = dict(mode="poisson", rate=warm, stages=stages, max_tokens=max_tokens, seed=seed,
-                    sampling={"temperature": 0.0})
-    target = EngineTarget(LLMEngine(llm, scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                                                   max_num_batched_tokens=max_num_batched_tokens,
-                                                                   micro_batch_window_s=float(window_ms) / 1e3)))
-    try:
-        plain = LoadRun(target, LoadConfig(**load_cfg, name="no guard")).run()
-        guard = SLOGuard(SLOConfig(**({"factor": 2.0, "window": 20, "min_samples": 8, "cooldown_s": 1.0, "probes": 3}
-                                      | (guard_config or {}))))
-        run = LoadRun(GuardedTarget(target, guard), LoadConfig(**load_cfg, name="SLO guard"))
-        dash = None
-        if dashboard:
-            from workbench.lab.load_views import LatencyDashboard
-
-            dash = LatencyDashboard(metrics_fn=target.metrics, guard=guard, title="ramp with the SLO guard").attach(run)
-            if live:
-                dash.display()
-        guarded = run.run()
-    finally:
-        target.close()
-    load_table = pd.concat({"no guard": plain.summary()[LOAD_TABLE_COLUMNS],
-                            "SLO guard": guarded.summary()[LOAD_TABLE_COLUMNS]})
-    return {"plain": plain, "guarded": guarded, "guard": guard, "target": target, "dashboard": dash,
-            "load_table": load_table}
+    return sx.load_ramp(llm, stages, warm, max_tokens=max_tokens, window_ms=window_ms, seed=seed,
+                        guard_config=guard_config, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max_num_batched_tokens, watch=watch if dashboard else None)
 
 
 def window_sweep_figure(table, rate: float):

@@ -1,5 +1,7 @@
 """kv-inspect's demonstration workloads: run the engine on a paged or tiered workload and
-return the reports of :mod:`workbench.kv.inspect` (what ``workbench kv-inspect`` shows)."""
+return the reports of :mod:`workbench.kv.inspect` (what ``workbench kv-inspect`` shows), with each
+request's TTFT; and the held-out PCA basis a tiered cache needs (``workbench serve --tiers`` fits it
+with :func:`fit_heldout_basis` too)."""
 
 from __future__ import annotations
 
