@@ -311,11 +311,11 @@ def run_in_lab(browser: Browser, lab: JupyterLab, rel_path: str, shots_dir=None,
     res = LabRun(notebook=rel_path)
     page = browser.new_page()
     page.on("pageerror", lambda e: res.page_errors.append(str(e)[:300]))
-    t0 = lap = time.perf_counter()
+    t0 = lap = time.monotonic()
 
     def phase(name: str) -> None:          # where a run's time goes (a browser run is slower than papermill's)
         nonlocal lap
-        now = time.perf_counter()
+        now = time.monotonic()
         res.phases[name] = round(now - lap, 2)
         lap = now
 
@@ -330,7 +330,7 @@ def run_in_lab(browser: Browser, lab: JupyterLab, rel_path: str, shots_dir=None,
         page.evaluate("() => { window.__wb_done = null; window.jupyterapp.commands.execute('notebook:run-all-cells')"
                       ".then((r) => { window.__wb_done = {ok: r}; }, (e) => { window.__wb_done = {err: String(e)}; }); }")
         seen: dict[str, set] = {}
-        run_t0 = time.perf_counter()
+        run_t0 = time.monotonic()
         deadline = time.monotonic() + timeout
         done = None
         last_log = time.monotonic()
@@ -343,10 +343,10 @@ def run_in_lab(browser: Browser, lab: JupyterLab, rel_path: str, shots_dir=None,
                 break
             if log is not None and time.monotonic() - last_log > 30:
                 last_log = time.monotonic()
-                log(f"{rel_path}: {time.perf_counter() - run_t0:.0f} s, {res.samples} samples, "
+                log(f"{rel_path}: {time.monotonic() - run_t0:.0f} s, {res.samples} samples, "
                     f"{page.evaluate(_PROGRESS_JS)}, live {({k: len(v) for k, v in seen.items()})}")
             time.sleep(sample_every)
-        res.seconds = time.perf_counter() - run_t0
+        res.seconds = time.monotonic() - run_t0
         phase("run")
         res.completed = done is not None and "err" not in done
         res.note = "" if done is not None else f"timeout after {timeout:.0f} s"
@@ -379,7 +379,7 @@ def run_in_lab(browser: Browser, lab: JupyterLab, rel_path: str, shots_dir=None,
             res.screenshots = _screenshots(page, Path(shots_dir), Path(rel_path).stem, max_figure_shots)
             phase("screenshots")
     finally:
-        res.seconds = res.seconds or time.perf_counter() - t0
+        res.seconds = res.seconds or time.monotonic() - t0
         try:                    # the kernel ends with its page: a model and its threads are not left running
             _bounded_js(page, "window.jupyterapp?.shell.currentWidget?.sessionContext?.shutdown()", 30)
         except Exception:  # noqa: BLE001 - a page that is gone has no kernel to stop

@@ -177,7 +177,7 @@ class KVBlockMapView:
 
     def _on_event(self, event: str, seq_id: str) -> None:
         self.events += 1
-        if self.fig is not None and time.perf_counter() - self._last >= self.min_interval:
+        if self.fig is not None and time.monotonic() - self._last >= self.min_interval:
             self._redraw()
 
     def _tier_cache(self):
@@ -288,7 +288,7 @@ class KVBlockMapView:
         """Look; redraw if the picture changed.  True when it redrew."""
         import numpy as np
 
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         key, drawn = self.state_key(), self._drawn_key
         if key is not None and drawn is not None and key[0] is drawn[0] and key[1] == drawn[1]:
             return self._skip(t0)
@@ -311,15 +311,15 @@ class KVBlockMapView:
                 self.fig.layout.margin.t, self.fig.layout.height = 70, (self.fig.layout.height or 220) + 20
         self._drawn_key, self._drawn, self._length = key, sig, s["length"] or 0
         self.updates += 1
-        self.update_seconds += time.perf_counter() - t0
+        self.update_seconds += time.monotonic() - t0
         self.label.value = self.label_text()
-        self._last = time.perf_counter()
+        self._last = time.monotonic()
         return True
 
     def _skip(self, t0: float) -> bool:
         self.skipped += 1
-        self.update_seconds += time.perf_counter() - t0
-        self._last = time.perf_counter()
+        self.update_seconds += time.monotonic() - t0
+        self._last = time.monotonic()
         return False
 
     def refresh(self) -> bool:
@@ -365,7 +365,7 @@ class KVBlockMapView:
                         if next(st, None) is None:      # finished (a stream's last event has finished=True)
                             live.remove(st)
                         elif self.pool is None and self.fig is not None and \
-                                time.perf_counter() - self._last >= self.min_interval:
+                                time.monotonic() - self._last >= self.min_interval:
                             self._redraw()              # tiered: no pool events, redraw between tokens
                 self.refresh()                          # the finished requests' blocks are released now
         finally:

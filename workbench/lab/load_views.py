@@ -122,14 +122,14 @@ class LatencyDashboard:
         dash.static_figure()
 
     Or feed it by hand: ``dash.update(t=..., record=..., in_flight=..., rejected=...)``.
-    ``clock`` paces the redraws (at most ``max_hz``): the run's clock, ``time.perf_counter`` by
+    ``clock`` paces the redraws (at most ``max_hz``): the run's clock, ``time.monotonic`` by
     default (a virtual-time run passes its loop's ``loop.time``).  The displayed VBox carries the
     CSS classes ``wb-live`` and ``wb-live-<name>`` (for a browser run to find it).
     """
 
     def __init__(self, window_s: float = 10.0, max_hz: float = 10.0, metrics_fn: Callable[[], dict] | None = None,
                  metrics_hz: float = 3.0, guard=None, title: str = "Load (live)", height: int = 820,
-                 clock: Callable[[], float] = time.perf_counter, name: str = "load-dashboard") -> None:
+                 clock: Callable[[], float] = time.monotonic, name: str = "load-dashboard") -> None:
         import ipywidgets as widgets
         import plotly.graph_objects as go
 
@@ -302,13 +302,13 @@ class LatencyDashboard:
         self.status["slo"] = snap
 
     def _redraw(self) -> None:
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         self.redraws += 1
         with self.fig.batch_update():
             for tr, (k, *_) in zip(self.fig.data, TRACES):
                 tr.x, tr.y = self.data["t"], self.data[k]
         self.label.value = self._status_html()
-        self.redraw_seconds += time.perf_counter() - t0
+        self.redraw_seconds += time.monotonic() - t0
 
     def _fit(self, now: float, force: bool = False) -> None:
         """Ask the browser to size the figure to its cell again (at most every ``FIT_EVERY_S``).

@@ -179,10 +179,10 @@ class PrefetchTimelineView:
 
     ``source``: a :class:`~workbench.prefetch.weights.WeightStreamer` (its ``prefetcher`` and
     ``stats()``) or a :class:`~workbench.prefetch.prefetcher.Prefetcher`.  ``clock`` paces the
-    redraws (``time.perf_counter``)."""
+    redraws (``time.monotonic``)."""
 
     def __init__(self, source, window_s: float = 0.25, refresh_hz: float = 10.0, title: str = "Prefetch (live)",
-                 height: int = 300, clock: Callable[[], float] = time.perf_counter) -> None:
+                 height: int = 300, clock: Callable[[], float] = time.monotonic) -> None:
         import ipywidgets as widgets
         import plotly.graph_objects as go
 
@@ -250,7 +250,7 @@ class PrefetchTimelineView:
         (or ``force``); returns whether it redrew."""
         if not force and self.clock() - self._last_draw < self.min_interval:
             return False
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         evs = self.window()
         starts = _step_starts(evs)
         s = self.stats()
@@ -267,7 +267,7 @@ class PrefetchTimelineView:
             self.fig.layout.annotations = _annotations(evs, starts)
             self.fig.layout.title.text = f"{self.title}: last {self.window_s * 1e3:g} ms" if evs else self.title
         self.redraws += 1
-        self.redraw_seconds += time.perf_counter() - t0
+        self.redraw_seconds += time.monotonic() - t0
         self.label.value = self._stats_html(s)
         self._last_draw = self.clock()
         return True

@@ -159,7 +159,7 @@ class LatencyStreamView:
     def _reset(self) -> None:
         self.prompt_text = ""
         self.pieces: list[str] = []       # released text per token ("" while held back)
-        self.times: list[float] = []      # perf_counter() of each token
+        self.times: list[float] = []      # the engine's clock at each token
         self.arrival: float | None = None
         self.updates = 0
         self.update_seconds = 0.0
@@ -197,7 +197,7 @@ class LatencyStreamView:
                 f"TPOT: <b>{tpot}</b> &nbsp; redraws: {self.updates} ({self.update_seconds * 1e3:.0f} ms)")
 
     def _redraw(self, done: bool) -> None:
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         self.updates += 1
         itl = self.itl_ms
         with self.fig.batch_update():
@@ -210,7 +210,7 @@ class LatencyStreamView:
         self.label.value = self._stats_html(done)
         self.text.value = ("<pre style='white-space:pre-wrap;margin:0'>" + html.escape(self.prompt_text) +
                            "<b>" + html.escape("".join(self.pieces)) + "</b></pre>")
-        self.update_seconds += time.perf_counter() - t0
+        self.update_seconds += time.monotonic() - t0
 
     def run(self, llm, prompt, params=None, display: bool = True):
         """Stream one request into the view; returns its ``RequestOutput`` (text, ids, metrics)."""
@@ -221,15 +221,16 @@ class LatencyStreamView:
             self.display()
         out = RequestOutput(request_id="", prompt=None, prompt_token_ids=[])
         self.prompt_text = prompt if isinstance(prompt, str) else ""
-        self.arrival = time.perf_counter()
+        clock = getattr(getattr(llm, "engine", None), "clock", None) or time.monotonic
+        self.arrival = clock()                     # on the engine's clock: its events' times are
         last = 0.0
         for ev in llm.stream(prompt, params, arrival_time=self.arrival, output=out):
             self.times.append(ev.time)
             self.pieces.append(ev.text if llm.tokenizer else f" {ev.token_id}")
-            now = time.perf_counter()
+            now = time.monotonic()
             if ev.finished or now - last >= self.min_interval:
                 self._redraw(ev.finished)
-                last = time.perf_counter()
+                last = time.monotonic()
         self._redraw(True)
         self.output = out
         return out
