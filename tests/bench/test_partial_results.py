@@ -185,31 +185,42 @@ def test_prefix_bench_saves_each_round(work, tmp_path, monkeypatch, bundled_llm)
     assert not any(sec == "no_sharing" for sec, _ in have)
 
 
-# ---- calibrate: after each measured mix ----------------------------------------------------------------
+# ---- calibrate: after each measured mix, and once every mix has its measured cost -------------------
 
-def test_calibrate_saves_each_measured_mix(work, tmp_path, monkeypatch):
+@pytest.mark.parametrize("stop", ["second mix", "confirmation"])
+def test_calibrate_saves_each_measured_mix(work, tmp_path, monkeypatch, stop):
     import importlib
 
     from workbench.cli.main import main
 
     cal = importlib.import_module("workbench.quant.calibrate")   # the module (the package exports the function)
+    rec = importlib.import_module("workbench.quant.recommend")
 
     w, step = work
     path = step("calibrate")
-    _stop_on_call(monkeypatch, cal, "measure", 2)             # the unquantized model measured; uniform w8a16 stopped
+    if stop == "second mix":                                  # the unquantized model measured; uniform w8a16 stopped
+        _stop_on_call(monkeypatch, cal, "measure", 2)
+    else:                                                     # every mix measured and timed; the pick's check stopped
+        _stop_on_call(monkeypatch, rec, "recommend", 1)
     with pytest.raises(Stopped):
         main(["calibrate-quant", "--device", "cpu", "--dataset", "reference", "--objective", "latency",
               "--search-space", "w8a16", "--context", "32", "--eval-windows", "1", "--calib-windows", "1",
               "--max-measured", "2", "--rounds", "3", "--decode-steps", "2", "--unit", "block",
-              "--out", str(tmp_path / "calib"),
-              "--json", "--quiet"])
-    data = _partial(path)
-    res = data["result"]
-    assert [c["key"] for c in res["candidates"]] == ["unquantized"] and res["recommendation"] is None
-    assert res["candidates"][0]["degradation"] == 0.0 and res["objective"] == "latency" and res["sensitivity"]
+              "--out", str(tmp_path / "calib"), "--json", "--quiet"])
+    res = _partial(path)["result"]
+    assert res["recommendation"] is None and res["objective"] == "latency" and res["sensitivity"]
+    keys = [c["key"] for c in res["candidates"]]
+    assert keys[0] == "unquantized" and res["candidates"][0]["degradation"] == 0.0
+    if stop == "second mix":
+        assert keys == ["unquantized"] and "cost" not in res["candidates"][0]
+    else:
+        assert "uniform w8a16" in keys and res["cost_offset"] is not None
+        assert all(c["ms"] > 0 and c["cost"] == c["ms"] and len(c["samples"]) == 3 for c in res["candidates"])
     how, rows = _write(w, "calibrate", tmp_path)
     assert how == "partial (step timeout)"
-    assert [(r["key"], r["recommended"]) for r in rows] == [("unquantized", "False")]
+    assert [r["key"] for r in rows] == keys and {r["recommended"] for r in rows} == {"False"}
+    if stop == "confirmation":
+        assert all(float(r["cost_vs_unquantized"]) > 0 for r in rows)
 
 
 def test_a_step_stopped_before_its_first_row_keeps_the_previous_table(tmp_path):

@@ -159,10 +159,10 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
     ``sensitivity``: the ``"sensitivity"`` rows of an earlier result on the same model, data,
     evaluation settings, units and search space (e.g. to run the other objective without
     measuring every unit again); they must cover every (unit, option) of this search.
-    ``on_partial(result)``: called with the result so far after each measured mix and after the
-    decode timing (``candidates``: the mixes measured
-    until then, in the order measured; ``recommendation`` None), so a run stopped part way keeps
-    its rows (``workbench calibrate-quant`` saves it for the device check's time cap)."""
+    ``on_partial(result)``: called with the result so far after each measured mix and once every
+    mix has its measured cost (``candidates``: the mixes measured until then, in the order
+    measured; ``recommendation`` None), so a run stopped part way keeps its rows
+    (``workbench calibrate-quant`` saves it for the device check's time cap)."""
     import workbench
     from workbench.data import dataset_split, group_field_of, jsonl_windows, read_jsonl
     from workbench.model.loader import BUNDLED_MODEL, load_model
@@ -300,9 +300,9 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
                 if objective == "latency" else None,
                 "seconds": {"sensitivity": t_sens, "layer_costs": t_cost, "total": time.perf_counter() - t_start}}
 
-    def partial() -> None:
+    def partial(offset: float | None = None) -> None:
         if on_partial is not None:
-            on_partial(result([dict(r) for r in measured.values()], None, None))
+            on_partial(result([dict(r) for r in measured.values()], None, offset))
 
     models: dict[str, torch.nn.Module] = {}
     by_assignment: dict[tuple, str] = {}
@@ -361,7 +361,6 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
         say(f"decode steps of {len(models)} models, {rounds} interleaved rounds")
         for k, c in _decode_samples(models, decode_steps, rounds).items():
             measured[k].update(c)
-        partial()
     for row in measured.values():
         row["cost"] = row["bytes"] if objective == "memory" else row["ms"]
     unq = measured["unquantized"]
@@ -373,6 +372,7 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
     # what the per-layer costs leave out (norms, embedding, attention...): the measured total of the
     # unquantized model minus its summed dense layers, so predictions can be drawn on the measured axis
     offset = unq["cost"] - unq["predicted_cost"]
+    partial(offset)                              # every measured mix with its measured cost, before the confirmation
 
     # 7. recommendation: picked on the search text, confirmed on the confirmation text
     say("confirm the pick on the confirmation text")
