@@ -18,7 +18,7 @@ def test_a_clean_run_has_no_problems_and_each_failure_is_named():
 
 
 def test_missing_chromium_is_named(monkeypatch, tmp_path):
-    import workbench.lab.browser as b
+    import workbench.lab.browser_session as b
 
     monkeypatch.setattr(b, "CHROMIUM", str(tmp_path / "no-chromium"))
     assert "no-chromium not found" in chromium_available()

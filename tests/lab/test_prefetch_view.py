@@ -18,8 +18,12 @@ import plotly.graph_objects as go  # noqa: E402
 
 from workbench.engine.sampling import SamplingParams  # noqa: E402
 from workbench.errors import ConfigError  # noqa: E402
-from workbench.lab.prefetch_view import (LANES, PrefetchTimelineView, block_size_figure,  # noqa: E402
-                                         distance_sweep_figure, resident_fraction_figure, timeline_figure)
+from workbench.lab.prefetch_sweeps import (  # noqa: E402
+    block_size_figure,
+    distance_sweep_figure,
+    resident_fraction_figure,
+)
+from workbench.lab.prefetch_view import LANES, PrefetchTimelineView, timeline_figure  # noqa: E402
 from workbench.prefetch.weights import WeightStreamConfig, stream_weights  # noqa: E402
 
 

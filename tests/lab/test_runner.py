@@ -13,6 +13,7 @@ pd = pytest.importorskip("pandas")
 
 from workbench.errors import ConfigError, WorkbenchError
 from workbench.lab import runner
+from workbench.lab import stacks as kernel_stacks
 from workbench.lab.executors import Executor
 from workbench.lab.results import load_results, save_results
 
@@ -315,7 +316,7 @@ Thread 0x00007f2 (most recent call first):
 Current thread 0x00007f3 (most recent call first):
   File "/tmp/ipykernel_1/123.py", line 4 in <module>
 """
-    summary = runner.stack_summary(dump)
+    summary = kernel_stacks.stack_summary(dump)
     assert summary == "[thread 0] batch.py:168 attention_fp64 <- core.py:303 _step; [thread 1] 123.py:4 <module>"
-    assert runner.stack_dump_spec(None, "/t") is None
-    assert runner.stack_dump_spec(600, "/t") == "585:/t" and runner.stack_dump_spec(8, "/t") == "6:/t"
+    assert kernel_stacks.stack_dump_spec(None, "/t") is None
+    assert kernel_stacks.stack_dump_spec(600, "/t") == "585:/t" and kernel_stacks.stack_dump_spec(8, "/t") == "6:/t"

@@ -15,7 +15,8 @@ pytest.importorskip("uvicorn")
 
 from workbench.load import HTTPTarget, LoadConfig, run_load_sync
 from workbench.serve.slo import GuardedTarget, SLOConfig, SLOGuard  # noqa: E402
-from workbench.lab.load_views import parse_prometheus_text, pick_metrics  # noqa: E402
+from workbench.lab.load_views import pick_metrics  # noqa: E402
+from workbench.lab.prom_metrics import parse_prometheus_text  # noqa: E402
 
 PROMPTS = ["The list type", "A dictionary maps keys", "Python is"]
 

@@ -559,7 +559,8 @@ def test_latency_vs_load_figure_and_prometheus_parsing():
     import pandas as pd
 
     from workbench.lab.load_views import latency_vs_load_figure
-    from workbench.lab.load_views import parse_prometheus_text, pick_metrics
+    from workbench.lab.load_views import pick_metrics
+    from workbench.lab.prom_metrics import parse_prometheus_text
 
     df = pd.DataFrame({"window_ms": [0, 0, 5, 5], "offered_qps": [1, 2, 1, 2],
                        "ttft_p50_ms": [10, 20, 12, 15], "ttft_p95_ms": [15, 40, 16, 22]})

@@ -14,10 +14,10 @@
   and is re-exported here.
 * :func:`latency_vs_load_figure` - P50/P95 TTFT against offered load, one line per setting
   (for example per micro-batch window) from a sweep table.
-* :func:`parse_prometheus_text`, :func:`http_metrics_fn` - read a server's ``/metrics``.
 
 Target metrics come from ``metrics_fn() -> dict`` (the in-process engine, ``FakeTarget.metrics``,
-``GuardedTarget.metrics`` or :func:`http_metrics_fn`).  It is polled on a background thread
+``GuardedTarget.metrics`` or a server's ``/metrics`` through
+:func:`workbench.lab.prom_metrics.http_metrics_fn`).  It is polled on a background thread
 at ``metrics_hz``, so a slow HTTP poll never stalls the load generator's event loop.  Keys are
 matched by suffix, so ``queue_len`` (the in-process engine), ``workbench_queue_length`` (the
 workbench server's ``/metrics``) and vLLM's ``vllm:num_requests_waiting`` all land on the
@@ -32,13 +32,13 @@ import re
 import threading
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 from workbench.errors import ConfigError
-from workbench.lab.viz import store_figure_state
 from workbench.lab.sched_timeline import TIMELINE_COLUMNS, scheduler_timeline  # noqa: F401  (re-exported)
+from workbench.lab.viz import store_figure_state
 
 # series name -> metric-name suffixes that feed it (first match wins)
 ALIASES = {
@@ -206,7 +206,7 @@ class LatencyDashboard:
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)
 
-    def display(self) -> "LatencyDashboard":
+    def display(self) -> LatencyDashboard:
         from IPython.display import display
         display(self.widget)
         return self
@@ -237,7 +237,7 @@ class LatencyDashboard:
             self._poller = None
 
     # ---- feeding --------------------------------------------------------------------------------
-    def attach(self, run) -> "LatencyDashboard":
+    def attach(self, run) -> LatencyDashboard:
         """Observe a LoadRun: every finished request and every tick update the view.  Without a
         ``metrics_fn`` / ``guard`` of its own, the dashboard polls ``run.target.metrics()`` and
         shows the guard of a :class:`~workbench.serve.slo.GuardedTarget`."""
@@ -386,33 +386,3 @@ def latency_vs_load_figure(df, x: str = "offered_qps", ys=("ttft_p50_ms", "ttft_
     fig.update_layout(title=title, xaxis_title=x.replace("_", " "), yaxis_title="ms", yaxis_rangemode="tozero",
                       height=400, margin=dict(l=60, r=20, t=50, b=40))
     return fig
-
-
-# ---- a server's /metrics ------------------------------------------------------------------------
-def parse_prometheus_text(text: str) -> dict[str, float]:
-    """Prometheus exposition text -> {series: value}; labelled series keep their labels in the
-    key (``name{a="b"}``).  Comments and unparsable lines are skipped."""
-    out = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        head, _, rest = line.rpartition("}") if "}" in line else ("", "", line)
-        name, value = (head + "}", rest.split()) if head else (rest.split()[0], rest.split()[1:])
-        try:
-            out[name.strip()] = float(value[0])
-        except (IndexError, ValueError):
-            continue
-    return out
-
-
-def http_metrics_fn(url: str, timeout: float = 0.5) -> Callable[[], dict]:
-    """A ``metrics_fn`` that GETs a Prometheus ``/metrics`` URL (blocking; the dashboard calls
-    it from its poller thread)."""
-    def fetch() -> dict:
-        import httpx
-
-        r = httpx.get(url, timeout=timeout)
-        r.raise_for_status()
-        return parse_prometheus_text(r.text)
-    return fetch

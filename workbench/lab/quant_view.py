@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from workbench.lab.prefetch_view import _records      # rows from dicts, dataclasses or a DataFrame
+from workbench.lab.prefetch_sweeps import _records    # rows from dicts, dataclasses or a DataFrame
 
 COLORS = ("#4c78a8", "#f58518", "#54a24b", "#b279a2", "#72b7b2", "#eeca3b", "#9d755d", "#bab0ac")
 OUTLIER_COLOR = "#d62728"
