@@ -13,7 +13,7 @@ Every notebook's ``smoke`` sizes are chosen for the bundled model on a 2-core CP
 On a GPU nothing is scaled down: the sizes there are the ``full`` ones, chosen for one H100 80 GB, and
 :func:`memory_fit` checks them by formula (weights + KV, nothing measured) before anything is loaded::
 
-    print(memory_fit(model, kv_tokens=24_000).describe())   # "... fits one H100 80 GB"
+    print(memory_fit(model, kv_tokens=24_000).describe())   # "memory by formula (bundled): ... fits in 80 GB ..."
 """
 
 from __future__ import annotations
