@@ -260,3 +260,16 @@ def test_generate_with_vanishing_temperature_or_top_p_is_greedy(flags, greedy_cl
     r = subprocess.run(VANISHING + flags, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert json.loads(r.stdout)[0]["token_ids"] == greedy_cli_tokens
+
+
+def test_backend_help_names_every_op():
+    """--backend's help lists every op parse_backend_spec accepts (it once left out sampling)."""
+    import argparse
+
+    from workbench.cli.options import add_backend_arg
+    from workbench.transforms.backends import OPS
+
+    p = argparse.ArgumentParser()
+    add_backend_arg(p)
+    text = " ".join(p.format_help().split())
+    assert [op for op in OPS if op not in text] == []

@@ -13,16 +13,19 @@ ones; ``.importlinter`` states the order and CI checks it):
 
 * ``model/``      config, presets, checkpoint checks, loader, tokenizer, the decoder, the cache interface;
 * ``kv/``         the KV-cache layer: paged blocks, prefix cache, pool, offload, hot / warm / cold tiers;
-* ``prefetch/``   asynchronous weight and KV fetches (a place ready for that layer);
+* ``prefetch/``   asynchronous weight and KV fetches: transports, the prefetcher, weight streaming, links;
 * ``sched/``      the scheduler, pure Python (no torch);
 * ``transforms/`` transformations of the plain model: per-op kernel backends, CUDA graphs,
   ahead-of-time kernel builds;
-* ``quant/``      quantization (a place ready for that layer);
+* ``quant/``      quantization: recipes, RTN / AWQ / GPTQ / SmoothQuant, CPU and Triton ops, the calibrator,
+  compressed-tensors checkpoints;
 * ``engine/``     ``LLM`` and ``LLMEngine``: runners, sampling, outputs, metrics, the engine thread;
 * ``load/``       load generation against any target that streams tokens;
+* ``bench/``      every benchmark (vs transformers, kernels, scheduler, prefix cache, tiers, llama.cpp) and
+  the claims lab (``bench/claims/``): everything that measures;
 * ``serve/``      the OpenAI-compatible server, with its SLO guard;
-* ``bench/``      every benchmark (vs transformers, kernels, scheduler, prefix cache, tiers, llama.cpp);
-* ``lab/``        notebooks' side: papermill runs, results, report, every plotly / ipywidgets view;
+* ``lab/``        notebooks' side: papermill runs, sweep executors, results, report, every plotly / ipywidgets
+  view; it measures nothing itself;
 * ``cli/``        ``workbench ...``, the only argparse;
 * ``measure/``    measuring on a noisy machine (threads, noise, A/B verdicts), used by every layer above.
 

@@ -34,7 +34,7 @@ def add_quant_arg(p: argparse.ArgumentParser) -> None:
 def add_backend_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default=None,
                    help="per-op backends: eager | triton | compile (every op), or OP=BACKEND,... with OP in rmsnorm, "
-                        "rope, swiglu, attention_prefill, attention_decode (default: eager)")
+                        "rope, swiglu, attention_prefill, attention_decode, sampling (default: eager)")
 
 
 def prepare_triton(args) -> None:

@@ -2,8 +2,11 @@
 
 * ``backends``: per-op backends (eager / triton / compile) for rmsnorm, rope, swiglu, attention,
   sampling, applied in place and removable;
-* ``cuda_graphs``: static decode buffers and bucketed CUDA-graph capture (eager, with a message, on CPU);
-* ``kernel_aot``: compiling every kernel for sm_90 / sm_80 on any machine (``workbench kernels-aot``).
+* ``static_step``: what every static decode step shares (batch buckets, ``torch.compile``, CUDA-graph capture);
+  ``cuda_graphs``: the step over contiguous rows (eager, with a message, on CPU); ``paged_graphs``: the step over
+  the paged pool's blocks;
+* ``kernel_aot`` + ``kernel_launches`` + ``kernel_compile``: recording each kernel's launches and compiling them
+  for sm_90 / sm_80 on any machine (``workbench kernels-aot``).
 
 Quantization (``workbench.quant``) sits beside this layer.
 """
