@@ -57,7 +57,7 @@ def test_sched_bench_small(llm):
                            overhead_batch=4, overhead_tokens=4)
     res = run_sched_bench(llm, cfg)
     t = res["throughput"]
-    assert t["identical_tokens"] is True and t["max_batch"] == 3
+    assert t["identical_tokens"] is True and t["token_agreement"] == 1.0 and t["max_batch"] == 3
     # both sides measured in this one run (cfg.rounds runs each); the speed-up is a positive
     # finite number that the table prints rounded to two decimals
     assert len(t["runs"]["concurrent"]) == len(t["runs"]["sequential"]) == cfg.rounds

@@ -34,6 +34,7 @@ import numpy as np
 
 from workbench.engine.llm import LLM
 from workbench.errors import ConfigError
+from workbench.measure.agreement import agreement
 from workbench.measure.compare import compare_samples
 from workbench.engine.sampling import SamplingParams
 from workbench.sched.config import SchedulerConfig
@@ -111,6 +112,7 @@ def throughput(llm: LLM, cfg: SchedBenchConfig) -> dict:
             "sequential_tokens_per_s": seq_tps, "concurrent_tokens_per_s": conc_tps,
             "speedup": conc_tps / seq_tps, "runs": runs, "verdict": cmp.verdict, "winner": cmp.winner,
             "identical_tokens": tokens["sequential"] == tokens["concurrent"],
+            "token_agreement": agreement(tokens["sequential"], tokens["concurrent"])["rate"],
             "max_batch": int(steps["num_seqs"].max())}
 
 

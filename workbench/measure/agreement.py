@@ -8,6 +8,14 @@ its top two).  A margin of 1e-5 is a tie broken by rounding; a margin of 3 is a 
 
     agreement(ref_tokens, other_tokens)                     # {"same", "total", "rate", "first_divergence"}
     divergence_margin(model, prompt_ids, ref_tokens, other_tokens)
+    ok, why = tokens_match(ref_runs, other_runs, exact)     # a notebook's check: identical, or >= MIN_AGREEMENT
+
+Whether two engine paths must give *identical* tokens depends on where they run: on a CPU in
+float32 the engine is batch invariant (``workbench.engine.runners``: padded packed steps, float64
+paged attention), so batching, chunking, preemption and a window change no token; on a GPU in
+bf16 (and with GPU GEMMs whose reduction order follows the batch size) they may flip near-ties, as
+in every serving engine.  :func:`tokens_match` checks identity where the path is exact and a
+stated agreement (:data:`MIN_AGREEMENT`) elsewhere, and says which it checked.
 """
 
 from __future__ import annotations
@@ -28,6 +36,38 @@ def agreement(refs: list[list[int]], others: list[list[int]]) -> dict:
     return {"same": same, "total": total, "rate": same / total if total else None,
             "identical_sequences": sum(f is None for f in firsts), "sequences": len(firsts),
             "first_divergence": firsts}
+
+
+MIN_AGREEMENT = 0.9     # where tokens need not be identical: at least 90 % of greedy tokens, position by position
+
+
+def tokens_match(ref: list[list[int]], others: list[list[list[int]]], exact: bool,
+                 min_agreement: float = MIN_AGREEMENT) -> tuple[bool, str]:
+    """Do the runs ``others`` (each a list of sequences, one per prompt) give the greedy tokens of
+    ``ref``?  ``exact``: every run identical to ``ref``; otherwise each run's :func:`agreement`
+    rate at least ``min_agreement``.  Returns (ok, what was checked and found), e.g.
+    ``"identical (3 runs x 8 sequences)"`` or ``"agreement >= 0.9 required (not an exact path): 0.94
+    worst run, 2 of 8 sequences differ, first at token 5"``."""
+    if not isinstance(exact, bool):
+        raise TypeError(f"tokens_match: exact must be a bool, got {exact!r}")
+    runs = [[list(t) for t in run] for run in others]
+    ref = [list(t) for t in ref]
+    shape = f"{len(runs)} run{'s' if len(runs) != 1 else ''} x {len(ref)} sequences"
+    bad = [i for i, run in enumerate(runs) if len(run) != len(ref)]
+    if bad:
+        return False, f"run {bad[0] + 1} has {len(runs[bad[0]])} sequences, the reference {len(ref)}"
+    stats = [agreement(ref, run) for run in runs]
+    if all(run == ref for run in runs):
+        return True, f"identical ({shape})"
+    worst = min(stats, key=lambda a: (a["rate"] if a["rate"] is not None else 1.0))
+    firsts = [f for f in worst["first_divergence"] if f is not None]
+    detail = (f"{worst['rate']:.3f} worst run, {worst['sequences'] - worst['identical_sequences']} of "
+              f"{worst['sequences']} sequences differ" + (f", first at token {min(firsts)}" if firsts else "")
+              )
+    if exact:
+        return False, f"identical required (an exact path, {shape}): {detail}"
+    ok = all(a["rate"] is None or a["rate"] >= min_agreement for a in stats)
+    return ok, f"agreement >= {min_agreement} required (not an exact path, {shape}): {detail}"
 
 
 @torch.inference_mode()
