@@ -180,12 +180,14 @@ def _beyond(diff: float, se: float, k: float = 2.0) -> bool:
     return abs(diff) > k * se
 
 
-def claim_verdicts(quality: dict | None = None, preset: dict | None = None, gpu_rows: list[dict] | None = None) -> list[dict]:
+def claim_verdicts(quality: dict | None = None, preset: dict | None = None, gpu_rows: list[dict] | None = None,
+                   gpu_where: str = "latest committed table") -> list[dict]:
     """The source articles' quantization claims against this run's measurements, one row each:
     ``claim``, ``measured`` (text), ``verdict`` ("supported" / "not supported" / "within noise" /
     "not measured here").  A difference counts only beyond 2 standard errors (quality: the
     paired standard error of the two recipes over the same tokens) or beyond the spread of the timed runs (speed:
-    the slower side's best run must exceed the faster side's worst)."""
+    the slower side's best run must exceed the faster side's worst).  ``gpu_where`` says where
+    ``gpu_rows`` come from (the latest committed table, or "measured in this run")."""
     out = []
     rows = {r["recipe"]: r for r in (quality or {}).get("rows", []) if not r.get("error")}
     pt, pc = rows.get("w4a16:pt"), rows.get("w4a16:pc")
@@ -250,7 +252,7 @@ def claim_verdicts(quality: dict | None = None, preset: dict | None = None, gpu_
             per.append(("faster" if w_hi < d_lo else "slower" if w_lo > d_hi else "within noise",
                         f"{r.get('N')}x{r.get('K')}: {float(r['dense_ms']) / float(r['w4a16_ms']):.2f}x"))
         kinds = {k for k, _ in per}
-        out.append({"claim": claim + " - on the GPU (latest committed table, m = 1)",
+        out.append({"claim": claim + f" - on the GPU ({gpu_where}, m = 1)",
                     "verdict": "supported" if kinds == {"faster"} else "not supported" if kinds == {"slower"}
                     else "within noise" if kinds == {"within noise"} else "mixed",
                     "measured": "W4A16 vs bf16, per shape: " + "; ".join(f"{t} ({k})" for k, t in per)})
