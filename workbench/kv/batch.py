@@ -24,6 +24,8 @@ decode kernel's split count depends on the batch, so bitwise invariance is the e
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -83,7 +85,7 @@ class _Group:
     decode row to 64 queries."""
 
     def __init__(self, batch: PagedBatchCache, spans, decode: bool) -> None:
-        self.b, self.decode = batch, decode
+        self.b, self.decode = weakref.proxy(batch), decode     # owned by the batch: no cycle keeping the pool
         pool = batch.pool
         dev, m, Bsz = pool.device, pool.manager, pool.block_size
         self.B = len(spans)

@@ -31,6 +31,8 @@ while its copy is in flight is never used.
 
 from __future__ import annotations
 
+import weakref
+
 import math
 import time
 
@@ -234,7 +236,7 @@ class KVPrefetch:
     the scheduler will admit (offloaded prefix blocks) and bring back (swapped sequences)."""
 
     def __init__(self, pool, k: int) -> None:
-        self.pool, self.k = pool, k
+        self.pool, self.k = weakref.proxy(pool), k      # the pool owns it: no cycle keeping the pool alive
         self.owners: dict = {}                        # staged prefix block hash -> ids of requests wanting it
         self._chains: dict[str, tuple[int, list[int]]] = {}    # request id -> (tokens hashed, chain)
         self.steps = 0

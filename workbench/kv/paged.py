@@ -21,6 +21,7 @@ the block manager through :class:`PoolBlocks`, which runs this pool's lifecycle 
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -148,7 +149,8 @@ class PagedKVPool:
         m = BlockManager(num_blocks, self.block_size, enable_prefix_caching=self.config.enable_prefix_caching,
                          eviction=self.config.eviction)
         if self.offload is not None:
-            m.on_evict = self._spill
+            spill = weakref.WeakMethod(self._spill)        # the pool owns its manager: no cycle back
+            m.on_evict = lambda *a: spill()(*a)
         return m
 
     # ---- offload tier --------------------------------------------------------------------------
@@ -293,7 +295,10 @@ class PoolBlocks:
     """
 
     def __init__(self, pool: PagedKVPool) -> None:
-        self.pool = pool
+        # a weak proxy: the pool owns this object (``pool.blocks``), and a strong reference back
+        # made a cycle that kept the pool's KV tensors alive after its engine was dropped, until
+        # Python's cyclic collector ran (on a GPU: gigabytes of HBM held between engines)
+        self.pool = weakref.proxy(pool)
 
     def __getattr__(self, name):
         return getattr(self.pool.manager, name)
