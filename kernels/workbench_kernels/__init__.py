@@ -31,7 +31,9 @@ file                   ops
                        by Gumbel-max; per-row parameters; thresholds from torch on the host)
 ``quant_matmul.py``    ``w4a16_matmul`` / ``w8a16_matmul`` (int4 / int8 weights dequantized in the
                        kernel: split-K GEMV for a few rows, tiled GEMM otherwise), ``w4a8_matmul``
-                       / ``w8a8_matmul`` (int8 x int8 -> int32 per group), ``quantize_per_token_int8``
+                       / ``w8a8_matmul`` (int8 x int8 -> int32 per group), ``quantize_per_token_int8``;
+                       re-exported from ``quant_wxa16.py``, ``quant_wxa8.py``, ``quant_plan.py``
+                       and ``quant_shared.py``
 ``_testing.py``        ``assert_close`` (reports how many elements mismatch and where), error
                        helpers shared by the tests, the benchmark and the notebook
 =====================  ======================================================================

@@ -284,8 +284,10 @@ def test_quant_linear_end_to_end(bits, group, sym, act_bits):
 # ---- plans ------------------------------------------------------------------------------------------
 def test_plans_on_a_gpu(monkeypatch):
     """What the wrappers launch on an H100/H200 (132 SMs), computed on the host from shapes only."""
-    monkeypatch.setattr(qm, "interpreter_active", lambda: False)
-    monkeypatch.setattr(qm, "_num_sms", lambda device: 132)
+    import workbench_kernels.quant_plan as plans     # where the plans read both
+
+    monkeypatch.setattr(plans, "interpreter_active", lambda: False)
+    monkeypatch.setattr(plans, "_num_sms", lambda device: 132)
     p = qm.w4a16_plan(1, 4096, 4096, 128)
     assert (p.path, p.block_m, p.block_n, p.block_k) == ("gemv", 1, 64, 128)
     assert p.split_k == 8 and p.k_per_split == 512 and p.group_aligned      # 64 tiles x 8 splits

@@ -86,7 +86,7 @@ def _sm_count(sms: int | None):
         yield
         return
     saved = []
-    for file in ("paged_decode", "quant_matmul"):
+    for file in ("paged_decode", "quant_plan"):      # quant_plan: the low-bit matmuls' plans
         mod = importlib.import_module(f"workbench_kernels.{file}")
         saved.append((mod, mod._num_sms))
         mod._num_sms = lambda device=None, _n=sms: _n

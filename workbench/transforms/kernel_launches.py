@@ -198,14 +198,19 @@ def _recording(module, launches: list, context: dict):
 
     names = kernel_names(module)
     real = {n: getattr(module, n) for n in names}
+    # a kernel file may re-export kernels its sibling modules define and launch (``quant_matmul``):
+    # swap each kernel in every loaded workbench_kernels module that binds it, where its wrapper looks it up
+    homes = [mod for name, mod in list(sys.modules.items())
+             if mod is module or (name.startswith("workbench_kernels.") and mod is not None)]
+    bound = [(mod, n) for mod in homes for n in names if vars(mod).get(n) is real[n]]
     counts = dict(pkg.LAUNCHES)
-    for n in names:
-        setattr(module, n, _Recorder(n, launches, context))
+    for mod, n in bound:
+        setattr(mod, n, _Recorder(n, launches, context))
     try:
         yield real
     finally:
-        for n, v in real.items():
-            setattr(module, n, v)
+        for mod, n in bound:
+            setattr(mod, n, real[n])
         pkg.LAUNCHES.clear()
         pkg.LAUNCHES.update(counts)
 
