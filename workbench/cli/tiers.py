@@ -131,7 +131,7 @@ def cmd_tier_bench(args) -> int:
     return 0
 
 
-OFFLOADS = ("host", "disk")                     # workbench.kv.tiers_physical (not imported: no torch for --help)
+OFFLOADS = ("host", "disk")                     # workbench.kv.tier_store (not imported: no torch for --help)
 PREDICTORS = ("none", "step", "layer", "both")
 
 

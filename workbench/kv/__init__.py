@@ -9,7 +9,8 @@
 * tiers: ``tier_config`` (zones and bytes), ``pca`` (key bases), ``tier_attention`` (the
   arithmetic both tiered caches share), ``tiers`` (the accounted hot / warm / cold cache: a full
   copy kept, bytes by formula), ``tiers_physical`` (only the resident zones kept, blocks in an
-  offload tier, routed blocks fetched back through the prefetcher; bytes measured);
+  offload tier, routed blocks fetched back through the prefetcher; bytes measured) with
+  ``tier_store`` (its offload tier and predictor) and ``tier_blocks`` (its offloaded blocks);
 * ``inspect``: looking inside (pool and tier reports, live or from a server).
 
 Its quality sweeps and benchmarks are in ``workbench.bench`` (``tier_eval``, ``prefix``).
@@ -23,7 +24,8 @@ _EXPORTS = exports({
     "workbench.kv.prefix_cache": "MissReason PrefixCache block_hash",
     "workbench.kv.tier_config": ("TierConfig ZoneCounts basis_bytes full_bytes_per_token resident_bytes zone_bytes "
                                  "zone_counts zone_masks"),
-    "workbench.kv.tiers_physical": "PhysicalTieredKVCache TierStore",
+    "workbench.kv.tiers_physical": "PhysicalTieredKVCache",
+    "workbench.kv.tier_store": "TierStore",
     "workbench.kv.tiers": "TieredKVCache apply_tiered_attention is_tiered remove_tiered_attention tiered_attention",
     "workbench.kv.pca": "PCABasis KeyRecorder collect_keys fit_pca_basis fit_pca_from_model",
     "workbench.kv.paged": "PagedKVConfig PagedKVPool PagedSequenceCache PoolBlocks",
