@@ -8,7 +8,7 @@
 # DEVICE_CHECK_BUDGET_S = 480 s):
 #
 #   1. warmup           55  compile and autotune, once, every Triton kernel at the launch configurations the
-#                           steps below use (workbench.bench.kernel_cases.bench_launch_cases: the kernel
+#                           steps below use (workbench.bench.kernel_launch_cases.bench_launch_cases: the kernel
 #                           bench's full sizes, the decode roofline, decode-stack's batches, the W4A16 /
 #                           W8A16 / W4A8 table, notebook 06's ablation): 8 processes compile without
 #                           launching, then each case runs once (autotuning its configs), then

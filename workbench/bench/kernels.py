@@ -31,7 +31,7 @@ set here before any kernel module is imported): those rows are labelled ``timing
 
 This module is the run (:class:`KernelBenchConfig`, :func:`run_kernel_bench`, and
 :func:`run_and_report`, what ``workbench kernels-bench`` does); its parts are
-:mod:`~workbench.bench.kernel_timing` (rows, timing, ceilings), :mod:`~workbench.bench.kernel_cases`
+:mod:`~workbench.bench.kernel_timing` (rows, timing, ceilings), :mod:`~workbench.bench.kernel_op_cases`
 (the kernels against torch), :mod:`~workbench.bench.kernel_decode` (the decode step) and
 :mod:`~workbench.bench.kernel_report` (CSV and table), whose names are importable from here too
 (the kernels notebook uses them as ``kb.<name>``).  The command line is in
@@ -49,13 +49,13 @@ from pathlib import Path
 
 import torch
 
-from workbench.bench.kernel_cases import BACKEND_OP, OPS, Case, make_case, run_case
 from workbench.bench.kernel_decode import (
     count_step_launches,
     decode_rows,
     fused_backends,
     step_bytes,
 )
+from workbench.bench.kernel_op_cases import BACKEND_OP, OPS, Case, make_case, run_case
 from workbench.bench.kernel_report import append_csv, check_csv, format_table
 from workbench.bench.kernel_timing import (
     INTERPRETER_NOTE,

@@ -39,7 +39,7 @@ CUDA device): the decode cases pass ``num_splits`` from the wrapper's own
 Two sets of cases.  The representative ones (:func:`~workbench.transforms.kernel_launches._cases`:
 each wrapper at model shapes, every dtype) and, for bf16 (the dtype every GPU benchmark runs),
 every launch configuration the benchmarks make, for sm_90 (the GPUs the device check runs on)
-(:func:`workbench.bench.kernel_cases.bench_launch_cases`: the kernel bench at its full sizes, the
+(:func:`workbench.bench.kernel_launch_cases.bench_launch_cases`: the kernel bench at its full sizes, the
 decode roofline, decode-stack's batches over the paged pool and the contiguous cache, the W4A16 /
 W8A16 / W4A8 table's shapes and rows, notebook 06's ablation).  A launch whose specialisation
 (signature, constexprs, alignment / ``== 1`` attributes, options) and config equal one already
@@ -112,7 +112,7 @@ def _with_configs(launches: list[Launch], real: dict) -> None:
 
 
 def record_case(case, device, dtype, sms: int | None = None) -> tuple[list[Launch], dict]:
-    """The launches one :class:`~workbench.bench.kernel_cases.LaunchCase` makes on ``device``
+    """The launches one :class:`~workbench.bench.kernel_launch_cases.LaunchCase` makes on ``device``
     (meta: shapes only), with its file's kernels swapped for recorders (nothing runs); and the
     real kernel objects by name.  ``sms``: the SM count the wrappers see (a target's, for meta)."""
     import torch
@@ -160,7 +160,7 @@ def plan(targets=(90, 80), dtypes=("bfloat16",), configs: str = "all", kernels=K
          bench_cases=None) -> list[tuple]:
     """What :func:`collect` compiles, without compiling: ``(launch, config, capability, dtype name,
     covers)`` per distinct binary, ``covers`` the case names that launch it.  ``bench_cases``: add these
-    benchmark launch configurations (:func:`workbench.bench.kernel_cases.bench_launch_cases`, which the
+    benchmark launch configurations (:func:`workbench.bench.kernel_launch_cases.bench_launch_cases`, which the
     caller passes: this layer sits below the benchmarks), bf16 for sm_90 only (:data:`BENCH_DTYPES`,
     :data:`BENCH_TARGETS`)."""
     check_not_interpreted()
