@@ -44,8 +44,11 @@ def format_bench(res: dict) -> str:
         lines.append(f"LLM front + engine per decode token: {fo['engine_ms_per_token']:.3f} ms vs the bare loop "
                      f"{fo['loop_ms_per_token']:.3f} ms: {fo['overhead_ms_per_token']:+.3f} ms "
                      f"({fo['overhead_pct']:+.0f}%; {fo['verdict']})")
-    lines.append(f"fastest configuration: {res['fastest']} ({res['configs'][res['fastest']]['decode_vs_transformers']:.2f}x "
-                 "transformers)")
+    fast = res["configs"][res["fastest"]]
+    q = fast.get("quality")
+    over = (f"; perplexity {100 * q['rel_ppl']:+.2f} %, beyond the +{100 * res['max_rel_ppl']:g} % bound"
+            if isinstance(q, dict) and res.get("max_rel_ppl") is not None and q["rel_ppl"] > res["max_rel_ppl"] else "")
+    lines.append(f"fastest configuration: {res['fastest']} ({fast['decode_vs_transformers']:.2f}x transformers{over})")
     best = res.get("fastest_within_quality")
     if best and (best != res["fastest"] or res.get("vs_llamacpp")):
         c = res["configs"][best]

@@ -152,7 +152,9 @@ def _sides(cfg: BenchConfig, llm: LLM, names: list[str], max_batch: int) -> tupl
                 static_model = copy.deepcopy(llm.model)
             opts = dict(ENGINE_OPTIONS[name])
             if opts.get("kv") == "paged":
-                opts["kv"] = PagedKVConfig()
+                # no prefix cache: the bench repeats its prompts, and a repeat served from cached blocks would
+                # time a prefix hit as the paged row's TTFT against full prefills elsewhere (prefix-bench measures it)
+                opts["kv"] = PagedKVConfig(enable_prefix_caching=False)
             try:
                 eng = LLM(static_model, tokenizer=llm.tokenizer, max_model_len=ctx, **opts, **sched)
             except WorkbenchError as e:
@@ -170,7 +172,7 @@ def _sides(cfg: BenchConfig, llm: LLM, names: list[str], max_batch: int) -> tupl
         name = f"q:{scheme}"
         try:
             eng = LLM(copy.deepcopy(llm.model), tokenizer=llm.tokenizer, max_model_len=ctx, quant=scheme,
-                      kv=PagedKVConfig(), **fast, **sched)
+                      kv=PagedKVConfig(enable_prefix_caching=False), **fast, **sched)
         except WorkbenchError as e:
             skipped[name] = str(e)
             continue
