@@ -79,6 +79,16 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _guard_text(desc: dict) -> str:
+    """The start-up line's guard: its settings, not its class name, e.g. ``SLO guard on (opens when P95 TTFT
+    > 2x baseline over 50 requests; reject)``."""
+    c = desc.get("config") or {}
+    if {"factor", "quantile", "window", "policy"} <= set(c):
+        return (f"SLO guard on (opens when P{100 * c['quantile']:g} TTFT > {c['factor']:g}x baseline over "
+                f"{c['window']} requests; {c['policy']})")
+    return f"SLO guard on ({desc.get('type', 'custom')})"
+
+
 def _url(host: str, port: int) -> str:
     host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -187,7 +197,7 @@ def serve(engine=None, config: ServerConfig | None = None, announce=print, guard
         url = _url(config.host, sock.getsockname()[1])
         announce(f"workbench serve: {url}/v1  model {info['model']!r} on {info['device']} ({info['dtype']}), "
                  f"{info['num_blocks']} KV blocks of {info['block_size']}, port {sock.getsockname()[1]}"
-                 + (f", SLO guard {info['slo_guard']['type']}" if "slo_guard" in info else ""))
+                 + (f", {_guard_text(info['slo_guard'])}" if "slo_guard" in info else ""))
         warning = exposure_warning(config)
         if warning:
             print(warning, file=sys.stderr)
