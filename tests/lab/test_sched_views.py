@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("plotly")
 pytest.importorskip("ipywidgets")
 
+from workbench.bench.sched_experiments import ramp_stages  # noqa: E402
 from workbench.lab import load_views as lv  # noqa: E402
 from workbench.lab import sched_lab  # noqa: E402
 from workbench.lab import sched_timeline as st  # noqa: E402
@@ -155,7 +156,7 @@ def test_timeline_has_one_legend_per_row_and_grows_with_the_requests():
 def test_load_ramp_displays_the_dashboard_only_when_live(random_llm, monkeypatch, live):
     shown = []
     monkeypatch.setattr(lv.LatencyDashboard, "display", lambda self: shown.append(self) or self)
-    warm, _, stages = sched_lab.ramp_stages(8.0, durations=(0.3, 0.1, 0.3, 0.1))
+    warm, _, stages = ramp_stages(8.0, durations=(0.3, 0.1, 0.3, 0.1))
     ramp = sched_lab.load_ramp(random_llm, stages, warm, max_tokens=2, live=live,
                                guard_config={"min_samples": 4, "window": 8})
     dash = ramp["dashboard"]

@@ -8,7 +8,7 @@ experiments) and is shown from here (``tests/test_architecture.py`` checks it).
 * ``results``: results sidecars, sweep tables and figures, the HTML report; ``front_page`` its
   first page;
 * ``browser`` (+ ``browser_session``): notebooks run in JupyterLab in headless Chromium;
-* ``scale``, ``context``: what a notebook prints at its top;
+* ``scale``: what a notebook scales down, printed at its top;
 * views (plotly / ipywidgets): ``viz``, ``kernels_view`` (+ ``kernel_toggle``, ``labels``,
   ``formats``), ``kv_view``, ``kv_lab``, ``kv_text``, ``load_views`` (+ ``prom_metrics``),
   ``sched_timeline``, ``sched_lab``, ``prefetch_view``, ``prefetch_sweeps``, ``quant_view``,

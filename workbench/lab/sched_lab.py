@@ -9,9 +9,6 @@ from __future__ import annotations
 
 from workbench.bench import sched_experiments as sx
 
-# notebook 04 imports ramp_stages from here; it is the ramp's sizing, in bench with the ramp
-from workbench.bench.sched_experiments import LOAD_TABLE_COLUMNS, ramp_stages  # noqa: F401
-
 
 def load_ramp(llm, stages, warm: float, max_tokens: int = 16, window_ms: float = 0.0, seed: int = 3,
               guard_config: dict | None = None, dashboard: bool = True, max_num_seqs: int = 16,

@@ -110,3 +110,21 @@ def read_compile_log(path: str | Path) -> dict:
     except (OSError, ValueError):
         return {}
     return d if isinstance(d, dict) else {}
+
+
+def check_triton_hooks() -> str:
+    """Install a :class:`CompileLog` in this process and check it hooked this Triton's
+    ``JITFunction._do_compile`` and ``Autotuner._bench`` (without them every step's compile_s reads 0);
+    raises RuntimeError naming what is missing, else returns a one-line report.  It patches Triton's
+    classes for the rest of the process: run it in a process of its own (``.ci/run`` does, with triton 3.6)."""
+    import triton
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    CompileLog().install()
+    hooks = (("JITFunction._do_compile", getattr(JITFunction, "_do_compile", None)),
+             ("Autotuner._bench", getattr(Autotuner, "_bench", None)))
+    missing = [n for n, f in hooks if not hasattr(f, "__wrapped__")]
+    if missing:
+        raise RuntimeError(f"CompileLog does not hook {missing} in triton {triton.__version__}: compile_s would read 0")
+    return f"CompileLog hooks triton {triton.__version__}"
