@@ -228,9 +228,12 @@ def test_a_run_that_stops_early_still_writes_every_row(tmp_path, error, raised):
         runner.run_notebooks([nb], **kw)
     assert ex.closed
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["planned"] == summary["finished"] == 3
+    summary = summary["notebooks"]
     assert [r["status"] for r in summary] == ["ok", "failed", "failed"]
     why = "interrupted (KeyboardInterrupt)" if raised else "the stops executor stopped: OSError"
     assert all(why in r["error"] and r["error"].startswith("not run") for r in summary[1:])
+    assert [r["output"] for r in summary] == [None, None, None]        # no executed copy was written: none named
     table = pd.read_csv(out / "sweep.csv")
     assert list(table["status"]) == ["ok", "failed", "failed"] and table.loc[0, "x"] == 1
     assert list(pd.read_csv(out / "results.csv")["metric"]) == ["x"] and (out / "report.html").is_file()

@@ -7,11 +7,51 @@ from __future__ import annotations
 import json
 
 
-def _json_or_str(v: str):
+def _json_or_str(v: str, where: str = "value"):
+    """A value as JSON (number, true/false/null, "text", [list], {object}), else the text itself;
+    text that starts like a JSON string, list or object must be one (no silent fallback to a
+    string that merely looks like a list)."""
+    from workbench.errors import ConfigError
+
     try:
         return json.loads(v)
-    except json.JSONDecodeError:
+    except json.JSONDecodeError as e:
+        if v.lstrip()[:1] in ('"', "[", "{"):
+            raise ConfigError(f"{where}: {v!r} starts like JSON but is not JSON ({e.msg} at character {e.pos}); write "
+                              "it as JSON (e.g. [1, 2] or \"text\"), or as plain text that does not start with [, { or "
+                              '"') from None
         return v
+
+
+def split_values(text: str, where: str) -> list[str]:
+    """``--sweep`` values: split at the commas outside brackets, braces and JSON strings, so
+    ``[1,2],[3,4]`` is two values (two lists) and ``"a,b",c`` is two (a string with a comma, and c)."""
+    from workbench.errors import ConfigError
+
+    out, depth, start, quote, escaped = [], [], 0, False, False
+    pairs = {"[": "]", "{": "}"}
+    for i, ch in enumerate(text):
+        if quote:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                quote = False
+        elif ch == '"':
+            quote = True
+        elif ch in pairs:
+            depth.append(pairs[ch])
+        elif ch in "]}":
+            if not depth or depth.pop() != ch:
+                raise ConfigError(f"{where}: unbalanced {ch!r} at character {i} of {text!r}")
+        elif ch == "," and not depth:
+            out.append(text[start:i])
+            start = i + 1
+    if quote or depth:
+        raise ConfigError(f"{where}: {text!r} ends inside a JSON {'string' if quote else 'list or object'} "
+                          f"(missing {'a closing quote' if quote else repr(depth[-1])})")
+    return out + [text[start:]]
 
 
 def _resources(text: str | None) -> dict | None:
@@ -31,7 +71,7 @@ def _resources(text: str | None) -> dict | None:
 
 def cmd_run_notebooks(args) -> int:
     from workbench.errors import ConfigError
-    from workbench.lab.runner import run_notebooks
+    from workbench.lab.runner import check_name, run_notebooks
 
     params = {}
     if args.model is not None:          # the same as -p model='"DIR"': every notebook on that checkpoint
@@ -40,18 +80,22 @@ def cmd_run_notebooks(args) -> int:
         if "=" not in item:
             raise ConfigError(f"--param {item!r}: expected NAME=VALUE (VALUE parsed as JSON when possible)")
         k, v = item.split("=", 1)
-        params[k] = _json_or_str(v)
+        params[check_name(k, f"--param {item!r}: the")] = _json_or_str(v, f"--param {k}")
     sweep = {}
     for item in args.sweep or []:
         if "=" not in item:
             raise ConfigError(f"--sweep {item!r}: expected NAME=V1,V2,... (each value parsed as JSON when possible)")
         k, v = item.split("=", 1)
-        sweep[k] = [_json_or_str(x) for x in v.split(",")]
+        check_name(k, f"--sweep {item!r}: the")
+        if k in sweep:
+            raise ConfigError(f"--sweep {k}: given twice; give all its values in one --sweep {k}=V1,V2,...")
+        sweep[k] = [_json_or_str(x, f"--sweep {k}") for x in split_values(v, f"--sweep {k}")]
     result = run_notebooks(args.notebooks or None, parameters=params, out_dir=args.out, timeout=args.timeout,
                            progress=not args.quiet, sweep=sweep or None, executor=args.executor, jobs=args.jobs,
                            address=args.address, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
                            memory=args.memory, resources=_resources(args.resources),
-                           check_resources=not args.no_resource_check, point_timeout=args.point_timeout)
+                           check_resources=not args.no_resource_check, point_timeout=args.point_timeout,
+                           resume=args.resume, overwrite=args.overwrite)
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     else:
@@ -71,8 +115,18 @@ def add_run_notebooks_parser(sub) -> None:
     r.add_argument("notebooks", nargs="*", help="notebook names or paths (default: all in notebooks/)")
     r.add_argument("-p", "--param", action="append", help="NAME=VALUE injected into every notebook (repeatable)")
     r.add_argument("--sweep", action="append", help="NAME=V1,V2,... run each notebook once per point of the grid "
-                                                    "of all --sweep values (repeatable); writes sweep.csv")
-    r.add_argument("--out", default=None, help="output folder (default: runs/<timestamp>)")
+                                                    "of all --sweep values (repeatable); writes sweep.csv. Each value "
+                                                    "is read as JSON when possible; commas inside [..], {..} or \"..\" "
+                                                    "do not split: sizes=[1,2],[3,4] is two lists")
+    r.add_argument("--out", default=None, help="the run's folder, new or empty (default: runs/<UTC time>); never "
+                                               "the notebooks' own folder")
+    again = r.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true",
+                       help="--out holds a run of the same notebooks, parameters and sweep: keep the notebooks that "
+                            "finished ok there (their files), run the rest, rewrite results.csv and the report")
+    again.add_argument("--overwrite", action="store_true",
+                       help="--out holds a run: delete the files it wrote (named in its summary.json), then run; "
+                            "other files in the folder are left alone")
     r.add_argument("--model", default=None,
                    help="a Hugging Face-format folder every notebook runs on instead of the bundled model (the same "
                         "as -p model='\"DIR\"'; e.g. one written by workbench import-gguf)")

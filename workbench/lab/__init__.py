@@ -3,8 +3,8 @@ whatever times something is in ``workbench.bench`` (the claims lab, the kernel, 
 experiments) and is shown from here (``tests/test_architecture.py`` checks it).
 
 * ``runner``: papermill runs and sweeps of the notebooks (``workbench run-notebooks``);
-  ``executors`` (a package: local processes, Ray) run its points, ``stacks`` says where a stuck
-  notebook was;
+  ``executors`` (a package: local processes, Ray) run its points, ``run_folder`` decides where a
+  run may write and keeps its ``summary.json`` true, ``stacks`` says where a stuck notebook was;
 * ``results``: results sidecars, sweep tables and figures, the HTML report; ``front_page`` its
   first page;
 * ``browser`` (+ ``browser_session``): notebooks run in JupyterLab in headless Chromium;

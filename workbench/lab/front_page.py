@@ -247,7 +247,9 @@ def claims_html(results: dict) -> str:
             continue
         cols = [c for c in ("claim", "source", "layer", "measured", "verdict", "why") if c in table.columns]
         view = table[cols] if cols else table
-        return (f"<p>From <a href='#nb-{_esc(name)}'>{_esc(name)}</a> (<code>workbench claims --json</code> "
+        from workbench.lab.results import html_id
+
+        return (f"<p>From <a href='#{html_id('nb', name)}'>{_esc(name)}</a> (<code>workbench claims --json</code> "
                 "measures the same set from the command line). Verdicts: holds / does not hold / cannot be "
                 "tested here / not measured / error, each with the comparison and its noise.</p>"
                 + view.to_html(index=False, na_rep="", classes="claims"))

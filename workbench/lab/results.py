@@ -16,18 +16,23 @@ The file is JSON, one object::
 :func:`load_results` reads it back with tables as DataFrames and figures as plotly dicts
 (``plotly.io.from_json(json.dumps(d))`` or :func:`figure_html` turns one into a figure).
 :func:`collect_results` and :func:`write_report` turn a batch run's sidecars into one table
-and one offline HTML page (used by :mod:`workbench.lab.runner`); a sweep's table
+and one offline HTML page (used by :mod:`workbench.lab.runner`; every string escaped, its own
+scripts the only ones its Content-Security-Policy lets run); a sweep's table
 (:func:`sweep_frame`, ``sweep.csv``) has one row per point and ends with the worker that ran it
 (:data:`WORKER_COLUMNS`: executor, host, IP, pid, Ray node and worker id, GPUs).
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import html
 import json
 import math
 import numbers
+import re
 import sys
+import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -113,11 +118,34 @@ def load_results(path: str | Path) -> dict:
     return {"metrics": doc.get("metrics", {}), "tables": tables, "figures": doc.get("figures", {})}
 
 
+_SAFE_ID = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
+
+
+def html_id(prefix: str, name) -> str:
+    """An HTML id for ``name`` that is safe anywhere it goes (an attribute, a JS string, a CSS
+    selector): ``prefix-`` then letters, digits, ``_`` and ``-``; a name with other characters gets
+    a short hash of itself, so two names never share an id.  ``html_id("nb", "grid__a-1")`` is
+    ``nb-grid__a-1``."""
+    text = str(name)
+    slug = re.sub(r"[^A-Za-z0-9_-]+", "-", text).strip("-")[:60]
+    if slug != text or not slug:
+        slug = "-".join(x for x in (slug, hashlib.sha256(text.encode("utf-8", "replace")).hexdigest()[:10]) if x)
+    return f"{prefix}-{slug}"
+
+
 def figure_html(fig_json: dict, div_id: str | None = None) -> str:
-    """A ``<div>`` for one figure, without plotly.js (the page includes it once)."""
+    """A ``<div>`` for one figure, without plotly.js (the page includes it once).  plotly writes
+    ``div_id`` unescaped into an attribute and a script, so one that is not a plain id
+    (letters, digits, ``_``, ``-``) is replaced by :func:`html_id` of it."""
     import plotly.io as pio
 
     fig = pio.from_json(json.dumps(fig_json), skip_invalid=True)
+    return _figure_fragment(fig, div_id)
+
+
+def _figure_fragment(fig, div_id: str | None) -> str:
+    if div_id is not None and not _SAFE_ID.fullmatch(str(div_id)):
+        div_id = html_id("fig", div_id)
     return fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id)
 
 
@@ -221,16 +249,55 @@ figure img{max-width:520px;border:1px solid #ccc}figcaption{font-size:90%;color:
 
 
 def _relative(p: Path, base: Path) -> str:
+    """A link from the report to file ``p``: relative and percent-encoded (``:`` too, so a file
+    named ``javascript:...`` is a path, not a scheme), or a file: URI."""
     import os
 
     try:
-        return os.path.relpath(p.resolve(), base.resolve()).replace(os.sep, "/")
+        rel = os.path.relpath(p.resolve(), base.resolve()).replace(os.sep, "/")
     except ValueError:                 # another drive
         return p.resolve().as_uri()
+    return _file_link(rel)
+
+
+def _file_link(rel: str) -> str:
+    return urllib.parse.quote(rel, safe="/")
 
 
 def _esc(s) -> str:
     return html.escape("" if s is None else str(s))
+
+
+# ---- what may run in the page -------------------------------------------------------------------
+_SCRIPT = re.compile(r"<script\b[^>]*>(.*?)</script>", re.DOTALL | re.IGNORECASE)
+
+
+class _Scripts:
+    """The page's own scripts (plotly.js and plotly's figure calls), each allowed by its sha256 in
+    the page's Content-Security-Policy: no other inline script, event handler or ``javascript:``
+    link runs, even if some text reached the page unescaped."""
+
+    def __init__(self):
+        self.bodies: list[str] = []
+
+    def add(self, body: str) -> str:
+        body = body.replace("\r\n", "\n").replace("\r", "\n")   # as the HTML parser hands it to the hash
+        if re.search(r"</script", body, re.IGNORECASE):
+            raise ValueError("a script of the report holds '</script': it would end early")
+        self.bodies.append(body)
+        return f"<script>{body}</script>"
+
+    def take(self, fragment: str) -> str:
+        """A fragment plotly wrote (its JSON has ``<`` escaped), its script blocks noted."""
+        return _SCRIPT.sub(lambda m: self.add(m.group(1)), fragment)
+
+    def policy(self) -> str:
+        hashes = " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode('utf-8')).digest()).decode()}'"
+                          for b in dict.fromkeys(self.bodies))
+        return ("default-src 'none'; "
+                f"script-src {hashes or chr(39) + 'none' + chr(39)}; "
+                "style-src 'unsafe-inline'; img-src 'self' data: blob: file:; font-src data:; "
+                "connect-src 'none'; object-src 'none'; base-uri 'none'; form-action 'none'")
 
 
 def _kv_table(d: dict) -> str:
@@ -287,8 +354,15 @@ def write_report(path: str | Path, records: list[dict], results: dict, parameter
     table when a notebook wrote one, the latest committed GPU results), then the environment,
     notebook summary (status, seconds, worker, links), metrics table, and each notebook's tables
     and figures (plotly.js inlined once). ``screenshots``: {notebook: [(caption, path), ...]}
-    from a browser run (:mod:`workbench.lab.browser`), shown as images linked relative to the page."""
+    from a browser run (:mod:`workbench.lab.browser`), shown as images linked relative to the page.
+
+    Every string from a run (names, parameters, sweep keys and values, errors, table cells,
+    headings) is escaped; ids are :func:`html_id`, links percent-encoded; and the page's
+    Content-Security-Policy allows no script but its own (plotly.js and each figure's call, by
+    sha256): no inline script, event handler or ``javascript:`` link that reached it otherwise
+    runs.  The page lands whole (a temporary file, then a rename)."""
     path = Path(path)
+    scripts = _Scripts()
     title = f"Workbench notebook run {path.parent.name}"
     parts = [f"<h1>{_esc(title)}</h1>"]
     if front_page:
@@ -301,32 +375,35 @@ def write_report(path: str | Path, records: list[dict], results: dict, parameter
         parts.append(front_page_html(results, gpu_root=gpu_root))
     parts += ["<h2>Environment</h2>", _kv_table(environment(parameters))]
     parts.append("<p>Parameters given to every notebook: "
-                 f"<code>{_esc(json.dumps(parameters or {}))}</code>; kernel <code>{_esc(kernel)}</code>"
+                 f"<code>{_esc(json.dumps(parameters or {}, default=str))}</code>; kernel <code>{_esc(kernel)}</code>"
                  + (f"; started {started:%Y-%m-%d %H:%M:%S} UTC" if started else "")
                  + (f"; executor: {_esc(executor)}" if executor else "") + ".</p>")
 
     parts.append("<h2 id='notebooks'>Notebooks</h2><table><tr><th>notebook</th><th>status</th><th>seconds</th>"
                  "<th>worker</th><th>results</th><th>error</th></tr>")
     for rec in records:
-        link = Path(rec["output"]).name
-        has = f"<a href='#nb-{_esc(rec['name'])}'>yes</a>" if rec["name"] in results["notebooks"] else "no"
-        parts.append(f"<tr><td><a href='{_esc(link)}'>{_esc(rec['name'])}</a></td>"
-                     f"<td class='{_esc(rec['status'])}'>{_esc(rec['status'])}</td><td>{rec['seconds']:.1f}</td>"
+        name = _esc(rec["name"])
+        cell = (f"<a href='{_esc(_file_link(Path(rec['output']).name))}'>{name}</a>" if rec.get("output") else name)
+        has = (f"<a href='#{html_id('nb', rec['name'])}'>yes</a>" if rec["name"] in results["notebooks"] else "no")
+        status = str(rec.get("status"))
+        parts.append(f"<tr><td>{cell}</td>"
+                     f"<td class='{'ok' if status == 'ok' else 'failed'}'>{_esc(status)}</td>"
+                     f"<td>{_seconds(rec.get('seconds'))}</td>"
                      f"<td>{_esc(_worker_text(rec.get('worker')))}</td><td>{has}</td>"
                      f"<td style='text-align:left'><pre>{_esc(rec.get('error') or '')}</pre></td></tr>")
     parts.append("</table>")
 
     n_figures = 0
     if "sweep" in results:
-        parts.append(f"<h2>Sweep</h2><p>Grid <code>{_esc(json.dumps(sweep or {}))}</code>: one row per point "
-                     "(a failed point keeps its row and its error).</p>")
+        parts.append(f"<h2>Sweep</h2><p>Grid <code>{_esc(json.dumps(sweep or {}, default=str))}</code>: one row per "
+                     "point (a failed point keeps its row and its error).</p>")
         parts.append(results["sweep"].to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep=""))
         try:
             fig = sweep_figure(results["sweep"], list(sweep or {}))
         except ImportError:
             fig = None
         if fig is not None:
-            parts.append(fig.to_html(full_html=False, include_plotlyjs=False, div_id="fig-sweep"))
+            parts.append(scripts.take(_figure_fragment(fig, "fig-sweep")))
             n_figures += 1
     metrics = results["metrics"]
     parts.append("<h2 id='metrics'>Metrics</h2>")
@@ -346,21 +423,31 @@ def write_report(path: str | Path, records: list[dict], results: dict, parameter
                 parts.append(f"<figure><a href='{_esc(rel)}'><img src='{_esc(rel)}' alt='{_esc(caption)}'></a>"
                              f"<figcaption>{_esc(caption)}</figcaption></figure>")
     for name, res in results["notebooks"].items():
-        parts.append(f"<h2 id='nb-{_esc(name)}'>{_esc(name)}</h2>")
+        parts.append(f"<h2 id='{html_id('nb', name)}'>{_esc(name)}</h2>")
         for tname, df in res["tables"].items():
             parts.append(f"<h3>{_esc(tname)}</h3>" + df.to_html(float_format=lambda v: f"{v:.4g}", na_rep=""))
         for fname, fig in res["figures"].items():
             parts.append(f"<h3>{_esc(fname)}</h3>")
             try:
-                parts.append(figure_html(fig, div_id=f"fig-{name}-{fname}"))
+                parts.append(scripts.take(figure_html(fig, div_id=f"fig-{n_figures + 1}")))
                 n_figures += 1
             except ImportError:
                 parts.append("<p>(plotly is not installed: figure not rendered)</p>")
 
-    head = f"<meta charset='utf-8'><title>{_esc(title)}</title><style>{_CSS}</style>"
+    plotly_js = ""
     if n_figures:
         from plotly.offline import get_plotlyjs
-        head += f"<script type='text/javascript'>{get_plotlyjs()}</script>"
-    path.write_text(f"<!DOCTYPE html>\n<html><head>{head}</head><body>\n" + "\n".join(parts) + "\n</body></html>\n",
-                    encoding="utf-8")
+        plotly_js = scripts.add(get_plotlyjs())
+    head = (f"<meta charset='utf-8'><meta http-equiv='Content-Security-Policy' content=\"{_esc(scripts.policy())}\">"
+            f"<title>{_esc(title)}</title><style>{_CSS}</style>{plotly_js}")
+    from workbench.lab.run_folder import atomic_write
+
+    atomic_write(path, f"<!DOCTYPE html>\n<html><head>{head}</head><body>\n" + "\n".join(parts) + "\n</body></html>\n")
     return path
+
+
+def _seconds(v) -> str:
+    try:
+        return f"{float(v):.1f}"
+    except (TypeError, ValueError):
+        return _esc(v)

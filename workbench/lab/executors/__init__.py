@@ -49,7 +49,8 @@ A point timeout (``Task.point_timeout``, ``--point-timeout``) stops a point that
 locally the parent stops its worker process (each leads a session of its own) and the worker's
 SIGTERM handler kills its kernel first; on Ray a watchdog in the task kills the kernel and the
 task returns a failed record.  No kernel outlives its point: a worker that dies any other way
-has its kernels found by ``JPY_PARENT_PID`` and killed (:func:`kill_kernels`).  An open Ray
+has its kernels found by ``JPY_PARENT_PID`` and killed (:func:`kill_kernels`), and a local
+worker whose run is gone (killed, also by SIGKILL) stops itself and its kernel.  An open Ray
 session is reused only when ``address`` names its cluster (else a ConfigError), and then a
 ``runtime_env`` goes with each task.
 

@@ -46,24 +46,58 @@ def _child(task: Task, conn, env: dict) -> None:
     """A local worker process: run one task, send its record back.  ``env`` is the parent's
     environment when the task started (a fork server's own may be older).  It leads a session
     of its own (the parent stops it by its group; a Ctrl-C at the terminal goes to the parent,
-    which stops its workers), and SIGTERM kills its kernel before it exits."""
+    which stops its workers), SIGTERM kills its kernel before it exits, and it stops itself so
+    when the parent is gone (:func:`_end_with_run`)."""
     import signal
+    import threading
 
     with contextlib.suppress(OSError):
         os.setsid()
     signal.signal(signal.SIGTERM, _on_sigterm)
     os.environ.clear()
     os.environ.update(env)
+    sent = threading.Event()
+    _end_with_run(conn, sent)
     try:
         rec = run_task_here(task)
     except BaseException as e:  # noqa: BLE001 - anything here is this point's failure
         rec = failed_record(task, f"{type(e).__name__}: {e}", worker=worker_info("local"))
     try:
+        sent.set()                                         # from here the parent may close its end
         conn.send(rec)
     except OSError:                                        # the parent gave up on this point
         pass
     finally:
         conn.close()
+
+
+def _end_with_run(conn, sent) -> None:
+    """Stop this worker (SIGTERM: its handler kills the kernel, then it exits) when the runner is
+    gone before the record was sent: the runner holds the only reading end of the worker's pipe,
+    so that end closing, also by the runner's SIGKILL, is a POLLERR on this one.  (The fork
+    server is no parent to watch: it lives as long as any worker it forked.)  Without it a
+    worker would go on running its notebook, and writing into a run folder nobody records any
+    more.  POSIX ``poll`` only."""
+    import select
+    import signal
+    import threading
+
+    if not hasattr(select, "poll"):
+        return
+
+    def watch():
+        poller = select.poll()
+        poller.register(conn.fileno(), select.POLLERR)
+        while True:
+            try:
+                if poller.poll():
+                    break
+            except InterruptedError:
+                continue
+        if not sent.is_set():
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="workbench-end-with-run", daemon=True).start()
 
 
 def _signal_group(pid: int | None, sig) -> None:

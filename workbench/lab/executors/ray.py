@@ -24,6 +24,7 @@ from workbench.lab.executors.common import (
     failed_record,
 )
 from workbench.lab.executors.ray_task import _notebook_dir, ray_point
+from workbench.lab.run_folder import atomic_write
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*$", re.IGNORECASE)
 
@@ -267,10 +268,10 @@ class RayExecutor(Executor):
                                                                                 "executor": "ray"})
         rec = out["record"]
         try:
+            if out.get("results") is not None:         # each lands whole (the run's summary names it after)
+                atomic_write(task.results, out["results"])
             if out.get("notebook") is not None:
-                Path(task.output).write_bytes(_retarget(out["notebook"], task))
-            if out.get("results") is not None:
-                Path(task.results).write_bytes(out["results"])
+                atomic_write(task.output, _retarget(out["notebook"], task))
         except OSError as e:          # the point ran, but its files did not land in the run folder
             with contextlib.suppress(OSError):
                 Path(task.results).unlink(missing_ok=True)
