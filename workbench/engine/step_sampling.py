@@ -29,7 +29,7 @@ def split_logits(scheduled, logits: torch.Tensor) -> torch.Tensor:
         off += k
         seq = s.seq
         n_prompt = seq.prompt_len
-        if k and seq.params.prompt_logprobs is not None and s.start < n_prompt:
+        if k and seq.wants_prompt_logits and s.start < n_prompt:
             pos = [s.start + j for j in range(k) if s.start + j + 1 < n_prompt]   # row j predicts token p + 1
             if pos:
                 entries = token_logprobs(chunk[:len(pos)], [seq.tokens[p + 1] for p in pos],
@@ -37,6 +37,8 @@ def split_logits(scheduled, logits: torch.Tensor) -> torch.Tensor:
                 lst = seq.output.prompt_logprobs
                 for p, e in zip(pos, entries):
                     lst[p + 1] = e
+            if s.start + k >= n_prompt:        # the prompt's last chunk: a recompute needs no logits again
+                seq.prompt_logprobs_done = True
         if s.samples:
             sample_rows.append(chunk[-1])
             if seq.params.logprobs is not None:

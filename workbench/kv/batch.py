@@ -160,6 +160,9 @@ class _Group:
                 and (not self.decode or self.B * self.S > 2 * sum(self._ends_list))):
             self._attend_each(q, packed, kc, vc)      # prompt chunks, or decode rows of very unequal lengths
             return
+        if self.b.batch_invariant and kc.device.type == "cpu" and self._padding_dominates():
+            self._attend_each(q, packed, kc, vc, fp64=True)
+            return
         kb = kc[self.tables].reshape(self.B, -1, nkv, hd)[:, :self.S].transpose(1, 2)   # [B, nkv, S, hd]
         vb = vc[self.tables].reshape(self.B, -1, nkv, hd)[:, :self.S].transpose(1, 2)
         qb = q[self.qrows.clamp_min(0)].transpose(1, 2)                                  # [B, nh, T, hd]
@@ -171,16 +174,30 @@ class _Group:
         packed[self.valid_rows] = rows[self.valid_b, self.valid_t]
 
 
-    def _attend_each(self, q: torch.Tensor, packed: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> None:
+    def _padding_dominates(self) -> bool:
+        """Would padding every sequence to [T_max, S_max] cost more than twice the attention its
+        rows need?  (A 488-token prompt chunk beside seven 8-token ones: 8 x 488 x 1,000 padded
+        scores for 0.55 M real ones; float64 made that step 4.2 s instead of 0.15 s.)"""
+        real = sum(n * end for n, end in zip(self.q_lens, self._ends_list))
+        return self.B > 1 and self.B * self.T * self.S > 2 * real
+
+    def _attend_each(self, q: torch.Tensor, packed: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                     fp64: bool = False) -> None:
         """One sequence at a time over its own blocks (the reference attention: SDPA's causal fast path
         for a chunk from position 0).  Padding every chunk of a group to the longest chunk and the
         longest context, as the batched path does, measured 1.7x the attention time of per-sequence
         caches on a CPU (a 512-token chunk beside short prompts pads them all); decode rows are padded
         only to the longest context, which pays unless one long row (a document) pads many short ones.
-        CPU only: on a GPU one SDPA launch per sequence and layer was not measured against padding."""
+        CPU only: on a GPU one SDPA launch per sequence and layer was not measured against padding.
+
+        ``fp64``: the batch-invariant path's float64 attention per sequence, unpadded.  Its result
+        rounds to the same model-dtype values as the padded one (float64 reduction order changes
+        only bits far below float32's), so a sequence's tokens still do not depend on what shares
+        its step; only the time spent on padding goes."""
         from workbench.model.decoder import reference_attention
 
         Bsz, nkv, hd = self.b.pool.block_size, kc.shape[2], kc.shape[3]
+        window = self.b.window
         for i, (start, n) in enumerate(zip(self._starts_list, self.q_lens)):
             end = start + n
             blocks = self.tables[i, :-(-end // Bsz)]
@@ -188,7 +205,16 @@ class _Group:
             v = vc[blocks].reshape(-1, nkv, hd)[:end].transpose(0, 1)[None]
             rows = self.qrows[i, :n]
             qs = q[rows].transpose(0, 1)[None]                                       # [1, nh, T, hd]
-            packed[rows] = reference_attention(qs, k, v, start, self.b.window)[0].transpose(0, 1)
+            if fp64:
+                q_pos = torch.arange(start, end, device=q.device)[:, None]
+                k_pos = torch.arange(end, device=q.device)[None]
+                mask = k_pos <= q_pos
+                if window is not None:
+                    mask &= k_pos > q_pos - window
+                out = attention_fp64(qs, k, v, mask[None, None]).to(q.dtype)
+            else:
+                out = reference_attention(qs, k, v, start, window)
+            packed[rows] = out[0].transpose(0, 1)
 
 
 def attention_fp64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -271,7 +271,7 @@ class KVPrefetch:
         desired: dict[int, tuple] = {}
         owners: dict[int, set] = {}
         for seq in waiting:
-            if getattr(seq.params, "prompt_logprobs", None) is not None:
+            if seq.wants_prompt_logits:
                 continue                               # it computes its whole prompt: nothing is restored
             for h, tokens in offloaded_prefix(self.pool, seq.tokens, self._chain(seq), evictable=True)[0]:
                 if h not in desired:

@@ -55,7 +55,7 @@ class ScheduledSeq:
     def logit_rows(self) -> int:
         """Rows of logits the runner returns for this chunk: all of them for a prompt chunk of a
         request that wants prompt logprobs, else the last one when it samples, else none."""
-        if getattr(self.seq.params, "prompt_logprobs", None) is not None and self.start < self.seq.prompt_len:
+        if self.seq.wants_prompt_logits and self.start < self.seq.prompt_len:
             return self.num_tokens
         return 1 if self.samples else 0
 
@@ -398,5 +398,5 @@ class Scheduler:
 
 def _reuse(seq: Sequence) -> bool:
     """May ``seq`` start from cached prefix blocks?  Not when it wants every prompt token's
-    logits (prompt logprobs): those come only from computing the prompt."""
-    return getattr(seq.params, "prompt_logprobs", None) is None
+    logits (prompt logprobs not known yet): those come only from computing the prompt."""
+    return not seq.wants_prompt_logits

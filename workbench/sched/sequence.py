@@ -40,6 +40,8 @@ class Sequence:
     seq_no: int = 0                   # arrival order, the FCFS tie-break
     wait_since: float | None = None   # when it last entered the waiting/swapped queue (None while running)
     waited_s: float = 0.0             # time spent waiting before that (aging counts only waiting time)
+    prompt_logprobs_done: bool = False   # its prompt's logprobs are known (computed, or a fork's parent's):
+                                         # recomputing its prompt (preemption, a released fork) needs no logits
     output: RequestOutput | None = field(default=None, repr=False)
     state: dict = field(default_factory=dict, repr=False)   # engine-side objects (generator, output processor)
 
@@ -51,6 +53,12 @@ class Sequence:
     def remaining(self) -> int:
         """Tokens to compute before the next token can be sampled."""
         return len(self.tokens) - self.num_computed
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Must its prompt chunks return every row of logits (prompt logprobs not known yet)?
+        Such a sequence computes its whole prompt: no prefix-cache reuse."""
+        return getattr(self.params, "prompt_logprobs", None) is not None and not self.prompt_logprobs_done
 
     @property
     def in_prefill(self) -> bool:
