@@ -225,7 +225,7 @@ def parse_prometheus(text: str) -> tuple[dict[str, str], dict[tuple[str, tuple],
 
 
 def scrape(base_url: str):
-    r = httpx.get(base_url + "/metrics", timeout=30)
+    r = httpx.get(base_url + "/metrics", timeout=30, headers=AUTH)   # the servers here that have a key have KEY
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
     return parse_prometheus(r.text)
@@ -325,9 +325,11 @@ def test_headers_model_info_and_request_id(http, srv):
     assert info["scheduler"]["max_num_seqs"] == 8 and info["scheduler"]["max_num_batched_tokens"] == 256
     assert "backends" in info or "backends_error" in info
     assert info["slo_guard"]["type"] == "ScriptedGuard"
-    # on every response, errors included
-    assert "x-model-info" in httpx.get(srv.url + "/health").headers
+    # on every response to a client with the key, errors included; never on one without it (the server has a key)
+    assert "x-model-info" in httpx.get(srv.url + "/health", headers={"authorization": f"Bearer {KEY}"}).headers
     assert "x-model-info" in http.post("/v1/completions", json={}).headers
+    assert "x-model-info" not in httpx.get(srv.url + "/health").headers
+    assert "x-model-info" not in httpx.post(srv.base_url + "/completions", json={}).headers   # the 401
 
 
 def test_models_and_health(http, srv):
@@ -337,7 +339,9 @@ def test_models_and_health(http, srv):
     assert data["object"] == "list" and [m["id"] for m in data["data"]] == ["bundled"]
     assert http.get("/v1/models/bundled").json()["id"] == "bundled"
     assert http.get("/v1/models/other").status_code == 404
-    h = httpx.get(srv.url + "/health")              # no key needed outside /v1
+    h = httpx.get(srv.url + "/health")              # without the key: alive or not, nothing more
+    assert h.status_code == 200 and h.json() == {"status": "ok", "engine_alive": True}
+    h = http.get("/health")                          # with it: the engine's state
     assert h.status_code == 200
     assert h.json()["status"] == "ok" and h.json()["engine_alive"] is True
     assert h.json()["kv_total_blocks"] == 256
@@ -457,7 +461,8 @@ def test_401_api_key(srv):
     r = httpx.post(srv.base_url + "/completions", json=body, headers={"Authorization": "Bearer nope"})
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
     assert httpx.get(srv.base_url + "/models").status_code == 401
-    assert httpx.get(srv.url + "/metrics").status_code == 200          # scrapes need no key
+    assert httpx.get(srv.url + "/metrics").status_code == 401          # scrapes need the key (--metrics-public)
+    assert httpx.get(srv.url + "/metrics", headers=AUTH).status_code == 200
 
 
 def test_404_unknown_model(http):
@@ -664,7 +669,8 @@ def test_real_slo_guard_opens_and_sheds(srv, bundled_llm):
     server sheds with its reason, lets a bypass priority through, and shows the state on /metrics."""
     cfg = SLOConfig(window=2, min_samples=2, baseline_s=1e-6, factor=2.0, cooldown_s=30.0, bypass_priorities=(9,))
     slo = SLOGuard(cfg)
-    with start_server(srv.engine, guard=slo) as h:      # the same running engine, a second front door
+    # the same running engine, a second front door; x-priority honoured without an API key only when told
+    with start_server(srv.engine, ServerConfig(port=0, trust_priority_header=True), guard=slo) as h:
         url = h.base_url + "/completions"
         for _ in range(2):
             assert httpx.post(url, json={"prompt": PROMPT, "max_tokens": 2}, timeout=60).status_code == 200
@@ -683,7 +689,7 @@ def test_real_slo_guard_opens_and_sheds(srv, bundled_llm):
         assert s[("workbench_slo_decisions_total", (("decision", "bypassed"),))] == 1
         assert s[("workbench_slo_baseline_ttft_seconds", ())] == pytest.approx(1e-6)
         assert s[("workbench_slo_shed_total", ())] == 1
-        assert httpx.get(h.url + "/health").json()["slo_guard"] == "open"
+        assert httpx.get(h.url + "/health", headers=AUTH).json()["slo_guard"] == "open"
     assert srv.running and httpx.get(srv.url + "/health").json()["engine_alive"]   # the shared engine runs on
 
 

@@ -229,14 +229,14 @@ def test_health_shows_last_error_only_while_current(srv, http, monkeypatch):
     body = {"prompt": PROMPT, "max_tokens": 2}
     e = api_error(http.post("/v1/completions", json=body), 500)
     assert "injected step failure" in e["message"]
-    h = httpx.get(srv.url + "/health").json()
+    h = httpx.get(srv.url + "/health", headers=AUTH).json()
     assert h["status"] == "ok" and h["engine_alive"] is True
     assert "injected step failure" in h["last_error"]
     err = h["engine_error"]
     assert "injected step failure" in err["message"] and err["recovered"] is False and err["at"] <= time.time()
 
     assert http.post("/v1/completions", json=body).status_code == 200       # the engine works again
-    h = httpx.get(srv.url + "/health").json()
+    h = httpx.get(srv.url + "/health", headers=AUTH).json()
     assert h["status"] == "ok" and h["last_error"] is None, h
     err = h["engine_error"]                                                # still told, as history
     assert "injected step failure" in err["message"] and err["recovered"] is True
@@ -260,10 +260,10 @@ def test_health_shows_last_error_only_while_current(srv, http, monkeypatch):
 
         monkeypatch.setattr(runner, "execute", execute_failing_once)
         assert "injected forward failure" in api_error(http.post("/v1/completions", json=body), 500)["message"]
-        h = httpx.get(srv.url + "/health").json()
+        h = httpx.get(srv.url + "/health", headers=AUTH).json()
         assert "injected forward failure" in h["last_error"] and h["engine_error"]["recovered"] is False, (attempt, h)
         assert http.post("/v1/completions", json=body).status_code == 200
-        h = httpx.get(srv.url + "/health").json()
+        h = httpx.get(srv.url + "/health", headers=AUTH).json()
         assert h["last_error"] is None and h["engine_error"]["recovered"] is True, (attempt, h)
         monkeypatch.undo()
 

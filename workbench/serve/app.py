@@ -73,6 +73,7 @@ from workbench.engine.sampling import SamplingParams
 from workbench.serve import protocol as P
 from workbench.serve.completion import Completion, engine_alive, internal_error, send_json
 from workbench.serve.guard import check_guard
+from workbench.serve.limits import MAX_LOGPROB_ENTRIES, MAX_REPLY_BYTES, check_request
 from workbench.serve.health import kv_pool_report, model_info  # noqa: F401 - model_info: also imported from here
 from workbench.serve.requests import CompletionRequest, parse_chat, parse_completion
 from workbench.serve.responses import now_s
@@ -94,6 +95,18 @@ class ServerConfig:
     log_level: str = "warning"         # uvicorn's
     guard: object | None = None        # an SLO guard (admit/record, see .guard): sheds with 503 + Retry-After,
                                        # or holds requests first when its config.policy is "queue"
+    # what one request may ask (workbench.serve.limits): 400 request_too_large / reply_too_large beyond
+    max_request_tokens: int | None = None    # prompt tokens x n + max_tokens x n; None: 16 x the model's context
+    max_logprob_entries: int = MAX_LOGPROB_ENTRIES   # (echoed prompt + max_tokens) x n x (top-k + 1)
+    max_reply_bytes: int = MAX_REPLY_BYTES   # a whole reply's bytes, or a stream's
+    # connections (workbench.serve.connections): slow or idle sockets cannot exhaust file descriptors
+    max_connections: int | None = None       # open at once; more are closed on arrival. None: see connections
+    request_timeout_s: float = 30.0          # a request's headers and body must arrive within this
+    keep_alive_s: float = 5.0                # an idle keep-alive connection is closed after this
+    # who may do what
+    metrics_public: bool = False             # with api_key: /metrics (and /health's details) without the key too
+    trust_priority_header: bool = False      # honour x-priority without an API key (any client may then jump
+                                             # the queue and pass the SLO guard's bypass priorities)
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, why: str) -> None:
@@ -105,10 +118,18 @@ class ServerConfig:
              "must be a non-empty string or None")
         need(self.api_key is None or (isinstance(self.api_key, str) and bool(self.api_key)), "api_key",
              "must be a non-empty string or None")
-        for name in ("max_tokens_cap", "max_body_bytes", "default_max_tokens"):
+        optional = ("max_tokens_cap", "max_request_tokens", "max_connections")
+        for name in ("max_tokens_cap", "max_body_bytes", "default_max_tokens", "max_request_tokens",
+                     "max_logprob_entries", "max_reply_bytes", "max_connections"):
             v = getattr(self, name)
-            need((v is None and name == "max_tokens_cap") or (isinstance(v, int) and v >= 1), name,
-                 "must be an integer >= 1" + (" or None" if name == "max_tokens_cap" else ""))
+            need((v is None and name in optional) or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+                 name, "must be an integer >= 1" + (" or None" if name in optional else ""))
+        for name in ("request_timeout_s", "keep_alive_s"):
+            v = getattr(self, name)
+            need(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf"), name,
+                 "must be a number of seconds > 0")
+        for name in ("metrics_public", "trust_priority_header"):
+            need(isinstance(getattr(self, name), bool), name, "must be True or False")
         need(self.log_level in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}")
         if self.guard is not None:
             check_guard(self.guard)
@@ -154,15 +175,24 @@ def _parse_body(raw: bytearray, parse) -> CompletionRequest:
     return parse(P.load_json(raw))
 
 
-def _priority(request: Request) -> int:
+PRIORITY_IGNORED = (b"x-priority-ignored", b"the server trusts x-priority only from clients with its API key "
+                                           b"(--api-key) or when started with --trust-priority-header")
+
+
+def _priority(request: Request, trusted: bool) -> tuple[int, bool]:
+    """(the request's priority, whether an ``x-priority`` header was ignored).  The header is
+    honoured only from a trusted client (the server has an API key, which this request passed,
+    or ``trust_priority_header``): otherwise any client could run ahead of the others and pass
+    the SLO guard's bypass priorities.  An ignored header says so in ``x-priority-ignored``."""
     raw = request.headers.get("x-priority")
     if raw is None or not raw.strip():
-        return 0
+        return 0, False
     try:
-        return int(raw.strip())
+        value = int(raw.strip())
     except ValueError:
         raise P.APIError(400, f"header 'x-priority': {raw!r} is not an integer (higher runs first)",
                          "x-priority", "invalid_value") from None
+    return (value, False) if trusted else (0, value != 0)
 
 
 def create_app(aengine, config: ServerConfig | None = None, source: str | None = None, guard=None):
@@ -182,8 +212,9 @@ def create_app(aengine, config: ServerConfig | None = None, source: str | None =
         P.check_content_type(request.headers.get("content-type"))
         req = await srv.off_loop(_parse_body, raw, parse)      # up to 1 MiB of JSON: not on the loop
         srv.check_model(req.model)
-        priority = _priority(request)
+        priority, ignored = _priority(request, srv.trusts_priority)
         plans = await srv.off_loop(srv.prepare, req)
+        check_request(req, plans, srv.max_request_tokens, srv.config.max_logprob_entries)
         try:
             SamplingParams(**req.sampling)         # a value the wire checks let through: said before the guard
         except ConfigError as e:
@@ -191,7 +222,10 @@ def create_app(aengine, config: ServerConfig | None = None, source: str | None =
         probe = await srv.admit(priority, request.receive)   # last: only valid requests reach the guard
         if probe is None:                          # the client left while the guard's queue held it
             return _Dropped()
-        return Completion(srv, req, plans, req.sampling, priority, probe)
+        completion = Completion(srv, req, plans, req.sampling, priority, probe)
+        if ignored:
+            completion.headers.append(PRIORITY_IGNORED)
+        return completion
 
     async def completions(request: Request):
         return await complete(request, parse_completion)
@@ -212,6 +246,9 @@ def create_app(aengine, config: ServerConfig | None = None, source: str | None =
 
     async def health(request: Request):
         alive = engine_alive(aengine)
+        if not request.scope.get(AUTHORIZED, True):   # a liveness probe without the key: alive or not, nothing more
+            return JSONResponse({"status": "ok" if alive else "engine thread is not running", "engine_alive": alive},
+                                status_code=200 if alive else 503)
         last_error, history = srv.errors.report(alive)
         body = {"status": "ok" if alive else "engine thread is not running", "engine_alive": alive,
                 "model": srv.name, "last_error": last_error, "engine_error": history, **aengine.stats()}
@@ -254,39 +291,50 @@ def create_app(aengine, config: ServerConfig | None = None, source: str | None =
     return _Outer(app, srv, known)
 
 
+AUTHORIZED = "workbench.authorized"   # scope key: the request carried the API key (or the server has none)
+
+
 class _Outer:
-    """ASGI wrapper: API-key check on /v1/*, the x-model-info header on every response, and
-    per-path response counters."""
+    """ASGI wrapper: the API-key check, the x-model-info header on every response to a client
+    with the key (or every response without one), and per-path response counters.
+
+    With an API key: ``/v1/*`` and ``/metrics`` need it (``/metrics`` not with
+    ``metrics_public``); ``/health`` answers everyone, but only whether the engine is alive
+    unless the key came with it (or ``metrics_public``); a 401 tells nothing about the model."""
 
     def __init__(self, app: Starlette, srv: ServerState, known_paths: set[str]) -> None:
         self.app, self.srv, self.known = app, srv, known_paths
         self.state = app.state
         key = srv.config.api_key
         self._key = key.encode() if key else None
+        self._public = ("/health",) + (("/metrics",) if srv.config.metrics_public else ())
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         srv, status = self.srv, [499]             # 499 (as nginx logs it): the client left before any answer
         done = False                              # the whole response was sent
+        path = scope["path"]
+        authorized = self._key is None or self._authorized(scope)
+        shown = authorized or (srv.config.metrics_public and path == "/health")
 
         async def send_with_info(msg) -> None:
             nonlocal done
             if msg["type"] == "http.response.start":
                 status[0] = msg["status"]
-                msg = {**msg, "headers": [*msg.get("headers", []), (b"x-model-info", srv.info_header)]}
+                if shown:
+                    msg = {**msg, "headers": [*msg.get("headers", []), (b"x-model-info", srv.info_header)]}
             elif msg["type"] == "http.response.body" and not msg.get("more_body", False):
                 done = True
             await send(msg)
 
-        path = scope["path"]
         try:
-            if self._key is not None and path.startswith("/v1") and not self._authorized(scope):
+            if not authorized and not path.startswith(self._public):
                 err = P.APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", None,
                                  "invalid_api_key")
                 await send_json(send_with_info, 401, err.body(), [(b"www-authenticate", b"Bearer")])
             else:
-                await self.app(scope, receive, send_with_info)
+                await self.app({**scope, AUTHORIZED: shown}, receive, send_with_info)
         except Exception as e:  # noqa: BLE001 - never a plain-text 500 (nor a traceback per request from uvicorn)
             if status[0] == 499:                  # nothing answered yet (the failure was outside Starlette)
                 log.error("%s %s failed", scope.get("method"), path, exc_info=e)

@@ -27,6 +27,7 @@ from workbench.errors import WorkbenchError
 from workbench.engine.sampling import SamplingParams
 from workbench.serve import protocol as P
 from workbench.serve import responses as R     # through the module: tests patch R.response / R.chunk
+from workbench.serve.limits import reply_too_large
 from workbench.serve.requests import CompletionRequest, sample_seed
 
 log = logging.getLogger("workbench.serve")
@@ -35,7 +36,18 @@ log = logging.getLogger("workbench.serve")
 # from a worker thread; shorter ones from the event loop (checking takes microseconds; a thread hop more).
 INLINE_SUBMIT_IDS = 4096
 
+# A stream's echoed prompt with more log-probability entries than this is formatted off the event loop.
+INLINE_ECHO_ENTRIES = 256
+
 _GONE, _DEAD = object(), object()   # queue sentinels: the client disconnected / the engine thread died
+
+
+class _ReplyTooLarge(Exception):
+    """A stream's next chunk would take it past ``max_reply_bytes``."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(nbytes)
+        self.nbytes = nbytes
 
 
 def engine_alive(aengine) -> bool:
@@ -50,8 +62,8 @@ def internal_error(exc: BaseException) -> P.APIError:
                       "internal_error")
 
 
-async def send_json(send, status: int, obj: dict, headers: list | None = None) -> None:
-    body = P.json_bytes(obj)
+async def send_json(send, status: int, obj: dict | bytes, headers: list | None = None) -> None:
+    body = obj if isinstance(obj, bytes) else P.json_bytes(obj)
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *(headers or [])]})
@@ -286,13 +298,21 @@ class Completion:
             if ev.finished and ev.finish_reason not in ("stop", "length"):
                 err = ending_error(ev)             # the request fails as a whole (the rest is aborted)
                 return await send_json(send, err.status, err.body(), self.headers + err.raw_headers())
-        body = await self.srv.off_loop(self._whole_body) if self.req.logprobs is not None else self._whole_body()
+        body = await self.srv.off_loop_reply(self._whole_bytes) if self.req.logprobs is not None \
+            else self._whole_bytes()
+        limit = self.srv.config.max_reply_bytes
+        if len(body) > limit:
+            err = reply_too_large(len(body), limit)
+            return await send_json(send, err.status, err.body(), self.headers)
         await send_json(send, 200, body, self.headers)
 
     def _whole_body(self) -> dict:
         return R.response(self.req, self.rid, self.created, self.srv.name,
                           [self._whole_choice(c) for c in self.choices], self.prompt_tokens,
                           sum(c.tokens for c in self.choices))
+
+    def _whole_bytes(self) -> bytes:
+        return P.json_bytes(self._whole_body())
 
     def _chunk(self, c: Choice, text: str | None, finish: str | None = None, logprobs: dict | None = None,
                role: bool = False) -> bytes:
@@ -311,9 +331,30 @@ class Completion:
             (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no"), *self.headers]})
 
+        sent, limit = 0, self.srv.config.max_reply_bytes
+
         async def emit(data: bytes) -> None:
+            nonlocal sent
+            sent += len(data)
+            if sent > limit:                       # the rest of the stream would pass --max-reply-bytes
+                raise _ReplyTooLarge(sent)
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
+        try:
+            await self._relay(ev, c, q, emit, send)
+        except _ReplyTooLarge as e:                # an error event, [DONE]; the finally of __call__ aborts the rest
+            await send({"type": "http.response.body", "more_body": False,
+                        "body": R.sse(reply_too_large(e.nbytes, limit).body()) + R.SSE_DONE})
+
+    async def _echo_chunk(self, c: Choice) -> bytes:
+        """A stream's echoed prompt as one chunk; with many log-probability entries, built on the reply
+        thread (a 1,000-token prompt with top-20 takes ~0.1 s, which the event loop must not spend)."""
+        echo_text, echo_entries = self._echo(c)
+        build = lambda: self._chunk(c, echo_text, logprobs=self._format_logprobs(c, echo_entries))  # noqa: E731
+        return await self.srv.off_loop_reply(build) if len(echo_entries) > INLINE_ECHO_ENTRIES else build()
+
+    async def _relay(self, ev, c: Choice, q: asyncio.Queue, emit, send) -> None:
+        """The stream's chunks, from the first event (``ev`` of choice ``c``) to ``[DONE]``."""
         req = self.req
         if req.kind == "chat":
             for x in self.choices:
@@ -328,8 +369,7 @@ class Completion:
                 self._take_prompt(c, ev)
                 if req.echo and not c.echoed:      # the prompt first (its usage counts no token yet)
                     c.echoed = True
-                    echo_text, echo_entries = self._echo(c)
-                    await emit(self._chunk(c, echo_text, logprobs=self._format_logprobs(c, echo_entries)))
+                    await emit(await self._echo_chunk(c))
                 text, entries = self._take(c, ev)
                 if not c.plan.echo_only:
                     await emit(self._chunk(c, text, logprobs=self._format_logprobs(c, entries)))

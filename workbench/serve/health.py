@@ -16,13 +16,21 @@ from workbench.serve.protocol import APIError
 from workbench.serve.requests import CHAT_TEMPLATE_NAME
 
 
+def shown_source(source: str | None) -> str | None:
+    """Where the model came from, as clients may see it: a preset's name, or a folder's last part
+    (``runs/smollm2``: ``smollm2``), never the server's absolute path."""
+    if source is None or source.startswith("preset:") or source == "bundled":
+        return source
+    return Path(source).name or source
+
+
 def model_info(aengine, name: str, source: str | None = None, guard: GuardHook | None = None,
                chat_template: ChatTemplate | None = None) -> dict:
     """The engine configuration that serves requests (the ``x-model-info`` header, as a dict)."""
     eng = aengine.engine
     llm, pool, cfg = eng.llm, eng.pool, eng.config
     folder = Path(llm.tokenizer.path).parent if llm.tokenizer is not None else None
-    info = {"model": name, "path": source or (str(folder) if folder else None),
+    info = {"model": name, "path": shown_source(source or (str(folder) if folder else None)),
             "architecture": getattr(eng.model.config, "architecture", None), "device": str(eng.device),
             "dtype": str(eng.model.lm_head.weight.dtype).removeprefix("torch."), "max_model_len": llm.max_model_len,
             "block_size": pool.block_size, "num_blocks": pool.num_blocks,

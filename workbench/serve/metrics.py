@@ -107,6 +107,7 @@ class ServerMetrics:
         self.slo_held: Counter = Counter({o: 0 for o in HOLD_OUTCOMES})   # held requests by how the hold ended
         self.slo_hold = Histogram(HOLD_BUCKETS)                           # seconds each was held
         self.slo_holding = 0                                               # held right now
+        self.connections: dict = {}            # the server's edge (workbench.serve.connections): refused, timed_out
 
     def observe(self, ev, prompt_tokens: int = 0) -> None:
         """Record one :class:`~workbench.engine.types.StreamEvent` of a request."""
@@ -187,6 +188,12 @@ class ServerMetrics:
             metric("workbench_http_responses_total", "counter", "HTTP responses by path and status code.",
                    [f'workbench_http_responses_total{{path="{_label(p)}",code="{_label(c)}"}} {n}'
                     for (p, c), n in sorted(self.http.items())])
+            metric("workbench_http_connections_refused_total", "counter",
+                   "Connections closed on arrival: --max-connections were open.",
+                   [f"workbench_http_connections_refused_total {self.connections.get('refused', 0)}"])
+            metric("workbench_http_connections_timed_out_total", "counter",
+                   "Connections closed because a request did not arrive within --request-timeout.",
+                   [f"workbench_http_connections_timed_out_total {self.connections.get('timed_out', 0)}"])
 
         s = stats
         gauges = [

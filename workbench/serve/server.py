@@ -14,6 +14,7 @@ preset with keyword arguments for :func:`build_engine`.
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import sys
 import threading
@@ -94,18 +95,42 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def exposure_warning(config: ServerConfig) -> str | None:
-    if config.host in ("0.0.0.0", "::", "") and not config.api_key:
-        return (f"warning: listening on all interfaces ({config.host}) without an API key: anyone who can reach "
-                "this machine can use the model; set --api-key or WORKBENCH_API_KEY")
-    return None
+def exposure_warning(config: ServerConfig, sock: socket.socket | None = None) -> str | None:
+    """The warning for a server that other machines can reach without an API key: judged on the
+    address actually bound (``--host 0`` binds every interface as ``0.0.0.0`` does), or on
+    ``config.host`` when there is no socket yet."""
+    if config.api_key:
+        return None
+    if sock is not None:
+        addr = sock.getsockname()[0]
+    else:
+        addr = {"": "0.0.0.0", "0": "0.0.0.0", "localhost": "127.0.0.1"}.get(config.host, config.host)
+    try:
+        ip = ipaddress.ip_address(addr.split("%")[0])
+    except ValueError:                               # a name not resolved yet: judge it when bound
+        return None
+    if ip.is_loopback:
+        return None
+    where = "all interfaces" if ip.is_unspecified else "an address other machines can reach"
+    return (f"warning: listening on {where} ({addr}, --host {config.host}) without an API key: anyone who can reach "
+            "this machine can use the model; set --api-key or WORKBENCH_API_KEY")
 
 
 def _uvicorn_server(app, config: ServerConfig):
+    """uvicorn with the edge's limits (:mod:`workbench.serve.connections`): at most
+    ``max_connections`` open, a request's headers and body within ``request_timeout_s``, idle
+    kept-alive connections closed after ``keep_alive_s``, request heads up to 16 KiB."""
     import uvicorn
 
+    from workbench.serve.connections import HEADER_BYTES, default_max_connections, guarded_protocol
+
+    srv = app.state.server
+    protocol = guarded_protocol(config.max_connections or default_max_connections(), config.request_timeout_s,
+                                srv.metrics.connections)
     return uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, timeout_graceful_shutdown=5,
-                                         access_log=config.log_level in ("info", "debug", "trace")))
+                                         access_log=config.log_level in ("info", "debug", "trace"), http=protocol,
+                                         timeout_keep_alive=config.keep_alive_s,
+                                         h11_max_incomplete_event_size=HEADER_BYTES))
 
 
 class ServerHandle:
@@ -156,14 +181,14 @@ def start_server(engine=None, config: ServerConfig | None = None, *, host: str |
     over = {k: v for k, v in dict(host=host, port=port, model_name=model_name, api_key=api_key,
                                   guard=guard).items() if v is not None}
     config = replace(config or ServerConfig(port=0), **over)
-    warning = exposure_warning(config)
-    if warning:
-        print(warning, file=sys.stderr)
     aengine, owned, source = _as_async_engine(engine, dict(engine_kwargs))
     aengine.start()
     try:
         app = create_app(aengine, config, source)
         sock = bind_socket(config.host, config.port)
+        warning = exposure_warning(config, sock)
+        if warning:
+            print(warning, file=sys.stderr)
         server = _uvicorn_server(app, config)
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="workbench-serve", daemon=True)
         thread.start()
@@ -198,7 +223,7 @@ def serve(engine=None, config: ServerConfig | None = None, announce=print, guard
         announce(f"workbench serve: {url}/v1  model {info['model']!r} on {info['device']} ({info['dtype']}), "
                  f"{info['num_blocks']} KV blocks of {info['block_size']}, port {sock.getsockname()[1]}"
                  + (f", {_guard_text(info['slo_guard'])}" if "slo_guard" in info else ""))
-        warning = exposure_warning(config)
+        warning = exposure_warning(config, sock)
         if warning:
             print(warning, file=sys.stderr)
         _uvicorn_server(app, config).run(sockets=[sock])

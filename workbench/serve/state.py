@@ -28,6 +28,7 @@ from workbench.serve.chat_template import ChatTemplate, TemplateError
 from workbench.serve.completion import PromptPlan
 from workbench.serve.guard import GuardHook
 from workbench.serve.health import EngineErrors, model_info
+from workbench.serve.limits import REQUEST_TOKENS_PER_CONTEXT
 from workbench.serve.metrics import ServerMetrics
 from workbench.serve.requests import CompletionRequest
 
@@ -63,6 +64,10 @@ class ServerState:
         folder = Path(llm.tokenizer.path).parent if llm.tokenizer is not None else None
         self.chat_template = ChatTemplate.from_folder(folder) if folder is not None else None
         self._prep: anyio.CapacityLimiter | None = None    # made on the event loop, at first use
+        self._reply: anyio.CapacityLimiter | None = None   # the same for building large replies
+        self.max_request_tokens = config.max_request_tokens or REQUEST_TOKENS_PER_CONTEXT * llm.max_model_len
+        # x-priority from any client only when told; with an API key every /v1 request has passed it
+        self.trusts_priority = config.trust_priority_header or config.api_key is not None
         self.guard = GuardHook(config.guard) if config.guard is not None else None
         self.info = model_info(aengine, self.name, None if source in (None, "bundled") else source, self.guard,
                                self.chat_template)
@@ -80,6 +85,14 @@ class ServerState:
         if self._prep is None:
             self._prep = anyio.CapacityLimiter(PREP_THREADS)
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._prep)
+
+    async def off_loop_reply(self, fn, *args):
+        """``fn(*args)`` on the reply thread (one at a time): building a large whole reply (tens of
+        thousands of log-probability entries take seconds).  Not on the prepare threads, so that
+        new requests are not parsed and tokenized only after someone else's reply is built."""
+        if self._reply is None:
+            self._reply = anyio.CapacityLimiter(1)
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._reply)
 
     def guard_call(self, fn, *args) -> None:
         """Feed the guard; a failing guard is counted on /metrics, never fails the request."""

@@ -96,7 +96,8 @@ def serving_server(ctx: ClaimContext):
 
     eng = _engine(ctx, kv=PagedKVConfig(block_size=16, enable_prefix_caching=False), max_num_seqs=SERVER_SEQS,
                   max_num_batched_tokens=SERVER_BUDGET)
-    h = start_server(eng, ServerConfig(port=0, model_name=MODEL_NAME))
+    # its own loopback server, whose clients are this run's: the priority claim sends x-priority
+    h = start_server(eng, ServerConfig(port=0, model_name=MODEL_NAME, trust_priority_header=True))
     atexit.register(h.stop)
 
     def stop() -> None:
