@@ -95,7 +95,8 @@ class Usage:
 def bounded(seconds: float = HANG_SECONDS, max_bytes: int | None = None, trace_python: bool = True):
     """Run the block under a time bound (SIGALRM raises :class:`Hang`, main thread only) and, with
     ``max_bytes``, check afterwards that neither the Python heap (tracemalloc peak) nor the
-    resident set (the peak RSS, reset at the start) grew by more."""
+    resident set (the peak RSS, reset at the start) grew by more - whether the block returned or
+    raised (a refusal must be bounded too)."""
     usage = Usage()
     main = threading.current_thread() is threading.main_thread()
     old = None
@@ -113,8 +114,12 @@ def bounded(seconds: float = HANG_SECONDS, max_bytes: int | None = None, trace_p
         base_py = tracemalloc.get_traced_memory()[0]
     rss0 = _rss_kib("VmRSS") if max_bytes is not None and _reset_peak_rss() else None
     t0 = time.perf_counter()
+    hung = False
     try:
         yield usage
+    except Hang:
+        hung = True
+        raise
     finally:
         usage.seconds = time.perf_counter() - t0
         if main:
@@ -128,11 +133,12 @@ def bounded(seconds: float = HANG_SECONDS, max_bytes: int | None = None, trace_p
             hwm = _rss_kib("VmHWM")
             if rss0 is not None and hwm is not None:
                 usage.rss_growth = max(0, hwm - rss0) * 1024
-    if max_bytes is not None:
-        assert usage.python_peak <= max_bytes, (f"the Python heap grew by {usage.python_peak / MiB:.1f} MiB "
-                                                f"(limit {max_bytes / MiB:.1f} MiB)")
-        assert usage.rss_growth is None or usage.rss_growth <= max_bytes, (
-            f"the resident set grew by {usage.rss_growth / MiB:.1f} MiB (limit {max_bytes / MiB:.1f} MiB)")
+        # checked also when the block raised: a refusal that first allocated gigabytes is not bounded
+        if max_bytes is not None and not hung:
+            assert usage.python_peak <= max_bytes, (f"the Python heap grew by {usage.python_peak / MiB:.1f} MiB "
+                                                    f"(limit {max_bytes / MiB:.1f} MiB)")
+            assert usage.rss_growth is None or usage.rss_growth <= max_bytes, (
+                f"the resident set grew by {usage.rss_growth / MiB:.1f} MiB (limit {max_bytes / MiB:.1f} MiB)")
 
 
 def check_refusal(e: BaseException, names, fields=()) -> str:

@@ -110,3 +110,137 @@ def test_smollm2_logits_equal_transformers_gguf_load(tmp_path):
     ids = llm.encode(PROMPT)[1]
     with torch.inference_mode():
         assert torch.equal(hf(torch.tensor([ids])).logits[0], llm.model(torch.tensor([ids]))[0])
+
+
+# ---- what an outside attack found: a GGUF's chat template, a killed import's folder ------------------------------
+# tokenizer.chat_template brought a template that took 3 GB of the server's memory (each
+# center(1000000) within the size limit, 3,000 of them through map); a kill -9 during import-gguf
+# left a 63 MB hidden .tmp folder that the next import did not remove.
+
+HOSTILE_TEMPLATE = "{% set n = range(3000) | map('center', 1000000) | list | length %}{{ n }}"
+BROKEN_TEMPLATE = "{% for m in messages %}{{ m['content'] }"
+
+
+@pytest.fixture(scope="module")
+def templated(tmp_path_factory):
+    """The bundled model as GGUF files carrying a chat template: a hostile one that parses, one that does not."""
+    import shutil
+
+    d = tmp_path_factory.mktemp("templated")
+    out = {}
+    for name, template in (("hostile", HOSTILE_TEMPLATE), ("broken", BROKEN_TEMPLATE)):
+        folder = d / name
+        shutil.copytree(BUNDLED, folder)
+        cfg = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+        out[name] = export_gguf(folder, d / f"{name}.gguf", dtype="f32")
+    return out
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_a_gguf_chat_template_renders_in_the_bounded_sandbox(templated, tmp_path):
+    import time
+    import tracemalloc
+
+    from workbench.model.chat_template import ChatTemplate, TemplateError
+
+    dst = tmp_path / "hf"
+    stale = tmp_path / f".hf.{_dead_pid()}.tmp"              # what a kill -9 left: a dead pid
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"\0" * 100_000)
+    info = import_gguf(templated["hostile"], dst)
+    assert not stale.exists(), "a killed import's folder is removed by the next import"
+    assert info["chat_template"] and "chat_template_dropped" not in info
+    assert not list(tmp_path.glob(".hf.*")) and not (dst / "import-gguf.lock").exists()
+    template = ChatTemplate.from_folder(dst)
+    assert template.source == HOSTILE_TEMPLATE                # it parses: kept, and bounded when rendered
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(TemplateError, match="filter 'center'") as e:
+            template.render([{"role": "user", "content": "Hi"}])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert time.perf_counter() - t0 < 2 and peak < 96 * 2**20, (time.perf_counter() - t0, peak)
+    assert str(dst / "chat_template.jinja") in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_gguf_chat_template_that_does_not_load_is_dropped_with_a_warning(templated, tmp_path, capsys):
+    from workbench.model.chat_template import ChatTemplate
+
+    out = tmp_path / "b"
+    assert main(["import-gguf", str(templated["broken"]), "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    warning = [line for line in captured.err.splitlines() if "warning" in line]
+    assert len(warning) == 1 and warning[0].startswith("workbench import-gguf: warning: "), captured.err
+    assert str(templated["broken"]) in warning[0] and "tokenizer.chat_template" in warning[0]
+    assert "does not parse" in warning[0] and str(out) not in warning[0]     # not the temporary folder's name
+    assert ", chat template" not in captured.out
+    assert ChatTemplate.from_folder(out) is None                             # served as a folder without one
+    assert "chat_template" not in json.loads((out / "tokenizer_config.json").read_text())
+    info = json.loads((out / "import_gguf.json").read_text())
+    assert info["chat_template"] is False and "does not parse" in info["chat_template_dropped"]
+
+
+@pytest.mark.parametrize("files", [
+    {"chat_template.jinja": "{{ x }}" * (2**20)},                                     # past MAX_TEMPLATE_BYTES
+    {"chat_template.jinja": "{% if %}"},
+    {"tokenizer_config.json": json.dumps({"bos_token": "<s>", "chat_template": "x" * (5 * 2**20)})},
+], ids=["too-large-file", "does-not-parse", "too-large-key"])
+def test_a_template_that_does_not_load_is_removed_from_the_folder(tmp_path, files):
+    from workbench.model.gguf_import import _check_chat_template
+    from workbench.model.chat_template import ChatTemplate
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    why = _check_chat_template(tmp_path, tmp_path / "x.gguf")
+    assert why and why.startswith(f"{tmp_path / 'x.gguf'}: its chat template") and "\n" not in why
+    assert ChatTemplate.from_folder(tmp_path) is None
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text()) == {"bos_token": "<s>"}
+    (tmp_path / "chat_template.jinja").write_text("{{ bos_token }}")
+    assert _check_chat_template(tmp_path, tmp_path / "x.gguf") is None                # a good one stays
+
+
+def test_only_a_dead_imports_own_folders_are_removed(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    from workbench.model.gguf_import import _remove_stale_tmp
+
+    dst = tmp_path / "out"
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead = _dead_pid()
+        made = {
+            "dead": tmp_path / f".out.{dead}.tmp",
+            "dead, its lock": tmp_path / ".out.1.tmp",                      # the lock's pid wins over the name's
+            "live": tmp_path / f".out.{live.pid}.tmp",
+            "this process": tmp_path / f".out.{os.getpid()}.tmp",
+            "another host": tmp_path / f".out.{dead}0.tmp",
+            "another folder's": tmp_path / f".other.{dead}.tmp",
+            "not a pid": tmp_path / ".out.abc.tmp",
+        }
+        for p in made.values():
+            p.mkdir()
+        (made["dead, its lock"] / "import-gguf.lock").write_text(json.dumps({"pid": dead,
+                                                                             "host": socket.gethostname()}))
+        (made["another host"] / "import-gguf.lock").write_text(json.dumps({"pid": dead, "host": "elsewhere"}))
+        (tmp_path / f".out.{dead}.tmp.file").write_text("x")                # not a folder of ours
+        removed = _remove_stale_tmp(dst)
+    finally:
+        live.kill()
+        live.wait()
+    assert sorted(removed) == sorted([made["dead"], made["dead, its lock"]])
+    assert [k for k, p in made.items() if p.exists()] == ["live", "this process", "another host",
+                                                         "another folder's", "not a pid"]

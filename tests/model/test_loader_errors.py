@@ -743,3 +743,122 @@ def test_a_quantization_config_that_is_no_object_is_refused_clearly(good, value)
     edit_config(good, quantization_config=value)
     raises_fast(good, "config.json", "'quantization_config' must be an object", type(value).__name__,
                 exc=CheckpointError)
+
+
+# ---- what an outside attack found: a shard linked outside the folder, file bytes in errors, ----------------
+# ---- a malformed generation_config.json ----------------------------------------------------------------------
+# A shard symlinked to /etc/passwd was opened, and the error printed its first 8 bytes as an
+# integer (the "header length"); a malformed generation_config.json gave a traceback.
+
+PASSWD = b"root:x:0:0:root:/root:/bin/bash\n" * 64
+PASSWD_AS_LENGTH = str(int.from_bytes(PASSWD[:8], "little"))       # what the old error printed
+
+
+def test_a_shard_linked_outside_the_folder_is_refused_unread(good, tmp_path, monkeypatch):
+    secret = tmp_path / "elsewhere" / "passwd"
+    secret.parent.mkdir()
+    secret.write_bytes(PASSWD)
+    (good / WEIGHTS).unlink()
+    (good / WEIGHTS).symlink_to(secret)
+    opened = []
+    real_open = Path.open
+    monkeypatch.setattr(Path, "open", lambda self, *a, **k: opened.append(self) or real_open(self, *a, **k))
+    msg = raises(good, WEIGHTS, "a symbolic link to", str(secret), "outside the model folder", exc=CheckpointError)
+    assert "\n" not in msg and PASSWD_AS_LENGTH not in msg
+    assert not [p for p in opened if p.name == WEIGHTS], "the link was opened"
+
+
+def test_a_shard_in_the_index_linked_outside_is_refused(good, tmp_path):
+    files = shard(good)
+    secret = tmp_path / "passwd"
+    secret.write_bytes(PASSWD)
+    (good / files[1]).unlink()
+    (good / files[1]).symlink_to(secret)
+    msg = raises(good, files[1], "outside the model folder", exc=CheckpointError)
+    assert PASSWD_AS_LENGTH not in msg
+
+
+def test_a_linked_subfolder_in_the_index_is_refused(good, tmp_path):
+    files = shard(good)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.move(str(good / files[0]), outside / files[0])
+    (good / "sub").symlink_to(outside, target_is_directory=True)
+    index = json.loads((good / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: ("sub/" + v if v == files[0] else v) for k, v in index["weight_map"].items()}
+    (good / "model.safetensors.index.json").write_text(json.dumps(index))
+    raises(good, files[0], "outside the model folder", exc=CheckpointError)
+
+
+def test_links_inside_the_folder_and_the_hugging_face_cache_layout_load(good, tmp_path):
+    # a link to another file of the folder
+    (good / "weights").mkdir()
+    shutil.move(str(good / WEIGHTS), good / "weights" / "blob")
+    (good / WEIGHTS).symlink_to(Path("weights") / "blob")
+    load(good)
+    # models--org--name/snapshots/REV/* -> ../../blobs/HASH, as huggingface_hub writes its cache
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snap, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    for name in ("config.json", WEIGHTS):
+        shutil.copy(good / name, blobs / f"hash-{name}")
+        (snap / name).symlink_to(Path("..") / ".." / "blobs" / f"hash-{name}")
+    load(snap)
+
+
+def test_a_file_that_is_not_safetensors_is_named_without_its_bytes(good):
+    (good / WEIGHTS).write_bytes(PASSWD)                                  # a regular file, in the folder
+    msg = raises(good, WEIGHTS, "not a safetensors file", exc=CheckpointError)
+    assert PASSWD_AS_LENGTH not in msg and "\n" not in msg
+    (good / WEIGHTS).write_bytes((10**6).to_bytes(8, "little") + b"{}")   # plausible, but past the end
+    msg = raises(good, WEIGHTS, "not a safetensors file, or a truncated one", "truncated", exc=CheckpointError)
+    assert "1000000" not in msg.replace(",", "")
+
+
+def _tokenizer_folder(tmp_path, generation_config: bytes | None) -> Path:
+    folder = tmp_path / "tok"
+    folder.mkdir(parents=True)
+    shutil.copy(workbench.BUNDLED_MODEL / "tokenizer.json", folder)
+    if generation_config is not None:
+        (folder / "generation_config.json").write_bytes(generation_config)
+    return folder
+
+
+@pytest.mark.parametrize("data, words", [
+    (b'{"eos_token_id": 0,', ["not valid JSON", "'eos_token_id'"]),
+    (b"\xff\xfe{}", ["not valid JSON"]),
+    (b"[1, 2]", ["expected a JSON object", "'eos_token_id'"]),
+    (b'{"eos_token_id": "</s>"}', ["field 'eos_token_id'", "'</s>'"]),
+    (b'{"eos_token_id": [true]}', ["field 'eos_token_id'"]),
+    (b'{"eos_token_id": []}', ["field 'eos_token_id'"]),
+    (b"[" * 100_000, ["not valid JSON"]),
+], ids=["truncated", "not-utf8", "a-list", "a-string", "a-bool", "empty-list", "nested"])
+def test_a_malformed_generation_config_is_one_line_naming_the_file_and_field(tmp_path, data, words):
+    folder = _tokenizer_folder(tmp_path, data)
+    with pytest.raises(ConfigError) as e:
+        workbench.Tokenizer(folder)
+    msg = str(e.value)
+    assert str(folder / "generation_config.json") in msg and "\n" not in msg
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+def test_the_cli_names_a_malformed_generation_config_without_a_traceback(tmp_path, capsys):
+    from workbench.cli.main import main
+
+    folder = tmp_path / "model"
+    shutil.copytree(workbench.BUNDLED_MODEL, folder)
+    (folder / "generation_config.json").write_text('{"eos_token_id": 0,')
+    assert main(["generate", "--model", str(folder), "--device", "cpu", "--max-tokens", "2", "Hi"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "generation_config.json: not valid JSON" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_good_generation_config_gives_the_eos_ids(tmp_path):
+    assert workbench.Tokenizer(_tokenizer_folder(tmp_path, b'{"eos_token_id": [0, 7]}')).eos_token_ids == {0, 7}
+    # no field: config.json's (as transformers reads them)
+    folder = _tokenizer_folder(tmp_path / "b", b'{"bos_token_id": 0}')
+    (folder / "config.json").write_text('{"eos_token_id": 5}')
+    assert workbench.Tokenizer(folder).eos_token_ids == {5}

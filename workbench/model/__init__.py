@@ -5,6 +5,10 @@
 * ``checkpoint``: the checks before anything is allocated (files, safetensors headers, sizes, NaN / Inf);
 * ``loader``: :func:`load_model` / :func:`save_model` (safetensors only);
 * ``tokenizer``: :class:`Tokenizer` (HF ``tokenizers``), incremental detokenization;
+* ``chat_template``: the checkpoint's Jinja chat template
+  (:class:`~workbench.model.chat_template.ChatTemplate`), rendered as
+  transformers renders it in a bounded sandbox (``template_budget``: the limits and the meter;
+  ``template_filters``, ``template_sandbox``: the filters, methods and environment, bounded);
 * ``decoder``: the Llama / Qwen2 / Mistral decoder (:class:`CausalLM`); attention hands q / k / v
   to the cache;
 * ``kv_cache``: the one cache interface ``cache.attend(attn, q, k, v, start)`` and the contiguous

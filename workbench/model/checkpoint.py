@@ -1,7 +1,10 @@
 """The checkpoint checks the loader runs before it allocates (see :mod:`workbench.model.loader`):
-regular files only, safetensors headers read without tensor data, the parameter count against
+regular files only, inside the model folder (a shard that is a symbolic link to a file elsewhere is
+refused unread), safetensors headers read without tensor data, the parameter count against
 the bytes the files hold, every tensor's name and shape against the config, quantized
-checkpoints named as such, and one cheap pass for NaN / Inf weights.
+checkpoints named as such, and one cheap pass for NaN / Inf weights.  An error names the file and
+what was expected of it, never the file's bytes (a non-safetensors file's first 8 bytes are not
+a "header length" worth printing).
 """
 
 from __future__ import annotations
@@ -68,6 +71,32 @@ def regular_file(path: Path, what: str = "file") -> os.stat_result:
     return st
 
 
+def _roots(folder: Path) -> list[Path]:
+    """Where a model folder's weight files may really be: the folder (its real path), and, for a
+    snapshot of the Hugging Face cache (``models--org--name/snapshots/REV``, whose files are
+    symbolic links to ``../../blobs/HASH``), that repository's ``blobs``."""
+    root = folder.resolve()
+    roots = [root]
+    blobs = root.parent.parent / "blobs"
+    if root.parent.name == "snapshots" and blobs.is_dir():
+        roots.append(blobs.resolve())
+    return roots
+
+
+def check_inside(path: Path, folder: Path, what: str = "safetensors file") -> None:
+    """Refuse a weight file whose real path is outside the model folder (a symbolic link to
+    ``/etc/passwd``, a linked directory): one line naming the file and where it points, before
+    anything of it is read."""
+    try:
+        real = path.resolve()
+    except (OSError, RuntimeError) as e:                 # a symlink loop
+        raise CheckpointError(f"{path}: cannot resolve this {what}'s path ({e})") from None
+    roots = _roots(folder)
+    if not any(real == r or real.is_relative_to(r) for r in roots):
+        raise CheckpointError(f"{path}: a symbolic link to {real}, outside the model folder {roots[0]}; the "
+                              f"{what}s of a model are read only from inside its folder (copy the file in)")
+
+
 def _read_json(path: Path, what: str):
     """Parse a small JSON side file (config.json, the shard index), refusing huge or odd ones."""
     st = regular_file(path, what)
@@ -96,12 +125,15 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
                 raise CheckpointError(f"{path}: file is {size} bytes, too short for a safetensors header "
                                       "(truncated download?)")
             (n,) = struct.unpack("<Q", head)
-            if 8 + n > size:
-                raise CheckpointError(f"{path}: header claims {n} bytes but the file has only {size} bytes "
-                                      "(truncated download?)")
+            # n is whatever the file's first 8 bytes are: not printed (a text file's would be its first characters)
             if n > _MAX_HEADER_BYTES:
-                raise CheckpointError(f"{path}: header claims {n:,} bytes, more than the {_MAX_HEADER_BYTES:,} "
-                                      "the safetensors format allows (corrupt file?)")
+                raise CheckpointError(f"{path}: not a safetensors file: the header length its first 8 bytes give is "
+                                      f"implausible (above the {_MAX_HEADER_BYTES:,} bytes the format allows; a "
+                                      "corrupt or truncated download?)")
+            if 8 + n > size:
+                raise CheckpointError(f"{path}: not a safetensors file, or a truncated one: the header length its "
+                                      f"first 8 bytes give is more than the file's {size:,} bytes (truncated "
+                                      "download?)")
             raw = f.read(n)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read safetensors file ({e.strerror or e})") from None
@@ -155,10 +187,12 @@ def checkpoint_files(folder: Path) -> list[Path]:
         for f in files:
             if not os.path.lexists(f):
                 raise CheckpointError(f"{index}: lists shard '{f.name}' which is missing from {folder}")
+            check_inside(f, folder)
             regular_file(f, "safetensors file")
         return files
     files = sorted(folder.glob("*.safetensors"))
     for f in files:
+        check_inside(f, folder)
         regular_file(f, "safetensors file")
     if not files:
         pickled = sorted(p.name for p in folder.glob("*") if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))

@@ -21,9 +21,20 @@ read a GGUF file itself, but its GGUF-loaded model has no ``architectures`` in i
 object: tensors are converted one at a time).
 
 Needs the optional ``gguf`` package (``pip install -e ".[gguf]"``), imported only when called.  The
-folder is written next to ``out`` and renamed into place: an interrupted import leaves nothing behind.
-The file's header is walked and checked first, by :func:`~workbench.model.gguf_header.check_gguf_header`
-(importable from here too).
+folder is written next to ``out`` (``.OUT.PID.tmp``, with a lock file naming the process) and renamed
+into place: an interrupted import leaves nothing in ``out``, and what a killed one left beside it
+(``kill -9``, a power cut) is removed by the next import to the same ``out`` once no process of
+that pid is alive (:func:`_remove_stale_tmp`).  The file's header is walked and checked first, by
+:func:`~workbench.model.gguf_header.check_gguf_header` (importable from here too).
+
+The chat template (``tokenizer.chat_template``) is a program the server will run on every chat
+request: the folder keeps it only if it loads as the server loads it
+(:meth:`ChatTemplate.from_folder <workbench.model.chat_template.ChatTemplate.from_folder>`: at most
+``MAX_TEMPLATE_BYTES``, and it parses).  One that does not is dropped, with a warning (a
+:class:`GGUFTemplateWarning`, and ``chat_template_dropped`` in ``import_gguf.json`` saying why):
+the weights and the tokenizer are still the model, and ``/v1/completions`` serves it; chat requests
+are then answered as for a folder without a template.  A template that parses is rendered, when it
+is, in the bounded sandbox every template gets (time, output and memory limits).
 """
 
 from __future__ import annotations
@@ -31,8 +42,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import time
+import warnings
 from pathlib import Path
 
 from workbench.errors import CheckpointError, ConfigError
@@ -49,8 +63,12 @@ from workbench.model.gguf_names import hf_tensor_name, unpermute_qk
 # llama.cpp architecture -> (Hugging Face architecture, model_type, q / k rows permuted by llama.cpp's converter)
 ARCHS = {"llama": ("LlamaForCausalLM", "llama", True), "qwen2": ("Qwen2ForCausalLM", "qwen2", False)}
 DTYPES = ("float32", "bfloat16", "float16")
+# The lock file inside the folder being written: which process writes it (pid and host).
+_LOCK = "import-gguf.lock"
 
 
+class GGUFTemplateWarning(UserWarning):
+    """The GGUF file's chat template was not kept (it does not load as the server loads templates)."""
 
 
 def _fields(reader, path: Path) -> dict:
@@ -238,6 +256,70 @@ def _write_tokenizer(path: Path, out: Path) -> None:
         raise CheckpointError(f"{path}: transformers wrote no tokenizer.json for this GGUF tokenizer")
 
 
+def _remove_stale_tmp(dst: Path) -> list[Path]:
+    """Remove what killed imports to ``dst`` left beside it: folders named ``.{dst.name}.{pid}.tmp``
+    (the name :func:`import_gguf` writes under), only when that pid is not a live process on this
+    host (its lock file, when it has one, names the host; one written on another host, or by a live
+    process, is left alone).  Returns what was removed."""
+    pattern = re.compile(rf"\.{re.escape(dst.name)}\.(\d+)\.tmp")
+    removed = []
+    try:
+        candidates = list(dst.parent.iterdir())
+    except OSError:
+        return removed
+    for p in candidates:
+        m = pattern.fullmatch(p.name)
+        if not m or p.is_symlink() or not p.is_dir():
+            continue
+        pid, host = int(m.group(1)), socket.gethostname()
+        try:
+            lock = json.loads((p / _LOCK).read_text())
+            pid, host = int(lock["pid"]), str(lock["host"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass                                          # killed before it wrote its lock: the name's pid
+        if host != socket.gethostname() or pid == os.getpid() or _alive(pid):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user counts: signalling it is refused)."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:                                       # PermissionError: alive, someone else's
+        return True
+    return True
+
+
+def _check_chat_template(folder: Path, path: Path) -> str | None:
+    """Load the chat template transformers wrote into ``folder`` as the server will load it; when it
+    does not load, remove it (``chat_template.jinja`` and the ``chat_template`` key of
+    tokenizer_config.json) and return why (one line), else None."""
+    from workbench.model.chat_template import ChatTemplate, TemplateError
+
+    try:
+        ChatTemplate.from_folder(folder)
+        return None
+    except TemplateError as e:
+        reason = " ".join(str(e).replace(str(folder), "").split()).lstrip("/: ")
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    cfg_file = folder / "tokenizer_config.json"
+    try:
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        cfg = None
+    if isinstance(cfg, dict) and "chat_template" in cfg:
+        del cfg["chat_template"]
+        cfg_file.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return f"{path}: its chat template (tokenizer.chat_template) was not kept: {reason}"
+
+
 def import_gguf(path: str | os.PathLike, out: str | os.PathLike, dtype: str = "float32",
                 overwrite: bool = False) -> dict:
     """Write the GGUF file ``path`` as a Hugging Face-format folder ``out`` (see the module docstring).
@@ -274,22 +356,30 @@ def import_gguf(path: str | os.PathLike, out: str | os.PathLike, dtype: str = "f
         formats[t.tensor_type.name] = formats.get(t.tensor_type.name, 0) + 1
     cfg["torch_dtype"] = dtype
     dst.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(dst)                 # what a killed import to the same folder left (kill -9: no finally)
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
+        (tmp / _LOCK).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         _write_tokenizer(src, tmp)
+        dropped = _check_chat_template(tmp, src)
+        if dropped:
+            warnings.warn(dropped, GGUFTemplateWarning, stacklevel=2)
         info = {"source": str(src.resolve()), "source_bytes": src.stat().st_size, "source_sha256": _sha256(src),
                 "name": fields.get("general.name"), "architecture": cfg["architectures"][0], "gguf_arch": arch,
                 "tensor_formats": formats, "dtype": dtype, "tensors": len(tensors),
                 "parameters": sum(t.numel() for t in tensors.values()),
-                "chat_template": bool(fields.get("tokenizer.chat_template")),
+                "chat_template": bool(fields.get("tokenizer.chat_template")) and not dropped,
                 "seconds": round(time.perf_counter() - t0, 2)}
+        if dropped:
+            info["chat_template_dropped"] = dropped
         (tmp / "import_gguf.json").write_text(json.dumps(info, indent=2) + "\n")
+        (tmp / _LOCK).unlink()
         if dst.exists():
             shutil.rmtree(dst) if dst.is_dir() else dst.unlink()
         os.replace(tmp, dst)

@@ -21,7 +21,44 @@ import json
 import math
 from pathlib import Path
 
-from workbench.errors import TokenizerError
+from workbench.errors import ConfigError, TokenizerError
+
+# generation_config.json and config.json are a few kB; a larger one is refused unread.
+_MAX_SIDE_JSON_BYTES = 64 * 2**20
+
+
+def _eos_field(path: Path) -> int | list[int] | None:
+    """``eos_token_id`` of a generation_config.json or config.json, or a one-line ConfigError naming
+    the file and the field.  transformers' model loader logs a malformed generation_config.json and
+    goes on with defaults; here it is refused, as every side file of a model is (the project never
+    falls back silently): the EOS ids decide where every generation stops, and a default would make
+    generations run to ``max_tokens``."""
+    fix = "fix the file or remove it"
+    try:
+        size = path.stat().st_size
+        if size > _MAX_SIDE_JSON_BYTES:
+            raise ConfigError(f"{path}: {size:,} bytes is too large for a {path.name} (limit "
+                              f"{_MAX_SIDE_JSON_BYTES:,}); {fix}")
+        d = json.loads(path.read_bytes())
+    except ConfigError:
+        raise
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it ({e.strerror or e})") from None
+    except (ValueError, RecursionError) as e:          # JSONDecodeError, UnicodeDecodeError, nesting
+        raise ConfigError(f"{path}: not valid JSON ({type(e).__name__}: {' '.join(str(e).split())}); the EOS "
+                          f"token ids are read from its field 'eos_token_id': {fix}") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path}: expected a JSON object (with the field 'eos_token_id'), got "
+                          f"{type(d).__name__}; {fix}")
+    eos = d.get("eos_token_id")
+
+    def is_id(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if eos is None or is_id(eos) or (isinstance(eos, list) and eos and all(is_id(v) for v in eos)):
+        return eos
+    raise ConfigError(f"{path}: field 'eos_token_id' must be a token id (an integer) or a non-empty list of "
+                      f"them, got {eos!r:.80}; {fix}")
 
 
 class Tokenizer:
@@ -46,10 +83,12 @@ class Tokenizer:
         self.vocab_size = self._tok.get_vocab_size()
 
     def _find_eos(self, folder: Path) -> set[int]:
+        """The ids that end generation: ``eos_token_id`` of generation_config.json, else of
+        config.json (as transformers takes them), else the vocabulary's ``<|endoftext|>`` or ``</s>``."""
         for name in ("generation_config.json", "config.json"):
             p = folder / name
             if p.is_file():
-                eos = json.loads(p.read_text()).get("eos_token_id")
+                eos = _eos_field(p)
                 if eos is not None:
                     return set(eos) if isinstance(eos, list) else {eos}
         tid = self._tok.token_to_id("<|endoftext|>") or self._tok.token_to_id("</s>")

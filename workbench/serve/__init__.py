@@ -13,7 +13,8 @@
 * ``state``: the app's state and the checks that need the engine (tokens, context, KV pool,
   ``max_tokens``), and the SLO guard's admission and queue hold;
 * ``health``: ``x-model-info``, the live KV pool report and the engine's errors for ``/health``;
-* ``chat_template``: a checkpoint's own Jinja chat template, applied as transformers applies it;
+* ``chat_template``: a checkpoint's own Jinja chat template, applied as transformers applies it
+  (:mod:`workbench.model.chat_template`, re-exported);
 * ``completion``: one request on the engine (its choices, their events, the JSON or SSE answer);
 * ``guard``: the SLO-guard hook (:class:`workbench.serve.slo.SLOGuard` or any object with
   ``admit(now=None, priority=0)`` and ``record(ttft_s)``): sheds with 503 + ``Retry-After``,

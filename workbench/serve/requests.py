@@ -24,7 +24,7 @@ With ``seed`` and ``n`` > 1, sample ``j`` of each prompt uses seed ``seed + j`` 
 would give ``n`` equal samples).
 
 Chat template.  A ``chat_template`` in the model folder (``tokenizer_config.json`` or
-``chat_template.jinja``) is applied as transformers applies it (:mod:`workbench.serve.chat_template`).  The
+``chat_template.jinja``) is applied as transformers applies it (:mod:`workbench.model.chat_template`).  The
 bundled model was trained on plain prose and has none, so its messages are rendered with a
 fixed, simple one (:func:`render_chat`)::
 
