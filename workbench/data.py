@@ -76,57 +76,110 @@ def heldout_split(tokenizer, context: int = 1024) -> dict:
 CALIBRATION_DIR = DATA_DIR / "calibration"
 
 
-def read_jsonl(path: str | Path, text_field: str = "text") -> list[dict]:
+# A calibration reads a few dozen windows of a few hundred tokens: these bound what a dataset may
+# hold before anything is tokenized (a 400 MB JSONL of 4 rows took 7 GB in 22 s when it was read
+# whole).  A row is read at most ``max_row_bytes + 1`` bytes at a time, so an oversized one is
+# refused at its line having read no more than that.
+ROW_BYTES_LIMIT = 4 << 20              # bytes of one JSONL line
+DATASET_BYTES_LIMIT = 64 << 20         # bytes of the whole file
+DATASET_TOKENS_LIMIT = 2_000_000       # tokens of the rows a calibration tokenizes
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:g} MiB" if n >= 1 << 20 else f"{n:,} bytes"
+
+
+def read_jsonl(path: str | Path, text_field: str = "text", max_row_bytes: int = ROW_BYTES_LIMIT,
+               max_bytes: int = DATASET_BYTES_LIMIT) -> list[dict]:
     """The rows of a JSONL file, one JSON object per line, each with a non-empty string under
     ``text_field``: ``[{"line": n, "text": str, **the row's other fields}]``.  Blank lines are
     skipped.  Anything else is a :class:`~workbench.errors.DataError` naming the file and the
     line: a missing file, an empty file, bytes that are not UTF-8, bad JSON, a line that is
-    not an object, a missing / non-string / empty text field."""
+    not an object, a missing / non-string / empty text field, a line longer than
+    ``max_row_bytes`` or a file past ``max_bytes`` (read line by line: neither is read whole)."""
     from workbench.errors import DataError
 
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{p}: {'not a file' if p.exists() else 'file not found'} (expected a JSONL file: "
                         f"one JSON object per line with a {text_field!r} field)")
-    raw = p.read_bytes()
     rows: list[dict] = []
-    for lineno, bline in enumerate(raw.split(b"\n"), 1):
-        try:
-            line = bline.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise DataError(f"{p}, line {lineno}: not UTF-8 (byte 0x{bline[e.start]:02x} at column {e.start + 1}); "
-                            "save the file as UTF-8") from None
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{p}, line {lineno}: bad JSON ({e.msg}: column {e.colno})") from None
-        except RecursionError:
-            raise DataError(f"{p}, line {lineno}: bad JSON (nested too deeply)") from None
-        except ValueError as e:          # an integer of more than 4,300 digits
-            raise DataError(f"{p}, line {lineno}: bad JSON ({e})") from None
-        if not isinstance(obj, dict):
-            raise DataError(f"{p}, line {lineno}: expected a JSON object with a {text_field!r} field, "
-                            f"got {type(obj).__name__}")
-        if text_field not in obj:
-            fields = ", ".join(repr(k) for k in list(obj)[:6]) or "none"
-            raise DataError(f"{p}, line {lineno}: no {text_field!r} field (fields: {fields}); name the text field "
-                            "with --text-field")
-        text = obj[text_field]
-        if not isinstance(text, str):
-            raise DataError(f"{p}, line {lineno}: field {text_field!r} must be a string, got {type(text).__name__}")
-        if not text.strip():
-            raise DataError(f"{p}, line {lineno}: field {text_field!r} is empty")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:      # JSON's "\ud800" escape: Python reads a lone surrogate
-            raise DataError(f"{p}, line {lineno}: field {text_field!r} holds a lone surrogate "
-                            f"(a \\u{ord(text[e.start]):04x} escape without its pair): not Unicode text") from None
-        rows.append({**{k: v for k, v in obj.items() if k != text_field}, "line": lineno, "text": text})
+    total = 0
+    with open(p, "rb") as f:
+        for lineno, bline in enumerate(iter(lambda: f.readline(max_row_bytes + 1), b""), 1):
+            if len(bline) > max_row_bytes and not bline.endswith(b"\n"):
+                raise DataError(f"{p}, line {lineno}: a row of more than {_mib(max_row_bytes)} (the limit of one "
+                                "row, max_row_bytes); a calibration reads windows of a few hundred tokens: split "
+                                "long documents into rows of a paragraph or a section")
+            total += len(bline)
+            if total > max_bytes:
+                raise DataError(f"{p}, line {lineno}: the file passes {_mib(max_bytes)} here (the limit of a "
+                                "dataset, max_bytes); a calibration reads a few dozen windows of a few hundred "
+                                "tokens: give a sample of the file")
+            rows_line = _jsonl_row(p, lineno, bline.rstrip(b"\n"), text_field)
+            if rows_line is not None:
+                rows.append(rows_line)
     if not rows:
         raise DataError(f"{p}: the file is empty (expected one JSON object per line with a {text_field!r} field)")
     return rows
+
+
+def _jsonl_row(p: Path, lineno: int, bline: bytes, text_field: str) -> dict | None:
+    """One line of :func:`read_jsonl` as its row, None for a blank line, or a DataError."""
+    from workbench.errors import DataError
+
+    try:
+        line = bline.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{p}, line {lineno}: not UTF-8 (byte 0x{bline[e.start]:02x} at column {e.start + 1}); "
+                        "save the file as UTF-8") from None
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{p}, line {lineno}: bad JSON ({e.msg}: column {e.colno})") from None
+    except RecursionError:
+        raise DataError(f"{p}, line {lineno}: bad JSON (nested too deeply)") from None
+    except ValueError as e:          # an integer of more than 4,300 digits
+        raise DataError(f"{p}, line {lineno}: bad JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"{p}, line {lineno}: expected a JSON object with a {text_field!r} field, "
+                        f"got {type(obj).__name__}")
+    if text_field not in obj:
+        fields = ", ".join(repr(k) for k in list(obj)[:6]) or "none"
+        raise DataError(f"{p}, line {lineno}: no {text_field!r} field (fields: {fields}); name the text field "
+                        "with --text-field")
+    text = obj[text_field]
+    if not isinstance(text, str):
+        raise DataError(f"{p}, line {lineno}: field {text_field!r} must be a string, got {type(text).__name__}")
+    if not text.strip():
+        raise DataError(f"{p}, line {lineno}: field {text_field!r} is empty")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:      # JSON's "\ud800" escape: Python reads a lone surrogate
+        raise DataError(f"{p}, line {lineno}: field {text_field!r} holds a lone surrogate "
+                        f"(a \\u{ord(text[e.start]):04x} escape without its pair): not Unicode text") from None
+    return {**{k: v for k, v in obj.items() if k != text_field}, "line": lineno, "text": text}
+
+
+def encode_rows(rows: list, tokenizer, max_tokens: int = DATASET_TOKENS_LIMIT, path=None) -> list[list[int]]:
+    """Each row's token ids, row by row: a DataError at the row where the total passes
+    ``max_tokens`` (naming ``path`` and the line), so a file far larger than a calibration uses is
+    refused before the rest of it is tokenized (and before its ids and n-gram sets fill memory)."""
+    from workbench.errors import DataError
+
+    out, total = [], 0
+    for r in rows:
+        ids = tokenizer.encode(r["text"])
+        total += len(ids)
+        if total > max_tokens:
+            where = f"{path}, " if path is not None else ""
+            raise DataError(f"{where}line {r.get('line', '?')}: the dataset passes {max_tokens:,} tokens here (the "
+                            "limit, max_tokens / --max-dataset-tokens); a calibration reads a few dozen windows of a "
+                            "few hundred tokens: give a sample of the file, or raise the limit")
+        out.append(ids)
+    return out
 
 
 def split_rows(rows: list, evaluation_fraction: float = 0.5, group_field: str | None = None) -> tuple[list, list]:
@@ -225,9 +278,14 @@ def pack_windows(token_rows: list[list[int]], length: int, max_windows: int | No
 
 
 def file_sha256(path: str | Path) -> str:
+    """SHA-256 of a file, read 1 MiB at a time (never whole)."""
     import hashlib
 
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def ngram_overlap(ids: list[list[int]], reference: list[list[int]], n: int = 8) -> float:
@@ -251,16 +309,18 @@ def calibration_set(name: str) -> Path:
 
 def jsonl_windows(path: str | Path, tokenizer, context: int, max_windows: int | None = None, split: str = "all",
                   evaluation_fraction: float = 0.5, text_field: str = "text",
-                  group_field: str | None = "auto") -> tuple[list[list[int]], dict]:
+                  group_field: str | None = "auto",
+                  max_tokens: int = DATASET_TOKENS_LIMIT) -> tuple[list[list[int]], dict]:
     """Token windows of one part of a JSONL text file (:func:`read_jsonl`,
     :func:`dataset_split` by :func:`group_field_of`, :func:`pack_windows`) and the *spec* that
     rebuilds them.  The spec (path - also relative to ``data/`` for a shipped file - SHA-256,
     fields, split, sizes, rows used) is what a recipe file records as its calibration and
-    evaluation source (:func:`windows_from_spec`)."""
+    evaluation source (:func:`windows_from_spec`).  The file is read line by line within
+    :func:`read_jsonl`'s limits, and the part tokenized within ``max_tokens`` (:func:`encode_rows`)."""
     rows = read_jsonl(path, text_field)
     group = group_field_of(rows, group_field, path)
     part = dataset_split(rows, split, evaluation_fraction, group)
-    windows, used = pack_windows([tokenizer.encode(r["text"]) for r in part], context, max_windows, with_rows=True)
+    windows, used = pack_windows(encode_rows(part, tokenizer, max_tokens, path), context, max_windows, with_rows=True)
     resolved = Path(path).resolve()
     try:
         in_data = resolved.relative_to(DATA_DIR.resolve()).as_posix()
@@ -270,6 +330,8 @@ def jsonl_windows(path: str | Path, tokenizer, context: int, max_windows: int | 
             "group_field": group, "split": split, "evaluation_fraction": evaluation_fraction, "context": context,
             "max_windows": max_windows, "windows": len(windows), "rows": len(part), "rows_used": used,
             "groups": len({r[group] for r in part}) if group else None}
+    if max_tokens != DATASET_TOKENS_LIMIT:       # recorded when raised, so the recipe rebuilds within it
+        spec["max_tokens"] = max_tokens
     return windows, spec
 
 
@@ -307,6 +369,8 @@ def check_spec(spec, where: str = "") -> None:
         raise bad("context", "an integer >= 1 (tokens per window)")
     if spec.get("max_windows") is not None and not count(spec["max_windows"]):
         raise bad("max_windows", "an integer >= 1 or null")
+    if spec.get("max_tokens") is not None and not count(spec["max_tokens"]):
+        raise bad("max_tokens", "an integer >= 1 or null")
     f = spec.get("evaluation_fraction", 0.5)
     if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < 1:
         raise bad("evaluation_fraction", "a number between 0 and 1")
@@ -331,5 +395,5 @@ def windows_from_spec(spec: dict, tokenizer) -> list[list[int]]:
                         "calibrate again or restore the file")
     windows, _ = jsonl_windows(path, tokenizer, spec["context"], spec.get("max_windows"), spec["split"],
                                spec.get("evaluation_fraction", 0.5), spec.get("text_field", "text"),
-                               spec.get("group_field"))
+                               spec.get("group_field"), spec.get("max_tokens") or DATASET_TOKENS_LIMIT)
     return windows

@@ -87,19 +87,24 @@ def format_result(res: dict) -> str:
 
 
 def cmd_calibrate_quant(args) -> int:
-    import torch
-
     from workbench.errors import ConfigError
 
     if args.check:
         return _check(args)
     if not args.dataset:
         raise ConfigError("--dataset FILE.jsonl is required (or --check recipe.json)")
-    from workbench.measure.threads import parse_threads
+    from workbench.data import read_jsonl
+
+    # the file's row and size limits, line by line, before torch loads (a refusal takes a fraction of a
+    # second); calibrate() reads it again, as it reads it from a library call
+    read_jsonl(_dataset(args.dataset), args.text_field)
+    import torch
+
+    from workbench.measure.threads import usable_threads
     from workbench.quant.calibrate import calibrate
     from workbench.quant.calibrate_report import write_outputs
 
-    n = parse_threads(args.threads, where="--threads") if args.threads is not None else min(2, torch.get_num_threads())
+    n = usable_threads(args.threads, where="--threads") if args.threads is not None else min(2, torch.get_num_threads())
     if n is not None:
         torch.set_num_threads(n)
     progress = None if args.json or args.quiet else (lambda msg: print(f"... {msg}", file=sys.stderr))
@@ -113,7 +118,8 @@ def cmd_calibrate_quant(args) -> int:
                     evaluation_fraction=args.evaluation_fraction, em_prompt=args.em_prompt, em_tokens=args.em_tokens,
                     em_prompts=args.em_prompts, backend=args.backend, max_measured=args.max_measured,
                     decode_steps=args.decode_steps, rounds=args.rounds, progress=progress,
-                    on_partial=_save_partial)
+                    on_partial=_save_partial, max_dataset_tokens=args.max_dataset_tokens,
+                    memory_budget=args.memory_budget)
     out = Path(args.out or f"runs/calibrate/{time.strftime('%Y%m%d-%H%M%S')}")
     paths = write_outputs(res, out)
     try:
@@ -179,14 +185,22 @@ def _check(args) -> int:
 
 
 def add_calibrate_parser(sub) -> None:
-    from workbench.quant.calibrate import DEFAULT_SPACES, OBJECTIVES
-    from workbench.quant.quality import METRICS
+    from workbench.cli.options import count
+    from workbench.data import DATASET_BYTES_LIMIT, DATASET_TOKENS_LIMIT, ROW_BYTES_LIMIT
+    from workbench.quant.calibrate_names import DEFAULT_SPACES, METRICS, OBJECTIVES
 
     p = sub.add_parser("calibrate-quant", help="search per-layer precision against a quality target and measured "
                                                "latency or memory on a JSONL text file; writes a recipe")
     p.add_argument("--dataset", default=None, help="JSONL file, one {\"text\": ...} per line (or a shipped set: "
                                                    "reference, prose)")
     p.add_argument("--text-field", default="text", help="the field holding each row's text")
+    p.add_argument("--max-dataset-tokens", type=count, default=DATASET_TOKENS_LIMIT,
+                   help="most tokens the dataset's rows may hold (default %(default)s; the file is also limited to "
+                        f"{DATASET_BYTES_LIMIT >> 20} MiB and a row to {ROW_BYTES_LIMIT >> 20} MiB): past it, refused at "
+                        "its line before the rest is read or tokenized")
+    p.add_argument("--memory-budget", default=None, metavar="BYTES",
+                   help="most host memory the tokenized dataset may take, e.g. 2G or 512M (default: what the machine "
+                        "has available, MemAvailable)")
     p.add_argument("--group-field", default="auto",
                    help="rows with the same value of this field (e.g. the document they come from) stay in one part "
                         "of the split; 'auto': 'source' when every row has it; 'none': split row by row")

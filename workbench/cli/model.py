@@ -6,23 +6,27 @@ from __future__ import annotations
 import json
 import sys
 
-from workbench.cli.options import (add_backend_arg, add_fast_path_args, add_model_args, add_stream_args,
-                                   add_quant_arg, add_tier_args, apply_backend, tier_config, weight_stream_config)
+from workbench.cli.options import (add_backend_arg, add_fast_path_args, add_memory_budget_arg, add_model_args,
+                                   add_stream_args, add_quant_arg, add_tier_args, apply_backend, check_sizes,
+                                   count, tier_config, weight_stream_config)
 
 
 def cmd_generate(args) -> int:
     from workbench.engine.llm import LLM, RequestOutput
     from workbench.engine.sampling import SamplingParams
+    from workbench.sched.config import SchedulerConfig
 
     stream = weight_stream_config(args)
     fast = args.compile or args.cuda_graphs
+    # the reference configuration's cache (and the static buffers of --compile / --cuda-graphs), sized before the load
+    check_sizes(args, kv="contiguous", scheduler=SchedulerConfig(max_num_seqs=1), static_decode=fast)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               check_finite=args.check_finite, stream_weights=None if fast else stream, quant=args.quant,
-              quant_backend=args.quant_backend)
+              quant_backend=args.quant_backend, memory_budget=args.memory_budget)
     apply_backend(llm, args.backend, llm.device.type)
     if fast:     # after the backends: the static step is compiled / captured with them
         llm = LLM(llm.model, tokenizer=llm.tokenizer, max_model_len=args.max_model_len, compile=args.compile,
-                  cuda_graphs=args.cuda_graphs, stream_weights=stream)
+                  cuda_graphs=args.cuda_graphs, stream_weights=stream, memory_budget=args.memory_budget)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or [])
     prompts = args.prompt or ["The Python tutorial"]
@@ -131,6 +135,7 @@ def add_generate_parser(sub) -> None:
     add_quant_arg(g)
     add_backend_arg(g)
     add_fast_path_args(g)
+    add_memory_budget_arg(g)
     add_stream_args(g)
     g.add_argument("prompt", nargs="*", help="prompt text (several prompts run one after another)")
     g.add_argument("--token-ids", action="store_true", help="prompts are space/comma-separated token ids")
@@ -161,9 +166,10 @@ def add_kv_inspect_parser(sub) -> None:
     k.add_argument("--num-requests", type=int, default=8, help="requests in the default shared-prefix workload")
     k.add_argument("--system-tokens", type=int, default=256, help="length of its shared system prompt (tokens)")
     k.add_argument("--max-tokens", type=int, default=8, help="new tokens per request (greedy, EOS ignored)")
-    k.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    k.add_argument("--num-blocks", type=int, default=None, help="blocks in the pool (default: room for the "
-                                                                "prompts; make it small to see evictions)")
+    k.add_argument("--block-size", type=count, default=16, help="tokens per KV block")
+    k.add_argument("--num-blocks", type=count, default=None, help="blocks in the pool (default: room for the "
+                                                                  "prompts; make it small to see evictions; more "
+                                                                  "than the machine has available is refused)")
     k.add_argument("--offload", choices=["host", "disk"], default=None, help="tier for evicted cached blocks")
     k.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     k.add_argument("--width", type=int, default=64, help="blocks per line of the text block map")

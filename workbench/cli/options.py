@@ -7,6 +7,44 @@ import argparse
 import sys
 
 
+def count(text: str) -> int:
+    """argparse type of a count flag (blocks, sequences, tokens): a whole number, also written
+    ``1e9`` or ``2_000_000``.  Its range is checked where the number is used, against the model
+    and the machine (:mod:`workbench.engine.sizing`), in one line that says what it would cost."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if value != value or value in (float("inf"), float("-inf")) or value != int(value):
+        raise argparse.ArgumentTypeError(f"expected a whole number (such as 4096 or 1e6), got {text!r}")
+    return int(value)
+
+
+def add_memory_budget_arg(p) -> None:
+    p.add_argument("--memory-budget", default=None, metavar="BYTES",
+                   help="most memory the KV pool, its offload tier, the per-sequence caches and the static decode "
+                        "buffers may take together, e.g. 8G or 512M (K, M, G = powers of 1024; default: what the "
+                        "machine has available: MemAvailable, or the GPU's free memory). Sizes are computed from "
+                        "the model's config before anything loads; what does not fit is refused naming its flag")
+
+
+def check_sizes(args, **plan) -> None:
+    """The engine a command is about to build, sized from the model's config before a weight
+    is read (:func:`workbench.engine.sizing.check_before_loading`): a pool, cache or buffer that
+    does not fit the machine or ``--memory-budget``, or a ``--max-model-len`` above the model's
+    context, is refused in one line, without the load's time or memory.  ``plan``: the engine's
+    ``kv``, ``scheduler``, ``tiers``, ``tier_store`` and ``static_decode``."""
+    from workbench.engine.sizing import check_before_loading
+
+    check_before_loading(getattr(args, "model", None), getattr(args, "device", None), getattr(args, "dtype", None),
+                         max_model_len=getattr(args, "max_model_len", None),
+                         memory_budget=getattr(args, "memory_budget", None), **plan)
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="Hugging Face–format folder, preset:<name> (random weights), or omit for the bundled model")
@@ -16,8 +54,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-check-finite", dest="check_finite", action="store_false",
                    help="load weights that hold NaN / Inf (refused by default: one pass over the tensors)")
     p.add_argument("--threads", default=None,
-                   help="torch intra-op threads on a CPU: N, or auto (default: measured on the loaded model, the "
-                        "fewest threads within 15%% of the fastest decode step; env WORKBENCH_THREADS)")
+                   help="torch intra-op threads on a CPU: N (1 to the cores this process may use; more is refused), "
+                        "or auto (default: measured on the loaded model, the fewest threads within 15%% of the "
+                        "fastest decode step; env WORKBENCH_THREADS)")
 
 
 def add_quant_arg(p: argparse.ArgumentParser) -> None:
@@ -66,9 +105,9 @@ def prepare_threads(args) -> None:
     value = getattr(args, "threads", None)
     if value is None:
         return
-    from workbench.measure.threads import ENV, parse_threads
+    from workbench.measure.threads import ENV, usable_threads
 
-    n = parse_threads(value, where="--threads")
+    n = usable_threads(value, where="--threads")     # at most the cores this process may use
     os.environ[ENV] = "auto" if n is None else str(n)
 
 
@@ -85,9 +124,10 @@ def add_fast_path_args(g) -> None:
     g.add_argument("--compile", action="store_true",
                    help="decode steps on static buffers through torch.compile (on a CPU inductor builds C++, ~30 s)")
     g.add_argument("--cuda-graphs", action="store_true", help="decode steps captured as CUDA graphs per batch bucket")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="context per request (default: the model's); the static buffers of --compile / --cuda-graphs "
-                        "hold this many tokens per sequence and every decode step attends over them")
+    g.add_argument("--max-model-len", type=count, default=None,
+                   help="context per request (default: the model's; more than the model's context is refused); the "
+                        "static buffers of --compile / --cuda-graphs hold this many tokens per sequence and every "
+                        "decode step attends over them")
 
 
 def add_tier_args(t) -> None:

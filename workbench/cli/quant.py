@@ -87,9 +87,9 @@ def cmd_quant_bench(args) -> int:
     docs = args.docs if args.docs is not None else (8 if args.full else 2)
     if docs < 1:
         raise ConfigError(f"--docs must be >= 1, got {docs}")
-    from workbench.measure.threads import parse_threads
+    from workbench.measure.threads import usable_threads
 
-    n = parse_threads(args.threads, where="--threads") if args.threads is not None else min(2, os.cpu_count() or 1)
+    n = usable_threads(args.threads, where="--threads") if args.threads is not None else min(2, os.cpu_count() or 1)
     if n is not None:                   # None: "auto" leaves torch's own choice
         torch.set_num_threads(n)
     res: dict = {}

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from workbench.cli.options import (add_backend_arg, add_fast_path_args, add_model_args, add_quant_arg, add_stream_args,
-                                   add_tier_args, apply_backend, tier_config, tier_store, weight_stream_config)
+from workbench.cli.options import (add_backend_arg, add_fast_path_args, add_memory_budget_arg, add_model_args,
+                                   add_quant_arg, add_stream_args, add_tier_args, apply_backend, check_sizes, count,
+                                   tier_config, tier_store, weight_stream_config)
 
 
 def cmd_serve(args) -> int:
     import os
 
-    from workbench.kv.paged import PagedKVConfig
     from workbench.sched import SchedulerConfig
     from workbench.serve import ServerConfig, serve
 
@@ -18,9 +18,14 @@ def cmd_serve(args) -> int:
                             preemption_mode=args.preemption, max_queue_len=args.max_queue_len)
     # the engine is built here, so the server cannot see where the model came from: name it (the --help promise)
     config = ServerConfig(host=args.host, port=args.port, model_name=args.served_model_name or args.model,
-                          api_key=args.api_key or os.environ.get("WORKBENCH_API_KEY") or None,
+                          api_key=_api_key(args.api_key, os.environ.get("WORKBENCH_API_KEY")),
                           max_tokens_cap=args.max_tokens_cap, max_body_bytes=args.max_body_bytes,
-                          log_level=args.log_level)
+                          log_level=args.log_level, max_request_tokens=args.max_request_tokens,
+                          max_connections=args.max_connections, request_timeout_s=args.request_timeout,
+                          keep_alive_s=args.keep_alive, metrics_public=args.metrics_public,
+                          trust_priority_header=args.trust_priority_header,
+                          **{k: v for k, v in (("max_logprob_entries", args.max_logprob_entries),
+                                               ("max_reply_bytes", args.max_reply_bytes)) if v is not None})
     guard = None
     if args.slo_guard:
         from workbench.serve.slo import SLOConfig, SLOGuard
@@ -32,6 +37,7 @@ def cmd_serve(args) -> int:
     from workbench.engine import LLMEngine
 
     _check_serve_kv_args(args)
+    _check_serve_sizes(args, sched)       # before the model loads: one line, no time or memory spent
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               check_finite=args.check_finite, quant=args.quant,
               quant_backend=args.quant_backend)
@@ -44,14 +50,11 @@ def cmd_serve(args) -> int:
         basis = fit_heldout_basis(llm, tiers, args.calibration_docs)
         store = tier_store(args)
         kv = None
-    elif args.kv == "contiguous":
-        kv = "contiguous"
     else:
-        kv = PagedKVConfig(block_size=args.block_size, num_blocks=args.num_blocks,
-                           enable_prefix_caching=not args.no_prefix_caching, offload=args.offload,
-                           offload_blocks=args.offload_blocks)
+        kv = _serve_kv(args)
     engine = LLMEngine(llm, kv=kv, scheduler=sched, tiers=tiers, tier_basis=basis, tier_store=store, compile=args.compile,
-                       cuda_graphs=args.cuda_graphs, stream_weights=weight_stream_config(args))
+                       cuda_graphs=args.cuda_graphs, stream_weights=weight_stream_config(args),
+                       memory_budget=args.memory_budget)
     announce = lambda line: print(line, flush=True)  # noqa: E731 - scripts read the port from this line
     return serve(engine, config, announce=announce, guard=guard)
 
@@ -66,29 +69,53 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--port", type=int, default=8000, help="0 = pick a free port (printed)")
     s.add_argument("--served-model-name", default=None, help="name in /v1/models and requests (default: "
                                                              "'bundled' or the --model value)")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /metrics "
                                                    "(default: env WORKBENCH_API_KEY)")
+    s.add_argument("--metrics-public", action="store_true", help="with --api-key: /metrics and /health's details "
+                                                                "without the key")
+    s.add_argument("--trust-priority-header", action="store_true",
+                   help="honour x-priority from clients without the API key (by default only clients with it may "
+                        "raise their priority or use --slo-bypass-priority)")
     s.add_argument("--max-tokens-cap", type=int, default=None, help="largest max_tokens a request may ask "
                                                                     "(default: the model's context)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    g = s.add_argument_group("what one request may ask (400 beyond; see workbench.serve.limits)")
+    g.add_argument("--max-request-tokens", type=int, default=None,
+                   help="prompt tokens x n + max_tokens x n, over a request's prompts (default: 16 x the context)")
+    g.add_argument("--max-logprob-entries", type=int, default=None,
+                   help="log-probability entries in one reply: (echoed prompt + max_tokens) x n x (logprobs + 1) "
+                        "(default: 65536)")
+    g.add_argument("--max-reply-bytes", type=int, default=None, help="bytes of one reply or stream (default: 32 MiB)")
+    g = s.add_argument_group("connections")
+    g.add_argument("--max-connections", type=int, default=None,
+                   help="open connections at most; more are closed on arrival (default: 2048, or half the "
+                        "file-descriptor limit)")
+    g.add_argument("--request-timeout", type=float, default=30.0,
+                   help="seconds a client has to send a request's headers and body")
+    g.add_argument("--keep-alive", type=float, default=5.0, help="seconds an idle kept-alive connection stays open")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g = s.add_argument_group("scheduler")
-    g.add_argument("--max-num-seqs", type=int, default=32, help="running sequences at most")
-    g.add_argument("--max-batched-tokens", type=int, default=512, help="token budget of one engine step")
+    g.add_argument("--max-num-seqs", type=count, default=32, help="running sequences at most (the default pool and "
+                                                                  "--kv contiguous's caches are sized by it)")
+    g.add_argument("--max-batched-tokens", type=count, default=512, help="token budget of one engine step")
     g.add_argument("--window-ms", type=float, default=0.0, help="micro-batch window for new arrivals (ms)")
     g.add_argument("--preemption", choices=["recompute", "swap"], default="recompute")
     g.add_argument("--no-chunked-prefill", action="store_true", help="prefill each prompt in one step")
-    g.add_argument("--max-queue-len", type=int, default=1024, help="waiting requests beyond this get 429")
+    g.add_argument("--max-queue-len", type=count, default=1024, help="waiting requests beyond this get 429")
     g = s.add_argument_group("KV cache")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--num-blocks", type=int, default=None, help="blocks in the pool (default: max-num-seqs "
-                                                                "sequences of up to 2048 tokens)")
+    g.add_argument("--block-size", type=count, default=16, help="tokens per KV block (at most the model's context)")
+    g.add_argument("--num-blocks", type=count, default=None, help="blocks in the pool (default: max-num-seqs "
+                                                                  "sequences of up to 2048 tokens); more than the "
+                                                                  "device has available is refused")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn the cross-request prefix cache off")
     g.add_argument("--offload", choices=["host", "disk"], default=None,
                    help="keep evicted prefix blocks in host memory or on disk; a later hit copies them back")
-    g.add_argument("--offload-blocks", type=int, default=4096, help="capacity of the offload tier, in blocks")
+    g.add_argument("--offload-blocks", type=count, default=4096, help="capacity of the offload tier, in blocks "
+                                                                      "(host memory or the file system's free space)")
     g.add_argument("--kv", choices=["paged", "contiguous"], default="paged",
-                   help="contiguous: one cache per request (no prefix sharing)")
+                   help="contiguous: one cache per request (no prefix sharing), max-num-seqs x max-model-len "
+                        "tokens at most")
+    add_memory_budget_arg(g)
     g = s.add_argument_group("fast paths (static decode steps over the paged pool or --kv contiguous)")
     add_fast_path_args(g)
     add_stream_args(s)
@@ -103,6 +130,43 @@ def add_serve_parser(sub) -> None:
     g.add_argument("--slo-cooldown-s", type=float, default=5.0, help="seconds open before probing")
     g.add_argument("--slo-bypass-priority", type=int, action="append", default=[], help="priorities never shed")
     s.set_defaults(func=cmd_serve)
+
+
+def _serve_kv(args):
+    """The engine's ``kv=`` of the KV cache flags (the tiered cache: None, built apart)."""
+    from workbench.kv.paged import PagedKVConfig
+
+    if args.tiers:
+        return None
+    if args.kv == "contiguous":
+        return "contiguous"
+    return PagedKVConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                         enable_prefix_caching=not args.no_prefix_caching, offload=args.offload,
+                         offload_blocks=args.offload_blocks)
+
+
+def _check_serve_sizes(args, sched) -> None:
+    """The pool (or the caches per request), its offload tier and the static buffers, sized from
+    the model's config against the machine and --memory-budget before the model loads
+    (:func:`workbench.cli.options.check_sizes`)."""
+    check_sizes(args, kv=_serve_kv(args), scheduler=sched, tiers=tier_config(args) if args.tiers else None,
+                tier_store=None if args.tier_store == "accounted" else args.tier_store,
+                static_decode=args.compile or args.cuda_graphs)
+
+
+def _api_key(flag: str | None, env: str | None) -> str | None:
+    """--api-key, else WORKBENCH_API_KEY; an empty or blank key is an error (it would turn
+    authentication off without a word), never the same as no key."""
+    from workbench.errors import ConfigError
+
+    for value, where in ((flag, "--api-key"), (env, "WORKBENCH_API_KEY")):
+        if value is None:
+            continue
+        if not value.strip():
+            raise ConfigError(f"{where} is empty: give a key (clients then send 'Authorization: Bearer KEY'), or "
+                              f"leave {where} out to serve without one")
+        return value
+    return None
 
 
 def _check_serve_kv_args(args) -> None:

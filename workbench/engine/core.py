@@ -41,6 +41,7 @@ from workbench.engine.modes import (check_fast_paths, describe, describe_error, 
                                     install_weight_streaming, kv_memory, kv_mode, make_pool, make_runner, prefetch_stats,
                                     resolve_model)
 from workbench.engine.output import OutputProcessor
+from workbench.engine.sizing import check_engine_memory
 from workbench.engine.sampling import SamplingParams, sample
 from workbench.engine.step_records import StepRecord, step_record, steps_frame
 from workbench.engine.step_sampling import sample_batch, split_logits, take_token
@@ -75,6 +76,13 @@ class LLMEngine:
     :class:`~workbench.prefetch.weights.WeightStreamConfig` - only some decoder layers stay
     resident, the others are fetched layer by layer ahead of use (the model is changed in place,
     for every engine that shares it).  A combination that cannot work raises ConfigError.
+
+    ``memory_budget``: bytes (or ``"8G"``, ``"512M"``) the KV pool, its offload tier, the caches
+    per sequence (``max_num_seqs`` x ``max_model_len``, the worst case admitted) and the static
+    decode buffers may take together; each is also held to what its device has available.  The
+    sizes are computed before anything is allocated (:mod:`workbench.engine.sizing`,
+    ``self.memory_plan``) and a configuration that does not fit is a ConfigError naming the
+    figure and the setting that makes it smaller.
     """
 
     def __init__(self, model=None, tokenizer=None, device=None, dtype=None, kv: PagedKVConfig | str | None = None,
@@ -82,7 +90,7 @@ class LLMEngine:
                  max_model_len: int | None = None, clock=time.perf_counter, runner=None,
                  history: int = 100_000, threads: int | str | None = None, tiers=None, tier_basis=None,
                  tier_store=None, compile: bool = False, cuda_graphs: bool = False, static_decode: bool = False,
-                 stream_weights=None) -> None:
+                 stream_weights=None, memory_budget: int | str | None = None) -> None:
         base, loaded = resolve_model(model, tokenizer=tokenizer, device=device, dtype=dtype,
                                      max_model_len=max_model_len, threads=threads)
         self.llm, self.loaded, self.model, self.tokenizer = base, loaded, loaded.model, loaded.tokenizer
@@ -97,7 +105,13 @@ class LLMEngine:
         self.static_decode = bool(static_decode or compile or cuda_graphs)
         if self.static_decode:
             check_fast_paths(self.kv_mode, loaded.model, cuda_graphs, runner, batch_invariant)
-        self.pool = make_pool(self.model, self.kv_mode, kv, self.config, loaded.max_model_len, self.static_decode)
+        # what the pool, the caches and the static buffers will take, refused before any is allocated
+        w = self.model.lm_head.weight
+        self.memory_plan = check_engine_memory(self.model.config, w.device, w.dtype, kv=kv, scheduler=self.config,
+                                               max_model_len=loaded.max_model_len, tiers=tiers, tier_store=tier_store,
+                                               static_decode=self.static_decode, memory_budget=memory_budget)
+        self.pool = make_pool(self.model, self.kv_mode, kv, self.config, loaded.max_model_len, self.static_decode,
+                              self.memory_plan.budget)
         self.scheduler = Scheduler(self.config, self.pool.blocks)
         self.runner = runner or make_runner(self, batch_invariant)
         self.clock = clock

@@ -144,6 +144,11 @@ class LLM:
     compressed-tensors ``pack-quantized`` checkpoint (``workbench quantize`` writes them; the format
     vLLM and transformers read) loads quantized as stored (:func:`workbench.quant.compressed.load_compressed`,
     ``model.recipe`` set); its layers go on ``quant_backend`` and ``quant=`` is refused.
+    ``max_model_len``: the context served (default the model's); above the model's
+    ``max_position_embeddings`` it is a ConfigError naming both (never clamped).
+    ``memory_budget``: bytes (``"8G"``, ``"512M"``) the engine's KV pool, caches and static buffers may
+    take (see :class:`~workbench.engine.core.LLMEngine`); they are computed from the model's config
+    and refused in one line before the weights load when they do not fit the budget or the machine.
     """
 
     def __init__(self, model: str | CausalLM | None = None, tokenizer=None, device=None, dtype=None,
@@ -152,11 +157,20 @@ class LLM:
                  scheduler: SchedulerConfig | None = None, batch_invariant: bool | None = None,
                  compile: bool = False, cuda_graphs: bool = False, static_decode: bool = False,
                  check_finite: bool = True, stream_weights=None, quant=None, quant_calibration=None,
-                 quant_backend: str = "auto") -> None:
+                 quant_backend: str = "auto", memory_budget: int | str | None = None) -> None:
         compressed = is_compressed(model)          # a quantized checkpoint (compressed-tensors)
         if compressed and quant is not None:
             raise ConfigError(f"LLM: {model} is a quantized checkpoint (compressed-tensors) already; drop quant= "
                               "(its layers run as stored; quant_backend= chooses where they compute)")
+        from workbench.engine.sizing import check_before_loading
+        from workbench.measure.allocation import parse_bytes
+
+        memory_budget = parse_bytes(memory_budget, "LLM(memory_budget=...)")
+        # the engine's sizes from the config alone: a pool or cache that cannot fit is refused before the load
+        check_before_loading(model, device, dtype, kv=kv if kv is not None or tiers is not None else "contiguous",
+                             scheduler=scheduler or SchedulerConfig(max_num_seqs=1), max_model_len=max_model_len,
+                             tiers=tiers, tier_store=tier_store, static_decode=bool(static_decode or compile or cuda_graphs),
+                             memory_budget=memory_budget)
         self.loaded = LoadedModel.load(model, tokenizer=tokenizer, device=device, dtype=dtype,
                                        max_model_len=max_model_len, threads=threads, check_finite=check_finite)
         if quant is not None:        # weights quantized in place (a model object passed in is changed too)
@@ -173,7 +187,7 @@ class LLM:
                                 scheduler=scheduler or reference_scheduler(self.loaded.max_model_len),
                                 tiers=tiers, tier_basis=tier_basis, tier_store=tier_store, batch_invariant=batch_invariant,
                                 compile=compile, cuda_graphs=cuda_graphs, static_decode=static_decode,
-                                stream_weights=stream_weights)
+                                stream_weights=stream_weights, memory_budget=memory_budget)
         self._queues: dict[str, deque] = {}      # live stream id -> its events not yet yielded
 
     def _quantize(self, quant, calibration, backend: str) -> None:

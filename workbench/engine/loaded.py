@@ -13,6 +13,7 @@ from typing import Sequence
 
 import torch
 
+from workbench.engine.sizing import context_length
 from workbench.errors import ConfigError, WorkbenchError
 from workbench.model.loader import BUNDLED_MODEL, load_model
 from workbench.model.decoder import CausalLM
@@ -34,8 +35,9 @@ class LoadedModel:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer | None, max_model_len: int | None = None,
                  thread_choice=None) -> None:
         self.model, self.tokenizer, self.thread_choice = model, tokenizer, thread_choice
-        limit = model.config.max_position_embeddings
-        self.max_model_len = min(max_model_len or limit, limit)
+        # above the model's context is an error, not a clamp: positions past it were never trained, and
+        # every cache is sized by this number (workbench.engine.sizing)
+        self.max_model_len = context_length(model.config, max_model_len)
         eos = model.config.eos_token_id
         cfg_eos = set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
         self.eos_token_ids = tokenizer.eos_token_ids if tokenizer else cfg_eos
@@ -51,9 +53,18 @@ class LoadedModel:
         folder's (presets have none: prompts are token-id lists).  ``threads``: see
         :mod:`workbench.measure.threads` (measured on this model unless given).  ``check_finite``:
         refuse NaN / Inf weights (one pass over the tensors; False skips it)."""
-        from workbench.measure.threads import apply_thread_policy, parse_threads
+        from workbench.measure.threads import apply_thread_policy, usable_threads
 
-        parse_threads(threads, where="LLM(threads=...)")    # bad input fails before a model loads
+        usable_threads(threads, where="LLM(threads=...)")   # bad input fails before a model loads
+        if max_model_len is not None and not isinstance(model, CausalLM):     # ... a context too: from the config
+            from workbench.model.loader import model_config
+
+            try:
+                cfg = model_config(model)
+            except WorkbenchError:          # the loader says what is wrong with the folder
+                cfg = None
+            if cfg is not None:
+                context_length(cfg, max_model_len)
         if isinstance(model, CausalLM):
             net, source = model, None
         elif is_compressed(model):     # a quantized checkpoint: its layers hold the stored integers

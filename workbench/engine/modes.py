@@ -92,19 +92,18 @@ def check_fast_paths(kv_mode: str, model, cuda_graphs: bool, runner, batch_invar
 
 
 def make_pool(model, kv_mode: str, kv: PagedKVConfig | None, config: SchedulerConfig,
-              max_model_len: int, static_decode: bool = False) -> PagedKVPool:
-    """The paged pool (``kv`` or the default config), sized by default for ``config``'s batch; with a
-    cache per sequence a pool without tensors that only counts blocks (admission, preemption,
-    inspectors)."""
+              max_model_len: int, static_decode: bool = False, memory_budget: int | None = None) -> PagedKVPool:
+    """The paged pool (``kv`` or the default config), sized by default for ``config``'s batch
+    (:func:`~workbench.engine.sizing.default_pool_tokens`); with a cache per sequence a pool
+    without tensors that only counts blocks (admission, preemption, inspectors)."""
+    from workbench.engine.sizing import default_pool_tokens
+
     w = model.lm_head.weight
-    if config.max_num_seqs == 1:   # one request at a time: room for it and cached prefixes of 3 more
-        default_tokens = 4 * max_model_len
-    else:
-        default_tokens = config.max_num_seqs * min(max_model_len, 2048)
+    default_tokens = default_pool_tokens(kv_mode, config, max_model_len)
     if kv_mode == "paged":
         return PagedKVPool(model.config, kv or PagedKVConfig(), w.device, w.dtype, default_tokens,
-                           scratch_blocks=1 if static_decode else 0)   # static steps' padding rows write there
-    default_tokens = config.max_num_seqs * max_model_len
+                           scratch_blocks=1 if static_decode else 0,   # static steps' padding rows write there
+                           memory_budget=memory_budget)
     return PagedKVPool(model.config, PagedKVConfig(enable_prefix_caching=False), w.device,
                        w.dtype, default_tokens, tensors=False)
 

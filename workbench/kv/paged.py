@@ -73,8 +73,10 @@ class PagedKVConfig:
                               "through prefix hits)")
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ConfigError(f"PagedKVConfig.block_size must be a positive integer, got {self.block_size!r}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ConfigError(f"PagedKVConfig.num_blocks must be >= 1, got {self.num_blocks}")
+        for name in ("num_blocks", "offload_blocks", "kv_cache_bytes"):     # counts: a float 1e9 is refused here
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"PagedKVConfig.{name} must be an integer >= 1, got {v!r}")
         if self.num_blocks is not None and self.kv_cache_bytes is not None:
             raise ConfigError("PagedKVConfig: give num_blocks or kv_cache_bytes, not both")
         if self.eviction not in ("lru", "fifo"):
@@ -88,21 +90,41 @@ class PagedKVConfig:
         return 4 if self.offload is not None or self.swap_space is not None else 0
 
 
+def pool_num_blocks(layout: KVLayout, paged: PagedKVConfig, default_tokens: int, scratch_blocks: int = 0) -> int:
+    """The block manager's blocks of a pool: ``paged.num_blocks``, or what ``kv_cache_bytes``
+    holds (scratch blocks included), or ``default_tokens`` in blocks.  (The engine's sizing
+    plans with this too: :mod:`workbench.engine.sizing`.)"""
+    if paged.num_blocks is not None:
+        return paged.num_blocks
+    if paged.kv_cache_bytes is not None:            # the budget holds the scratch blocks too
+        num_blocks = layout.num_blocks_for_bytes(paged.kv_cache_bytes) - scratch_blocks
+        if num_blocks < 1:
+            raise ConfigError(f"PagedKVConfig.kv_cache_bytes={paged.kv_cache_bytes} holds no block "
+                              f"(one block takes {layout.bytes_per_block} bytes)")
+        return num_blocks
+    return -(-default_tokens // paged.block_size)
+
+
 class PagedKVPool:
-    """Block tensors for every layer plus the block manager that hands them out."""
+    """Block tensors for every layer plus the block manager that hands them out.
+
+    The tensors' bytes are checked before they are allocated (:mod:`workbench.measure.allocation`):
+    more than the device has available, or than ``memory_budget``, is a ConfigError naming the
+    figure and ``num_blocks`` (an engine checks its whole plan before it builds the pool:
+    :mod:`workbench.engine.sizing`)."""
 
     def __init__(self, cfg: ModelConfig, paged: PagedKVConfig, device: torch.device, dtype: torch.dtype,
-                 default_tokens: int, tensors: bool = True, scratch_blocks: int = 0) -> None:
+                 default_tokens: int, tensors: bool = True, scratch_blocks: int = 0,
+                 memory_budget: int | None = None) -> None:
         self.layout = KVLayout.from_model_config(cfg, paged.block_size, dtype)
-        if paged.num_blocks is not None:
-            num_blocks = paged.num_blocks
-        elif paged.kv_cache_bytes is not None:      # the budget holds the scratch blocks too
-            num_blocks = self.layout.num_blocks_for_bytes(paged.kv_cache_bytes) - (scratch_blocks if tensors else 0)
-            if num_blocks < 1:
-                raise ConfigError(f"PagedKVConfig.kv_cache_bytes={paged.kv_cache_bytes} holds no block "
-                                  f"(one block takes {self.layout.bytes_per_block} bytes)")
-        else:
-            num_blocks = -(-default_tokens // paged.block_size)
+        num_blocks = pool_num_blocks(self.layout, paged, default_tokens, scratch_blocks if tensors else 0)
+        if tensors:
+            from workbench.measure.allocation import check_allocation, format_bytes
+
+            stored_blocks = num_blocks + scratch_blocks
+            check_allocation("KV pool", stored_blocks * self.layout.bytes_per_block,
+                             "PagedKVConfig.num_blocks / --num-blocks", memory_budget, device,
+                             f"{stored_blocks:,} blocks x {format_bytes(self.layout.bytes_per_block)} a block")
         self.block_size, self.config, self.device = paged.block_size, paged, device
         shape = (num_blocks, paged.block_size, cfg.num_key_value_heads, cfg.head_dim)
         # tensors=False: block accounting only (an engine whose KV lives in per-sequence caches

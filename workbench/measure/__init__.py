@@ -1,7 +1,9 @@
 """Measuring honestly on a noisy machine.
 
 * :mod:`.threads`: the CPU thread policy (how many intra-op threads the engine uses, chosen by
-  measuring decode steps of the loaded model).
+  measuring decode steps of the loaded model; never more than the cores this process may use).
+* :mod:`.allocation`: sizes checked before allocation (a pool, caches, a dataset against the
+  machine's available memory or a ``--memory-budget``, refused in one line naming the flag).
 * :mod:`.compare`: interleaved A/B comparisons with medians, spreads and a verdict stated only
   beyond the spread; :func:`.probe.noise_probe` measures how noisy this machine is right now.
 * :mod:`.timing`: timing work that may run on a GPU (CUDA events, or a synchronize around the
@@ -19,6 +21,7 @@ _EXPORTS = exports({
     "workbench.measure.threads": "ThreadChoice choose_threads apply_thread_policy",
     "workbench.measure.agreement": "first_divergence divergence_margin",
     "workbench.measure.memory": "storage_bytes",
+    "workbench.measure.allocation": "MemoryPlan check_allocation available_memory parse_bytes format_bytes",
     "workbench.measure.timing": "DeviceTimer device_timer time_call",
 })
 __all__ = list(_EXPORTS)

@@ -14,7 +14,8 @@ is within ``margin`` of the fastest**.  Fewer threads win ties because the downs
 asymmetric: an extra thread buys little on an idle machine and costs a lot on a busy one.
 
 Overrides, strongest first: ``LLM(threads=N)`` / ``--threads N``; the environment variable
-``WORKBENCH_THREADS`` (an integer, or ``auto``).  An engine built on a model another engine
+``WORKBENCH_THREADS`` (an integer, or ``auto``).  A count above the cores this process may use
+(``os.sched_getaffinity``) is refused in one line (:func:`usable_threads`), never handed to torch.  An engine built on a model another engine
 already chose for (``LLM(llm.model, kv=...)``) inherits that choice.  The measurement times the
 model as it is at load: per-op backends applied later (``--backend``) are not part of it.  On a
 GPU the host threads only launch work and are left as they are.
@@ -81,15 +82,30 @@ def candidate_threads(cores: int | None = None) -> list[int]:
 
 
 def parse_threads(value, where: str = "threads") -> int | None:
-    """``None``/``"auto"`` -> None (measure); a positive integer -> that; anything else raises."""
+    """``None``/``"auto"`` -> None (measure); a positive integer -> that; anything else raises.
+    (:func:`usable_threads` also holds it to the cores this process may use.)"""
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "auto")):
         return None
     try:
         n = int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         n = 0
     if isinstance(value, bool) or n < 1 or (isinstance(value, float) and value != n):
         raise ConfigError(f"{where}: expected a positive integer or 'auto', got {value!r}")
+    return n
+
+
+def usable_threads(value, where: str = "threads") -> int | None:
+    """:func:`parse_threads`, and no more than the cores this process may use
+    (:func:`~workbench.measure.probe.available_cores`: ``os.sched_getaffinity``).  More is refused,
+    not capped: OpenMP starts every thread it is given (``--threads 100000`` crashed inside libgomp,
+    and other processes on the machine could not fork meanwhile), and past the cores a thread only
+    waits for one, so a figure measured with it misleads; a one-line error says what to give."""
+    n = parse_threads(value, where)
+    cores = available_cores()
+    if n is not None and n > cores:
+        raise ConfigError(f"{where}: {n:,} threads is more than the {cores} core{'s' if cores > 1 else ''} this process "
+                          f"may use (os.sched_getaffinity); give 1 to {cores}, or auto (measured)")
     return n
 
 
@@ -175,7 +191,8 @@ def _cache_key(model) -> tuple:
 def apply_thread_policy(model, threads=None, remeasure: bool = False) -> ThreadChoice:
     """Set torch's intra-op thread count for ``model`` and say why (see the module docstring).
 
-    ``threads``: a positive integer (used as is), or None / ``"auto"``: the ``WORKBENCH_THREADS``
+    ``threads``: a positive integer up to the cores this process may use (used as is; more is a
+    ConfigError: :func:`usable_threads`), or None / ``"auto"``: the ``WORKBENCH_THREADS``
     environment variable if set; else the choice an earlier engine made for this same model
     object (so ``LLM(llm.model, kv=...)`` keeps ``llm``'s threads, given or measured); else
     measured once per process and model shape (``remeasure`` measures again).  The choice is
@@ -189,13 +206,13 @@ def apply_thread_policy(model, threads=None, remeasure: bool = False) -> ThreadC
 
 
 def _resolve(model, threads, remeasure: bool) -> ThreadChoice:
-    n = parse_threads(threads)
+    n = usable_threads(threads)
     if n is not None:
         torch.set_num_threads(n)
         return ThreadChoice(n, "argument")
     env = os.environ.get(ENV)
     if env is not None and env.strip():
-        n = parse_threads(env, where=f"environment variable {ENV}")
+        n = usable_threads(env, where=f"environment variable {ENV}")
         if n is not None:
             torch.set_num_threads(n)
             return ThreadChoice(n, "environment", note=f"{ENV}={env}")
@@ -218,4 +235,5 @@ def _resolve(model, threads, remeasure: bool) -> ThreadChoice:
     return choice
 
 
-__all__ = ["ThreadChoice", "apply_thread_policy", "choose_threads", "pick_threads", "candidate_threads", "parse_threads", "ENV"]
+__all__ = ["ThreadChoice", "apply_thread_policy", "choose_threads", "pick_threads", "candidate_threads", "parse_threads",
+           "usable_threads", "ENV"]

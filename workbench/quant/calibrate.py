@@ -54,14 +54,16 @@ import time
 import torch
 
 from workbench.errors import ConfigError
+from workbench.quant.calibrate_names import DEFAULT_SPACES, OBJECTIVES   # torch-free: the CLI's parser reads them
 from workbench.quant.quality import UNITS, EvalSet, Reference, measure, parse_degradation
 from workbench.quant.search import DENSE, Mix, lagrangian_front, mix_recipe, search_space, uniform_mix
 from workbench.quant.sensitivity import layer_sensitivity, linear_targets
 
-OBJECTIVES = ("latency", "memory")
-# The default search space by device: on a CPU W8A8 runs through torch._int_mm (int8 activations, the
-# fastest prefill there) and W8A16 through a compiled int8 reduction; on a GPU the Triton kernels.
-DEFAULT_SPACES = {"cpu": "w8a16,w8a8,w4a16:g128,w4a8", "cuda": "w8a16,w4a16:g128,w4a8"}
+# Host bytes one dataset token takes while the calibrator holds it: its id in a Python list (an int
+# object and a pointer) in the diagnostics and the windows, and its 8-gram tuple in the overlap sets
+# (two at a time).  Measured: 190 B a token at dataset_diagnostics' peak (tracemalloc, 400k tokens of
+# distinct text, bundled tokenizer); doubled for the text itself, the windows and the allocator.
+HELD_BYTES_PER_TOKEN = 400
 DEFAULT_SPACE = DEFAULT_SPACES["cpu"]
 
 
@@ -147,7 +149,7 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
               backend: str = "auto", memory: str = "stored", tie_fused: bool = True, unit: str = "layer",
               max_measured: int = 10,
               decode_steps: int = 16, rounds: int = 5, latency_rows: int = 1, sensitivity: list[dict] | None = None,
-              progress=None, on_partial=None) -> dict:
+              progress=None, on_partial=None, max_dataset_tokens: int | None = None, memory_budget=None) -> dict:
     """Run the calibrator (see the module docstring); returns a JSON-ready result dict.
 
     ``memory``: what the memory objective counts - ``"stored"`` (the format's bytes: integers,
@@ -162,9 +164,17 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
     ``on_partial(result)``: called with the result so far after each measured mix and once every
     mix has its measured cost (``candidates``: the mixes measured until then, in the order
     measured; ``recommendation`` None), so a run stopped part way keeps its rows
-    (``workbench calibrate-quant`` saves it for the device check's time cap)."""
+    (``workbench calibrate-quant`` saves it for the device check's time cap).
+
+    ``max_dataset_tokens`` (default :data:`workbench.data.DATASET_TOKENS_LIMIT`): the most tokens
+    the dataset's rows may hold; the file is read line by line within
+    :func:`workbench.data.read_jsonl`'s row and file limits and tokenized row by row, so a file
+    past either is refused at its line before the rest is read or tokenized.  What the tokenized
+    text then holds in memory (:data:`HELD_BYTES_PER_TOKEN` a token) is checked against the host's
+    available memory and ``memory_budget`` (bytes, or ``"8G"``) before the model loads."""
     import workbench
-    from workbench.data import dataset_split, group_field_of, jsonl_windows, read_jsonl
+    from workbench.data import DATASET_TOKENS_LIMIT, dataset_split, encode_rows, group_field_of, jsonl_windows, read_jsonl
+    from workbench.measure.allocation import check_allocation, format_bytes, parse_bytes
     from workbench.model.loader import BUNDLED_MODEL, load_model
     from workbench.quant.apply import quantize_model, set_quant_backend, weight_bytes
     from workbench.quant.costs import layer_bytes, layer_latency
@@ -180,8 +190,11 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
         raise ConfigError(f"memory must be 'stored' or 'resident', got {memory!r}")
     limit = parse_degradation(target_metric, max_degradation)
     options = search_space(search_space_spec or default_search_space(device))
+    budget = parse_bytes(memory_budget, "memory_budget (--memory-budget)")
+    max_tokens = DATASET_TOKENS_LIMIT if max_dataset_tokens is None else max_dataset_tokens
     for name, v in (("context", context), ("eval_windows", eval_windows), ("calib_windows", calib_windows),
-                    ("max_measured", max_measured), ("decode_steps", decode_steps), ("rounds", rounds)):
+                    ("max_measured", max_measured), ("decode_steps", decode_steps), ("rounds", rounds),
+                    ("max_dataset_tokens", max_tokens)):
         if not isinstance(v, int) or v < 1:
             raise ConfigError(f"calibrate: {name} must be an integer >= 1, got {v!r}")
     folder = BUNDLED_MODEL if model in (None, "bundled") else model
@@ -196,6 +209,12 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
     rows = read_jsonl(dataset, text_field)              # a bad file fails before any model loads
     group = group_field_of(rows, group_field, dataset)
     tok = workbench.Tokenizer(folder)
+    # every row is tokenized (diagnostics, windows): bounded first, row by row, then what it holds checked
+    tokens = sum(map(len, encode_rows(rows, tok, max_tokens, dataset)))
+    check_allocation("calibration data", tokens * HELD_BYTES_PER_TOKEN,
+                     "max_dataset_tokens / --max-dataset-tokens (or give a sample of the file)", budget, "cpu",
+                     f"{tokens:,} tokens of {dataset} x {format_bytes(HELD_BYTES_PER_TOKEN)} a token (ids and the "
+                     "8-gram sets of the overlap diagnostics)")
     base = load_model(folder, device=device, dtype=dtype).eval()
     context = min(context, base.config.max_position_embeddings)
     targets = linear_targets(base)
@@ -220,7 +239,8 @@ def calibrate(dataset, target_metric: str = "ppl", max_degradation=0.02, search_
     diag = dataset_diagnostics(tok, parts["calibration"], parts["evaluation"], heldout_ids, heldout_texts)
     win, spec = {}, {}
     for k, n in (("calibration", calib_windows), ("search", eval_windows), ("confirmation", eval_windows)):
-        win[k], spec[k] = jsonl_windows(dataset, tok, context, n, k, evaluation_fraction, text_field, group)
+        win[k], spec[k] = jsonl_windows(dataset, tok, context, n, k, evaluation_fraction, text_field, group,
+                                        max_tokens=max_tokens)
     diag.update(group_field=group, groups={k: spec[k]["groups"] for k in spec}, context=context,
                 **{f"{k}_rows": len(parts[k]) for k in ("search", "confirmation")},
                 **{f"{k}_windows": len(win[k]) for k in win}, **{f"{k}_rows_used": spec[k]["rows_used"] for k in spec},

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 import torch
 
 from workbench.errors import ConfigError
+from workbench.quant.calibrate_names import METRICS   # torch-free: the CLI's parser reads it
 
-METRICS = ("ppl", "kl", "top1", "exact_match")
 UNITS = {"ppl": "relative increase (0.02 = +2 %)", "kl": "nats per token (absolute)",
          "top1": "percentage points lost", "exact_match": "percentage points lost"}
 
