@@ -36,7 +36,7 @@ class Progress:
     2/3").  The ETA is elapsed / done x left, shown once one item has finished."""
 
     def __init__(self, total: int, what: str, *, max_hz: float = 4.0, print_every_s: float = 10.0,
-                 clock=time.perf_counter, display=None) -> None:
+                 clock=time.monotonic, display=None) -> None:
         if total < 0:
             raise ValueError(f"Progress: total must be >= 0, got {total}")
         self.total, self.what, self.clock = total, what, clock

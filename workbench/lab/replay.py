@@ -49,7 +49,7 @@ class Recorder:
     dropped (nothing changed).  ``seconds`` is what recording cost (the view's own drawing not
     counted)."""
 
-    def __init__(self, max_frames: int = MAX_FRAMES, clock=time.perf_counter) -> None:
+    def __init__(self, max_frames: int = MAX_FRAMES, clock=time.monotonic) -> None:
         if max_frames < 2:
             raise ValueError(f"Recorder: max_frames must be >= 2, got {max_frames}")
         self.max_frames, self.clock = max_frames, clock
@@ -59,7 +59,7 @@ class Recorder:
         self._t0: float | None = None
 
     def add(self, data: list, label: str = "", layout: dict | None = None, t_ms: float | None = None) -> bool:
-        t = time.perf_counter()
+        t = time.monotonic()
         now = self.clock()
         if self._t0 is None:
             self._t0 = now
@@ -71,7 +71,7 @@ class Recorder:
             self.frames.append(Frame(float(t_ms), data, label, dict(layout or {})))
         else:
             self.dropped += 1
-        self.seconds += time.perf_counter() - t
+        self.seconds += time.monotonic() - t
         return kept
 
     @property
