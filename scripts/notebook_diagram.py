@@ -2,11 +2,14 @@
 
     .venv/bin/python scripts/notebook_diagram.py notebooks/02_kv_tiers.ipynb notebooks/figures/02_kv_tiers.svg
 
-The SVG goes in as a cell attachment (base64 in the notebook itself), so the picture shows in
-JupyterLab, in a papermill copy under runs/ (where a relative link to notebooks/figures would
-break) and in nbconvert's HTML.  The cell gets ``![<alt>](attachment:<name>)`` after its first
-heading, once; running the script again replaces the attachment (edit the SVG, re-run).  The SVG
-file stays the source, committed beside the notebooks.
+The SVG goes in as an ``<img>`` whose source is the SVG itself (a base64 data URI, some 8 KB), so
+the picture shows in JupyterLab (4.6 draws an image *attachment* only when it is PNG, JPEG, GIF,
+WebP or BMP: an SVG attachment is "Cannot render unknown image mime type"), in a papermill copy
+under runs/ (where a relative link to notebooks/figures would break) and in nbconvert's HTML.  The
+``<img>`` follows the cell's first heading, behind a ``<!-- diagram: NAME -->`` marker; running the
+script again replaces it (edit the SVG, re-run), and removes an attachment or a link of the same
+name that an earlier version of the script put there.  The SVG file stays the source, committed
+beside the notebooks.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import sys
 from pathlib import Path
 
 
-def embed(notebook: Path, svg: Path, alt: str = "what you will build") -> None:
+def embed(notebook: Path, svg: Path, alt: str = "what you will build", width: int = 760) -> None:
     import nbformat
 
     text = svg.read_text()
@@ -28,14 +31,20 @@ def embed(notebook: Path, svg: Path, alt: str = "what you will build") -> None:
     cell = next((c for c in nb.cells if c.cell_type == "markdown"), None)
     if cell is None:
         raise SystemExit(f"{notebook}: no markdown cell to hold the diagram")
-    name = svg.name
-    cell.setdefault("attachments", {})[name] = {"image/svg+xml": base64.b64encode(text.encode()).decode()}
-    link = f"![{alt}](attachment:{name})"
-    if f"(attachment:{name})" not in cell.source:
-        lines = cell.source.split("\n")
-        at = next((i + 1 for i, line in enumerate(lines) if re.match(r"#+ ", line)), 0)
-        lines[at:at] = ["", link, ""]
-        cell.source = re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip("\n")
+    name, stem = svg.name, svg.stem
+    attachments = cell.get("attachments") or {}
+    for key in [k for k in attachments if Path(k).stem == stem]:     # an earlier version's attachment
+        del attachments[key]
+    if "attachments" in cell and not attachments:
+        del cell["attachments"]
+    source = re.sub(r"!\[[^\]]*\]\(attachment:" + re.escape(stem) + r"[^)]*\)\n?", "", cell.source)
+    source = re.sub(r"<!-- diagram: " + re.escape(name) + r" -->\n<img [^\n]*>\n?", "", source)
+    uri = "data:image/svg+xml;base64," + base64.b64encode(text.encode()).decode()
+    block = f'<!-- diagram: {name} -->\n<img alt="{alt}" width="{width}" src="{uri}">'
+    lines = source.split("\n")
+    at = next((i + 1 for i, line in enumerate(lines) if re.match(r"#+ ", line)), 0)
+    lines[at:at] = ["", block, ""]
+    cell.source = re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip("\n")
     nbformat.write(nb, notebook)
 
 

@@ -77,8 +77,8 @@ def test_claims_and_gpu_sections(tmp_path):
     claims = pd.DataFrame([{"id": "x", "layer": "kv", "source": "A §2", "claim": "c", "measured": "m", "verdict": "holds",
                             "why": "w"}])
     html = claims_html({"notebooks": {"06_end_to_end": {"tables": {"claims": claims}}}})
-    assert "<td>holds</td>" in html and "06_end_to_end" in html
-    assert "<td>m</td>" in html and "<td>w</td>" in html          # the measured figure and the reason
+    assert "'>holds</td>" in html and "06_end_to_end" in html
+    assert "'>m</td>" in html and "'>w</td>" in html              # the measured figure and the reason
     assert "No notebook of this run wrote a claims table" in claims_html({"notebooks": {}})
     assert "No GPU results are committed yet" in gpu_html(tmp_path)
     folder = tmp_path / "nvidia-h200-2026-12-01"

@@ -36,8 +36,8 @@ def test_max_errors_are_never_rounded_to_zero():
                               "cuda_graph_error": None, "launches": 252, "interpreter": True, "decode_ms_graphed": float("nan")})
     v = frame["value"]
     assert v["max_err_rope"] == "4.80e-07" and v["decode_max_logit_err_fused"] == "2.10e-06"
-    assert v["copy_gbps"] == "2.757" and v["cuda_graph_error"] is None and v["launches"] == 252
-    assert v["interpreter"] is True and v["decode_ms_graphed"] == "-"
+    assert v["copy_gbps"] == "2.757" and v["cuda_graph_error"] == "—" and v["launches"] == "252"
+    assert v["interpreter"] == "yes" and v["decode_ms_graphed"] == "—"
 
 
 def test_fmt_ms_has_no_exponent():
@@ -135,7 +135,7 @@ def test_roofline_figure():
     eager, triton = roof.data[1:]
     # two ops on one spot: both labelled, apart, in the provider's colour; the far interpreter point: its own label
     assert list(eager.text) == ["rmsnorm", "swiglu"] and eager.textposition[0] != eager.textposition[1]
-    assert list(eager.textfont.color) == ["#1f77b4"] * 2 and list(triton.text) == ["rmsnorm"]
+    assert list(eager.textfont.color) == ["#0072B2"] * 2 and list(triton.text) == ["rmsnorm"]
     assert all("customdata" in t.hovertemplate for t in roof.data[1:])
     lo, hi = roof.layout.xaxis.range                                 # log10 units: the points and the ridge inside
     assert lo < -0.3 < 1.0 < hi
@@ -310,3 +310,21 @@ def test_decode_rows_sampling_alone_is_not_an_interpreter_timing(random_llm):
                           graphs=False)
     assert [r["status"] for r in rows] == ["ok"] * 3, [r.get("error") for r in rows]
     assert [r["timing"] for r in rows] == ["host", "host", kl.INTERPRETER_TIMING]
+
+
+def test_with_progress_moves_the_bar_between_items():
+    calls = []
+
+    class Bar:
+        def start(self, name):
+            calls.append(("start", name))
+
+        def advance(self):
+            calls.append(("advance",))
+
+    seen = []
+    for name, spec in kl.with_progress({"eager": {}, "rope": {"rope": "triton"}}, Bar()).items():
+        seen.append(name)
+        calls.append(("run", name))
+    assert seen == ["eager", "rope"]
+    assert calls == [("start", "eager"), ("run", "eager"), ("advance",), ("start", "rope"), ("run", "rope"), ("advance",)]

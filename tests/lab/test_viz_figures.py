@@ -5,6 +5,7 @@ Logic only (where labels go, which axis a trace is on, what a title says), not p
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -209,3 +210,38 @@ def test_stream_view_keeps_the_whole_figure_in_the_widget_model():
     assert list(trace["x"]) == [1, 2, 3, 4, 5]
     assert list(trace["y"]) == pytest.approx(view.itl_ms)
     assert view.fig._widget_layout["title"]["text"] == "Per-token latency (live)"
+
+
+def test_stream_view_records_a_frame_per_token_and_its_replay_shows_the_end_until_played():
+    pytest.importorskip("ipywidgets")
+    from workbench.lab.replay import has_replay
+
+    view = viz.LatencyStreamView()
+    view.run(_FakeLLM(6), "prompt", SimpleNamespace(max_tokens=6), display=False)
+    frames = view.recorder.frames
+    assert len(frames) == 6 and [f.t_ms for f in frames] == pytest.approx([1, 2, 3, 4, 5, 6])   # the engine's clock
+    assert frames[0].data[0]["x"] == [] and frames[-1].data[0]["x"] == [1, 2, 3, 4, 5]
+    assert "token 6" in frames[-1].label and "TTFT" in frames[0].label
+    fig = view.replay_figure()
+    assert has_replay(json.loads(fig.to_json())) and len(fig.frames) == 6
+    assert fig.layout.sliders[0].active == 5 and list(fig.data[0].x) == [1, 2, 3, 4, 5]     # the end, until ▶
+    assert list(fig.layout.yaxis.range) == pytest.approx([0, 1.15]) and fig.layout.xaxis.range[1] >= 6
+    assert view.record_seconds > 0 and "µs per token" in view.recording_text()
+    quiet = viz.LatencyStreamView(record=False)
+    quiet.run(_FakeLLM(3), "prompt", display=False)
+    assert quiet.replay_figure() is None and quiet.recorder.frames == []
+
+
+def test_replay_at_end_shows_the_last_frame():
+    import plotly.graph_objects as go
+
+    from workbench.lab.replay import Recorder, replay_figure
+
+    rec = Recorder()
+    for i in range(1, 4):
+        rec.add([{"y": [i] * i}], label=str(i), layout={"title": {"text": f"frame {i}"}})
+    fig = replay_figure(go.Figure(go.Scatter(y=[])), rec.frames)
+    assert list(fig.data[0].y) == [1] and fig.layout.sliders[0].active == 0
+    fig = viz.replay_at_end(fig)
+    assert list(fig.data[0].y) == [3, 3, 3] and fig.layout.sliders[0].active == 2 and fig.layout.title.text == "frame 3"
+    assert viz.replay_at_end(go.Figure()).frames == ()

@@ -238,6 +238,13 @@ def _rows_html(df) -> str:
     return "".join(out)
 
 
+def _table(df, classes: str = "data") -> str:
+    """A table with units and rounding (:func:`workbench.lab.formats.table_html`) in a scroll box."""
+    from workbench.lab.formats import table_html
+
+    return f"<div class='scroll'>{table_html(df, classes=f'data {classes}' if classes != 'data' else 'data')}</div>"
+
+
 def claims_html(results: dict) -> str:
     """The claims lab's table from notebook 06's sidecar (its ``claims`` table), or a line saying
     where it comes from when no notebook of this run wrote one."""
@@ -252,7 +259,7 @@ def claims_html(results: dict) -> str:
         return (f"<p>From <a href='#{html_id('nb', name)}'>{_esc(name)}</a> (<code>workbench claims --json</code> "
                 "measures the same set from the command line). Verdicts: holds / does not hold / cannot be "
                 "tested here / not measured / error, each with the comparison and its noise.</p>"
-                + view.to_html(index=False, na_rep="", classes="claims"))
+                + _table(view, "claims"))
     return ("<p>No notebook of this run wrote a claims table (notebook 06_end_to_end does, with "
             "<code>claims=True</code>); <code>workbench claims</code> measures them from the command line.</p>")
 
@@ -270,7 +277,7 @@ def gpu_html(root=None, max_rows: int = 30) -> str:
         found += 1
         try:
             frame = t.frame
-            body = frame.head(max_rows).to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep="")
+            body = _table(frame.head(max_rows))
             more = f" (first {max_rows} of {len(frame)} rows)" if len(frame) > max_rows else ""
         except Exception as e:  # noqa: BLE001 - an unreadable table is named, the page still renders
             body, more = f"<p class='failed'>unreadable: {_esc(e)}</p>", ""

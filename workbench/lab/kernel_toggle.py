@@ -36,11 +36,11 @@ def toggle_figure(df, interpreter: bool = False):
                         subplot_titles=("ms per decode step: median, min..max" + (" (log axis)" if log else ""),
                                         "max |logit error| vs eager"))
     fig.update_annotations(font_size=12)
-    fig.add_trace(go.Bar(y=names, x=med, orientation="h", name="latency", marker_color="#1f77b4",
+    fig.add_trace(go.Bar(y=names, x=med, orientation="h", name="latency", marker_color="#0072B2",
                          marker_pattern_shape=["/" if i else "" for i in interp],
                          error_x={"type": "data", "symmetric": False, "array": hi - med, "arrayminus": med - lo},
                          hovertemplate="%{y}: median %{x:.4g} ms<extra></extra>"), row=1, col=1)
-    fig.add_trace(go.Bar(y=names, x=err, orientation="h", name="max error", marker_color="#d62728",
+    fig.add_trace(go.Bar(y=names, x=err, orientation="h", name="max error", marker_color="#D55E00",
                          text=[fmt_err(v) for v in err], textposition="outside", cliponaxis=False,
                          hovertemplate="%{y}: %{x:.3e}<extra></extra>"), row=1, col=2)
     if log:

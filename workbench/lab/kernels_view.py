@@ -14,7 +14,7 @@ import inspect
 import math
 
 from workbench.bench.kernel_timing import compare_timing
-from workbench.lab.formats import FORMATS, SHOW, fmt_err, fmt_ms, results_frame
+from workbench.lab.formats import FORMATS, SHOW, fmt_err, fmt_ms, readable_table, results_frame
 from workbench.lab.kernel_toggle import (
     INTERPRETER_TIMING,
     KernelToggleView,
@@ -28,7 +28,8 @@ from workbench.lab.labels import (
     label_positions,
 )
 
-PROVIDER_COLORS = (("eager", "#1f77b4"), ("compile", "#2ca02c"), ("triton", "#d62728"))
+# colour-blind-safe (workbench.lab.viz.PALETTE): eager blue, torch.compile green, our Triton kernels vermilion
+PROVIDER_COLORS = (("eager", "#0072B2"), ("compile", "#009E73"), ("triton", "#D55E00"))
 
 
 def kernel_source(fn) -> str:
@@ -52,8 +53,26 @@ def measure_op(op: str, sizes: dict, dev, dtype, providers: dict, env: dict, cei
         from IPython.display import display
 
         print(f"{op}: {df.attrs['sizes']}; {df.attrs['metric']} from {df.attrs['formula']}")
-        display(df.set_index("provider")[SHOW].style.format(FORMATS, na_rep="-"))
+        display(readable_table(df.set_index("provider")[SHOW]))     # ms, % of the ceiling, errors never 0.0
     return df
+
+
+class with_progress(dict):  # noqa: N801 - reads as a function where it is used
+    """``mapping`` (e.g. decode-step variants) that moves ``bar`` (a :class:`workbench.lab.progress.Progress`)
+    as a function walks it with ``.items()``: ``bar.start(name)`` before each item, ``bar.advance()``
+    after it, so a long call such as :func:`workbench.bench.kernels.decode_rows` says which of its
+    variants runs (k / n, elapsed, ETA) without a callback of its own.  The bar moves between two
+    items, never inside one: nothing timed pays for it."""
+
+    def __init__(self, mapping, bar):
+        super().__init__(mapping)
+        self.bar = bar
+
+    def items(self):
+        for name, value in super().items():
+            self.bar.start(str(name))
+            yield name, value
+            self.bar.advance()
 
 
 def _si(v: float) -> str:
@@ -135,7 +154,8 @@ def launch_figure(launches: dict, title: str, labels=("eager", "fused", "fused+g
     fig = go.Figure(go.Bar(x=list(labels), y=[v or 0 for v in vals],
                            text=[f"{v:.0f}" if v is not None else "CUDA only:<br>not measured here" for v in vals],
                            textposition="outside", cliponaxis=False,
-                           marker_color=["#1f77b4", "#d62728", "#9467bd"][:len(labels)]))
+                           marker_color=["#0072B2", "#D55E00", "#CC79A7"][:len(labels)],
+                           hovertemplate="%{x}: %{y:.0f} launches per step<extra></extra>"))
     fig.update_layout(title=title, yaxis_title="launches per step", height=380, yaxis_range=[0, top * 1.2])
     return fig
 
@@ -162,4 +182,5 @@ __all__ = [
     "results_frame",
     "roofline_figure",
     "toggle_figure",
+    "with_progress",
 ]

@@ -16,8 +16,10 @@ The file is JSON, one object::
 :func:`load_results` reads it back with tables as DataFrames and figures as plotly dicts
 (``plotly.io.from_json(json.dumps(d))`` or :func:`figure_html` turns one into a figure).
 :func:`collect_results` and :func:`write_report` turn a batch run's sidecars into one table
-and one offline HTML page (used by :mod:`workbench.lab.runner`; every string escaped, its own
-scripts the only ones its Content-Security-Policy lets run); a sweep's table
+and one offline HTML page (used by :mod:`workbench.lab.runner`): headings in words, a contents
+list per notebook, tables with units (:mod:`workbench.lab.formats`), plotly.js once and every
+figure's JSON compressed (replays keep their frames and controls), every string escaped, its own
+scripts the only ones its Content-Security-Policy lets run; a sweep's table
 (:func:`sweep_frame`, ``sweep.csv``) has one row per point and ends with the worker that ran it
 (:data:`WORKER_COLUMNS`: executor, host, IP, pid, Ray node and worker id, GPUs).
 """
@@ -134,7 +136,8 @@ def html_id(prefix: str, name) -> str:
 
 
 def figure_html(fig_json: dict, div_id: str | None = None) -> str:
-    """A ``<div>`` for one figure, without plotly.js (the page includes it once).  plotly writes
+    """A ``<div>`` and plotly's script for one figure, without plotly.js, a replay's frames kept
+    but not played until ▶ (the report itself draws its figures with its own loader).  plotly writes
     ``div_id`` unescaped into an attribute and a script, so one that is not a plain id
     (letters, digits, ``_``, ``-``) is replaced by :func:`html_id` of it."""
     import plotly.io as pio
@@ -146,7 +149,8 @@ def figure_html(fig_json: dict, div_id: str | None = None) -> str:
 def _figure_fragment(fig, div_id: str | None) -> str:
     if div_id is not None and not _SAFE_ID.fullmatch(str(div_id)):
         div_id = html_id("fig", div_id)
-    return fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id)
+    # auto_play=False: a replay waits for its ▶
+    return fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id, auto_play=False)
 
 
 # ---- a run's results: one table and one HTML page ---------------------------------------------
@@ -239,13 +243,30 @@ def environment(parameters: dict | None = None) -> dict:
     return env
 
 
-_CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
-table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
+_CSS = """body{font-family:system-ui,sans-serif;margin:0 auto 4em;max-width:1100px;padding:0 1em;color:#222}
+table{border-collapse:collapse;margin:.5em 0 1em}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
 th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}.ok{color:#186a1e}.failed{color:#b00020}
-h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:2em}pre{white-space:pre-wrap}
+h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:2em;scroll-margin-top:3em}pre{white-space:pre-wrap;margin:0}
+h3{margin:1.6em 0 .3em;scroll-margin-top:3em}h3 .key{font-weight:normal;font-size:70%;color:#777;margin-left:.6em}
 .neutral{color:#555}.no{color:#b00020}table.front td,table.front th,table.claims th{text-align:left}table.claims td{text-align:left;vertical-align:top}
 details{margin:.3em 0}figure{display:inline-block;margin:.5em;vertical-align:top}
-figure img{max-width:520px;border:1px solid #ccc}figcaption{font-size:90%;color:#555}.toc{color:#555}"""
+figure img{max-width:520px;border:1px solid #ccc}figcaption{font-size:90%;color:#555}.toc{color:#555}
+nav.bar{position:sticky;top:0;z-index:10;background:#fff;border-bottom:1px solid #ddd;padding:.4em 0;font-size:90%;line-height:1.7}
+nav.bar a{margin-right:.2em}nav.bar b{margin-right:.4em}
+.items{display:flex;flex-wrap:wrap;column-gap:2.5em;align-items:flex-start}.item{min-width:0;max-width:100%}
+.item.f{flex:1 1 100%}.item.t{flex:0 1 auto}.item h3{margin-top:1.2em}
+.scroll{max-height:24em;overflow:auto;margin:.4em 0 1em;display:inline-block;max-width:100%;border-bottom:1px solid #eee}
+.scroll table{margin:0}.scroll thead th{position:sticky;top:0;z-index:1}
+table.data td,table.data th{white-space:nowrap}table.data td.num{font-variant-numeric:tabular-nums;text-align:right}
+table.data td.txt,table.data th.txt{text-align:left}table.data td.long{white-space:normal;min-width:18em;max-width:36em}
+table.data thead th{white-space:normal;vertical-align:bottom;min-width:3em}table.data tbody th{background:#fafafa}
+table.data div.clip{max-height:7.5em;overflow:auto}
+.contents{background:#f7f7f9;border:1px solid #e3e3e8;padding:.5em 1em;margin:.6em 0 1em;columns:2;column-gap:2em;font-size:92%}
+.contents p{margin:.1em 0;break-inside:avoid}.contents b{display:block;column-span:all;margin-bottom:.2em}
+p.meta{color:#555;margin:.2em 0}p.up{text-align:right;font-size:85%;margin:.2em 0 0}p.up a{color:#666}
+a.totop{position:fixed;right:1em;bottom:1em;background:#fff;border:1px solid #bbb;border-radius:4px;padding:.2em .6em;
+font-size:90%;text-decoration:none;color:#333;z-index:11}
+div.wb-figure{width:100%;margin:.3em 0 1em}.wb-fig-error{color:#b00020;border:1px dashed #b00020;padding:.5em}"""
 
 
 def _relative(p: Path, base: Path) -> str:
@@ -286,6 +307,13 @@ class _Scripts:
             raise ValueError("a script of the report holds '</script': it would end early")
         self.bodies.append(body)
         return f"<script>{body}</script>"
+
+    def allow(self, body: str) -> str:
+        """Allow a script that the page's own loader inserts (plotly.js, shipped compressed):
+        its text as the browser will hash it.  Returns that text."""
+        body = body.replace("\r\n", "\n").replace("\r", "\n")
+        self.bodies.append(body)
+        return body
 
     def take(self, fragment: str) -> str:
         """A fragment plotly wrote (its JSON has ``<`` escaped), its script blocks noted."""
@@ -345,34 +373,319 @@ def sweep_figure(table, params: list[str], metrics: list[str] | None = None):
     return fig
 
 
+# ---- figures: plotly.js and every figure's JSON shipped compressed, drawn by one small loader ----
+def _json_text(obj) -> str:
+    """JSON for the browser's JSON.parse: no NaN / Infinity (null instead)."""
+    try:
+        return json.dumps(obj, separators=(",", ":"), allow_nan=False, default=str)
+    except ValueError:
+        return json.dumps(_finite(obj), separators=(",", ":"), allow_nan=False, default=str)
+
+
+def _finite(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _deflate_b64(text: str) -> str:
+    """``text`` as UTF-8, raw DEFLATE (level 9), base64: what the page's loader inflates."""
+    import zlib
+
+    z = zlib.compressobj(9, zlib.DEFLATED, -15, 9)
+    return base64.b64encode(z.compress(text.encode("utf-8")) + z.flush()).decode("ascii")
+
+
+_INFLATE_JS = r"""function wbInflate(src) {
+  var out = new Uint8Array(Math.max(1024, src.length * 4)), op = 0, pos = 0, bb = 0, bc = 0;
+  function bits(n) {
+    while (bc < n) { if (pos >= src.length) throw new Error("inflate: input ends early"); bb |= src[pos++] << bc; bc += 8; }
+    var v = bb & ((1 << n) - 1); bb >>>= n; bc -= n; return v;
+  }
+  function room(n) {
+    if (op + n > out.length) { var o = new Uint8Array(Math.max(out.length * 2, op + n)); o.set(out.subarray(0, op)); out = o; }
+  }
+  function table(lengths, n) {            /* canonical Huffman code: counts per length, symbols in code order */
+    var count = new Uint16Array(16), offs = new Uint16Array(16), sym = new Uint16Array(n), i;
+    for (i = 0; i < n; i++) count[lengths[i]]++;
+    count[0] = 0;
+    for (i = 1; i < 16; i++) offs[i] = offs[i - 1] + count[i - 1];
+    for (i = 0; i < n; i++) if (lengths[i]) sym[offs[lengths[i]]++] = i;
+    var fast = new Int32Array(512).fill(-1), next = new Uint16Array(16), code = 0, L, c, r, j;
+    for (L = 1; L < 16; L++) { code = (code + count[L - 1]) << 1; next[L] = code; }
+    for (i = 0; i < n; i++) {             /* codes of up to 9 bits: one lookup of the next 9 bits (reversed) */
+      L = lengths[i];
+      if (!L || L > 9) continue;
+      c = next[L]++; r = 0;
+      for (j = 0; j < L; j++) { r = (r << 1) | (c & 1); c >>= 1; }
+      for (j = r; j < 512; j += 1 << L) fast[j] = (i << 4) | L;
+    }
+    return {count: count, sym: sym, fast: fast};
+  }
+  function decode(h) {
+    while (bc < 9 && pos < src.length) { bb |= src[pos++] << bc; bc += 8; }
+    var e = h.fast[bb & 511];
+    if (e >= 0 && (e & 15) <= bc) { bb >>>= e & 15; bc -= e & 15; return e >> 4; }
+    var code = 0, first = 0, index = 0, len, c;
+    for (len = 1; len < 16; len++) {
+      while (bc < 1) { if (pos >= src.length) throw new Error("inflate: input ends early"); bb |= src[pos++]; bc = 8; }
+      code |= bb & 1; bb >>>= 1; bc--;
+      c = h.count[len];
+      if (code - c < first) return h.sym[index + (code - first)];
+      index += c; first = (first + c) << 1; code <<= 1;
+    }
+    throw new Error("inflate: bad code");
+  }
+  var LB = [3,4,5,6,7,8,9,10,11,13,15,17,19,23,27,31,35,43,51,59,67,83,99,115,131,163,195,227,258],
+      LX = [0,0,0,0,0,0,0,0,1,1,1,1,2,2,2,2,3,3,3,3,4,4,4,4,5,5,5,5,0],
+      DB = [1,2,3,4,5,7,9,13,17,25,33,49,65,97,129,193,257,385,513,769,1025,1537,2049,3073,4097,6145,8193,12289,16385,24577],
+      DX = [0,0,0,0,1,1,2,2,3,3,4,4,5,5,6,6,7,7,8,8,9,9,10,10,11,11,12,12,13,13],
+      ORDER = [16,17,18,0,8,7,9,6,10,5,11,4,12,3,13,2,14,1,15], fixed = null, last, type, i;
+  do {
+    last = bits(1); type = bits(2);
+    if (type === 0) {
+      pos -= bc >> 3; bb = 0; bc = 0;    /* to the byte boundary: whole bytes read ahead go back */
+      var len = src[pos] | (src[pos + 1] << 8); pos += 4;
+      room(len); out.set(src.subarray(pos, pos + len), op); op += len; pos += len;
+      continue;
+    }
+    var lit, dist;
+    if (type === 1) {
+      if (!fixed) {
+        var l = new Uint8Array(288);
+        for (i = 0; i < 144; i++) l[i] = 8; for (; i < 256; i++) l[i] = 9; for (; i < 280; i++) l[i] = 7; for (; i < 288; i++) l[i] = 8;
+        var d = new Uint8Array(30).fill(5);
+        fixed = [table(l, 288), table(d, 30)];
+      }
+      lit = fixed[0]; dist = fixed[1];
+    } else if (type === 2) {
+      var nlen = bits(5) + 257, ndist = bits(5) + 1, ncode = bits(4) + 4, lens = new Uint8Array(320);
+      for (i = 0; i < ncode; i++) lens[ORDER[i]] = bits(3);
+      var lencode = table(lens, 19), n = 0;
+      lens = new Uint8Array(320);
+      while (n < nlen + ndist) {
+        var s = decode(lencode), rep = 0, val = 0;
+        if (s < 16) { lens[n++] = s; continue; }
+        if (s === 16) { if (!n) throw new Error("inflate: repeat with no length"); val = lens[n - 1]; rep = 3 + bits(2); }
+        else if (s === 17) rep = 3 + bits(3); else rep = 11 + bits(7);
+        while (rep--) lens[n++] = val;
+      }
+      lit = table(lens.subarray(0, nlen), nlen); dist = table(lens.subarray(nlen, nlen + ndist), ndist);
+    } else throw new Error("inflate: bad block type");
+    for (;;) {
+      var sym = decode(lit);
+      if (sym < 256) { if (op >= out.length) room(1); out[op++] = sym; continue; }
+      if (sym === 256) break;
+      sym -= 257;
+      var length = LB[sym] + bits(LX[sym]), ds = decode(dist), back = DB[ds] + bits(DX[ds]);
+      if (back > op) throw new Error("inflate: distance too far back");
+      room(length);
+      for (i = 0; i < length; i++, op++) out[op] = out[op - back];
+    }
+  } while (!last);
+  return out.subarray(0, op);
+}"""
+
+_LOADER_JS = _INFLATE_JS + "\n" + r"""(function () {
+  "use strict";
+  function raw(id) {
+    var el = document.getElementById(id);
+    if (!el) return null;
+    var b = atob(el.textContent.replace(/\s+/g, "")), a = new Uint8Array(b.length);
+    for (var i = 0; i < b.length; i++) a[i] = b.charCodeAt(i);
+    return new TextDecoder("utf-8").decode(wbInflate(a));
+  }
+  function fail(div, text) { div.textContent = text; div.style.height = "auto"; div.classList.add("wb-fig-error"); }
+  var divs = document.querySelectorAll("div.wb-figure"), why = "";
+  try {
+    if (!window.Plotly) {
+      window.PlotlyConfig = {MathJaxConfig: "local"};
+      var s = document.createElement("script");
+      s.textContent = raw("wb-plotly-js");
+      document.head.appendChild(s);          /* allowed by its sha256 in the page's policy */
+    }
+    if (!window.Plotly) why = "plotly.js did not load (blocked by the page's policy, or the page is damaged)";
+  } catch (e) { why = "plotly.js could not be unpacked: " + e; }
+  var doc = null;
+  if (!why) { try { doc = JSON.parse(raw("wb-figures")); } catch (e) { why = "the figures could not be unpacked: " + e; } }
+  for (var i = 0; i < divs.length; i++) {
+    var div = divs[i];
+    if (why) { fail(div, why); continue; }
+    var f = doc.figures[div.id];
+    if (!f) { fail(div, "no data for this figure"); continue; }
+    var layout = f.layout || {};
+    if (f.template !== undefined && f.template !== null) layout.template = doc.templates[f.template];
+    try {
+      Plotly.newPlot(div, {data: f.data || [], layout: layout, frames: f.frames || [],
+                           config: {responsive: true, displaylogo: false}});
+    } catch (e) { fail(div, "figure not drawn: " + e); }
+  }
+})();"""
+
+
+class _Figures:
+    """The page's figures: a ``<div>`` each where it is shown; their JSON (templates shared: every
+    figure of plotly's default look carries the same ~8 KB one) and plotly.js go at the end of the
+    page, compressed, drawn by :data:`_LOADER_JS` without autoplay (a replay waits for its ▶).
+    plotly.js once for the page: 4.8 MB as text, ~2 MB shipped."""
+
+    def __init__(self):
+        self.figures: dict[str, dict] = {}
+        self.templates: list = []
+        self._template_ids: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.figures)
+
+    def div(self, fig, div_id: str | None = None) -> str:
+        """A placeholder ``<div>`` for ``fig`` (a plotly figure or its JSON dict), sized as it will be."""
+        if not isinstance(fig, dict):
+            fig = json.loads(fig.to_json())
+        div_id = div_id if div_id and _SAFE_ID.fullmatch(div_id) else html_id("fig", div_id or len(self.figures) + 1)
+        while div_id in self.figures:
+            div_id += "-x"
+        fig = dict(fig)
+        layout = dict(fig.get("layout") or {})
+        entry = {"data": fig.get("data") or [], "layout": layout}
+        if fig.get("frames"):
+            entry["frames"] = fig["frames"]
+        template = layout.pop("template", None)
+        if template is not None:
+            key = _json_text(template)
+            if key not in self._template_ids:
+                self._template_ids[key] = len(self.templates)
+                self.templates.append(template)
+            entry["template"] = self._template_ids[key]
+        self.figures[div_id] = entry
+        try:
+            height = int(float(layout.get("height") or 450))
+        except (TypeError, ValueError):
+            height = 450
+        return f"<div id='{div_id}' class='plotly-graph-div wb-figure' style='height:{height}px'></div>"
+
+    def scripts(self, scripts: _Scripts) -> str:
+        """The data blocks and the loader (nothing without figures)."""
+        if not self.figures:
+            return ""
+        from plotly.offline import get_plotlyjs
+
+        plotly_js = scripts.allow(get_plotlyjs())
+        packed_js = _deflate_b64(plotly_js)
+        packed_figs = _deflate_b64(_json_text({"templates": self.templates, "figures": self.figures}))
+        out = [scripts.add(packed_js).replace("<script>", "<script type='application/octet-stream' id='wb-plotly-js'>", 1),
+               scripts.add(packed_figs).replace("<script>", "<script type='application/octet-stream' id='wb-figures'>", 1),
+               scripts.add(_LOADER_JS)]
+        return "\n".join(out)
+
+
+# ---- the page -------------------------------------------------------------------------------------
+def _notebook_title(rec: dict) -> str:
+    """The first ``# `` heading of the notebook (its executed copy, else its source), else its name."""
+    for key in ("output", "source"):
+        path = rec.get(key)
+        if not path:
+            continue
+        try:
+            doc = json.loads(Path(path).read_text(encoding="utf-8"))
+            for cell in doc.get("cells", [])[:3]:
+                if cell.get("cell_type") != "markdown":
+                    continue
+                src = cell.get("source", "")
+                src = "".join(src) if isinstance(src, list) else str(src)
+                for line in src.splitlines():
+                    if line.startswith("# "):
+                        return line[2:].strip()[:200]
+        except (OSError, ValueError, AttributeError, TypeError):
+            continue
+    return str(rec.get("notebook") or rec.get("name"))
+
+
+def _table_block(df) -> str:
+    from workbench.lab.formats import table_html
+
+    try:
+        body = table_html(df)
+    except Exception:  # noqa: BLE001 - a table that does not format is shown as it is
+        body = df.to_html(na_rep="—", escape=True)
+    rows = len(df)
+    return f"<div class='scroll'>{body}</div>" + (f"<p class='meta'>{rows} rows</p>" if rows > 15 else "")
+
+
+def _metrics_table(metrics: dict) -> str:
+    """A notebook's metrics: name in words, key, value with its unit."""
+    from workbench.lab.formats import format_value, humanize, unit_kind
+
+    rows = []
+    for k, v in metrics.items():
+        kind = unit_kind(k)
+        if kind == "fraction" and isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) > 5:
+            kind = "number"
+        rows.append(f"<tr><td>{_esc(humanize(k))}</td><td><code>{_esc(k)}</code></td>"
+                    f"<td>{_esc(format_value(v, kind, unit=True))}</td></tr>")
+    return ("<div class='scroll'><table class='data'><thead><tr><th>metric</th><th>key</th><th>value</th></tr></thead>"
+            + "".join(rows) + "</table></div>")
+
+
+def _up(*links) -> str:
+    return "<p class='up'>" + " · ".join(f"<a href='#{i}'>↑ {_esc(t)}</a>" for i, t in links) + "</p>"
+
+
 def write_report(path: str | Path, records: list[dict], results: dict, parameters: dict | None = None,
                  started=None, kernel: str | None = None, sweep: dict | None = None,
                  executor: str | None = None, screenshots: dict | None = None, front_page: bool = True,
                  gpu_root=None) -> Path:
-    """One self-contained HTML page. The front page first (:mod:`workbench.lab.front_page`: every
+    """One self-contained HTML page. A bar of links that stays at the top of the window (the
+    sections and every notebook), then the front page (:mod:`workbench.lab.front_page`: every
     notebook's headline figures against their targets with its noise-aware verdicts, the claims
-    table when a notebook wrote one, the latest committed GPU results), then the environment,
-    notebook summary (status, seconds, worker, links), metrics table, and each notebook's tables
-    and figures (plotly.js inlined once). ``screenshots``: {notebook: [(caption, path), ...]}
-    from a browser run (:mod:`workbench.lab.browser`), shown as images linked relative to the page.
+    table when a notebook wrote one, the latest committed GPU results), the environment, the
+    notebook summary (status, seconds, worker, links), and a section per notebook: its title, a
+    contents list, its figures and tables under headings in words (:func:`workbench.lab.formats.title_of`;
+    the key beside it), tables with units and rounding (:func:`workbench.lab.formats.readable_table`,
+    in a scroll box), "back to top" links; last, every notebook's metrics. ``screenshots``:
+    {notebook: [(caption, path), ...]} from a browser run (:mod:`workbench.lab.browser`), shown
+    as images linked relative to the page.
+
+    Figures keep their plotly frames, sliders and buttons (a replay plays and scrubs offline, and
+    waits for its ▶). plotly.js (4.8 MB) is in the page once, compressed like the figures' JSON
+    (raw DEFLATE + base64), and a small loader inflates both and draws every figure as the page
+    loads: a smoke run of every notebook is ~2.5 MB instead of 6.8.
 
     Every string from a run (names, parameters, sweep keys and values, errors, table cells,
     headings) is escaped; ids are :func:`html_id`, links percent-encoded; and the page's
-    Content-Security-Policy allows no script but its own (plotly.js and each figure's call, by
-    sha256): no inline script, event handler or ``javascript:`` link that reached it otherwise
-    runs.  The page lands whole (a temporary file, then a rename)."""
+    Content-Security-Policy allows no script but its own (the loader, its data blocks and
+    plotly.js, by sha256): no inline script, event handler or ``javascript:`` link that reached
+    it otherwise runs.  The page lands whole (a temporary file, then a rename)."""
+    from workbench.lab.formats import title_of
+    from workbench.lab.replay import has_replay
+
     path = Path(path)
-    scripts = _Scripts()
+    scripts, figures = _Scripts(), _Figures()
     title = f"Workbench notebook run {path.parent.name}"
-    parts = [f"<h1>{_esc(title)}</h1>"]
+    by_name = {rec["name"]: rec for rec in records}
+    shown = [name for name in results["notebooks"]]
+    nb_titles = {name: _notebook_title(by_name.get(name, {"name": name})) for name in shown}
+
+    nav = ["<b>Run " + _esc(path.parent.name) + "</b>"]
+    if front_page:
+        nav += ["<a href='#summary'>summary</a>", "<a href='#claims'>claims</a>", "<a href='#gpu'>GPU results</a>"]
+    nav.append("<a href='#notebooks'>notebooks</a>")
+    if "sweep" in results:
+        nav.append("<a href='#sweep'>sweep</a>")
+    if screenshots:
+        nav.append("<a href='#browser'>browser</a>")
+    nav += [f"<a href='#{html_id('nb', name)}' title='{_esc(nb_titles[name])}'>{_esc(name.split('_')[0] if len(shown) > 4 else name)}</a>"
+            for name in shown]
+    nav.append("<a href='#metrics'>all metrics</a>")
+    parts = [f"<nav class='bar' id='top'>{' · '.join(nav)}</nav>", f"<h1>{_esc(title)}</h1>"]
     if front_page:
         from workbench.lab.front_page import front_page_html
 
-        parts.append("<p class='toc'><a href='#summary'>summary</a> · <a href='#claims'>claims</a> · "
-                     "<a href='#gpu'>GPU results</a> · <a href='#notebooks'>notebooks</a> · "
-                     "<a href='#metrics'>all metrics</a>" + (" · <a href='#browser'>browser</a>" if screenshots else "")
-                     + "</p>")
         parts.append(front_page_html(results, gpu_root=gpu_root))
+        parts.append(_up(("top", "top")))
     parts += ["<h2>Environment</h2>", _kv_table(environment(parameters))]
     parts.append("<p>Parameters given to every notebook: "
                  f"<code>{_esc(json.dumps(parameters or {}, default=str))}</code>; kernel <code>{_esc(kernel)}</code>"
@@ -384,31 +697,26 @@ def write_report(path: str | Path, records: list[dict], results: dict, parameter
     for rec in records:
         name = _esc(rec["name"])
         cell = (f"<a href='{_esc(_file_link(Path(rec['output']).name))}'>{name}</a>" if rec.get("output") else name)
-        has = (f"<a href='#{html_id('nb', rec['name'])}'>yes</a>" if rec["name"] in results["notebooks"] else "no")
+        has = (f"<a href='#{html_id('nb', rec['name'])}'>{_esc(nb_titles.get(rec['name'], 'yes'))}</a>"
+               if rec["name"] in results["notebooks"] else "no")
         status = str(rec.get("status"))
         parts.append(f"<tr><td>{cell}</td>"
                      f"<td class='{'ok' if status == 'ok' else 'failed'}'>{_esc(status)}</td>"
                      f"<td>{_seconds(rec.get('seconds'))}</td>"
-                     f"<td>{_esc(_worker_text(rec.get('worker')))}</td><td>{has}</td>"
+                     f"<td>{_esc(_worker_text(rec.get('worker')))}</td><td style='text-align:left'>{has}</td>"
                      f"<td style='text-align:left'><pre>{_esc(rec.get('error') or '')}</pre></td></tr>")
     parts.append("</table>")
 
-    n_figures = 0
     if "sweep" in results:
-        parts.append(f"<h2>Sweep</h2><p>Grid <code>{_esc(json.dumps(sweep or {}, default=str))}</code>: one row per "
+        parts.append(f"<h2>Sweep</h2><p id='sweep'>Grid <code>{_esc(json.dumps(sweep or {}, default=str))}</code>: one row per "
                      "point (a failed point keeps its row and its error).</p>")
-        parts.append(results["sweep"].to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep=""))
+        parts.append(_table_block(results["sweep"]))
         try:
             fig = sweep_figure(results["sweep"], list(sweep or {}))
         except ImportError:
             fig = None
         if fig is not None:
-            parts.append(scripts.take(_figure_fragment(fig, "fig-sweep")))
-            n_figures += 1
-    metrics = results["metrics"]
-    parts.append("<h2 id='metrics'>Metrics</h2>")
-    parts.append(metrics.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep="")
-                 if len(metrics) else "<p>No notebook wrote metrics.</p>")
+            parts.append(figures.div(fig, "fig-sweep"))
 
     if screenshots:
         parts.append("<h2 id='browser'>In the browser</h2><p>Each notebook opened in JupyterLab in headless Chromium "
@@ -422,24 +730,62 @@ def write_report(path: str | Path, records: list[dict], results: dict, parameter
                 rel = _relative(Path(shot), path.parent)
                 parts.append(f"<figure><a href='{_esc(rel)}'><img src='{_esc(rel)}' alt='{_esc(caption)}'></a>"
                              f"<figcaption>{_esc(caption)}</figcaption></figure>")
-    for name, res in results["notebooks"].items():
-        parts.append(f"<h2 id='{html_id('nb', name)}'>{_esc(name)}</h2>")
-        for tname, df in res["tables"].items():
-            parts.append(f"<h3>{_esc(tname)}</h3>" + df.to_html(float_format=lambda v: f"{v:.4g}", na_rep=""))
-        for fname, fig in res["figures"].items():
-            parts.append(f"<h3>{_esc(fname)}</h3>")
-            try:
-                parts.append(scripts.take(figure_html(fig, div_id=f"fig-{n_figures + 1}")))
-                n_figures += 1
-            except ImportError:
-                parts.append("<p>(plotly is not installed: figure not rendered)</p>")
+        parts.append(_up(("top", "top")))
 
-    plotly_js = ""
-    if n_figures:
-        from plotly.offline import get_plotlyjs
-        plotly_js = scripts.add(get_plotlyjs())
+    for name, res in results["notebooks"].items():
+        nb_id = html_id("nb", name)
+        rec = by_name.get(name, {})
+        nb = rec.get("notebook") or name
+        parts.append(f"<h2 id='{nb_id}'>{_esc(nb_titles[name])}</h2>")
+        meta = [f"<code>{_esc(name)}</code>", _esc(rec.get("status") or "")]
+        if rec.get("seconds") is not None:
+            meta.append(f"{_seconds(rec.get('seconds'))} s")
+        if rec.get("output"):
+            meta.append(f"executed notebook: <a href='{_esc(_file_link(Path(rec['output']).name))}'>"
+                        f"{_esc(Path(rec['output']).name)}</a>")
+        parts.append(f"<p class='meta'>{' · '.join(m for m in meta if m)}</p>")
+        items = [("f", k, v) for k, v in res["figures"].items()] + [("t", k, v) for k, v in res["tables"].items()]
+        ids = {(kind, key): html_id(f"{nb_id}-{kind}", key) for kind, key, _ in items}
+        contents = ["<div class='contents'><b>Contents</b>"]
+        for kind, key, value in items:
+            what = "figure" if kind == "f" else "table"
+            extra = ""
+            if kind == "f" and isinstance(value, dict) and value.get("frames"):
+                extra = " (replay)" if has_replay(value) else " (frames)"
+            contents.append(f"<p>{what}: <a href='#{ids[(kind, key)]}'>{_esc(title_of(key, nb))}</a>{extra}</p>")
+        if res["metrics"]:
+            contents.append(f"<p>metrics: <a href='#{html_id('metrics', name)}'>all {len(res['metrics'])}</a></p>")
+        contents.append("</div>")
+        parts.append("".join(contents))
+        parts.append("<div class='items'>")
+        for kind, key, value in items:       # figures full width; narrow tables side by side
+            parts.append(f"<section class='item {kind}'><h3 id='{ids[(kind, key)]}'>{_esc(title_of(key, nb))}"
+                         f"<span class='key'>{_esc(key)}</span></h3>")
+            if kind == "t":
+                parts.append(_table_block(value))
+            else:
+                parts.append(figures.div(value, f"fig-{len(figures) + 1}"))
+            parts.append(_up((nb_id, "contents"), ("top", "top")) + "</section>")
+        parts.append("</div>")
+
+    parts.append("<h2 id='metrics'>All metrics</h2>")
+    if len(results["metrics"]):
+        parts.append("<p>Every metric each notebook wrote, with its unit (the key is the name in "
+                     "<code>results.csv</code> and the notebook's sidecar).</p>")
+        for name, res in results["notebooks"].items():
+            if not res["metrics"]:
+                continue
+            parts.append(f"<details id='{html_id('metrics', name)}'><summary><b>{_esc(nb_titles[name])}</b> "
+                         f"({len(res['metrics'])} metrics)</summary>{_metrics_table(res['metrics'])}</details>")
+    else:
+        parts.append("<p>No notebook wrote metrics.</p>")
+    parts.append(_up(("top", "top")))
+    parts.append("<a class='totop' href='#top'>↑ top</a>")
+    parts.append(figures.scripts(scripts))
+
     head = (f"<meta charset='utf-8'><meta http-equiv='Content-Security-Policy' content=\"{_esc(scripts.policy())}\">"
-            f"<title>{_esc(title)}</title><style>{_CSS}</style>{plotly_js}")
+            f"<meta name='viewport' content='width=device-width, initial-scale=1'>"
+            f"<title>{_esc(title)}</title><style>{_CSS}</style>")
     from workbench.lab.run_folder import atomic_write
 
     atomic_write(path, f"<!DOCTYPE html>\n<html><head>{head}</head><body>\n" + "\n".join(parts) + "\n</body></html>\n")

@@ -4,8 +4,11 @@ Everything here imports plotly / ipywidgets lazily, inside the functions, so ``i
 workbench`` works on a machine with only the core dependencies.
 
 * :class:`LatencyStreamView` - a live per-token latency chart that updates while
-  ``llm.stream(...)`` yields.  A saved FigureWidget's state is stale (it holds whatever the
-  widget last synced), so reports use :meth:`LatencyStreamView.static_figure` instead.
+  ``llm.stream(...)`` yields, and records every token as a frame.  A saved FigureWidget's state
+  is stale (it holds whatever the widget last synced), so notebooks and reports show
+  :meth:`LatencyStreamView.replay_figure` (plain plotly: ▶ replays the stream at its own pace, the
+  slider steps token by token, offline) or :meth:`LatencyStreamView.static_figure` instead.
+* :func:`replay_at_end` - a replay that shows its last frame until ▶ is pressed.
 * :func:`latency_histogram`, :func:`breakdown_bar`, :func:`comparison_bar` - static
   ``go.Figure`` s for reports.
 * :func:`label_levels` - the rule that keeps labels at nearby x (P50 / P95 / P99) from
@@ -135,7 +138,8 @@ class LatencyStreamView:
 
     css_name = "latency-stream"
 
-    def __init__(self, max_hz: float = 15.0, title: str = "Per-token latency (live)", height: int = 320) -> None:
+    def __init__(self, max_hz: float = 15.0, title: str = "Per-token latency (live)", height: int = 320,
+                 record: bool = True) -> None:
         import ipywidgets as widgets
         import plotly.graph_objects as go
 
@@ -143,6 +147,7 @@ class LatencyStreamView:
             raise ValueError(f"LatencyStreamView: max_hz must be in (0, 60], got {max_hz}")
         self.min_interval = 1.0 / max_hz
         self.title = title
+        self.record = record
         self.fig = go.FigureWidget(
             data=[go.Scatter(x=[], y=[], mode="lines+markers", name="inter-token latency",
                              hovertemplate="token %{x}: %{y:.2f} ms<br>%{text}<extra></extra>", text=[])],
@@ -164,6 +169,13 @@ class LatencyStreamView:
         self.updates = 0
         self.update_seconds = 0.0
         self.output = None
+        from workbench.lab.replay import Recorder
+
+        self.recorder = Recorder(max_frames=10_000)   # thinned when the replay is drawn
+        self.record_seconds = 0.0          # building and keeping the frames (between two tokens)
+        self._record_every = 1
+        self._rec_y: list[float] = []
+        self._rec_text: list[str] = []
 
     # ---- display -----------------------------------------------------------------------------
     def _repr_mimebundle_(self, **kwargs):
@@ -212,11 +224,45 @@ class LatencyStreamView:
                            "<b>" + html.escape("".join(self.pieces)) + "</b></pre>")
         self.update_seconds += time.monotonic() - t0
 
+    def _record(self, done: bool) -> None:
+        """A frame of the chart as it stands (every token, or every k-th of a long stream: at
+        most ~240 frames), stamped with the token's time since arrival on the engine's clock.
+        Runs between two tokens, like a redraw: its cost lands in the next gap, and is counted
+        in :attr:`record_seconds`."""
+        n = len(self.times)
+        if not done and n % self._record_every:
+            return
+        t0 = time.monotonic()
+        while len(self._rec_y) < n - 1:              # the new gaps since the last frame, appended
+            k = len(self._rec_y) + 1
+            self._rec_y.append((self.times[k] - self.times[k - 1]) * 1e3)
+            self._rec_text.append(repr(self.pieces[k]))
+        itl = self._rec_y
+        data = [{"x": list(range(1, len(itl) + 1)), "y": list(itl), "text": list(self._rec_text)}]
+        gap = f": gap {itl[-1]:.1f} ms" if itl else ": first token (TTFT)"
+        self.recorder.add(data, label=f"token {n}{gap}", t_ms=(self.times[-1] - self.arrival) * 1e3)
+        self.record_seconds += time.monotonic() - t0
+
+    @property
+    def record_us_per_token(self) -> float:
+        return self.record_seconds / len(self.times) * 1e6 if self.times else 0.0
+
+    def recording_text(self) -> str:
+        """What recording the replay cost, per token and against the median gap."""
+        itl = self.itl_ms
+        med = float(np.median(itl)) if itl else float("nan")
+        share = self.record_us_per_token / 1e3 / med if itl and med > 0 else float("nan")
+        return (f"replay: {len(self.recorder.frames)} frames recorded in {self.record_seconds * 1e3:.2f} ms, "
+                f"{self.record_us_per_token:.0f} µs per token ({share:.2%} of the median gap of {med:.2f} ms; "
+                "it runs between two tokens, so it lands in the next gap, as the redraws do)")
+
     def run(self, llm, prompt, params=None, display: bool = True):
         """Stream one request into the view; returns its ``RequestOutput`` (text, ids, metrics)."""
         from workbench.engine.llm import RequestOutput
 
         self._reset()
+        max_tokens = getattr(params, "max_tokens", None) or 0
+        self._record_every = max(1, max_tokens // 240)
         if display:
             self.display()
         out = RequestOutput(request_id="", prompt=None, prompt_token_ids=[])
@@ -227,6 +273,8 @@ class LatencyStreamView:
         for ev in llm.stream(prompt, params, arrival_time=self.arrival, output=out):
             self.times.append(ev.time)
             self.pieces.append(ev.text if llm.tokenizer else f" {ev.token_id}")
+            if self.record:
+                self._record(ev.finished)
             now = time.monotonic()
             if ev.finished or now - last >= self.min_interval:
                 self._redraw(ev.finished)
@@ -234,6 +282,33 @@ class LatencyStreamView:
         self._redraw(True)
         self.output = out
         return out
+
+    def replay_figure(self):
+        """The run as a replay (:func:`workbench.lab.replay.replay_figure`): one frame per token,
+        ▶ plays the stream at its recorded pace (or slower), the slider steps token by token with
+        each token's time in ms.  Shows the end of the run until ▶ is pressed
+        (:func:`replay_at_end`), so a saved notebook or a report shows the whole stream.  Plain
+        plotly: it works without a kernel.  None when nothing was recorded."""
+        import plotly.graph_objects as go
+
+        from workbench.lab.replay import replay_figure
+
+        frames = self.recorder.frames
+        if not frames:
+            return None
+        itl = self.itl_ms
+        top = max(itl) if itl else 1.0
+        fig = go.Figure(go.Scatter(x=[], y=[], mode="lines+markers", name="inter-token latency", text=[],
+                                   marker_color=PALETTE[0], line_color=PALETTE[0],
+                                   hovertemplate="token %{x}: %{y:.2f} ms<br>%{text}<extra></extra>"))
+        ttft = f"{self.ttft_ms:.1f}" if self.ttft_ms is not None else "-"
+        span = (self.times[-1] - self.arrival) * 1e3 if self.times else 0.0
+        fig.update_layout(title=f"Per-token latency, replayed: {len(self.times)} tokens in {span:,.1f} ms (TTFT {ttft} ms)",
+                          xaxis={"title": "token index", "range": [0, max(len(itl), 1) + 1]},
+                          yaxis={"title": "ms since previous token", "range": [0, top * 1.15]},
+                          height=340, margin={"l": 60, "r": 30, "t": 50, "b": 40}, showlegend=False)
+        fig = replay_figure(fig, frames, redraw=False, time_label="since arrival", note=self.recording_text())
+        return replay_at_end(fig)
 
     def static_figure(self):
         """A plain ``go.Figure`` of the last run (safe to save; FigureWidget state is not)."""
@@ -252,6 +327,24 @@ class LatencyStreamView:
                           xaxis_title="token index", yaxis_title="ms since previous token",
                           yaxis_rangemode="tozero", height=340, margin={"l": 60, "r": 80, "t": 50, "b": 40})
         return fig
+
+
+def replay_at_end(fig):
+    """A replay (:func:`workbench.lab.replay.replay_figure`) that shows its last frame, the slider
+    at its last step, until ▶ is pressed: a saved notebook or a report then shows the whole run,
+    not its first frame.  ▶ still plays every frame from the first (plotly's play starts over when
+    the current frame is the last).  Returns ``fig``."""
+    frames = list(fig.frames or [])
+    if not frames:
+        return fig
+    last = frames[-1]
+    for trace, data in zip(fig.data, last.data or []):
+        trace.update(data.to_plotly_json() if hasattr(data, "to_plotly_json") else data)
+    if last.layout:
+        fig.update_layout(last.layout.to_plotly_json() if hasattr(last.layout, "to_plotly_json") else last.layout)
+    if fig.layout.sliders:
+        fig.layout.sliders[0].active = len(frames) - 1
+    return fig
 
 
 PERCENTILE_DASH = ((50, "solid"), (95, "dash"), (99, "dot"))
