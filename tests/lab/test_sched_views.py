@@ -160,5 +160,5 @@ def test_load_ramp_displays_the_dashboard_only_when_live(random_llm, monkeypatch
     ramp = sched_lab.load_ramp(random_llm, stages, warm, max_tokens=2, live=live,
                                guard_config={"min_samples": 4, "window": 8})
     dash = ramp["dashboard"]
-    assert shown == ([dash] if live else [])
+    assert shown == ([ramp["views"]["no guard"], dash] if live else [])     # each ramp's, from its start (issue 39)
     assert len(dash.data["t"]) >= 1 and len(dash.static_figure().data) == len(lv.TRACES)   # recorded either way

@@ -88,7 +88,9 @@ def _engine(llm: LLM, cfg: SchedBenchConfig, **sched) -> LLMEngine:
 
 
 # ---- 1. throughput ----------------------------------------------------------------------------
-def throughput(llm: LLM, cfg: SchedBenchConfig) -> dict:
+def throughput(llm: LLM, cfg: SchedBenchConfig, progress=None) -> dict:
+    """N concurrent greedy streams vs the same requests one after another (see the module doc).
+    ``progress`` (a Progress of ``2 * cfg.rounds`` runs, or None): told each run as it starts."""
     prompts = _prompts(llm, cfg.streams, cfg.prompt_tokens, cfg.seed)
     params = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=True)
     eng = _engine(llm, cfg, max_num_seqs=max(cfg.streams, 1), max_num_batched_tokens=max(512, cfg.prompt_tokens))
@@ -96,7 +98,9 @@ def throughput(llm: LLM, cfg: SchedBenchConfig) -> dict:
     runs = {"sequential": [], "concurrent": []}
     tokens = {}
     order = ["sequential", "concurrent", "concurrent", "sequential"] * cfg.rounds
-    for mode in order[: 2 * cfg.rounds]:
+    for k, mode in enumerate(order[: 2 * cfg.rounds]):
+        if progress is not None:
+            progress.start(f"{mode}, run {sum(1 for m in order[:k + 1] if m == mode)}/{cfg.rounds}")
         t0 = time.perf_counter()
         outs = [eng.generate([p], params)[0] for p in prompts] if mode == "sequential" \
             else eng.generate(prompts, params)
@@ -104,6 +108,8 @@ def throughput(llm: LLM, cfg: SchedBenchConfig) -> dict:
         n = sum(len(o.token_ids) for o in outs)
         runs[mode].append(n / wall)
         tokens.setdefault(mode, [o.token_ids for o in outs])
+        if progress is not None:
+            progress.advance()
     steps = eng.steps_frame()
     seq_tps, conc_tps = statistics.median(runs["sequential"]), statistics.median(runs["concurrent"])
     cmp = compare_samples(runs["concurrent"], runs["sequential"], names=("concurrent", "sequential"),
@@ -164,14 +170,26 @@ def trace_run(llm: LLM, cfg: SchedBenchConfig, trace: Trace, static_batch: int |
 
 
 def compare_runs(llm: LLM, cfg: SchedBenchConfig, trace: Trace, sides: dict[str, dict], repeats: int = 3,
-                 metric: str = "ttft_ms_p95", lower_is_better: bool = True):
+                 metric: str = "ttft_ms_p95", lower_is_better: bool = True, progress=None):
     """Replay ``trace`` under each of two configurations (``sides``: name -> :func:`trace_run`
     keyword arguments) ``repeats`` times, interleaved, and compare ``metric`` (a row column) with
     :func:`workbench.measure.compare.compare`.  ``Comparison.results[name]`` holds every row,
-    with its ``steps_frame``."""
+    with its ``steps_frame``.  ``progress`` (a :class:`workbench.lab.progress.Progress` of
+    ``2 * repeats`` replays, or None): told "<side>, run r/R" as each replay starts, and each end."""
     from workbench.measure.compare import compare
 
-    runs = {name: (lambda kw=kw: trace_run(llm, cfg, trace, steps=True, **kw)) for name, kw in sides.items()}
+    done = {name: 0 for name in sides}
+
+    def run(name, kw):
+        done[name] += 1
+        if progress is not None:
+            progress.start(f"{name}, run {done[name]}/{repeats}")
+        row = trace_run(llm, cfg, trace, steps=True, **kw)
+        if progress is not None:
+            progress.advance()
+        return row
+
+    runs = {name: (lambda name=name, kw=kw: run(name, kw)) for name, kw in sides.items()}
     return compare(runs, repeats=repeats, key=lambda row: row[metric], metric=metric, lower_is_better=lower_is_better)
 
 

@@ -5,6 +5,8 @@
 * :func:`preemption_experiment`: low-priority requests fill a small KV pool, high-priority ones
   arrive, once per preemption mode; per request its priority, preemptions, TTFT and E2E, and its
   tokens next to the tokens it gets when run alone;
+* :func:`window_rate_sweep`: the trace at a few arrival rates under a few micro-batch windows, one
+  replay per point, each with its engine steps (the timeline a learner picks in the notebook);
 * :func:`ramp_stages`, :func:`load_ramp`: a k6-style ramp against the engine, without and with the
   server's SLO guard (its live dashboard is attached by :func:`workbench.lab.sched_lab.load_ramp`).
 """
@@ -41,7 +43,7 @@ def summary_row(res, **label) -> dict:
 
 def preemption_experiment(llm, prompts, params, modes=("recompute", "swap"), low: int = 4, warm_steps: int = 4,
                           block_size: int = 16, num_blocks: int = 16, max_num_seqs: int = 8,
-                          max_num_batched_tokens: int = 256, high_priority: int = 5) -> dict:
+                          max_num_batched_tokens: int = 256, high_priority: int = 5, progress=None) -> dict:
     """Preemption on a small pool, once per mode of ``modes`` (``SchedulerConfig.preemption_mode``).
 
     Each prompt is first run alone on a plain engine (its reference tokens).  Then, per mode, a
@@ -58,13 +60,20 @@ def preemption_experiment(llm, prompts, params, modes=("recompute", "swap"), low
     * ``rows``: one dict per (mode, request): ``mode``, ``request``, ``priority``,
       ``preemptions``, ``TTFT ms``, ``E2E ms``.
 
-    Nothing is asserted: equality with ``alone`` and the preemption counts are the caller's checks."""
+    Nothing is asserted: equality with ``alone`` and the preemption counts are the caller's checks.
+    ``progress`` (a Progress of ``1 + len(modes)`` parts, or None): told "alone" and each mode."""
     if not 0 < low < len(prompts):
         raise ValueError(f"preemption_experiment: low={low} must leave at least one prompt of {len(prompts)} "
                          "for the high-priority arrivals")
+    if progress is not None:
+        progress.start(f"each of the {len(prompts)} prompts alone (the reference tokens)")
     alone = [LLMEngine(llm).generate([p], params)[0].token_ids for p in prompts]
+    if progress is not None:
+        progress.advance()
     out = {"alone": alone, "tokens": {}, "used_blocks": {}, "steps": {}, "rows": []}
     for mode in modes:
+        if progress is not None:
+            progress.start(f"preemption_mode={mode!r}")
         eng = LLMEngine(llm, kv=PagedKVConfig(block_size=block_size, num_blocks=num_blocks),
                         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                                   preemption_mode=mode))
@@ -82,7 +91,50 @@ def preemption_experiment(llm, prompts, params, modes=("recompute", "swap"), low
             out["rows"].append({"mode": mode, "request": o.request_id, "priority": o.priority,
                                 "preemptions": o.num_preemptions, "TTFT ms": o.metrics.ttft * 1e3,
                                 "E2E ms": o.metrics.e2e * 1e3})
+        if progress is not None:
+            progress.advance()
     return out
+
+
+def busy_steps(frame):
+    """The steps of ``frame`` (``LLMEngine.steps_frame()``) worth drawing: those that computed
+    something, and idle ones where the queue length changed (a micro-batch window spins the engine
+    through thousands of empty steps while it holds requests: 9,198 steps for a 3 s trace at 20 ms;
+    the queue they show is kept, the rest dropped).  Index reset."""
+    if len(frame) == 0:
+        return frame.reset_index(drop=True)
+    keep = frame["num_seqs"] > 0
+    if "waiting" in frame.columns:
+        keep |= frame["waiting"].ne(frame["waiting"].shift())
+    return frame[keep].reset_index(drop=True)
+
+
+# ---- the micro-batch window x arrival rate sweep ------------------------------------------------------
+def window_rate_sweep(llm, cfg, windows_ms, rates, progress=None) -> list[dict]:
+    """The trace of ``cfg`` (:func:`workbench.bench.sched.mixed_trace`: the same prompts) at each
+    arrival rate of ``rates``, replayed under each micro-batch window of ``windows_ms``: one
+    real-time replay per point (:func:`workbench.bench.sched.trace_run`).  Returns one row per
+    point: ``window_ms``, ``rate``, the trace row's columns (TTFT, queue wait, ITL percentiles in
+    ms, ``mean_batch``, ``steps``, ``tokens_per_s``, ``tokens``) and ``steps_frame`` (the engine's
+    steps that computed something or changed the queue: a window spins the engine through many
+    empty steps).  ``progress``: told each point's name as it starts and each end."""
+    from dataclasses import replace
+
+    from workbench.bench.sched import mixed_trace, trace_run
+
+    rows = []
+    for rate in rates:
+        trace = mixed_trace(llm, replace(cfg, rate=float(rate)))
+        for w in windows_ms:
+            if progress is not None:
+                progress.start(f"window {w:g} ms at {rate:g} req/s")
+            row = trace_run(llm, cfg, trace, label={"window_ms": float(w), "rate": float(rate)}, steps=True,
+                            micro_batch_window_s=float(w) / 1e3)
+            row["steps_frame"] = busy_steps(row["steps_frame"])
+            rows.append(row)
+            if progress is not None:
+                progress.advance()
+    return rows
 
 
 # ---- the load ramp, without and with the SLO guard ------------------------------------------------
@@ -101,18 +153,20 @@ def ramp_stages(capacity: float, warm_frac: float = 0.3, peak_frac: float = 2.5,
 
 def load_ramp(llm, stages, warm: float, max_tokens: int = 16, window_ms: float = 0.0, seed: int = 3,
               guard_config: dict | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
-              watch=None) -> dict:
+              watch=None, progress=None) -> dict:
     """The same ramp twice on one engine (``AsyncEngine`` behind an ``EngineTarget``): without a
     guard, then behind an :class:`~workbench.serve.slo.SLOGuard` (``guard_config``: SLOConfig
     fields; default factor 2, window 20, 8 samples, 1 s cool-down, 3 probes).  ``watch(run,
-    target, guard)``, if given, is called before the guarded run starts (a live view attaches
-    itself to the ``LoadRun`` there) and its result is returned as ``dashboard``.  The target is
-    closed at the end.
+    target, guard)``, if given, is called before *each* run starts (``guard`` is None for the run
+    without one; a live view attaches itself to the ``LoadRun`` there); what it returns is that
+    run's view, and a view with a ``finish()`` method has it called when its run ends.
+    ``progress`` (a :class:`~workbench.lab.progress.Progress` of 2 "ramps", or None): told which
+    run goes and, while it goes, its stage, time and counts.  The target is closed at the end.
 
     Returns a dict: ``plain`` and ``guarded`` (the ``LoadResult`` of each run), ``guard``,
-    ``target`` (its ``engine`` keeps every step: ``target.engine.steps_frame()``), ``dashboard``
-    (what ``watch`` returned, or None) and ``load_table``: :data:`LOAD_TABLE_COLUMNS` of both
-    runs' summaries, indexed by (run, stage)."""
+    ``target`` (its ``engine`` keeps every step: ``target.engine.steps_frame()``), ``views``
+    (run name -> what ``watch`` returned, or None), ``dashboard`` (the guarded run's view) and
+    ``load_table``: :data:`LOAD_TABLE_COLUMNS` of both runs' summaries, indexed by (run, stage)."""
     import pandas as pd
 
     from workbench.load import EngineTarget, LoadConfig, LoadRun
@@ -123,16 +177,31 @@ def load_ramp(llm, stages, warm: float, max_tokens: int = 16, window_ms: float =
     target = EngineTarget(LLMEngine(llm, scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                                                    max_num_batched_tokens=max_num_batched_tokens,
                                                                    micro_batch_window_s=float(window_ms) / 1e3)))
+    views: dict = {}
+
+    def one(name: str, run_target, guard):
+        run = LoadRun(run_target, LoadConfig(**load_cfg, name=name))
+        if progress is not None:
+            progress.start(name)
+            run.add_observer(lambda r, rec: progress.note(
+                f"stage {r.stage_name} at {r.elapsed():.1f} s: sent {r.sent}, ok {r.counts['ok']}, "
+                f"rejected {r.counts['rejected']}, in flight {r.in_flight}"))
+        views[name] = watch(run, target, guard) if watch is not None else None
+        res = run.run()
+        if views[name] is not None and callable(getattr(views[name], "finish", None)):
+            views[name].finish()
+        if progress is not None:
+            progress.advance()
+        return res
+
     try:
-        plain = LoadRun(target, LoadConfig(**load_cfg, name="no guard")).run()
+        plain = one("no guard", target, None)
         guard = SLOGuard(SLOConfig(**({"factor": 2.0, "window": 20, "min_samples": 8, "cooldown_s": 1.0, "probes": 3}
                                       | (guard_config or {}))))
-        run = LoadRun(GuardedTarget(target, guard), LoadConfig(**load_cfg, name="SLO guard"))
-        dash = watch(run, target, guard) if watch is not None else None
-        guarded = run.run()
+        guarded = one("SLO guard", GuardedTarget(target, guard), guard)
     finally:
         target.close()
     load_table = pd.concat({"no guard": plain.summary()[LOAD_TABLE_COLUMNS],
                             "SLO guard": guarded.summary()[LOAD_TABLE_COLUMNS]})
-    return {"plain": plain, "guarded": guarded, "guard": guard, "target": target, "dashboard": dash,
-            "load_table": load_table}
+    return {"plain": plain, "guarded": guarded, "guard": guard, "target": target, "views": views,
+            "dashboard": views["SLO guard"], "load_table": load_table}

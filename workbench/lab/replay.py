@@ -30,6 +30,7 @@ STEADY_FPS = 4                         # the "steady" button: this many frames a
 MIN_FRAME_MS = 30                      # plotly cannot draw much faster; shorter gaps are played at this
 MAX_FRAME_MS = 2000                    # a long idle gap is played at this
 MAX_FRAMES = 120
+LABELLED_STEPS = 10                    # more frames than this: the slider names only the current one
 
 
 @dataclass
@@ -156,6 +157,8 @@ def replay_figure(fig, frames: list[Frame], *, max_frames: int = MAX_FRAMES, red
                   "transition": {"duration": 0}, "steps": [step(i, f) for i, f in enumerate(frames)]}],
         margin={**margin, "t": top + above, "b": max(bottom, below)},
         height=(fig.layout.height or 450) + above + max(0, below - bottom))
+    if n > LABELLED_STEPS:              # step labels would overlap: the current one is named above the slider
+        fig.layout.sliders[0].font = {"size": 1, "color": "rgba(0,0,0,0)"}
     caption = (f"replay: {n} frames over {span:,.1f} ms of the run. ▶ play shows {STEADY_FPS} frames a second; "
                "0.25x-4x play at the recorded pace; drag or click the slider to step frame by frame")
     if note:

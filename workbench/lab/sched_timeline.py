@@ -1,14 +1,20 @@
-"""The scheduler timeline: a static plotly figure of an engine's steps (plotly imported inside).
+"""The scheduler timeline: plotly figures of an engine's steps (plotly imported inside).
 
 :func:`scheduler_timeline` draws ``LLMEngine.steps_frame()`` per engine step: prefill vs decode
 tokens as stacked bars, the step's time split (scheduler / model / after sampling), and which
 requests were in the batch, each marked prefilling or decoding (with its token count).
-:func:`row_legends` gives each row of a one-column subplot figure its own legend.
+:func:`scheduler_replay` plays the same records back step by step (play / pause / speeds and a
+scrubber in ms, :mod:`workbench.lab.replay`): the tokens and the queue drawn up to the step shown,
+the batch of that step over the whole run drawn faintly, preemptions marked; the engine records
+every step anyway, so the replay costs the measured run nothing (its frames are built after it).
+:func:`row_legends` gives each row of a one-column subplot figure its own legend;
+:func:`tidy_replay` makes room for them above a replay's buttons.
 """
 
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 
@@ -177,3 +183,193 @@ def _request_split(f, ids: list[tuple]) -> list:
         flags = p if p is not None and len(p) == len(b) else tuple(int(n) > 1 for n in t)
         out.append(tuple((int(n), bool(q)) for n, q in zip(t, flags)))
     return out
+
+
+# ---- the scheduler timeline as a replay --------------------------------------------------------
+PREFILL, DECODE = "#0072B2", "#E69F00"          # Okabe-Ito blue / orange: prefilling, decoding
+QUEUE, RUNNING, SWAPPED, PREEMPT = "#CC79A7", "#009E73", "#56B4E9", "#D55E00"
+FAINT = 0.22                                     # the opacity of the whole run drawn behind the replay
+REPLAY_FRAMES = 60
+
+
+def busy_steps(frame):
+    """:func:`workbench.bench.sched_experiments.busy_steps`: the steps that computed something or
+    changed the queue (a micro-batch window spins the engine through many empty ones)."""
+    from workbench.bench.sched_experiments import busy_steps as busy
+
+    return busy(frame)
+
+
+def _check_steps(frame, who: str) -> None:
+    missing = [c for c in TIMELINE_COLUMNS if c not in getattr(frame, "columns", ())]
+    if missing:
+        raise ConfigError(f"{who}: column(s) {missing} missing; pass LLMEngine.steps_frame() "
+                          f"(got columns {list(getattr(frame, 'columns', []))})")
+    if len(frame) == 0:
+        raise ConfigError(f"{who}: the frame has no steps (run some requests through the engine first)")
+
+
+def step_cells(f) -> list[list[tuple]]:
+    """Per step of ``f``: ``(request, tokens, prefilling?)`` for each request in its batch (tokens
+    None and prefilling None without the frame's per-request columns)."""
+    ids = [tuple(r) for r in f["request_ids"]]
+    split = _request_split(f, ids)
+    return [[(rid, None if sp is None else sp[i][0], None if sp is None else sp[i][1]) for i, rid in enumerate(b)]
+            for b, sp in zip(ids, split)]
+
+
+def step_label(row, cells, preempted_so_far: int) -> str:
+    """What the replay's slider says at a step: the batch, the queue, preemptions so far."""
+    p = sum(1 for _, _, pre in cells if pre)
+    d = sum(1 for _, _, pre in cells if pre is False)
+    text = f"step {int(row['step'])}: {len(cells)} in the batch ({p} prefilling, {d} decoding), {int(row['waiting'])} waiting"
+    if preempted_so_far:
+        text += f", {preempted_so_far} preempted so far"
+    return text
+
+
+def scheduler_replay(frame, title: str = "Scheduler replay", max_frames: int = REPLAY_FRAMES,
+                     max_requests: int = 64):
+    """An engine's steps (``LLMEngine.steps_frame()``) as a replay: one frame per step (at most
+    ``max_frames``, evenly spaced), each stamped with the step's start in ms, with play / pause /
+    speed and a scrubber (:func:`workbench.lab.replay.replay_figure`).  Three rows on the step
+    axis, each with its own legend:
+
+    1. tokens per step: prefill and decode, stacked, drawn up to the step shown;
+    2. the queue: requests waiting, running and swapped out after each step, and a mark at each
+       step that preempted (hover: how many), up to the step shown;
+    3. the batch: one square per request computed in the step shown (blue prefilling, orange
+       decoding, hover: its tokens), over the whole run drawn faintly, so a learner sees which
+       requests share the step and where in the run it is.
+
+    Each frame's title says the step: its batch, the queue and the preemptions so far.  Steps
+    that computed nothing are left out, unless the queue changed (:func:`busy_steps`).  The
+    figure is plain plotly (no kernel needed)."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    from workbench.lab.replay import Recorder, replay_figure
+
+    _check_steps(frame, "scheduler_replay")
+    f = busy_steps(frame)
+    if len(f) == 0:
+        raise ConfigError("scheduler_replay: no step computed anything")
+    cells = step_cells(f)
+    order: dict = {}
+    for batch in cells:
+        for rid, *_ in batch:
+            order.setdefault(rid, len(order))
+    shown = [rid for rid, k in sorted(order.items(), key=lambda kv: kv[1]) if k < max_requests]
+    keep = set(shown)
+    steps = [int(s) for s in f["step"]]
+    n = len(f)
+    cols = {c: (f[c].astype(int).tolist() if c in f.columns else [0] * n)
+            for c in ("prefill_tokens", "decode_tokens", "waiting", "running", "swapped", "preempted")}
+    has_swap = any(cols["swapped"])
+    req_px = requests_row_px(len(shown))
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=50 / (330 + req_px + 90),
+                        row_heights=[170, 160, req_px],
+                        subplot_titles=("tokens per step", "the queue after each step",
+                                        "the batch of the step shown (faint: the whole run)"))
+    # animated traces first (each frame gives their new values), in this order
+    fig.add_trace(go.Bar(x=steps, y=[], name="prefill tokens", marker_color=PREFILL, legend="legend",
+                         hovertemplate="step %{x}: %{y} prefill tokens<extra></extra>"), row=1, col=1)
+    # bars overlaid (the faint whole run sits under the played one): decode bars start on top of the prefill ones
+    fig.add_trace(go.Bar(x=steps, y=[], base=cols["prefill_tokens"], name="decode tokens", marker_color=DECODE,
+                         legend="legend", hovertemplate="step %{x}: %{y} decode tokens<extra></extra>"), row=1, col=1)
+    lines = [("waiting", "waiting (queue)", QUEUE), ("running", "running", RUNNING)]
+    if has_swap:
+        lines.append(("swapped", "swapped out", SWAPPED))
+    for key, name, color in lines:
+        fig.add_trace(go.Scatter(x=steps, y=[], name=name, mode="lines", line=dict(color=color, shape="hv"),
+                                 legend="legend2", hovertemplate=f"step %{{x}}: %{{y}} {name}<extra></extra>"),
+                      row=2, col=1)
+    fig.add_trace(go.Scatter(x=[], y=[], name="preempted", mode="markers", legend="legend2",
+                             marker=dict(symbol="x", size=11, color=PREEMPT), customdata=[],
+                             hovertemplate="step %{x}: %{customdata} preempted<extra></extra>"), row=2, col=1)
+    for kind, color in (("prefilling", PREFILL), ("decoding", DECODE)):
+        fig.add_trace(go.Scatter(x=[], y=[], name=kind, mode="markers", showlegend=False, customdata=[],
+                                 marker=dict(symbol="square", size=10, color=color, line=dict(width=1, color="#000")),
+                                 hovertemplate="%{y}: " + ("prefill chunk of" if kind == "prefilling" else "decoding,")
+                                               + " %{customdata} tokens<extra></extra>"), row=3, col=1)
+    animated = len(fig.data)
+    # the colour key of row 3 (a trace with no point has no legend entry: the animated ones are often empty)
+    for kind, color in (("prefilling", PREFILL), ("decoding", DECODE)):
+        fig.add_trace(go.Scatter(x=[None], y=[None], name=kind, mode="markers", legend="legend3", hoverinfo="skip",
+                                 marker=dict(symbol="square", size=10, color=color, line=dict(width=1, color="#000"))),
+                      row=3, col=1)
+    # the whole run, faint and fixed (not in the frames): the tokens and the queue too
+    fig.add_trace(go.Bar(x=steps, y=cols["prefill_tokens"], marker_color=PREFILL, opacity=FAINT, showlegend=False,
+                         hoverinfo="skip"), row=1, col=1)
+    fig.add_trace(go.Bar(x=steps, y=cols["decode_tokens"], base=cols["prefill_tokens"], marker_color=DECODE,
+                         opacity=FAINT, showlegend=False, hoverinfo="skip"), row=1, col=1)
+    for key, name, color in lines:
+        fig.add_trace(go.Scatter(x=steps, y=cols[key], mode="lines", line=dict(color=color, shape="hv"),
+                                 opacity=FAINT, showlegend=False, hoverinfo="skip"), row=2, col=1)
+    for kind, color, want in (("prefilling", PREFILL, True), ("decoding", DECODE, False)):
+        xs, ys = [], []
+        for s, batch in zip(steps, cells):
+            for rid, _, pre in batch:
+                if rid in keep and bool(pre) == want:
+                    xs.append(s)
+                    ys.append(str(rid))
+        fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers", showlegend=False, hoverinfo="skip", opacity=FAINT,
+                                 marker=dict(symbol="square", size=6, color=color)), row=3, col=1)
+    ymax = max(max(a + b for a, b in zip(cols["prefill_tokens"], cols["decode_tokens"])), 1)
+    qmax = max(max(cols["waiting"] + cols["running"] + cols["swapped"]), 1)
+    fig.update_yaxes(title_text="tokens", range=[0, ymax * 1.08], row=1, col=1)
+    fig.update_yaxes(title_text="requests", range=[0, qmax * 1.15], row=2, col=1)
+    fig.update_yaxes(type="category", categoryorder="array", categoryarray=shown, autorange="reversed", row=3, col=1)
+    fig.update_xaxes(range=[steps[0] - 0.5, steps[-1] + 0.5], row=3, col=1)
+    fig.update_xaxes(title_text="engine step", row=3, col=1)
+    fig.update_layout(barmode="overlay", bargap=0.1, height=330 + req_px + 90 + 90, margin=dict(l=70, r=20, t=60, b=50))
+    row_legends(fig, rows=3)
+    # frames: one per step
+    busy = (f["schedule_s"] + f["model_s"] + f["post_s"]).sum()
+    share = f"; the scheduler took {f['schedule_s'].sum() / busy:.1%} of the step time" if busy > 0 else ""
+    t0 = float(f["start"].iloc[0])
+    built = time.monotonic()
+    rec = Recorder(max_frames=10_000)
+    pre_so_far = 0
+    pre_x: list = []
+    pre_y: list = []
+    pre_n: list = []
+    for i, (row, batch) in enumerate(zip(f.to_dict("records"), cells)):
+        if cols["preempted"][i]:
+            pre_so_far += cols["preempted"][i]
+            pre_x.append(steps[i])
+            pre_y.append(cols["running"][i])
+            pre_n.append(cols["preempted"][i])
+        # a frame's trace without "type" is drawn as a scatter: the bars say theirs
+        data = [{"type": "bar", "y": cols["prefill_tokens"][: i + 1]},
+                {"type": "bar", "y": cols["decode_tokens"][: i + 1]}]
+        data += [{"y": cols[key][: i + 1]} for key, *_ in lines]
+        data.append({"x": list(pre_x), "y": list(pre_y), "customdata": list(pre_n)})
+        for want in (True, False):
+            sel = [(rid, tok) for rid, tok, pre in batch if rid in keep and bool(pre) == want]
+            data.append({"x": [steps[i]] * len(sel), "y": [str(r) for r, _ in sel],
+                         "customdata": [tok for _, tok in sel]})
+        label = step_label(row, batch, pre_so_far)
+        rec.add(data, label=label, t_ms=(float(row["start"]) - t0) * 1e3,
+                layout={"title": {"text": f"{title}<br><sup>{label}</sup>"},
+                        "shapes": [dict(type="line", xref="x", yref="paper", x0=steps[i], x1=steps[i], y0=0, y1=1,
+                                        line=dict(color="rgba(0,0,0,0.35)", width=1, dash="dot"))]})
+    fig = replay_figure(fig, rec.frames, max_frames=max_frames, redraw=True, time_label="t",
+                        note=f"{n} steps, {sum(cols['prefill_tokens']):,} prefill + {sum(cols['decode_tokens']):,} decode "
+                             f"tokens{share}. The engine records every step anyway (StepRecord); these frames were built "
+                             f"from the records after the run, in {(time.monotonic() - built) * 1e3:.1f} ms")
+    return tidy_replay(fig)
+
+
+def tidy_replay(fig, lift_px: int = 26):
+    """A replay figure (:func:`workbench.lab.replay.replay_figure`) whose first row has a title
+    and a legend of its own: lift the play / speed buttons ``lift_px`` above them, and hide the
+    slider's step labels (sixty of them overlap; the step shown is named above the slider)."""
+    for menu in fig.layout.updatemenus:
+        menu.pad = dict(menu.pad.to_plotly_json() if menu.pad else {}, b=(menu.pad.b or 0) + lift_px)
+    fig.update_layout(margin_t=fig.layout.margin.t + lift_px, height=fig.layout.height + lift_px,
+                      title=dict(y=1, yref="container", yanchor="top", pad=dict(t=14)))
+    slider = fig.layout.sliders[0]
+    slider.font = dict(size=1, color="rgba(0,0,0,0)")
+    slider.currentvalue.font = dict(size=13, color="#222")
+    return fig
