@@ -24,7 +24,7 @@ from workbench.bench.kernel_timing import (
 )
 from workbench.errors import ConfigError
 
-OPS = ("rmsnorm", "add_rmsnorm", "rope", "swiglu", "flash_prefill", "paged_decode")
+from workbench.bench.kernel_names import OPS  # noqa: E402 - torch-free: the CLI's parser reads it
 # kernel -> the op of workbench.transforms.backends it serves (a row's ``backends`` column: "<op>=<provider>")
 BACKEND_OP = {"rmsnorm": "rmsnorm", "add_rmsnorm": "rmsnorm", "rope": "rope", "swiglu": "swiglu",
               "flash_prefill": "attention_prefill", "paged_decode": "attention_decode"}

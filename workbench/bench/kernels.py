@@ -80,7 +80,7 @@ __all__ = [
     "count_step_launches", "step_bytes", "decode_rows", "check_csv", "append_csv", "format_table",
 ]
 
-SECTIONS = ("ceilings", "kernels", "decode")
+from workbench.bench.kernel_names import SECTIONS  # noqa: E402,F401 - torch-free: the CLI's parser reads it
 
 # Sizes.  "full": shapes of Llama-3.2-1B (hidden 2048, MLP 8192, 32 q / 8 kv heads of 64) at
 # many tokens, so that every tensor is larger than the L2 cache; the attention kernels at the

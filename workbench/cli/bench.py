@@ -58,7 +58,7 @@ def cmd_sched_bench(args) -> int:
 
 
 def add_sched_bench_parser(sub) -> None:
-    from workbench.bench.sched import SchedBenchConfig
+    from workbench.bench.sched_config import SchedBenchConfig
 
     d = SchedBenchConfig()
     s = sub.add_parser("sched-bench", help="batched engine: concurrent vs sequential throughput, chunked prefill "

@@ -46,7 +46,7 @@ def cmd_decode_stack(args: argparse.Namespace) -> int:
 
 
 def add_decode_stack_parser(sub) -> None:
-    from workbench.bench.decode_stack import CONFIGS, DEFAULTS
+    from workbench.bench.decode_stack_configs import CONFIGS, DEFAULTS
 
     cu, cpu = DEFAULTS["cuda"], DEFAULTS["cpu"]
     p = sub.add_parser("decode-stack", help="decode tokens/s in the engine: paged pool + prefix cache + Triton paged "

@@ -21,7 +21,7 @@ def _split(text: str) -> tuple[str, ...]:
 
 # ---- kernels-bench (workbench.bench.kernels) -------------------------------------------------------
 def add_kernels_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from workbench.bench.kernels import OPS, SECTIONS
+    from workbench.bench.kernel_names import OPS, SECTIONS
 
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="bfloat16 (CUDA default), float32 (CPU default), float16")

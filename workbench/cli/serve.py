@@ -11,6 +11,10 @@ def cmd_serve(args) -> int:
     import os
 
     from workbench.sched import SchedulerConfig
+
+    # the checks that need no model, no torch and no web framework first: a mistake is said at once
+    api_key = _api_key(args.api_key, os.environ.get("WORKBENCH_API_KEY"))
+    _check_serve_kv_args(args)
     from workbench.serve import ServerConfig, serve
 
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
@@ -18,7 +22,7 @@ def cmd_serve(args) -> int:
                             preemption_mode=args.preemption, max_queue_len=args.max_queue_len)
     # the engine is built here, so the server cannot see where the model came from: name it (the --help promise)
     config = ServerConfig(host=args.host, port=args.port, model_name=args.served_model_name or args.model,
-                          api_key=_api_key(args.api_key, os.environ.get("WORKBENCH_API_KEY")),
+                          api_key=api_key,
                           max_tokens_cap=args.max_tokens_cap, max_body_bytes=args.max_body_bytes,
                           log_level=args.log_level, max_request_tokens=args.max_request_tokens,
                           max_connections=args.max_connections, request_timeout_s=args.request_timeout,
@@ -36,7 +40,6 @@ def cmd_serve(args) -> int:
     from workbench.engine.llm import LLM
     from workbench.engine import LLMEngine
 
-    _check_serve_kv_args(args)
     _check_serve_sizes(args, sched)       # before the model loads: one line, no time or memory spent
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               check_finite=args.check_finite, quant=args.quant,
