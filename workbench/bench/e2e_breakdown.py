@@ -149,15 +149,19 @@ def profiled_replay(engine, trace, per_op_ms: float | None = None) -> dict:
     return row
 
 
-def breakdown(ab, names) -> "pandas.DataFrame":  # noqa: F821
+def breakdown(ab, names, progress=None) -> "pandas.DataFrame":  # noqa: F821
     """:func:`profiled_replay` of each named configuration of the ablation ``ab`` (measured ones only;
-    a configuration that fails here gets its error in the ``error`` column), one row each."""
+    a configuration that fails here gets its error in the ``error`` column), one row each.
+    ``progress(k, n, name)`` (optional): called before the k-th of n replays, and with k == n at the end."""
     import pandas as pd
 
+    names = list(names)
     traces = {p: ab.workload.trace(priorities=p) for p in (False, True)}
     per_op = timer_cost_ms()
     rows = []
-    for name in names:
+    for k, name in enumerate(names):
+        if progress is not None:
+            progress(k, len(names), name)
         c = ab.config(name)
         row = {"config": name, "layers": " + ".join(c.layers) or "-"}
         try:
@@ -175,4 +179,6 @@ def breakdown(ab, names) -> "pandas.DataFrame":  # noqa: F821
         except Exception as e:  # noqa: BLE001 - recorded; the other rows go on
             row["error"] = f"{type(e).__name__}: {e}"
         rows.append(row)
+    if progress is not None:
+        progress(len(names), len(names), "")
     return pd.DataFrame(rows).set_index("config")

@@ -190,15 +190,27 @@ class Ablation(AblationResults):
         self.configs.append(c)
         return c
 
-    def build(self) -> Ablation:
-        """Every configuration: the reference, the baseline, each layer alone, the stack."""
+    def build(self, progress=None) -> Ablation:
+        """Every configuration: the reference, the baseline, each layer alone, the stack.
+        ``progress(k, n, name)``: called before the k-th of n configurations is built (optional)."""
         cfg, base = self.cfg, Spec()
+        total = int(cfg.reference_row) + 1 + len(self.singles) + len(self.stack_order)
+        count = [0]
+
+        def tick(name: str) -> None:
+            if progress is not None:
+                progress(min(count[0], total), total, name)
+            count[0] += 1
+
         if cfg.reference_row:
+            tick("reference LLM()")
             self._add("reference LLM()", "reference", (), None, Spec(reference=True), "reference")
+        tick("baseline")
         if self._add("baseline", "baseline", (), None, base, "baseline") is None:
             raise ConfigError(f"end to end: the baseline could not be built: {self.skipped[-1]['reason']}")
         for layer in self.singles:
             layers = (*REQUIRES.get(layer, ()), layer)
+            tick("+" + " +".join(layers))
             try:
                 spec = base
                 for x in layers:
@@ -217,6 +229,7 @@ class Ablation(AblationResults):
         spec, layers = base, []
         self.stack = [{"step": 0, "layer": "baseline", "config": "baseline", "reason": None}]
         for layer in self.stack_order:
+            tick(f"stack: {' + '.join([*layers, layer])}")
             if layer in self.not_here:
                 self.stack.append({"step": None, "layer": layer, "config": None, "reason": self.not_here[layer]})
                 continue
@@ -237,23 +250,30 @@ class Ablation(AblationResults):
         for layer, why in ALONE_ONLY.items():
             if layer not in self.stack_order and layer in self.singles:
                 self.stack.append({"step": None, "layer": layer, "config": None, "reason": f"measured alone: {why}"})
+        if progress is not None:
+            progress(total, total, "")
         return self
 
-    def warm_up(self) -> None:
+    def warm_up(self, progress=None) -> None:
         """Each configuration's front runs a few short requests of different lengths (every
         static batch-size bucket compiles here, not inside a timed run).  After every build: a
-        streamed model resets compiled code when it is installed."""
+        streamed model resets compiled code when it is installed.  ``progress(k, n, name)``:
+        called before the k-th of n configurations warms up, and once with k == n at the end."""
         n = 1 if self.cfg.max_num_seqs == 1 else self.cfg.max_num_seqs
         prompts = [p[:32] for p in self.workload.prompts[:n]]
         while len(prompts) < n:
             prompts.append(prompts[-1])
-        for c in self.configs:
+        for i, c in enumerate(self.configs):
+            if progress is not None:
+                progress(i, len(self.configs), c.name)
             k = 1 if c.spec.reference else n
             params = [SamplingParams(temperature=0.0, max_tokens=2 + i, ignore_eos=True) for i in range(k)]
             try:
                 c.front.generate(prompts[:k], params)
             except Exception as e:  # noqa: BLE001
                 c.error, c.failed = f"warm-up failed: {type(e).__name__}: {e}", True
+        if progress is not None:
+            progress(len(self.configs), len(self.configs), "")
 
     # ---- running -----------------------------------------------------------------------------
     def _run_once(self, c: Config, trace: Trace) -> tuple[dict, list]:
@@ -279,16 +299,21 @@ class Ablation(AblationResults):
             close_engine(engine)
         return row, [list(o.token_ids) for o in res.outputs]
 
-    def run(self, repeats: int | None = None, progress=None) -> Ablation:
+    def run(self, repeats: int | None = None, progress=None, started=None) -> Ablation:
         """``repeats`` rounds; each runs every configuration once, the order reversed every other
-        round.  A run that raises marks its configuration failed (recorded) and the rest go on."""
+        round.  A run that raises marks its configuration failed (recorded) and the rest go on.
+        ``started(r, i, c)`` (optional) is called before round ``r``'s ``i``-th run, of
+        configuration ``c``; ``progress(r, c, row)`` after it, with its row.  Both are called
+        between runs, outside the timed replays."""
         repeats = repeats or self.cfg.repeats
         traces = {p: self.workload.trace(priorities=p) for p in (False, True)}
         for r in range(repeats):
             order = self.configs if r % 2 == 0 else self.configs[::-1]
-            for c in order:
+            for i, c in enumerate(order):
                 if c.failed:
                     continue
+                if started:
+                    started(r, i, c)
                 try:
                     row, toks = self._run_once(c, traces[c.spec.priorities])
                 except Exception as e:  # noqa: BLE001
@@ -305,10 +330,14 @@ class Ablation(AblationResults):
                                      "kind": "failed", "reason": c.error})
         return self
 
-    def measure_quality(self) -> Ablation:
+    def measure_quality(self, progress=None) -> Ablation:
         """Greedy agreement of every run with the reference configuration's tokens; perplexity,
-        KL and top-1 agreement on held-out text for configurations that change numerics."""
+        KL and top-1 agreement on held-out text for configurations that change numerics.
+        ``progress(text)`` (optional) says which part runs."""
         from workbench.engine.llm import LLM
+
+        say = progress or (lambda text: None)
+        say("quality: the reference's greedy tokens")
 
         ref = LLM(self.llm.model, tokenizer=self.llm.tokenizer, threads=self.llm.threads,
                   max_model_len=self.llm.max_model_len)
@@ -326,6 +355,7 @@ class Ablation(AblationResults):
             for c in wanted:
                 key = (c.spec.quant, c.spec.tiers, c.spec.backends)
                 if key not in done:
+                    say(f"quality: perplexity and KL of {c.name}")
                     done[key] = numerics_quality(c.front.model, windows, ref_lp, self.cfg.eval_tokens,
                                                  c.spec.tiers, self.tier_basis() if c.spec.tiers else None)
                 c.quality.update(done[key])

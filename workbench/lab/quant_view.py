@@ -113,7 +113,7 @@ def scheme_error_figure(rows, title: str = "Output error by quantization scheme:
 
 def perplexity_figure(rows, title: str = "Perplexity by quantization recipe (relative to the unquantized model)"):
     """Bars of the relative perplexity change (%) per recipe, in row order, with +-1 standard
-    error bars where given.  Rows (dicts, dataclasses or a DataFrame): ``recipe`` (the label),
+    error bars where given, coloured by :func:`ladder_verdict` (with the colour key above the plot).  Rows (dicts, dataclasses or a DataFrame): ``recipe`` (the label),
     ``rel_ppl`` (``ppl / ppl_reference - 1``, a fraction), ``ppl`` (optional, shown in the
     hover), ``rel_ppl_se`` (optional standard error of ``rel_ppl``, a fraction; a row without it,
     or with None / NaN, gets no error bar).  Rows without ``rel_ppl`` are skipped."""
@@ -129,13 +129,34 @@ def perplexity_figure(rows, title: str = "Perplexity by quantization recipe (rel
     err = (dict(type="data", array=[100 * s if s is not None else None for s in se], thickness=1.2, width=4)
            if any(s is not None for s in se) else None)
     ppl = [f"ppl {r['ppl']:.3f}" if r.get("ppl") is not None else "" for r in rows]
+    verdicts = [ladder_verdict(r) for r in rows]
     fig.add_trace(go.Bar(x=[str(r["recipe"]) for r in rows], y=[100 * r["rel_ppl"] for r in rows], error_y=err,
-                         marker_color=[COLORS[i % len(COLORS)] for i in range(len(rows))], name="rel. perplexity",
-                         text=[f"{100 * r['rel_ppl']:+.2f}%" for r in rows], textposition="outside", customdata=ppl,
+                         marker_color=[VERDICT_COLORS[v] for v in verdicts], name="rel. perplexity", showlegend=False,
+                         text=[f"{100 * r['rel_ppl']:+.2f}%" for r in rows], textposition="outside",
+                         customdata=[f"{c}<br>{v}" for c, v in zip(ppl, verdicts)],
                          hovertemplate="%{x}: %{y:+.3f}%<br>%{customdata}<extra></extra>"))
+    for v in dict.fromkeys(verdicts):       # the colour key: the verdicts that occur, above the plot
+        fig.add_trace(go.Bar(x=[None], y=[None], marker_color=VERDICT_COLORS[v], name=v))
     fig.add_hline(y=0, line_color="gray", line_width=1)
     fig.update_xaxes(type="category")
+    fig.update_layout(margin=dict(l=60, r=20, t=80, b=60),
+                      legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0))
     return fig
+
+
+# a recipe against the reference: worse / better beyond 2 standard errors, within noise, or no error bar
+VERDICT_COLORS = {"worse than fp32 (beyond 2 s.e.)": "#D55E00", "better than fp32 (beyond 2 s.e.)": "#009E73",
+                  "within noise of fp32 (2 s.e.)": "#bab0ac", "no standard error": "#0072B2"}
+
+
+def ladder_verdict(row: dict) -> str:
+    """The colour-key label of one perplexity row: its change beyond 2 standard errors, or not."""
+    se = row.get("rel_ppl_se")
+    if se is None or se != se:
+        return "no standard error"
+    if abs(row["rel_ppl"]) <= 2 * se:
+        return "within noise of fp32 (2 s.e.)"
+    return "worse than fp32 (beyond 2 s.e.)" if row["rel_ppl"] > 0 else "better than fp32 (beyond 2 s.e.)"
 
 
 def kernel_speed_figure(rows, title: str = "Quantized matmul: speedup over the dense layer vs m"):
@@ -171,6 +192,12 @@ def kernel_speed_figure(rows, title: str = "Quantized matmul: speedup over the d
     fig.add_hline(y=1, line_color="gray", line_dash="dot", annotation_text="dense", annotation_position="bottom right")
     ms = sorted({int(r["m"]) for r in rows})
     fig.update_xaxes(type="log", title_text="m (tokens per matmul)", tickvals=ms, ticktext=[str(m) for m in ms])
+    # the key under the plot, at the figure's bottom, with room made for it: above the plot it covered the
+    # title once it wrapped (4 CPU ops and 3 GPU kernels)
+    key_rows = math.ceil(len(groups) / 2)
+    fig.update_layout(height=400 + 22 * key_rows, margin=dict(l=60, r=20, t=50, b=70 + 22 * key_rows),
+                      legend=dict(orientation="h", yref="container", y=0, yanchor="bottom", xanchor="left", x=0,
+                                  font=dict(size=11)))
     return fig
 
 
@@ -267,3 +294,196 @@ def sensitivity_heatmap(res: dict, option: str | None = None, title: str | None 
     fig.update_layout(title=title or f"Sensitivity: {metric} degradation with one layer under {option}",
                       template="plotly_white", height=320)
     return fig
+
+
+# ---- a control over the calibrator's measured mixes: the quality bound --------------------------------
+
+PICK_PREFIX = "pick:"                      # the quality-bound figure's annotation starts with it (a DOM hook)
+QUALITY_BOUND_META = "wb-quality-bound"    # its layout.meta (a DOM hook: gd.layout.meta)
+WITHIN, OVER, PICKED = "#0072B2", "#999999", "#009E73"     # Okabe-Ito: colour-blind safe
+
+
+def quality_bound_choices(res: dict, noise: float | None = None, bounds=None) -> list[dict]:
+    """For each quality bound a slider offers, the mix the calibrator's first step would pick among
+    the **measured** mixes of ``res`` (:func:`workbench.quant.calibrate.calibrate`): within the
+    bound on the search text, the cheapest (bytes), or for latency the fastest median unless a mix
+    not slower beyond the noise degrades less beyond 2 standard errors
+    (:func:`workbench.quant.recommend._pick`, the rule the calibrator uses).  By default the bounds
+    are where the pick can change: 0 and each measured mix's degradation, plus the calibrator's
+    limit.  Each choice: ``bound``, ``pick`` (the row), ``within`` (key -> within the bound),
+    ``limit`` (True at the calibrator's limit)."""
+    from workbench.quant.recommend import _pick
+
+    cands = res["candidates"]
+    limit = float(res["max_degradation"])
+    if bounds is None:
+        bounds = {max(0.0, float(c["degradation"])) for c in cands}
+    bounds = {b for b in bounds if abs(b - limit) > 1e-12} | {limit}
+    out = []
+    for b in sorted(bounds):
+        ok = [c for c in cands if c["degradation"] <= b + 1e-12]
+        pick = _pick(ok, res["objective"], noise) if ok else None
+        out.append({"bound": b, "pick": pick, "within": {c["key"]: c["degradation"] <= b + 1e-12 for c in cands},
+                    "limit": b == limit})
+    return out
+
+
+def _cost_text(res: dict, row: dict) -> str:
+    if res["objective"] == "latency":
+        text = f"{row['cost']:.2f} ms a decode step"
+    else:
+        text = f"{row['cost'] / 2**20:.2f} MiB"
+    vs = row.get("cost_vs_unquantized")
+    return text + (f" ({vs:.2f}x)" if vs is not None and row["key"] != "unquantized" else "")
+
+
+def _same_mix(a: dict, b: dict) -> bool:
+    return a.get("assignment") is not None and a.get("assignment") == b.get("assignment")
+
+
+def pick_text(results: list[dict], picks: list[dict | None], bound: float, scale: float, unit: str) -> str:
+    """The quality-bound figure's annotation for one slider position: starts with :data:`PICK_PREFIX`,
+    one line per objective (the pick, its cost and quality; a memory pick also says its decode step
+    when the latency search measured the same mix)."""
+    lines = []
+    for res, p in zip(results, picks):
+        what = "smallest" if res["objective"] == "memory" else "fastest"
+        if p is None:
+            lines.append(f"{res['objective']}: none within {scale * bound:+.2f}{unit}")
+            continue
+        q = f"{scale * p['degradation']:+.2f}{unit} ± {scale * (p['degradation_se'] or 0):.2f}"
+        extra = ""
+        if res["objective"] == "memory":
+            lat = next((r for o in results if o["objective"] == "latency" for r in o["candidates"] if _same_mix(r, p)), None)
+            if lat is not None:
+                extra = f", its decode step {lat['cost']:.2f} ms"
+        lines.append(f"{what}: <b>{html.escape(p['key'])}</b> ({html.escape(p['label'])}) · "
+                     f"{_cost_text(res, p)}{extra} · ppl {q}")
+    return f"<b>{PICK_PREFIX}</b> " + "<br>".join(lines)
+
+
+def quality_bound_figure(results, noise: float | None = None, title: str | None = None, height: int = 580):
+    """The calibrator's measured mixes (quality against cost), one panel per result in ``results``
+    (:func:`workbench.quant.calibrate.calibrate` results on one text, e.g. the memory and the latency
+    objective), with one **quality-bound slider** (plotly's own: it works without a kernel, in a
+    saved notebook and the HTML report).  Each step is a bound on the degradation
+    (:func:`quality_bound_choices`, precomputed), drawn as a dotted line: the mixes within it are
+    blue, the others grey, each panel's pick a star, and the annotation (it starts with ``pick:``)
+    names each pick with its cost (stored MiB; a decode step's ms) and quality.  The slider starts
+    at the calibrator's limit.  The pick is the calibrator's first step, on the search text; its
+    recommendation is then confirmed on the confirmation text (printed beside the figure).
+    ``layout.meta`` is :data:`QUALITY_BOUND_META`."""
+    import plotly.graph_objects as go
+
+    results = [results] if isinstance(results, dict) else list(results)
+    metric = results[0]["target_metric"]
+    scale, unit = (100.0, " %") if metric == "ppl" else (1.0, "")
+    limit = float(results[0]["max_degradation"])
+    bounds = {limit} | {max(0.0, float(c["degradation"])) for r in results for c in r["candidates"]}
+    per = [quality_bound_choices(r, noise, bounds) for r in results]
+    n_steps = len(per[0])
+    active = next(i for i, c in enumerate(per[0]) if c["limit"])
+    n = len(results)
+    gap = 0.08
+    width = (1 - gap * (n - 1)) / n
+    fig = go.Figure()
+    panels = []                           # per panel: keys, xs, ys, span, axis suffix, div
+    for j, res in enumerate(results):
+        ax = "" if j == 0 else str(j + 1)
+        x_title, div = _cost_axis(res)
+        cands = res["candidates"]
+        keys = [c["key"] for c in cands]
+        xs = [c["cost"] / div for c in cands]
+        ys = [scale * c["degradation"] for c in cands]
+        pad = 0.06 * ((max(xs) - min(xs)) or abs(max(xs)) or 1.0)
+        span = [min(xs) - pad, max(xs) + pad]
+        ch = per[j][active]
+        err_x = None
+        if res["objective"] == "latency" and all("ms_min" in c for c in cands):
+            err_x = dict(type="data", symmetric=False, array=[c["ms_max"] - c["ms"] for c in cands],
+                         arrayminus=[c["ms"] - c["ms_min"] for c in cands], thickness=1, color="#777777")
+        axes = {"xaxis": f"x{ax}", "yaxis": f"y{ax}"}
+        fig.add_trace(go.Scatter(
+            x=xs, y=ys, mode="markers", name="measured mix", showlegend=False, **axes,
+            text=[f"{c['key']}: {c['label']}" for c in cands], error_x=err_x,
+            error_y=dict(type="data", array=[2 * scale * (c["degradation_se"] or 0) for c in cands], thickness=1,
+                         color="#777777"),
+            marker=dict(color=[WITHIN if ch["within"][k] else OVER for k in keys], size=11,
+                        line=dict(width=1, color="white")),
+            hovertemplate="%{text}<br>cost %{x:.3f}<br>degradation %{y:+.2f}" + unit + "<extra></extra>"))
+        fig.add_trace(go.Scatter(x=span, y=[scale * ch["bound"]] * 2, mode="lines", name="the bound (slider)",
+                                 line=dict(color="black", dash="dot", width=2), hoverinfo="skip", showlegend=j == 0,
+                                 **axes))
+        p = ch["pick"]
+        fig.add_trace(go.Scatter(x=[p["cost"] / div] if p else [None], y=[scale * p["degradation"]] if p else [None],
+                                 mode="markers", name="the pick", hoverinfo="skip", showlegend=j == 0, **axes,
+                                 marker=dict(symbol="star", size=20, color=PICKED, line=dict(width=1, color="black"))))
+        fig.add_shape(type="line", xref=f"x{ax} domain", yref=f"y{ax}", x0=0, x1=1, y0=scale * limit, y1=scale * limit,
+                      line=dict(color="#D55E00", dash="dash", width=1.5))
+        fig.update_layout({f"xaxis{ax}": dict(domain=[j * (width + gap), j * (width + gap) + width], anchor=f"y{ax}",
+                                              title=dict(text=x_title, font=dict(size=12))),
+                           f"yaxis{ax}": dict(anchor=f"x{ax}", title=dict(text=f"{metric} increase ({unit.strip()})"
+                                                                          if metric == "ppl" else metric)
+                                              if j == 0 else None, matches="y" if j else None)})
+        panels.append((keys, xs, ys, span, div, len(fig.data) - 3))
+    for color, name in ((WITHIN, "within the bound"), (OVER, "over the bound")):
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name, marker=dict(color=color, size=10)))
+    fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name="the calibrator's limit",
+                             line=dict(color="#D55E00", dash="dash", width=1.5)))
+
+    def step(i):
+        data = {"marker.color": [], "x": [], "y": []}
+        idx = []
+        for (keys, xs, ys, span, div, first), choices in zip(panels, per):
+            ch = choices[i]
+            pk = ch["pick"]
+            data["marker.color"] += [[WITHIN if ch["within"][k] else OVER for k in keys], None, PICKED]
+            data["x"] += [xs, span, [pk["cost"] / div] if pk else [None]]
+            data["y"] += [ys, [scale * ch["bound"]] * 2, [scale * pk["degradation"]] if pk else [None]]
+            idx += [first, first + 1, first + 2]
+        b = per[0][i]["bound"]
+        text = pick_text(results, [c[i]["pick"] for c in per], b, scale, unit)
+        return {"method": "update", "label": f"{scale * b:+.2f}{unit}" + (" (the limit)" if per[0][i]["limit"] else ""),
+                "args": [data, {"annotations[0].text": text}, idx]}
+
+    # pixels from the top: title, slider (its current value above the rail), the picks, the colour key
+    top, bottom = 230, 60
+    plot = height - top - bottom
+    px = lambda v: 1 + v / plot           # noqa: E731 - px above the plot area -> paper
+    fig.add_annotation(text=pick_text(results, [c[active]["pick"] for c in per], limit, scale, unit), xref="paper",
+                       yref="paper", x=0, y=px(top - 130), xanchor="left", yanchor="top", showarrow=False,
+                       align="left", font={"size": 12})
+    for j, res in enumerate(results):          # each panel's objective, above it (after the picks: annotations[0])
+        ax = "" if j == 0 else str(j + 1)
+        fig.add_annotation(text=f"<b>{res['objective']} objective</b>: pick the "
+                                f"{'smallest' if res['objective'] == 'memory' else 'fastest'} within the bound",
+                           xref=f"x{ax} domain", yref=f"y{ax} domain", x=0, y=1, yshift=4, xanchor="left",
+                           yanchor="bottom", showarrow=False, font={"size": 12})
+    ds = str(results[0]["dataset"]).rsplit("/", 1)[-1]
+    fig.update_layout(
+        meta=QUALITY_BOUND_META, template="plotly_white", height=height,
+        title={"text": title or f"{ds}: move the quality bound; each objective's pick among the measured mixes",
+               "x": 0, "xanchor": "left", "y": 1 - 10 / height, "yanchor": "top"},
+        margin={"l": 60, "r": 20, "t": top, "b": bottom},
+        legend={"orientation": "h", "x": 1, "xanchor": "right", "y": px(28), "yanchor": "bottom", "font": {"size": 11},
+                "bgcolor": "rgba(0,0,0,0)"},
+        sliders=[{"active": active, "steps": [step(i) for i in range(n_steps)], "x": 0, "len": 1.0, "y": px(top - 45),
+                  "yanchor": "top", "pad": {"t": 0, "b": 0}, "font": {"color": "rgba(0,0,0,0)"},
+                  "currentvalue": {"prefix": f"quality bound: {metric} increase at most ", "visible": True,
+                                   "xanchor": "left", "font": {"size": 13, "color": "#222222"}},
+                  "transition": {"duration": 0}}])
+    return fig
+
+
+def step_messages(bar):
+    """A ``progress(text)`` callback for functions that announce each item as it starts
+    (``quality_rows``, ``preset_rows``): the previous item counts as done when the next one starts,
+    on a :class:`workbench.lab.progress.Progress` ``bar``; call ``bar.advance()`` after the last."""
+    started = [False]
+
+    def say(text: str) -> None:
+        if started[0]:
+            bar.advance()
+        started[0] = True
+        bar.start(text)
+    return say

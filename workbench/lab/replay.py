@@ -153,7 +153,7 @@ def replay_figure(fig, frames: list[Frame], *, max_frames: int = MAX_FRAMES, red
                      {**row, "showactive": True, "active": -1, "x": 1.0, "xanchor": "right", "buttons": speeds}],
         sliders=[{"active": 0, "x": 0.0, "len": 1.0, "y": 0, "yanchor": "top", "pad": {"t": 58, "b": 0},
                   "currentvalue": {"prefix": f"{time_label} = ", "visible": True, "xanchor": "left",
-                                   "font": {"size": 13}},
+                                   "font": {"size": 13, "color": "#222"}},
                   "transition": {"duration": 0}, "steps": [step(i, f) for i, f in enumerate(frames)]}],
         margin={**margin, "t": top + above, "b": max(bottom, below)},
         height=(fig.layout.height or 450) + above + max(0, below - bottom))

@@ -236,19 +236,27 @@ def measure_claim(claim: Claim, ctx: ClaimContext) -> ClaimResult:
 
 
 def run_claims(ids=None, mode: str = "smoke", model=None, device: str | None = "cpu", threads=None,
-               gpu_root=None, progress: bool = False, ctx: ClaimContext | None = None) -> list[ClaimResult]:
-    """Measure the claims named by ``ids`` (all when None), one after another, in one context."""
+               gpu_root=None, progress=False, ctx: ClaimContext | None = None) -> list[ClaimResult]:
+    """Measure the claims named by ``ids`` (all when None), one after another, in one context.
+    ``progress``: True prints a line per claim; a callable ``progress(k, n, claim_id)`` is called
+    before the k-th of n claims, and with k == n at the end (a notebook's progress bar)."""
     claims = select(ids)
     ctx = ctx or ClaimContext(mode=mode, model=model, device=device, threads=threads, gpu_root=gpu_root)
     out = []
+    step = progress if callable(progress) else None
+    progress = bool(progress) and step is None
     try:
-        for c in claims:
+        for k, c in enumerate(claims):
+            if step is not None:
+                step(k, len(claims), c.id)
             if progress:
                 print(f"[claims] {c.id} ...", flush=True)
             r = measure_claim(c, ctx)
             if progress:
                 print(f"[claims] {c.id}: {r.verdict} ({r.seconds:.1f} s): {r.figure}", flush=True)
             out.append(r)
+        if step is not None:
+            step(len(claims), len(claims), "")
     finally:
         try:
             ctx.close()      # servers / engine threads the claims started (ClaimContext.on_close)
