@@ -25,7 +25,7 @@ OFFLOAD_KINDS = (None, "host", "disk")
 
 
 def offload_experiment(llm, prompt_a: list[int], prompt_b: list[int], block_size: int = 16,
-                       kinds=OFFLOAD_KINDS, repeats: int = 3, max_tokens: int = 8) -> dict:
+                       kinds=OFFLOAD_KINDS, repeats: int = 3, max_tokens: int = 8, bar=None) -> dict:
     """Run A, B, A again on a pool of ``ceil((len(A) + max_tokens) / block_size) + 1`` blocks (room
     for one request, so B evicts A's cached blocks), once per offload ``kind`` (``None``: no
     offload tier) and round, the kinds interleaved and their order reversed every other round.
@@ -41,7 +41,9 @@ def offload_experiment(llm, prompt_a: list[int], prompt_b: list[int], block_size
     * ``again_ttft``: kind -> A's second-run TTFT in ms, one per round;
     * ``pool_blocks``: the pool size used.
 
-    Nothing is asserted here: whether the restored K/V gives the same tokens is for the caller."""
+    Nothing is asserted here: whether the restored K/V gives the same tokens is for the caller.
+    ``bar``: a progress bar (:class:`workbench.lab.progress.Progress`: ``total``, ``start(name)``,
+    ``advance()``); its total is set to the runs here (kinds x repeats)."""
     import pandas as pd
 
     from workbench.engine.llm import LLM
@@ -53,8 +55,12 @@ def offload_experiment(llm, prompt_a: list[int], prompt_b: list[int], block_size
     pool_blocks = -(-(len(prompt_a) + max_tokens) // block_size) + 1
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     rows, tokens, again_ttft = {}, {k: [] for k in kinds}, {k: [] for k in kinds}
+    if bar is not None:
+        bar.total = repeats * len(kinds)
     for r in range(repeats):
         for kind in (kinds if r % 2 == 0 else kinds[::-1]):
+            if bar is not None:
+                bar.start(f"round {r + 1}/{repeats}: offload {kind or 'none'} (A, B, A again)")
             eng = LLM(llm.model, tokenizer=llm.tokenizer, max_model_len=llm.max_model_len,
                       kv=PagedKVConfig(block_size=block_size, num_blocks=pool_blocks, offload=kind))
             first, _, again = (eng.generate([p], params)[0] for p in (prompt_a, prompt_b, prompt_a))
@@ -64,6 +70,8 @@ def offload_experiment(llm, prompt_a: list[int], prompt_b: list[int], block_size
             st = eng.kv_pool.offload.stats if kind else None
             if kind == "disk":
                 eng.kv_pool.offload.close()            # the temporary file goes now, not at garbage collection
+            if bar is not None:
+                bar.advance()
             if r > 0:
                 continue
             stats = eng.kv_pool.manager.stats

@@ -42,11 +42,19 @@ TARGET_HIDDEN = 0.8                   # the issue's criterion
 
 
 def block_size_experiment(sizes=DEFAULT_SIZES, total_bytes: int = 64 << 20, repeats: int = 3,
-                          transports=("disk", "host"), device=None) -> dict:
-    """measure_link per transport: rows (one per link and block size) and each link's ceiling."""
+                          transports=("disk", "host"), device=None, bar=None) -> dict:
+    """measure_link per transport: rows (one per link and block size) and each link's ceiling.
+    ``bar``: a progress bar (``total``, ``start(name)``, ``advance()``, e.g.
+    :class:`workbench.lab.progress.Progress`); its total is set to the links here."""
     rows, ceilings = [], {}
+    if bar is not None:
+        bar.total = len(transports)
     for kind in transports:
+        if bar is not None:
+            bar.start(f"link {kind}: {len(sizes)} block sizes x {repeats} repeats, {total_bytes / 2**20:.0f} MiB each")
         pts = measure_link(kind, sizes=sizes, total_bytes=total_bytes, repeats=repeats, device=device)
+        if bar is not None:
+            bar.advance()
         rows += [asdict(p) for p in pts]
         ceilings[kind] = ceiling(pts)
     return {"rows": rows, "ceiling_gbps": ceilings, "total_bytes": total_bytes}

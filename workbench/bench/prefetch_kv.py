@@ -89,7 +89,7 @@ def _run(llm, prompts, warm, k: int, cfg: dict) -> dict:
 def kv_lookahead_experiment(model=None, n_requests: int = 16, shared_prefix_tokens: int = 320, n_prefixes: int = 4,
                             suffix_tokens: int = 8, max_tokens: int = 2, block_size: int = 16, max_num_seqs: int = 2,
                             lookahead=(0, 4), repeats: int = 4, prefix_aware: bool = False, offload: str = "disk",
-                            threads: int | None = 1, seed: int = 0) -> dict:
+                            threads: int | None = 1, seed: int = 0, bar=None) -> dict:
     """Run the workload of the module docstring once per ``lookahead`` setting per round.
 
     ``model``: None (the bundled model, float32), a model folder / preset, or a loaded ``LLM``
@@ -101,7 +101,8 @@ def kv_lookahead_experiment(model=None, n_requests: int = 16, shared_prefix_toke
     each lookahead to its medians over rounds (TTFT p50 / p95 and their per-round values) and
     its restore counters summed over rounds (``restore_hidden_share`` = hidden / (hidden +
     on the critical path)); ``runs`` has one row per run; ``comparisons`` (two settings only)
-    the verdicts on TTFT p50 / p95 (:func:`~workbench.measure.compare.compare_samples`)."""
+    the verdicts on TTFT p50 / p95 (:func:`~workbench.measure.compare.compare_samples`).
+    ``bar``: a progress bar (``total``, ``start(name)``, ``advance()``), told of every run."""
     for name, v in (("n_requests", n_requests), ("shared_prefix_tokens", shared_prefix_tokens),
                     ("n_prefixes", n_prefixes), ("suffix_tokens", suffix_tokens), ("max_tokens", max_tokens),
                     ("block_size", block_size), ("max_num_seqs", max_num_seqs), ("repeats", repeats)):
@@ -131,9 +132,15 @@ def kv_lookahead_experiment(model=None, n_requests: int = 16, shared_prefix_toke
     cfg["threads"] = torch.get_num_threads()
     runs = []
     try:
+        if bar is not None:
+            bar.total = repeats * len(settings)
         for r in range(repeats):
             for k in (settings if r % 2 == 0 else settings[::-1]):
+                if bar is not None:
+                    bar.start(f"round {r + 1}/{repeats}: lookahead={k}, {n_requests} requests")
                 runs.append({"round": r, **_run(llm, prompts, warm, k, cfg)})
+                if bar is not None:
+                    bar.advance()
     finally:
         torch.set_num_threads(old_threads)
     ref = runs[0]["tokens"]

@@ -150,12 +150,19 @@ def _spread(vals: list[float]) -> dict:
     return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "samples": list(vals)}
 
 
-def _rounds(engine, w, configs: dict, repeats: int, warmup: bool = True, **kw) -> dict[str, list[dict]]:
-    """Run every configuration ``repeats`` times, interleaved (reversed every other round)."""
+def _rounds(engine, w, configs: dict, repeats: int, warmup: bool = True, bar=None, **kw) -> dict[str, list[dict]]:
+    """Run every configuration ``repeats`` times, interleaved (reversed every other round).
+    ``bar``: a progress bar (``total``, ``start(name)``, ``advance()``), told of every run."""
     names, runs = list(configs), {n: [] for n in configs}
+    if bar is not None:
+        bar.total = (repeats + bool(warmup)) * len(names)
     for r in range(-1 if warmup else 0, repeats):
         for n in (names if r % 2 == 0 else names[::-1]):
+            if bar is not None:
+                bar.start(f"{'warm-up round' if r < 0 else f'round {r + 1}/{repeats}'}: {n}")
             res = _run(engine, w, **configs[n], **kw)
+            if bar is not None:
+                bar.advance()
             if r >= 0:
                 runs[n].append(res)
     return runs

@@ -92,8 +92,9 @@ def pick_config(candidates: list[dict] | None = None, resident_layers: int = 1, 
 
 def streaming_experiment(model=None, resident_layers: int = 1, distances=(0, 1, 2, 3), workload: Workload | None = None,
                          repeats: int = 3, transport: str = "auto", dtype=None, threads=1, device=None,
-                         ceiling_gbps: float | None = None, engine: LLMEngine | None = None) -> dict:
-    """All-resident, then each distance (0 = synchronous), same workload, interleaved repeats."""
+                         ceiling_gbps: float | None = None, engine: LLMEngine | None = None, bar=None) -> dict:
+    """All-resident, then each distance (0 = synchronous), same workload, interleaved repeats.
+    ``bar``: a progress bar (``total``, ``start(name)``, ``advance()``), told of every run."""
     if 0 not in distances:
         raise ConfigError("streaming_experiment: distances must include 0 (the synchronous baseline)")
     w = workload or Workload()
@@ -101,7 +102,7 @@ def streaming_experiment(model=None, resident_layers: int = 1, distances=(0, 1, 
     configs = {"resident": {"timed": True}}
     configs.update({f"d={d}": {"distance": d, "resident_layers": resident_layers, "transport": transport,
                                "ceiling_gbps": ceiling_gbps, "keep_timeline": True} for d in distances})
-    runs = _rounds(eng, w, configs, repeats)
+    runs = _rounds(eng, w, configs, repeats, bar=bar)
     ref = runs["resident"][0]["tokens"]
     rows = [_row(n, runs[n], ref, ceiling_gbps) for n in configs]
     streamed = list(range(resident_layers, len(eng.model.model.layers)))
@@ -141,7 +142,7 @@ def streaming_experiment(model=None, resident_layers: int = 1, distances=(0, 1, 
 
 def resident_fraction_sweep(model=None, distance: int = 2, workload: Workload | None = None, repeats: int = 2,
                             transport: str = "auto", dtype=None, threads=1, device=None, ceiling_gbps=None,
-                            engine: LLMEngine | None = None, points: int | None = None) -> dict:
+                            engine: LLMEngine | None = None, points: int | None = None, bar=None) -> dict:
     """Tokens/s with 0 .. L-1 layers resident (and all resident), at ``distance``; ``points``:
     at most that many resident counts, spread over 0 .. L (None: every one)."""
     w = workload or Workload()
@@ -153,7 +154,7 @@ def resident_fraction_sweep(model=None, distance: int = 2, workload: Workload | 
     configs = {f"resident={n}": {"distance": distance, "resident_layers": n, "transport": transport,
                                  "ceiling_gbps": ceiling_gbps} for n in counts if n < L}
     configs[f"resident={L}"] = {}
-    runs = _rounds(eng, w, configs, repeats, warmup=False)
+    runs = _rounds(eng, w, configs, repeats, warmup=False, bar=bar)
     ref = runs[f"resident={L}"][0]["tokens"]
     rows = [{**_row(f"resident={n}", runs[f"resident={n}"], ref, ceiling_gbps), "resident_layers": n,
              "fraction": n / L} for n in counts]
@@ -162,14 +163,19 @@ def resident_fraction_sweep(model=None, distance: int = 2, workload: Workload | 
 
 def engine_options_check(model=None, options=("eager", "fused", "compile"), resident_layers: int = 1,
                          distance: int = 2, transport: str = "auto", workload: Workload | None = None,
-                         dtype=None, threads=1, device=None) -> list[dict]:
+                         dtype=None, threads=1, device=None, bar=None) -> list[dict]:
     """Streaming on each engine option - eager (paged KV), fused (per-op ``torch.compile`` of
     rmsnorm, rope and swiglu: the fused option that runs on a CPU; the Triton kernels only run
     under the interpreter here) and compile (contiguous KV, static decode steps through
-    ``torch.compile``): greedy tokens against the same engine all-resident, before and after."""
+    ``torch.compile``): greedy tokens against the same engine all-resident, before and after.
+    ``bar``: a progress bar (``total``, ``start(name)``, ``advance()``), told of every option."""
     w = workload or Workload(2, 8, 6)
     rows = []
+    if bar is not None:
+        bar.total = len(options)
     for opt in options:
+        if bar is not None:
+            bar.start(f"{opt}: all-resident, streamed, all-resident again")
         t0 = time.perf_counter()
         row = {"option": opt}
         try:
@@ -194,4 +200,6 @@ def engine_options_check(model=None, options=("eager", "fused", "compile"), resi
             row.update({"ok": False, "error": f"{type(e).__name__}: {e}"})
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
+        if bar is not None:
+            bar.advance()
     return rows

@@ -99,12 +99,14 @@ def _summarize(r: dict) -> dict:
 
 
 def run_prefix_bench(model=None, cfg: PrefixBenchConfig | None = None, device=None, dtype=None,
-                     progress: bool = True) -> dict:
+                     progress: bool = True, bar=None) -> dict:
     """Both workloads, cache on vs off.  ``model``: a path / preset / None (bundled) or a loaded
     :class:`~workbench.engine.llm.LLM` (its model and tokenizer are reused).  Returns a JSON-ready
     dict (see the module docstring).  After each round the result so far (a workload's section once
     it has a round) goes to :func:`workbench.measure.gpu_results.save_partial` (a no-op unless
-    ``$WORKBENCH_PARTIAL_OUT`` is set)."""
+    ``$WORKBENCH_PARTIAL_OUT`` is set).  ``bar``: a notebook's progress bar
+    (:class:`workbench.lab.progress.Progress`, or anything with ``total``, ``start(name)`` and
+    ``advance()``): its total is set to the rounds here, and it names each one as it starts."""
     from tqdm.auto import tqdm
 
     cfg = cfg or PrefixBenchConfig()
@@ -129,11 +131,16 @@ def run_prefix_bench(model=None, cfg: PrefixBenchConfig | None = None, device=No
     head = {"config": cfg.__dict__, "system_prompt_tokens": len(base.tokenizer.encode(system)),
             "device": str(base.device), "pool_blocks": blocks, "noise": probe.as_dict()}
     shared_stats = None
-    bar = tqdm(total=2 * cfg.rounds, desc="prefix bench", disable=not progress)
+    bar = bar or tqdm(total=2 * cfg.rounds, desc="prefix bench", disable=not progress)
+    if hasattr(bar, "start"):
+        bar.total = 2 * cfg.rounds
     for workload, prompts in (("shared", shared), ("unique", unique)):
         for on in (False, True):                            # warm-up
             engines[on].generate([prompts[0]], params)
         for r in range(cfg.rounds):
+            if hasattr(bar, "start"):
+                bar.start(f"{'shared prefix' if workload == 'shared' else 'no sharing'}, round {r + 1}/{cfg.rounds}: "
+                          f"{len(prompts)} requests, cache off and on")
             for on in (False, True):
                 engines[on].kv_pool.reset()   # each round starts cold: its first request misses
             for on, res in _run_pair(engines, prompts, params, first=r % 2 == 1).items():
@@ -144,7 +151,7 @@ def run_prefix_bench(model=None, cfg: PrefixBenchConfig | None = None, device=No
                 save_partial(_result(head, runs, shared_stats))
             except Exception as e:  # noqa: BLE001 - saving what there is must never stop the measuring
                 print(f"prefix-bench: could not save the partial result: {type(e).__name__}: {e}", file=sys.stderr)
-            bar.update()
+            bar.advance() if hasattr(bar, "advance") else bar.update()
     bar.close()
     return _result(head, runs, shared_stats)
 

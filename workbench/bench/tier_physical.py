@@ -93,9 +93,11 @@ def _run(model, cache, ids, P: int, E: int, on_step=None) -> torch.Tensor:
 
 
 def physical_eval(model, cfg: TierConfig, basis, sequences, eval_tokens: int = 256, store: TierStore | None = None,
-                  reference=None, check_accounted: bool = True) -> dict:
+                  reference=None, check_accounted: bool = True, bar=None) -> dict:
     """Quality, measured bytes and routing traffic of ``cfg`` on real decode steps through a
-    :class:`PhysicalTieredKVCache` (see the module docstring); one dict of plain data."""
+    :class:`PhysicalTieredKVCache` (see the module docstring); one dict of plain data.  ``bar``:
+    a progress bar (:class:`workbench.lab.progress.Progress`: ``total``, ``start(name)``,
+    ``advance()``); its total is set to the passes here (per document: physical, then accounted)."""
     store = store or TierStore()
     _check_windows(sequences, eval_tokens)
     if reference is None:
@@ -109,8 +111,13 @@ def physical_eval(model, cfg: TierConfig, basis, sequences, eval_tokens: int = 2
     offloaded, steps, max_diff, greedy_same, components = [], 0, 0.0, True, None
     t0 = time.perf_counter()
     decode_s = 0.0
-    for seq, ref in zip(sequences, reference):
+    passes = 2 if check_accounted else 1
+    if bar is not None:
+        bar.total = passes * len(sequences)
+    for d, (seq, ref) in enumerate(zip(sequences, reference)):
         N, E = len(seq), eval_tokens
+        if bar is not None:
+            bar.start(f"document {d + 1}/{len(sequences)}: physical cache, {E} decode steps of one token")
         P = N - E - 1
         ids = torch.as_tensor(list(seq), dtype=torch.long, device=dev)[None]
         cache = PhysicalTieredKVCache(model.config, cfg, basis, store=store, max_len=N, device=dev, dtype=dt)
@@ -149,13 +156,19 @@ def physical_eval(model, cfg: TierConfig, basis, sequences, eval_tokens: int = 2
             components = measure_components(cache)
         finally:
             cache.release()
+        if bar is not None:
+            bar.advance()
         if check_accounted:
+            if bar is not None:
+                bar.start(f"document {d + 1}/{len(sequences)}: the accounted cache on the same calls")
             acc = TieredKVCache(model.config, cfg, basis, max_len=N, device=dev, dtype=dt)
             acc_logits = _run(model, acc, ids, P, E)
             max_diff = max(max_diff, float((acc_logits - logits).abs().max()))
             greedy_same &= bool((acc_logits.argmax(-1) == logits.argmax(-1)).all())
             routed_acc += float(acc.fetched_bytes_by_pos[P:P + E].sum())
             del acc
+            if bar is not None:
+                bar.advance()
         targets = ids[0, P + 1:P + 1 + E]
         lp_t, lp_f = torch.log_softmax(logits, -1), torch.log_softmax(ref[P:P + E].float(), -1)
         tok_t, tok_f = -lp_t.gather(1, targets[:, None])[:, 0], -lp_f.gather(1, targets[:, None])[:, 0]

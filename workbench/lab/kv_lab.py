@@ -5,7 +5,10 @@
 * :func:`pareto_figure`: memory reduction vs perplexity change of every configuration of a tier
   sweep, the Pareto front drawn over them (also re-exported by :mod:`workbench.lab.kv_view`);
 * :func:`kl_figure`: memory reduction vs KL to the full cache, tiered configurations vs the
-  sliding-window control, on a log axis labelled by :func:`log_ticks`.
+  sliding-window control, on a log axis labelled by :func:`log_ticks`;
+* :func:`add_config_picker`: a dropdown over the measured sweep's rows (plotly's own, so it works
+  without a kernel and in the report) that rings the chosen configuration on the Pareto figure and
+  says its memory and quality; :func:`short_labels` names configurations by what sets them apart.
 
 The data come from :mod:`workbench.bench.kv_experiments` and :mod:`workbench.bench.tier_eval`.
 """
@@ -117,7 +120,8 @@ def pareto_figure(df, x: str = "reduction", y: str = "rel_ppl", max_rel_ppl: flo
     """Every configuration of a tier sweep (hot / warm / cold: filled circles; the sliding-window
     control, rows with ``cold_mode == "drop"``: hollow diamonds), then the Pareto front over all of
     them drawn on top (line and markers: a front point that is a control shows inside its diamond),
-    and the quality threshold ``max_rel_ppl`` dashed."""
+    each front point labelled with what sets its configuration apart (:func:`short_labels`), and
+    the quality threshold ``max_rel_ppl`` dashed."""
     import pandas as pd
     import plotly.graph_objects as go
 
@@ -133,11 +137,98 @@ def pareto_figure(df, x: str = "reduction", y: str = "rel_ppl", max_rel_ppl: flo
         if len(part):
             fig.add_trace(go.Scatter(x=part[x], y=100 * part[y], mode="markers", name=name, text=part["name"],
                                      marker=marker, hovertemplate=hover + name + "</extra>"))
-    fig.add_trace(go.Scatter(x=front[x], y=100 * front[y], mode="lines+markers", name="Pareto front (every config)",
-                             text=front["name"], hovertemplate=hover + "Pareto front</extra>", **FRONT_STYLE))
+    short = dict(zip(ok["name"], short_labels(list(ok["name"]))))
+    fig.add_trace(go.Scatter(x=front[x], y=100 * front[y], mode="lines+markers+text", name="Pareto front (every config)",
+                             text=front["name"], customdata=[short.get(n, n) for n in front["name"]],
+                             texttemplate="%{customdata}", textfont={"size": 10, "color": "#333"},
+                             textposition=["top left" if i == len(front) - 1 else "top center" if i % 2 == 0
+                                           else "bottom center" for i in range(len(front))], cliponaxis=False,
+                             hovertemplate=hover + "Pareto front</extra>", **FRONT_STYLE))
     if max_rel_ppl is not None:
         fig.add_hline(y=100 * max_rel_ppl, line_dash="dash", annotation_text=f"+{100 * max_rel_ppl:g}% ppl",
                       annotation_position="top left")
     fig.update_layout(title=title, xaxis_title="KV memory reduction vs full cache (x)",
                       yaxis_title="perplexity change vs full cache (%)", height=420)
+    return fig
+
+
+def short_labels(names: list[str]) -> list[str]:
+    """Configuration names without the parts every one of them shares: ``w64-s4-r8-warm64-c16-b16-
+    bud64-vfull`` among others that differ only in rank, warm tokens and budget -> ``r8-warm64-bud64``
+    (``base`` for a name that is all shared parts)."""
+    parts = [str(n).split("-") for n in names]
+    common = set.intersection(*(set(p) for p in parts)) if parts else set()
+    return ["-".join(t for t in p if t not in common) or "base" for p in parts]
+
+
+def _pick_text(row, on_front: bool, x: str, y: str) -> str:
+    """What the picker says about one configuration: its memory and its quality, with units."""
+    def num(v, fmt):
+        return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
+
+    kib = ""
+    if "bytes_per_token" in row and "full_bytes_per_token" in row:
+        kib = (f" ({num(row['bytes_per_token'] / 1024, '.2f')} KiB per token resident vs "
+               f"{num(row['full_bytes_per_token'] / 1024, '.2f')} KiB for the full cache)")
+    qual = f"perplexity {num(row[y], '+.2%')}"
+    if "rel_ppl_se" in row:
+        qual += f" ± {num(row['rel_ppl_se'], '.2%')}"
+    if "kl" in row:
+        qual += f", KL {num(row['kl'], '.4f')}"
+    if "top1" in row:
+        qual += f", top-1 agreement {num(row['top1'], '.1%')}"
+    front = "on the Pareto front" if on_front else "not on the Pareto front"
+    kind = "sliding-window control" if row.get("cold_mode") == "drop" else "hot / warm / cold"
+    return (f"<b>{row['name']}</b> ({kind}, {front})<br>memory: {num(row[x], '.2f')}x less KV memory{kib}"
+            f"<br>quality vs the full cache: {qual}")
+
+
+def add_config_picker(fig, df, selected: str | None = None, x: str = "reduction", y: str = "rel_ppl"):
+    """A dropdown over every configuration of the measured sweep ``df`` (largest ``x`` first, front
+    members marked ★) on a :func:`pareto_figure`: choosing one moves a ring (a trace added last) onto
+    its point and rewrites the text under the chart with its memory and perplexity.  Plotly's own
+    ``updatemenus`` (``update``: restyle the ring, relayout the text), so it works in a saved
+    notebook and in the report without a kernel.  ``selected``: the name shown first (default:
+    the first front member).  Returns ``fig``."""
+    import plotly.graph_objects as go
+
+    from workbench.bench.tier_eval import pareto_front
+
+    ok = (df[df["error"].isna()] if "error" in df else df).sort_values(x, ascending=False)
+    if not len(ok):
+        raise ValueError("add_config_picker: no configuration without an error to pick from")
+    on_front = set(pareto_front(df, x, y)["name"])
+    rows = [r for _, r in ok.iterrows()]
+    labels = dict(zip(ok["name"], short_labels(list(ok["name"]))))
+    names = [r["name"] for r in rows]
+    if selected is None or selected not in names:
+        selected = next((n for n in names if n in on_front), names[0])
+    active = names.index(selected)
+    ring = len(fig.data)
+    r0 = rows[active]
+    fig.add_trace(go.Scatter(x=[r0[x]], y=[100 * r0[y]], mode="markers", name="picked (menu above)",
+                             text=[r0["name"]], marker={"symbol": "circle-open", "size": 24, "color": "#000000",
+                                                        "line": {"width": 3}},
+                             hovertemplate="picked: %{text}<extra></extra>"))
+    fig.add_annotation(text="pick a configuration →", xref="paper",
+                       yref="paper", x=0, y=1.02, xanchor="left", yanchor="bottom", showarrow=False,
+                       font={"size": 12, "color": "#444"}, yshift=8)
+    note = len(fig.layout.annotations)
+    fig.add_annotation(text=_pick_text(r0, r0["name"] in on_front, x, y), xref="paper", yref="paper", x=0, y=-0.2,
+                       xanchor="left", yanchor="top", showarrow=False, align="left", font={"size": 12},
+                       bgcolor="rgba(255,255,255,0.9)", bordercolor="#999", borderwidth=1, borderpad=6)
+    buttons = [{"label": f"{'★ ' if r['name'] in on_front else ''}{labels[r['name']]}  ({r[x]:.2f}x, {r[y]:+.2%})",
+                "method": "update",
+                "args": [{"x": [[r[x]]], "y": [[100 * r[y]]], "text": [[r["name"]]]},
+                         {f"annotations[{note}].text": _pick_text(r, r["name"] in on_front, x, y)}, [ring]]}
+               for r in rows]
+    margin = fig.layout.margin.to_plotly_json() if fig.layout.margin else {}
+    fig.update_layout(
+        updatemenus=[{"type": "dropdown", "buttons": buttons, "active": active, "x": 1.0, "xanchor": "right",
+                      "y": 1.02, "yanchor": "bottom", "showactive": True, "pad": {"b": 4}}],
+        margin={**margin, "t": max(margin.get("t") or 0, 90), "b": max(margin.get("b") or 0, 150),
+                "r": max(margin.get("r") or 0, 230)},
+        height=(fig.layout.height or 420) + 110,
+        legend={"x": 1.02, "y": 1.0, "yanchor": "top", "xanchor": "left"})
+    fig.update_layout(title={"x": 0.01, "xanchor": "left", "y": 0.98, "yanchor": "top"})
     return fig

@@ -15,6 +15,12 @@ token position (``cell_tokens`` positions per cell: the cell shows its most freq
 coloured hot / warm / cold / fetched / dropped, as the last query sees the cache (see
 :func:`workbench.kv.inspect.tier_report`).  The live view redraws only when what it draws changed,
 and at most ``max_hz`` times a second.
+
+The live view is over in a few tens of ms on a CPU, so it also *records* every state it sees (every
+pool event, every token of a tiered request; unchanged states dropped), cheaply and whether or not
+it is displayed: :meth:`KVBlockMapView.replay` turns the recording into one plotly figure a learner
+steps through frame by frame (:mod:`workbench.lab.kv_replay`); :meth:`KVBlockMapView.record_cost`
+says what the recording cost per event.
 """
 
 from __future__ import annotations
@@ -24,10 +30,13 @@ from collections import Counter
 
 from workbench.kv.inspect import CHARS, PAGED_STATES, TIER_ZONES, live_sequences, tier_report
 from workbench.lab.kv_lab import pareto_figure  # noqa: F401  (re-exported: scripts/kv_tier_sweep.py)
+from workbench.lab.kv_replay import admission, cache_zone_state, pool_replay_figure, pool_state, zone_replay_figure
+from workbench.lab.replay import Recorder, thin
 from workbench.lab.viz import store_figure_state
 from workbench.lab.kv_text import (format_pool_report, format_report, format_server_header,  # noqa: F401  (re-exported)
                                    format_tier_report, text_block_map, zone_runs)  # noqa: F401  (re-exported)
 
+MAX_RECORDED = 2000      # states a view keeps; past it, every other one goes (a replay shows 120 anyway)
 COLORS = {"free": "#e6e6e6", "owned": "#4c78a8", "shared": "#f58518", "cached": "#54a24b",
           "hot": "#d62728", "warm": "#ffbf00", "cold": "#1f77b4", "fetched": "#9467bd", "dropped": "#bdbdbd"}
 
@@ -140,10 +149,15 @@ class KVBlockMapView:
     (classes ``wb-live`` and ``wb-live-block-map``) is built when the view is first displayed;
     until then nothing is drawn (``static_figure`` always works).  ``updates`` / ``update_seconds``:
     redraws and the seconds spent looking and redrawing.
+
+    ``record`` (default True): every state is also recorded (:attr:`recorder`, frames of
+    :func:`~workbench.lab.kv_replay.pool_state` / :func:`~workbench.lab.kv_replay.zone_state`),
+    displayed or not; :meth:`replay` is the figure to step through, :meth:`record_cost` its cost.
+    A view attached to a long run keeps at most :data:`MAX_RECORDED` states (evenly thinned).
     """
 
     def __init__(self, max_hz: float = 10.0, cols: int = 32, cell_tokens: int = 1, title: str | None = None,
-                 height: int | None = None) -> None:
+                 height: int | None = None, record: bool = True) -> None:
         if not 0 < max_hz <= 60:
             raise ValueError(f"KVBlockMapView: max_hz must be in (0, 60], got {max_hz}")
         if cell_tokens < 1:
@@ -156,6 +170,10 @@ class KVBlockMapView:
         self._last = 0.0
         self._drawn_key = self._drawn = None      # what the widget shows now (a cheap key, the snapshot)
         self._length = 0
+        self.recorder = Recorder(clock=time.monotonic) if record else None
+        self.record_events, self.record_seconds = 0, 0.0      # looks recorded, and what they cost in all
+        self._requests: dict[str, tuple] = {}                 # request -> (prompt, reused, miss reason), in order
+        self._ended: list[str] = []                           # requests ended since the last state recorded
 
     # ---- state --------------------------------------------------------------------------------
     def attach(self, llm) -> "KVBlockMapView":
@@ -177,8 +195,59 @@ class KVBlockMapView:
 
     def _on_event(self, event: str, seq_id: str) -> None:
         self.events += 1
+        if self.recorder is not None:
+            t0 = time.monotonic()
+            if event == "begin":
+                self._requests[seq_id] = admission(self.pool, seq_id)
+            if event == "end":                  # told before its blocks go back: the next look shows them released
+                self._ended.append(seq_id)
+            else:
+                verb = "begins" if event == "begin" else "+1 token" if event == "step" else event
+                self._record([pool_state(self.pool, self._requests)], f"{seq_id} {verb}", t0)
         if self.fig is not None and time.monotonic() - self._last >= self.min_interval:
             self._redraw()
+
+    # ---- recording ----------------------------------------------------------------------------
+    def _record(self, data: list, label: str, t0: float) -> None:
+        if self._ended:                         # what changed since the last look comes first in the label
+            label = f"{', '.join(self._ended)} released · {label}"
+        if self.recorder.add(data, label):
+            self._ended = []
+            if len(self.recorder.frames) > MAX_RECORDED:    # a view left on a long run: memory stays bounded
+                self.recorder.frames = thin(self.recorder.frames, MAX_RECORDED // 2)
+        self.record_events += 1
+        self.record_seconds += time.monotonic() - t0
+
+    def record_now(self, label: str = "now") -> None:
+        """Record the state as it is now (a tiered view between tokens; a pool after its last event)."""
+        if self.recorder is None or self.llm is None:
+            return
+        t0 = time.monotonic()
+        if self.pool is not None:
+            self._record([pool_state(self.pool, self._requests)], label, t0)
+            return
+        cache = self._tier_cache()
+        if cache is not None and cache.length:
+            self._record([cache_zone_state(cache)], label, t0)
+
+    def record_cost(self) -> str:
+        """One line: states kept, looks recorded, and what recording cost in all and per look."""
+        if self.recorder is None or not self.record_events:
+            return "nothing recorded"
+        n = len(self.recorder.frames)
+        return (f"recorded {n} states ({self.record_events - n} looks found no change) in "
+                f"{self.record_seconds * 1e3:.1f} ms: {self.record_seconds / self.record_events * 1e6:,.0f} µs per "
+                f"{'pool event' if self.pool is not None or self._requests else 'token'}")
+
+    def replay(self, title: str | None = None):
+        """The recorded states as one plotly figure with frames, play / pause, speeds and a scrubber
+        (paged: the block map and every request's hits and misses; tiered: the zone map)."""
+        if self.recorder is None or not self.recorder.frames:
+            raise ValueError("KVBlockMapView.replay: nothing recorded (record=True, then run or attach)")
+        if "states" in self.recorder.frames[0].data[0]:
+            return pool_replay_figure(self.recorder.frames, cols=self.cols, note=self.record_cost())
+        return zone_replay_figure(self.recorder.frames, note=self.record_cost(),
+                                  **({"title": title} if title else {}))
 
     def _tier_cache(self):
         llm = self.llm
@@ -247,6 +316,10 @@ class KVBlockMapView:
                 "row_labels": [f"layer {i}" for i in range(len(states))], "x": list(range(0, rep["length"], k)),
                 "length": rep["length"],
                 "hovertemplate": "%{y}, position %{x}: %{text}<extra></extra>" if k == 1 else None}
+
+    def _length_now(self) -> int:
+        cache = self._tier_cache()
+        return cache.length if cache is not None else 0
 
     # ---- drawing ------------------------------------------------------------------------------
     def static_figure(self):
@@ -364,10 +437,14 @@ class KVBlockMapView:
                     for st in list(live):
                         if next(st, None) is None:      # finished (a stream's last event has finished=True)
                             live.remove(st)
-                        elif self.pool is None and self.fig is not None and \
-                                time.monotonic() - self._last >= self.min_interval:
-                            self._redraw()              # tiered: no pool events, redraw between tokens
+                            continue
+                        if self.pool is None:           # tiered: no pool events; record and redraw between tokens
+                            self.record_now(f"{self._length_now()} tokens")
+                            if self.fig is not None and time.monotonic() - self._last >= self.min_interval:
+                                self._redraw()
                 self.refresh()                          # the finished requests' blocks are released now
+                if self.pool is not None:
+                    self.record_now("every request done")
         finally:
             for st in streams:                          # on an error: every request gives its blocks back
                 st.close()

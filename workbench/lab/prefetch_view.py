@@ -8,6 +8,12 @@
   seconds) with a one-line stats header; ``update()`` from a loop (throttled to
   ``refresh_hz``), ``static()`` for reports (a saved FigureWidget's state is stale).
 
+* :func:`timeline_replay` - the whole timeline with one frame per step: the view pans over it the
+  way the live view scrolled, step by step, with play / pause, speeds and a scrubber
+  (:mod:`workbench.lab.replay`); the frames change only the x range and the title, so a replay
+  costs a few hundred bytes a step.  :meth:`PrefetchTimelineView.replay` is the live run's,
+  from the steps it recorded while the tokens came.
+
 The static figures of sweep tables (distance, resident fraction, block size) are in
 :mod:`workbench.lab.prefetch_sweeps`.
 """
@@ -23,6 +29,7 @@ from collections.abc import Callable
 import numpy as np
 
 from workbench.errors import ConfigError
+from workbench.lab.replay import Frame, Recorder, replay_figure
 from workbench.lab.viz import store_figure_state
 
 LANES = ("copy", "compute", "stall")                  # rows, top to bottom
@@ -168,6 +175,61 @@ def timeline_figure(events: list[dict], title: str = "Prefetch timeline", max_st
     return fig
 
 
+def _so_far(events: list[dict]) -> str:
+    by = {lane: sum(e["end"] - e["start"] for e in events if e["lane"] == lane) * 1e3 for lane in LANES}
+    return f"compute {by['compute']:.1f} ms, copy {by['copy']:.1f} ms, stall {by['stall']:.1f} ms so far"
+
+
+def timeline_replay(events: list[dict], marks: list[tuple[float, int]] | None = None, window_ms: float | None = None,
+                    title: str = "Prefetch timeline", height: int = 300, note: str | None = None):
+    """``timeline_figure(events)`` with one frame per step, for a learner to step through.
+
+    ``marks``: ``(t_ms, step)`` pairs recorded during the run (the frame's time on the slider, and
+    the last step it shows); default: every step of ``events``, at the end of its last event.
+    Frame ``k`` shows what had happened by the end of step ``s_k``: the x range spans ``window_ms``
+    (default: three steps) and ends at the last event of the steps up to ``s_k``; until the run has
+    filled it, it starts where the run's first step does and a curtain covers what had not happened
+    yet.  Only the
+    x range and the title change per frame, so the frames are small whatever the event count."""
+    events = list(events)
+    fig = timeline_figure(events, title=title, height=height)
+    if not events:
+        return fig
+    steps = sorted({e["step"] for e in events})
+    if marks is None:
+        ends = {s: max(e["end"] for e in events if e["step"] == s) * 1e3 for s in steps}
+        marks = [(ends[s], s) for s in steps]
+    starts = _step_starts(events)
+    if window_ms is None:
+        st = [starts[s] * 1e3 for s in steps if s in starts]
+        gaps = sorted(b - a for a, b in zip(st, st[1:]))
+        window_ms = 3 * gaps[len(gaps) // 2] if gaps else max(e["end"] for e in events) * 1e3
+    # the run starts with the step before the first one marked (the prefill, when marks come per token)
+    s0 = min(s for _, s in marks) - 1 if marks else steps[0]
+    work = [e["start"] for e in events if e["lane"] != "copy" and e["step"] >= s0] or [e["start"] for e in events]
+    lo = min(work) * 1e3
+    frames = []
+    for t_ms, s in marks:
+        done = [e for e in events if e["step"] <= s]
+        if not done:
+            continue
+        hi = max(e["end"] for e in done) * 1e3
+        left = max(lo, hi - window_ms)          # the window fills from the run's start, then scrolls with it
+        curtain = {"type": "rect", "xref": "x", "yref": "paper", "x0": hi, "x1": left + window_ms, "y0": 0, "y1": 1,
+                   "fillcolor": "rgba(255,255,255,0.88)", "line": {"width": 1, "color": "#888", "dash": "dot"},
+                   "layer": "above"}             # what had not happened yet, while the window fills
+        frames.append(Frame(t_ms, [], f"step {s}", {
+            "xaxis": {"range": [left, left + window_ms], "autorange": False}, "shapes": [curtain],
+            "title": {"text": f"{title}<br><sup>up to step {s}: {_so_far(done)}</sup>", "x": 0.01, "y": 0.95,
+                      "yanchor": "top"}}))
+    if not frames:
+        return fig
+    fig.update_layout(annotations=[a for a in fig.layout.annotations if not str(a.text).startswith("step ")])
+    fig = replay_figure(fig, frames, redraw=True, time_label="run time", note=note)
+    fig.layout.sliders[0].currentvalue.font.color = "#333"      # many frames: the step labels' font is transparent
+    return fig
+
+
 class PrefetchTimelineView:
     """The prefetch timeline live, over the last ``window_s`` seconds, with a stats line::
 
@@ -181,7 +243,7 @@ class PrefetchTimelineView:
     redraws (``time.monotonic``)."""
 
     def __init__(self, source, window_s: float = 0.25, refresh_hz: float = 10.0, title: str = "Prefetch (live)",
-                 height: int = 300, clock: Callable[[], float] = time.monotonic) -> None:
+                 height: int = 300, clock: Callable[[], float] = time.monotonic, record: bool = True) -> None:
         import ipywidgets as widgets
         import plotly.graph_objects as go
 
@@ -199,6 +261,9 @@ class PrefetchTimelineView:
         self._last_draw = -math.inf
         self.redraws = 0
         self.redraw_seconds = 0.0
+        # the replay's record: the step the prefetcher is at, on every token (unchanged steps dropped)
+        self.recorder = Recorder(clock=clock) if record else None
+        self.record_events, self.record_seconds = 0, 0.0
         self.fig = go.FigureWidget(timeline_figure([], title=title, height=height))
         self.label = widgets.HTML(value=self._stats_html(), layout=widgets.Layout(width="100%", overflow="hidden"))
         self.widget = widgets.VBox([self.label, self.fig])
@@ -279,10 +344,35 @@ class PrefetchTimelineView:
             self.show()
         out = RequestOutput(request_id="", prompt=None, prompt_token_ids=[])
         for _ in llm.stream(prompt, params, output=out):
+            self.mark()
             self.update()
+        self.mark()
         self.update(force=True)
         store_figure_state(self.fig, send=True)    # a view the browser draws late shows the whole run
         return out
+
+    def mark(self) -> None:
+        """Record where the run is (the prefetcher's step, on the view's clock): one replay frame."""
+        if self.recorder is None:
+            return
+        t0 = time.monotonic()
+        self.recorder.add([{"step": int(getattr(self.prefetcher, "step", 0))}])
+        self.record_events += 1
+        self.record_seconds += time.monotonic() - t0
+
+    def record_cost(self) -> str:
+        if self.recorder is None or not self.record_events:
+            return "nothing recorded"
+        return (f"recorded {len(self.recorder.frames)} steps on {self.record_events} tokens in "
+                f"{self.record_seconds * 1e3:.2f} ms: {self.record_seconds / self.record_events * 1e6:,.1f} µs per token")
+
+    def replay(self, title: str | None = None):
+        """The whole run's timeline, one frame per recorded step, panned as the live view scrolled
+        (:func:`timeline_replay`, window ``window_s``), with what recording cost under it."""
+        marks = None if self.recorder is None else [(f.t_ms, f.data[0]["step"]) for f in self.recorder.frames]
+        return timeline_replay(self.prefetcher.timeline(), marks=marks or None, window_ms=self.window_s * 1e3,
+                               title=title or self.title.replace(" (live)", ""), height=self.height,
+                               note=self.record_cost())
 
     def static(self, max_steps: int | None = None, title: str | None = None):
         """A plain ``go.Figure`` of the whole recorded timeline (safe to save in reports)."""
