@@ -82,6 +82,9 @@ else
   .venv/bin/pip install -q -e ".[dev,real-clients,ray,gguf]" -c constraints/real-clients.txt
 fi
 .venv/bin/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (workbench)" >/dev/null
+# JupyterLab from .venv saves widget state with a notebook: an interactive control (01's per-op toggle) then
+# reopens drawn instead of "Error displaying widget: model not found" (live views replace their own widgets)
+.venv/bin/python scripts/lab_settings.py
 echo "== set up in $(( $(date +%s) - start )) s"
 
 if [ "${1:-}" = "--setup-only" ]; then

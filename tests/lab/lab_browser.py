@@ -117,6 +117,10 @@ def press_kernel_toggle(page, res, seen) -> None:
 
 AFTER_RUN = {"01_fused_kernels": press_kernel_toggle}
 
+# notebooks whose live views replay afterwards: scrubbing a replay from its first frame to its last must
+# change what it draws (workbench.lab.browser.scrub_replays)
+REPLAYS = {"00_tour", "02_kv_tiers", "03_prefetch", "04_scheduler"}
+
 
 def run_in_browser(session: BrowserSession, path: Path, parameters: dict, timeout: float = NOTEBOOK_TIMEOUT):
     """Parameterize ``path`` (papermill's injected cell) into the lab's root, run it in the browser;
@@ -125,7 +129,7 @@ def run_in_browser(session: BrowserSession, path: Path, parameters: dict, timeou
     from papermill.iorw import load_notebook_node
     from papermill.parameterize import parameterize_notebook
 
-    from workbench.lab.browser import run_in_lab
+    from workbench.lab.browser import reopen, run_in_lab
 
     name = path.stem
     sidecar = session.out / f"{name}.results.json"
@@ -141,6 +145,8 @@ def run_in_browser(session: BrowserSession, path: Path, parameters: dict, timeou
     executed = session.root / path.name
     if executed.is_file():
         (session.out / path.name).write_bytes(executed.read_bytes())
+        if res.completed:       # saved: open it again, as a learner does the next day (no "model not found")
+            res.reopened = reopen(session.browser, session.lab, path.name)
     if res.stacks:
         (session.out / f"{name}.stacks.txt").write_text(res.stacks)
     tmp = session.out / f".{name}.browser.json.{os.getpid()}"
@@ -169,7 +175,7 @@ def _write_browser_report(session: BrowserSession) -> Path:
     for info_path in sorted(session.out.glob("*.browser.json")):
         info = json.loads(info_path.read_text())
         name = info_path.name.removesuffix(".browser.json")
-        problems = LabRun(**info).problems(LIVE_VIEWS.get(name, []))
+        problems = LabRun(**info).problems(LIVE_VIEWS.get(name, []), replays=name in REPLAYS)
         records.append({"name": name, "status": "ok" if not problems else "failed",
                         "seconds": float(info.get("seconds") or 0), "output": str(session.out / f"{name}.ipynb"),
                         "error": "; ".join(problems) or None, "results": str(session.out / f"{name}.results.json"),
@@ -211,10 +217,14 @@ def run_and_check(path: Path, tmp_path: Path, lab_session, expected_keys=frozens
                                       f"(executed copy: {rec['output']})"
     else:
         res, sidecar = run_in_browser(lab_session, path, params, timeout=timeout)
-        problems = res.problems(LIVE_VIEWS.get(path.stem, []))
+        problems = res.problems(LIVE_VIEWS.get(path.stem, []), replays=path.stem in REPLAYS)
         assert {"open", "run", "read", "save", "shutdown"} <= set(res.phases), res.phases   # where its time went
         assert not problems, f"{path.name} in JupyterLab ({res.seconds:.0f} s): {problems} " \
                              f"(executed copy and screenshots: {lab_session.out})"
+    if path.stem in REPLAYS:            # the executed copy (what a saved notebook and the report hold)
+        executed = (tmp_path if lab_session is None else lab_session.out) / path.name
+        assert any(fig.get("frames") and fig["layout"].get("sliders") for fig in plotly_outputs(executed)), \
+            f"{executed}: no plotly figure with frames and a slider (a replay) among its outputs"
     assert sidecar.is_file(), f"{path.name} did not write its results to results_path"
     loaded = load_results(sidecar)
     metrics = loaded["metrics"]
@@ -225,3 +235,15 @@ def run_and_check(path: Path, tmp_path: Path, lab_session, expected_keys=frozens
     not_run = rows.loc[rows["meets"] == "not run", "headline"].tolist()
     assert not not_run, f"{path.name}: the report's front page lacks these headlines: {not_run}"
     return loaded
+
+
+def plotly_outputs(path: Path):
+    """The plotly figures (as JSON) among a notebook's outputs."""
+    import nbformat
+
+    for cell in nbformat.read(str(path), as_version=4).cells:
+        for out in cell.get("outputs", []):
+            fig = out.get("data", {}).get("application/vnd.plotly.v1+json")
+            if fig:
+                yield fig
+

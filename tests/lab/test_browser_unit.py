@@ -22,3 +22,13 @@ def test_missing_chromium_is_named(monkeypatch, tmp_path):
 
     monkeypatch.setattr(b, "CHROMIUM", str(tmp_path / "no-chromium"))
     assert "no-chromium not found" in chromium_available()
+
+
+def test_problems_name_a_reopened_widget_error_and_a_replay_that_does_not_change():
+    base = dict(notebook="n.ipynb", completed=True, all_ran=True, dirty_on_open=False)
+    ok = LabRun(**base, replays=[{"changed": False}, {"changed": True}], reopened={"widget_errors": []})
+    assert ok.problems(replays=True) == []
+    bad = LabRun(**base, replays=[{"changed": False}], reopened={"widget_errors": ["Error displaying widget: model not found"]})
+    got = " | ".join(bad.problems(replays=True))
+    assert "reopened: Error displaying widget" in got and "no replay changed" in got
+    assert bad.problems(replays=False) == ["reopened: Error displaying widget: model not found"]

@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("nbformat")
 
-from lab_browser import run_and_check  # noqa: E402
+from lab_browser import lab_session, plotly_outputs, run_and_check  # noqa: E402,F401 - lab_session: a fixture
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = ROOT / "notebooks" / "06_end_to_end.ipynb"
@@ -66,4 +66,50 @@ def test_end_to_end_notebook_runs_in_tiny_mode(tmp_path):
     assert metrics["alone_prefix_cache_agreement"] >= 0.9
     summary = res["tables"]["summary"]
     assert "baseline" in set(summary["config"]) and summary["ttft_ms_p95"].notna().all()
+    # the executed notebook holds the replay of the rounds (frames and a slider) and the SLO explorer,
+    # whose slider, moved to its first step (a bound nothing meets), changes the recommendation offline
+    figures = list(plotly_outputs(tmp_path / NOTEBOOK.name))
+    assert any(f.get("frames") and f["layout"].get("sliders") for f in figures), "no replay in the executed 06"
+    explorer = [f for f in figures if f["layout"].get("meta") == "wb-slo-explorer"]
+    assert explorer and explorer[0]["layout"].get("sliders"), "no SLO explorer with a slider in the executed 06"
+    from workbench.lab.browser import Browser, chromium_available
+
+    if chromium_available() is None:
+        import re
+
+        with Browser() as browser:
+            before, after = (re.sub(r"<[^>]+>", "", t) for t in slider_text_of(browser, explorer[0]))
+        assert before.startswith("recommendation:") and after.startswith("recommendation:"), (before, after)
+        assert after != before, f"moving the SLO slider did not change the recommendation: {before!r}"
+
+
+def slider_text_of(browser, fig: dict) -> tuple[str, str]:
+    from workbench.lab.browser import slider_text
+
+    return slider_text(browser, fig, at=0.0)
+
+
+PROGRESS_CELLS = ["ab = Ablation(llm, wl, E2E", "live = AblationLive(ab"]   # the build and the rounds
+
+
+@pytest.mark.notebook
+@pytest.mark.slow
+def test_the_long_cells_show_progress_within_10_s_in_jupyterlab(lab_session):
+    """In JupyterLab: 06's long cells (the build, the rounds: 84 s and 234 s of [*] alone before)
+    show a progress bar within 10 s of their start; the run stops once both have."""
+    if lab_session is None:
+        pytest.skip("no browser here")
+    import nbformat
+    from papermill.iorw import load_notebook_node
+    from papermill.parameterize import parameterize_notebook
+
+    from workbench.lab.browser import progress_delays
+
+    nb = parameterize_notebook(load_notebook_node(str(NOTEBOOK)), {"device": "cpu", "mode": "tiny", "claims": False,
+                                                                   "results_path": None})
+    nbformat.write(nb, str(lab_session.root / NOTEBOOK.name))
+    delays = progress_delays(lab_session.browser, lab_session.lab, NOTEBOOK.name, PROGRESS_CELLS, timeout=420)
+    assert set(delays) == set(PROGRESS_CELLS), f"not every long cell started within 420 s: {delays}"
+    slow = {cell: d for cell, d in delays.items() if d is None or d > 10}
+    assert not slow, f"cells without progress within 10 s of their start (None: none at all): {slow}"
 

@@ -124,10 +124,17 @@ class LabRun:
     note: str = ""
     stacks: str = ""                   # after a timeout: the kernel's last stack dump (JupyterLab(notebook_timeout=))
     phases: dict = field(default_factory=dict)   # seconds per step: open, run, after_run, read, save, screenshots, shutdown
+    replays: list = field(default_factory=list)  # per replay figure: its first and last frame drawn, whether they differ
+    reopened: dict = field(default_factory=dict)  # the saved notebook opened again: widget errors, outputs shown
 
-    def problems(self, live_views=()) -> list[str]:
+    def problems(self, live_views=(), replays: bool = False) -> list[str]:
+        """What went wrong; ``replays``: the notebook must hold a replay whose frames differ when
+        scrubbed from the first to the last."""
         out = [f"error output {e}" for e in self.errors] + [f"widget: {w}" for w in self.widget_errors]
         out += [f"page error: {e}" for e in self.page_errors]
+        out += [f"reopened: {e}" for e in self.reopened.get("widget_errors", [])]
+        if replays and not any(r.get("changed") for r in self.replays):
+            out.append(f"no replay changed when scrubbed from its first frame to its last ({len(self.replays)} found)")
         if not self.completed:
             out.append(f"run-all did not finish ({self.note})")
         elif not self.all_ran:
@@ -211,6 +218,8 @@ def run_in_lab(browser: Browser, lab: JupyterLab, rel_path: str, shots_dir=None,
         if after_run is not None:
             after_run(page, res, seen)
             phase("after_run")
+        res.replays = scrub_replays(page)
+        phase("replays")
         for key, sig in page.evaluate(_SAMPLE_JS).items():
             seen.setdefault(key, set()).add(sig)
         for key, sigs in page.evaluate(_OBSERVED_JS).items():
@@ -237,6 +246,156 @@ def run_in_lab(browser: Browser, lab: JupyterLab, rel_path: str, shots_dir=None,
         page.close()
         phase("shutdown")
     return res
+
+
+# JS: a figure's drawing without its controls (slider, buttons), as a hash: what a frame shows
+_FIGURE_SIG_JS = """(gd) => {
+  const hash = (s) => { let h = 5381; for (let i = 0; i < s.length; i++) h = ((h << 5) + h + s.charCodeAt(i)) | 0; return h; };
+  const parts = [...gd.querySelectorAll('.main-svg')].map((svg) => { const c = svg.cloneNode(true);
+    c.querySelectorAll('.slider-container, .menulayer, .updatemenu-container').forEach((e) => e.remove());
+    return c.innerHTML; });
+  const label = gd.querySelector('.slider-currentvalue');
+  return {sig: hash(parts.join('|')) + ':' + parts.join('|').length, label: label ? label.textContent : ''};
+}"""
+
+
+def scrub_replays(page, max_figures: int = 8) -> list[dict]:
+    """Every replay in the page (a plotly figure with frames and a slider): click its slider's first
+    step, then its last, as a learner drags it, and read what the figure draws each time (its SVG
+    without the controls, hashed) and the slider's readout.  ``changed``: the two frames differ."""
+    n = page.evaluate("""() => { let n = 0; document.querySelectorAll('.js-plotly-plot').forEach((gd) => {
+        const sl = gd.layout && gd.layout.sliders; const fr = gd._transitionData && gd._transitionData._frames;
+        if (sl && sl.length && fr && fr.length > 1 && !gd.hasAttribute('data-wb-replay'))
+          gd.setAttribute('data-wb-replay', String(n++)); }); return n; }""")
+    out = []
+    for i in range(min(n, max_figures)):
+        gd = page.locator(f'[data-wb-replay="{i}"]')
+        rec: dict = {"index": i}
+        try:
+            gd.scroll_into_view_if_needed(timeout=5000)
+            rail = gd.locator("rect.slider-rail-touch-rect").first
+            box = rail.bounding_box(timeout=5000)
+            if box is None:
+                raise RuntimeError("no slider rail drawn")
+            y = box["y"] + box["height"] / 2
+            for end, x in (("first", box["x"] + 2), ("last", box["x"] + box["width"] - 2)):
+                page.mouse.click(x, y)
+                page.wait_for_timeout(400)
+                rec[end] = gd.evaluate(_FIGURE_SIG_JS)
+            rec["title"] = gd.evaluate("(gd) => (gd.layout.title && (gd.layout.title.text || gd.layout.title)) || ''")
+            rec["changed"] = rec["first"]["sig"] != rec["last"]["sig"]
+        except Exception as e:  # noqa: BLE001 - one figure that cannot be scrubbed is noted, the run goes on
+            rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rec["changed"] = False
+        out.append(rec)
+    return out
+
+
+def reopen(browser: Browser, lab: JupyterLab, rel_path: str, settle_s: float = 6.0) -> dict:
+    """Open a saved notebook again, as a learner does the next day: the widget errors the page
+    shows ("Error displaying widget", "model not found", in the page or its console) and how many
+    outputs and figures it draws.  Its kernel is shut down after."""
+    page = browser.new_page()
+    console: list = []
+    page.on("console", lambda m: console.append(m.text[:300]))
+    info: dict = {}
+    try:
+        page.goto(lab.notebook_url(rel_path))
+        _wait_ready(page, 120)
+        page.wait_for_timeout(int(settle_s * 1000))
+        info = page.evaluate("""() => ({
+          shown: document.querySelectorAll('.jp-OutputArea-output').length,
+          figures: document.querySelectorAll('.jp-RenderedPlotly, .js-plotly-plot').length,
+          page: document.body.innerText.match(/(Error displaying widget|model not found)[^\\n]*/g) || []})""")
+        info["widget_errors"] = info.pop("page") + [m for m in console if "model not found" in m
+                                                    or "Error displaying widget" in m]
+    finally:
+        try:
+            _bounded_js(page, "window.jupyterapp?.shell.currentWidget?.sessionContext?.shutdown()", 30)
+        except Exception:  # noqa: BLE001
+            pass
+        page.close()
+    return info
+
+
+_CELLS_JS = """(markers) => { const w = window.jupyterapp.shell.currentWidget; const out = [];
+  for (const c of w.content.model.cells) { if (c.type !== 'code') continue;
+    const src = c.sharedModel.getSource(); const outs = JSON.stringify(c.outputs.toJSON());
+    out.push({count: c.executionCount, marker: markers.findIndex((m) => src.includes(m)),
+              progress: outs.includes('wb-progress')}); }
+  return out; }"""
+
+
+def progress_delays(browser: Browser, lab: JupyterLab, rel_path: str, markers: list[str],
+                    timeout: float = 600.0) -> dict:
+    """Run All in ``rel_path`` and, for each code cell whose source contains one of ``markers``,
+    the seconds from the cell's start (the code cell before it has finished) to the first progress
+    bar (``wb-progress``) in its output; None when it ended without one.  Stops (kernel shut down)
+    once every marked cell has shown one, ended, or ``timeout`` passes: the cells after are not
+    waited for.  Polled every 0.1 s from the notebook's model, which takes each display update
+    as it arrives."""
+    page = browser.new_page()
+    found: dict = {}
+    try:
+        page.goto(lab.notebook_url(rel_path))
+        _wait_ready(page, 120)
+        page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+        started: dict = {}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and len(found) < len(markers):
+            cells = page.evaluate(_CELLS_JS, markers)
+            now = time.monotonic()
+            for i, c in enumerate(cells):
+                m = c["marker"]
+                if m < 0 or markers[m] in found:
+                    continue
+                if m not in started and (i == 0 or cells[i - 1]["count"] is not None):
+                    started[m] = now
+                if m in started and c["progress"]:
+                    found[markers[m]] = round(now - started[m], 2)
+                elif m in started and c["count"] is not None:
+                    found[markers[m]] = None          # it ended without showing progress
+            time.sleep(0.1)
+    finally:
+        try:
+            _bounded_js(page, "window.jupyterapp?.shell.currentWidget?.sessionContext?.shutdown()", 30)
+        except Exception:  # noqa: BLE001
+            pass
+        page.close()
+    return found
+
+
+def slider_text(browser: Browser, fig_json: dict, at: float = 0.0, read: str = "annotations") -> tuple[str, str]:
+    """A plotly figure with a slider, drawn alone in a page from disk (offline, as in the report):
+    the text it shows (``read``: its first annotation, or its ``title``) before and after a click on
+    the slider's rail at ``at`` (0: the first step, 1: the last)."""
+    import tempfile
+
+    import plotly.io as pio
+
+    html = pio.to_html(fig_json, include_plotlyjs=True, full_html=True, auto_play=False, div_id="fig")
+    page = browser.new_page()
+    errors: list = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    js = ("(gd) => gd.layout.annotations && gd.layout.annotations.length ? gd.layout.annotations[0].text : ''"
+          if read == "annotations" else "(gd) => (gd.layout.title && (gd.layout.title.text || gd.layout.title)) || ''")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "figure.html"
+        path.write_text(html)
+        try:
+            page.goto(path.as_uri())
+            gd = page.locator("#fig")
+            gd.locator("rect.slider-rail-touch-rect").first.wait_for(timeout=10_000)
+            before = gd.evaluate(js)
+            box = gd.locator("rect.slider-rail-touch-rect").first.bounding_box()
+            page.mouse.click(box["x"] + 2 + (box["width"] - 4) * at, box["y"] + box["height"] / 2)
+            page.wait_for_timeout(500)
+            after = gd.evaluate(js)
+        finally:
+            page.close()
+    if errors:
+        raise RuntimeError(f"the figure's page raised: {errors[:3]}")
+    return before, after
 
 
 def _bounded_js(page, expr: str, timeout_s: float) -> str:

@@ -33,6 +33,9 @@ _SETTINGS = {
     # 120 s, the default interval) makes JupyterLab ask "File Changed: overwrite or revert?" and
     # the save waits on that dialog for ever (seen in CI with 03_prefetch)
     "@jupyterlab/docmanager-extension/plugin.jupyterlab-settings": {"autosave": False},
+    # as the Quick start sets it up (scripts/quickstart.sh): a saved notebook keeps its widgets' state, so
+    # an interactive control (01's per-op toggle) reopens drawn, not as "model not found"
+    "@jupyter-widgets/jupyterlab-manager/plugin.jupyterlab-settings": {"saveState": True},
 }
 
 

@@ -166,6 +166,9 @@ class KVBlockMapView:
         self.title, self.height = title, height
         self.llm = self.pool = None
         self.fig = self.label = self.widget = None
+        from workbench.lab.live_output import LiveOutput
+
+        self._live = LiveOutput()                 # the widget's output while a run shows it
         self.updates, self.update_seconds, self.events, self.skipped = 0, 0.0, 0, 0
         self._last = 0.0
         self._drawn_key = self._drawn = None      # what the widget shows now (a cheap key, the snapshot)
@@ -400,11 +403,15 @@ class KVBlockMapView:
         return self._redraw() if self.fig is not None else False
 
     def display(self) -> "KVBlockMapView":
-        from IPython.display import display
+        """Show the live widget; :meth:`run` replaces it with a line when its run ends (the replay
+        has the states: a saved notebook then holds no widget, see
+        :class:`~workbench.lab.live_output.LiveOutput`)."""
+        from workbench.lab.live_output import LiveOutput
 
-        if self.fig is None:
+        if self.fig is None or self._live.shown:
             self._build()
-        display(self.widget)
+        self._live = LiveOutput()
+        self._live.show(self.widget, self.fig, self.label)
         return self
 
     def _repr_mimebundle_(self, **kwargs):
@@ -449,7 +456,12 @@ class KVBlockMapView:
             for st in streams:                          # on an error: every request gives its blocks back
                 st.close()
             together.__exit__(None, None, None)
-        if self.fig is not None:
+        if self._live.shown:                            # its place: a line; the replay steps through the run
+            self._live.end(note=f"The live view has ended: {self.updates} redraws after {self.events} pool events "
+                                f"and {self.skipped} looks that found nothing new. Its replay (replay()) steps "
+                                "through every state it recorded.")
+            self.fig = None
+        elif self.fig is not None:
             store_figure_state(self.fig, send=True)     # a view the browser draws late shows the end of the run
         return outs[0] if single else outs
 

@@ -264,7 +264,17 @@ class PrefetchTimelineView:
         # the replay's record: the step the prefetcher is at, on every token (unchanged steps dropped)
         self.recorder = Recorder(clock=clock) if record else None
         self.record_events, self.record_seconds = 0, 0.0
-        self.fig = go.FigureWidget(timeline_figure([], title=title, height=height))
+        self._build()
+
+    def _build(self) -> None:
+        """The widgets (again after a run ended and replaced them: see :meth:`run`)."""
+        import ipywidgets as widgets
+        import plotly.graph_objects as go
+
+        from workbench.lab.live_output import LiveOutput
+
+        self.live = LiveOutput()
+        self.fig = go.FigureWidget(timeline_figure([], title=self.title, height=self.height))
         self.label = widgets.HTML(value=self._stats_html(), layout=widgets.Layout(width="100%", overflow="hidden"))
         self.widget = widgets.VBox([self.label, self.fig])
         self.widget.add_class("wb-live")                   # found by the browser test (workbench.lab.browser)
@@ -272,11 +282,17 @@ class PrefetchTimelineView:
 
     # ---- display ------------------------------------------------------------------------------
     def _repr_mimebundle_(self, **kwargs):
+        if self.fig is None:
+            self._build()
         return self.widget._repr_mimebundle_(**kwargs)
 
     def show(self) -> PrefetchTimelineView:
-        from IPython.display import display
-        display(self.widget)
+        """Show the live widget; :meth:`run` replaces it with a line when its run ends (the replay
+        has the run: a saved notebook then holds no widget, see
+        :class:`~workbench.lab.live_output.LiveOutput`)."""
+        if self.fig is None or self.live.shown:
+            self._build()
+        self.live.show(self.widget, self.fig, self.label)
         return self
 
     # ---- data ---------------------------------------------------------------------------------
@@ -314,6 +330,8 @@ class PrefetchTimelineView:
         (or ``force``); returns whether it redrew."""
         if not force and self.clock() - self._last_draw < self.min_interval:
             return False
+        if self.fig is None:                  # a run that showed it has ended and closed the widgets
+            self._build()
         t0 = time.monotonic()
         evs = self.window()
         starts = _step_starts(evs)
@@ -348,7 +366,12 @@ class PrefetchTimelineView:
             self.update()
         self.mark()
         self.update(force=True)
-        store_figure_state(self.fig, send=True)    # a view the browser draws late shows the whole run
+        if self.live.shown:         # its place: a line; the replay steps through the run
+            self.live.end(note=f"The live view has ended: {self.redraws} redraws. Its replay (replay()) steps "
+                               "through the run.")
+            self.fig = None
+        else:
+            store_figure_state(self.fig, send=True)    # a view the browser draws late shows the whole run
         return out
 
     def mark(self) -> None:

@@ -146,8 +146,20 @@ class LatencyStreamView:
         if not 0 < max_hz <= 60:
             raise ValueError(f"LatencyStreamView: max_hz must be in (0, 60], got {max_hz}")
         self.min_interval = 1.0 / max_hz
-        self.title = title
+        self.title, self.height = title, height
         self.record = record
+        self._build()
+        self._reset()
+
+    def _build(self) -> None:
+        """The widgets (again after a run ended and replaced them: see :meth:`run`)."""
+        import ipywidgets as widgets
+        import plotly.graph_objects as go
+
+        from workbench.lab.live_output import LiveOutput
+
+        title, height = self.title, self.height
+        self.live = LiveOutput()
         self.fig = go.FigureWidget(
             data=[go.Scatter(x=[], y=[], mode="lines+markers", name="inter-token latency",
                              hovertemplate="token %{x}: %{y:.2f} ms<br>%{text}<extra></extra>", text=[])],
@@ -159,7 +171,6 @@ class LatencyStreamView:
         self.widget = widgets.VBox([self.label, self.fig, self.text])
         self.widget.add_class("wb-live")
         self.widget.add_class(f"wb-live-{self.css_name}")
-        self._reset()
 
     def _reset(self) -> None:
         self.prompt_text = ""
@@ -179,11 +190,16 @@ class LatencyStreamView:
 
     # ---- display -----------------------------------------------------------------------------
     def _repr_mimebundle_(self, **kwargs):
+        if self.fig is None:
+            self._build()
         return self.widget._repr_mimebundle_(**kwargs)
 
     def display(self) -> "LatencyStreamView":
-        from IPython.display import display
-        display(self.widget)
+        """Show the live widget; :meth:`run` replaces it when the stream ends (see
+        :class:`~workbench.lab.live_output.LiveOutput`: a saved notebook then holds no widget)."""
+        if self.live.shown or self.fig is None:     # shown already, or a run ended and closed it
+            self._build()
+        self.live.show(self.widget, self.fig, self.label, self.text)
         return self
 
     # ---- data --------------------------------------------------------------------------------
@@ -261,6 +277,8 @@ class LatencyStreamView:
         from workbench.engine.llm import RequestOutput
 
         self._reset()
+        if self.fig is None:                       # the last run ended and closed its widgets
+            self._build()
         max_tokens = getattr(params, "max_tokens", None) or 0
         self._record_every = max(1, max_tokens // 240)
         if display:
@@ -281,6 +299,10 @@ class LatencyStreamView:
                 last = time.monotonic()
         self._redraw(True)
         self.output = out
+        if self.live.shown:      # the live widget's place: a line (the replay, shown next, has the run)
+            self.live.end(note=f"The live view has ended: {len(self.times)} tokens, {self.updates} redraws. "
+                               "Its replay (replay_figure()) plays the run back.")
+            self.fig = None
         return out
 
     def replay_figure(self):
