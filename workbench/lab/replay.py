@@ -144,7 +144,7 @@ def replay_figure(fig, frames: list[Frame], *, max_frames: int = MAX_FRAMES, red
     span = frames[-1].t_ms - frames[0].t_ms
     # controls placed in pixels around the plot area, whatever its height: the buttons in a row above
     # it (under the title), the scrubber below the x axis's title, the caption under the scrubber
-    above, below = 44, 175 if note else 160
+    above, below = 44, 190 if note else 175
     margin = fig.layout.margin.to_plotly_json() if fig.layout.margin else {}
     top, bottom = (margin.get("t") or 80), (margin.get("b") or 40)
     row = {"type": "buttons", "direction": "left", "y": 1, "yanchor": "bottom", "pad": {"b": 8, "r": 4}}
@@ -159,8 +159,8 @@ def replay_figure(fig, frames: list[Frame], *, max_frames: int = MAX_FRAMES, red
         height=(fig.layout.height or 450) + above + max(0, below - bottom))
     if n > LABELLED_STEPS:              # step labels would overlap: the current one is named above the slider
         fig.layout.sliders[0].font = {"size": 1, "color": "rgba(0,0,0,0)"}
-    caption = (f"replay: {n} frames over {span:,.1f} ms of the run. ▶ play shows {STEADY_FPS} frames a second; "
-               "0.25x-4x play at the recorded pace; drag or click the slider to step frame by frame")
+    caption = (f"replay: {n} frames over {span:,.1f} ms of the run. ▶ play shows {STEADY_FPS} frames a second, "
+               "0.25x-4x the recorded pace;<br>drag or click the slider to step frame by frame")
     if note:
         caption += f"<br>{note}"
     fig.add_annotation(text=caption, xref="paper", yref="paper", x=0, y=0, yshift=-(below - 30), xanchor="left",
