@@ -1,6 +1,6 @@
 """``workbench`` command line: generate, bench, run-notebooks, info, kv-inspect, prefix-bench,
 sched-bench, serve, load, kernels-bench, kernels-aot, prefetch-bench, tier-bench, quant-bench, quantize,
-calibrate-quant, claims, decode-stack, import-gguf.
+calibrate-quant, claims, decode-stack, import-gguf, exercises.
 
 argparse lives only in this package; each subcommand calls a plain function with the same parameters.
 A :class:`WorkbenchError` is printed as one line and the exit status is 2 (no traceback).
@@ -12,7 +12,8 @@ prefix-bench, sched-bench), :mod:`~workbench.cli.notebooks` (run-notebooks),
 (tier-bench), :mod:`~workbench.cli.quant` (quant-bench), :mod:`~workbench.cli.quantize` (quantize: a
 compressed-tensors checkpoint), :mod:`~workbench.cli.calibrate` (calibrate-quant), :mod:`~workbench.cli.claims`
 (the claims lab), :mod:`~workbench.cli.decode_stack` (decode-stack: the paged decode stack against the
-contiguous graph path) and :mod:`~workbench.cli.gguf` (import-gguf: a GGUF file as a Hugging Face folder);
+contiguous graph path), :mod:`~workbench.cli.gguf` (import-gguf: a GGUF file as a Hugging Face folder) and
+:mod:`~workbench.cli.exercises` (exercises: list, check, hint);
 the shared options are in
 :mod:`~workbench.cli.options`.
 """
@@ -25,6 +26,7 @@ import sys
 from workbench.cli.bench import add_bench_parser, add_prefix_bench_parser, add_sched_bench_parser
 from workbench.cli.calibrate import add_calibrate_parser
 from workbench.cli.claims import add_claims_parser
+from workbench.cli.exercises import add_exercises_parser
 from workbench.cli.gguf import add_import_gguf_parser
 from workbench.cli.decode_stack import add_decode_stack_parser
 from workbench.cli.kernels import add_kernels_aot_parser, add_kernels_bench_parser
@@ -61,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_claims_parser(sub)
     add_decode_stack_parser(sub)
     add_import_gguf_parser(sub)
+    add_exercises_parser(sub)
     return ap
 
 

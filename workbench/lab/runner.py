@@ -136,12 +136,18 @@ def declared_parameters(nb: Path) -> set[str]:
 
 
 def batch_parameters(nb: Path, parameters: dict) -> dict:
-    """``parameters`` plus ``live=False`` for a notebook that declares ``live`` (unless given): a
+    """``parameters`` plus, unless given, ``live=False`` for a notebook that declares ``live``: a
     batch run shows each figure once, as a static figure, and no live widget (papermill
-    attaches a kernel too, so the notebook cannot tell a batch run from a person by itself)."""
-    if "live" not in parameters and "live" in declared_parameters(nb):
-        return {**parameters, "live": False}
-    return dict(parameters)
+    attaches a kernel too, so the notebook cannot tell a batch run from a person by itself); and
+    ``exercises="solutions"`` for a notebook that declares ``exercises``: a batch run fills every
+    exercise with its solution and runs its checker (:mod:`workbench.exercises`)."""
+    declared = declared_parameters(nb)
+    out = dict(parameters)
+    if "live" not in parameters and "live" in declared:
+        out["live"] = False
+    if "exercises" not in parameters and "exercises" in declared:
+        out["exercises"] = "solutions"
+    return out
 
 
 def _same_dir(a: str, b: str) -> bool:

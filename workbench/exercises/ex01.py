@@ -1,0 +1,3 @@
+"""Notebook 01's exercises."""
+
+EXERCISES: list = []

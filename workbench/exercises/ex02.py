@@ -1,0 +1,3 @@
+"""Notebook 02's exercises."""
+
+EXERCISES: list = []

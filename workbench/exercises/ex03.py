@@ -1,0 +1,3 @@
+"""Notebook 03's exercises."""
+
+EXERCISES: list = []

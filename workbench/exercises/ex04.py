@@ -1,0 +1,3 @@
+"""Notebook 04's exercises."""
+
+EXERCISES: list = []

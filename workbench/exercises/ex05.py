@@ -1,0 +1,3 @@
+"""Notebook 05's exercises."""
+
+EXERCISES: list = []

@@ -1,0 +1,3 @@
+"""Notebook 06's exercises."""
+
+EXERCISES: list = []
