@@ -263,6 +263,14 @@ def test_batch_runs_set_live_false_where_a_notebook_declares_it(tmp_path):
     assert batch_parameters(plain, {"device": "cpu"}) == {"device": "cpu"}   # not declared: not injected
 
 
+def test_batch_runs_fill_the_exercises_with_their_solutions_where_a_notebook_declares_them(tmp_path):
+    from workbench.lab.runner import batch_parameters
+
+    ex = write_notebook(tmp_path / "ex.ipynb", "x = 1", parameters='exercises = "yours"\nlive = True')
+    assert batch_parameters(ex, {}) == {"exercises": "solutions", "live": False}
+    assert batch_parameters(ex, {"exercises": "yours"}) == {"exercises": "yours", "live": False}   # given: kept
+
+
 @pytest.mark.slow
 def test_a_batch_run_shows_the_static_figure_not_the_live_widget(tmp_path):
     nbs = tmp_path / "nbs"
