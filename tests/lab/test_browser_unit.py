@@ -26,9 +26,12 @@ def test_missing_chromium_is_named(monkeypatch, tmp_path):
 
 def test_problems_name_a_reopened_widget_error_and_a_replay_that_does_not_change():
     base = dict(notebook="n.ipynb", completed=True, all_ran=True, dirty_on_open=False)
-    ok = LabRun(**base, replays=[{"changed": False}, {"changed": True}], reopened={"widget_errors": []})
+    ok = LabRun(**base, replays=[{"changed": True}, {"changed": True}], reopened={"widget_errors": []})
     assert ok.problems(replays=True) == []
-    bad = LabRun(**base, replays=[{"changed": False}], reopened={"widget_errors": ["Error displaying widget: model not found"]})
+    one = LabRun(**base, replays=[{"index": 0, "changed": True}, {"index": 1, "title": "ramp", "changed": False}])
+    assert one.problems(replays=True) == ["replay 1 ('ramp') did not change when scrubbed from its first frame to its last"]
+    assert LabRun(**base).problems(replays=True) == ["no replay found (a plotly figure with frames and a slider)"]
+    bad = LabRun(**base, replays=[{"index": 0, "changed": False}], reopened={"widget_errors": ["Error displaying widget: model not found"]})
     got = " | ".join(bad.problems(replays=True))
-    assert "reopened: Error displaying widget" in got and "no replay changed" in got
+    assert "reopened: Error displaying widget" in got and "replay 0 ('') did not change" in got
     assert bad.problems(replays=False) == ["reopened: Error displaying widget: model not found"]

@@ -128,13 +128,17 @@ class LabRun:
     reopened: dict = field(default_factory=dict)  # the saved notebook opened again: widget errors, outputs shown
 
     def problems(self, live_views=(), replays: bool = False) -> list[str]:
-        """What went wrong; ``replays``: the notebook must hold a replay whose frames differ when
-        scrubbed from the first to the last."""
+        """What went wrong; ``replays``: the notebook must hold replays, and every one must draw
+        something else at its last frame than at its first when its slider is clicked."""
         out = [f"error output {e}" for e in self.errors] + [f"widget: {w}" for w in self.widget_errors]
         out += [f"page error: {e}" for e in self.page_errors]
         out += [f"reopened: {e}" for e in self.reopened.get("widget_errors", [])]
-        if replays and not any(r.get("changed") for r in self.replays):
-            out.append(f"no replay changed when scrubbed from its first frame to its last ({len(self.replays)} found)")
+        if replays and not self.replays:
+            out.append("no replay found (a plotly figure with frames and a slider)")
+        for r in self.replays if replays else ():
+            if not r.get("changed"):
+                out.append(f"replay {r.get('index')} ({str(r.get('title', ''))[:60]!r}) did not change when scrubbed "
+                           f"from its first frame to its last" + (f": {r['error']}" if r.get("error") else ""))
         if not self.completed:
             out.append(f"run-all did not finish ({self.note})")
         elif not self.all_ran:
@@ -274,6 +278,9 @@ def scrub_replays(page, max_figures: int = 8) -> list[dict]:
         try:
             gd.scroll_into_view_if_needed(timeout=5000)
             rail = gd.locator("rect.slider-rail-touch-rect").first
+            # a replay taller than the window (04's four-panel ramps) has its slider below the fold:
+            # scroll the rail itself into view, or the clicks land outside the page
+            rail.scroll_into_view_if_needed(timeout=5000)
             box = rail.bounding_box(timeout=5000)
             if box is None:
                 raise RuntimeError("no slider rail drawn")
