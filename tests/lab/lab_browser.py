@@ -225,6 +225,16 @@ def run_and_check(path: Path, tmp_path: Path, lab_session, expected_keys=frozens
         executed = (tmp_path if lab_session is None else lab_session.out) / path.name
         assert any(fig.get("frames") and fig["layout"].get("sliders") for fig in plotly_outputs(executed)), \
             f"{executed}: no plotly figure with frames and a slider (a replay) among its outputs"
+    executed = (tmp_path if lab_session is None else lab_session.out) / path.name
+    verdicts = exercise_verdicts(executed)
+    from workbench.exercises import for_notebook
+    assert sorted(verdicts) == sorted(e.id for e in for_notebook(path.stem)), \
+        f"{path.name}: exercise checks shown {sorted(verdicts)}"
+    # papermill runs as a batch run does (the solutions: every check passes); JupyterLab as a learner
+    # opens it (the stubs not written: the notebook runs on the package's own functions)
+    mode = params.get("exercises", "solutions" if lab_session is None else "yours")
+    want = "passed" if mode == "solutions" else "not written"
+    assert all(v == want for v in verdicts.values()), f"{path.name} ({mode}): exercise checks {verdicts}, want {want}"
     assert sidecar.is_file(), f"{path.name} did not write its results to results_path"
     loaded = load_results(sidecar)
     metrics = loaded["metrics"]
@@ -235,6 +245,27 @@ def run_and_check(path: Path, tmp_path: Path, lab_session, expected_keys=frozens
     not_run = rows.loc[rows["meets"] == "not run", "headline"].tolist()
     assert not not_run, f"{path.name}: the report's front page lacks these headlines: {not_run}"
     return loaded
+
+
+def exercise_verdicts(path: Path) -> dict[str, str]:
+    """exercise id -> the status its check cell showed (passed / failed / not written), read from
+    the executed copy's outputs (the verdict box's ``data-status``)."""
+    import re
+
+    import nbformat
+
+    from workbench.exercises.cells import cell_tag
+
+    out = {}
+    for cell in nbformat.read(str(path), as_version=4).cells:
+        tag = cell_tag(cell)
+        if not tag or tag[1] != "check":
+            continue
+        for o in cell.get("outputs", []):
+            m = re.search(r"data-status='([a-z ]+)'", o.get("data", {}).get("text/html", ""))
+            if m:
+                out[tag[0]] = m.group(1)
+    return out
 
 
 def plotly_outputs(path: Path):
