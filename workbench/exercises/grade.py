@@ -136,6 +136,12 @@ def format_table(rows: list[tuple[str, Result]]) -> str:
 
 
 def main() -> int:
+    import os
+
+    if "TRITON_INTERPRET" not in os.environ and "triton" not in sys.modules:
+        import torch      # Triton exercises (01) run under the interpreter where there is no GPU; the
+        if not torch.cuda.is_available():   # variable is read when triton is first imported
+            os.environ["TRITON_INTERPRET"] = "1"
     req = json.loads(sys.stdin.read())
     rows = _grade_in_this_process(req["answers"], req.get("notebook", "notebook"), req.get("examples"))
     sys.stdout.write("\n" + json.dumps(rows) + "\n")

@@ -8,6 +8,7 @@
     remove_backends(model)     # the reference modules again
     apply_backends(model, parse_backend_spec("triton,attention_prefill=eager"))   # the CLI's --backend text
     describe_backends(model)   # {"backend": "mixed", "backends": "rmsnorm=triton ...", ...}: benchmark rows, headers
+    replace_entry_points(model, rmsnorm=my_rmsnorm)   # one function in place of an entry point (a learner's kernel)
 
 Backends: ``eager`` (the plain-torch reference, the ``*_ref`` functions of ``workbench_kernels``:
 bitwise the reference model), ``triton`` (the fused kernels), ``compile`` (``torch.compile`` of
@@ -113,15 +114,18 @@ _COMPILED: dict[tuple[str, str], Callable] = {}
 
 
 class Ops:
-    """The resolved entry points of one backend choice: ``ops.rmsnorm(x, w, eps)`` ..."""
+    """The resolved entry points of one backend choice: ``ops.rmsnorm(x, w, eps)`` ...  ``replaced``:
+    entry point -> the name of the function standing in for it (:func:`replace_entry_points`)."""
 
-    def __init__(self, backends: dict[str, str], fns: dict[str, Callable]) -> None:
+    def __init__(self, backends: dict[str, str], fns: dict[str, Callable], replaced: dict[str, str] | None = None) -> None:
         self.backends = dict(backends)
+        self.replaced = dict(replaced or {})
         for name, fn in fns.items():
             setattr(self, name, fn)
 
     def __repr__(self) -> str:
-        return f"Ops({format_backends(self.backends)})"
+        extra = "".join(f" {e}<-{f}" for e, f in self.replaced.items())
+        return f"Ops({format_backends(self.backends)}{extra})"
 
 
 def _kernel_file(target: str) -> str | None:
@@ -327,6 +331,94 @@ def remove_backends(model: CausalLM) -> CausalLM:
         m.__dict__.pop("_wb_ops", None)
     model.__dict__.pop("_wb_backends", None)
     model.__dict__.pop("_wb_ops", None)
+    return model
+
+
+# ---- one function in place of an entry point ------------------------------------------------------------
+#: entry points another function may stand in for (:func:`replace_entry_points`), and what each returns
+REPLACEABLE: dict[str, str] = {
+    "rmsnorm": "y: x's shape, dtype promote(x, weight), x's device",
+    "add_rmsnorm": "(y, h): both x's shape and device; h = residual + x in x's dtype, y in promote(x, weight)",
+    "swiglu": "y: gate's shape (half its last dimension when up is None), dtype and device",
+}
+
+
+def _tensor_problem(what: str, t, like: torch.Tensor, shape: tuple, dtype: torch.dtype) -> str | None:
+    if not isinstance(t, torch.Tensor):
+        return f"{what} must be a torch.Tensor, got {type(t).__name__}"
+    if tuple(t.shape) != tuple(shape):
+        return f"{what} must have shape {tuple(shape)}, got {tuple(t.shape)}"
+    if t.dtype != dtype:
+        return f"{what} must have dtype {str(dtype).removeprefix('torch.')}, got {str(t.dtype).removeprefix('torch.')}"
+    if t.device != like.device:
+        return f"{what} must be on {like.device}, got {t.device}"
+    return None
+
+
+_PARAMS = {"rmsnorm": ("x", "weight", "eps"), "add_rmsnorm": ("x", "residual", "weight", "eps"), "swiglu": ("gate", "up")}
+
+
+def _result_problem(entry: str, args: tuple, kwargs: dict, out) -> str | None:
+    """None when ``out`` has the form :data:`REPLACEABLE` says ``entry`` returns, else the rule broken."""
+    a = {**dict(zip(_PARAMS[entry], args)), **kwargs}
+    if entry == "rmsnorm":
+        x = a["x"]
+        return _tensor_problem("y", out, x, x.shape, torch.promote_types(x.dtype, a["weight"].dtype))
+    if entry == "add_rmsnorm":
+        x = a["x"]
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            return f"the result must be a pair (y, h), got {type(out).__name__}"
+        return (_tensor_problem("y", out[0], x, x.shape, torch.promote_types(x.dtype, a["weight"].dtype))
+                or _tensor_problem("h", out[1], x, x.shape, x.dtype))
+    gate = a["gate"]
+    shape = gate.shape if a.get("up") is not None else (*gate.shape[:-1], gate.shape[-1] // 2)
+    return _tensor_problem("y", out, gate, shape, gate.dtype)
+
+
+def _checked(entry: str, fn: Callable) -> Callable:
+    name = getattr(fn, "__name__", type(fn).__name__)
+
+    def run(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        problem = _result_problem(entry, args, kwargs, out)
+        if problem:
+            raise WorkbenchError(f"{entry}, replaced by {name}: {problem} (the entry point returns "
+                                 f"{REPLACEABLE[entry]})")
+        return out
+    run.__name__, run.__wrapped__ = name, fn
+    return run
+
+
+def replace_entry_points(model: CausalLM, **fns: Callable) -> CausalLM:
+    """Run ``fns`` in place of entry points of the backends ``model`` already has, in place; returns
+    the model.  ``replace_entry_points(model, rmsnorm=my_rmsnorm)``: every RMSNorm of the model calls
+    ``my_rmsnorm(x, weight, eps)`` (notebook 01 plugs a learner's Triton kernel in this way).
+
+    Only the entry points of :data:`REPLACEABLE` may be replaced, with a function of the same
+    parameters; each call's result is checked (type, shape, dtype, device) before the model uses it,
+    and a wrong one raises :class:`WorkbenchError` naming the rule.  The next :func:`apply_backends`
+    or :func:`remove_backends` undoes it; :func:`current_backends` still names the backends, and
+    ``model._wb_ops.replaced`` names the functions standing in."""
+    if not isinstance(model, CausalLM):
+        raise ConfigError(f"replace_entry_points: expected a workbench CausalLM, got {type(model).__name__}")
+    ops = getattr(model, "_wb_ops", None)
+    if ops is None:
+        raise ConfigError("replace_entry_points: the model has no backends: apply_backends(model, ...) first "
+                          "(the entry points replaced are those of a backend choice)")
+    for entry, fn in fns.items():
+        if entry not in REPLACEABLE:
+            raise ConfigError(f"replace_entry_points: {entry!r} cannot be replaced; entry points that can: "
+                              f"{', '.join(REPLACEABLE)}")
+        if not callable(fn):
+            raise ConfigError(f"replace_entry_points: {entry} must be a function, got {type(fn).__name__}")
+    entries = {e: getattr(ops, e) for names in OPS.values() for e in names}
+    entries.update({e: _checked(e, fn) for e, fn in fns.items()})
+    new = Ops(ops.backends, entries, {**ops.replaced, **{e: getattr(fn, "__name__", type(fn).__name__)
+                                                         for e, fn in fns.items()}})
+    for _, m in _targets(model):
+        if hasattr(m, "_wb_ops"):
+            m._wb_ops = new
+    model._wb_ops = new
     return model
 
 
