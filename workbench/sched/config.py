@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from workbench.errors import ConfigError
 
@@ -18,6 +19,9 @@ class SchedulerConfig:
     prefix_aware: bool = True              # admit requests with longer cached prefixes first (same priority)
     max_queue_len: int = 1024              # waiting requests beyond this are rejected on arrival
     aging_s: float | None = 5.0            # +1 effective priority per aging_s waited (bounds starvation)
+    # who joins a step: None for the package's rule (workbench.sched.admission.admit), or a function with
+    # its parameters (notebook 04's exercise 04.admit); an invalid answer is a one-line WorkbenchError
+    admission: Callable | None = None
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, why: str) -> None:
@@ -31,3 +35,22 @@ class SchedulerConfig:
         need(isinstance(self.max_queue_len, int) and self.max_queue_len >= 0, "max_queue_len",
              "must be an integer >= 0")
         need(self.aging_s is None or self.aging_s > 0, "aging_s", "must be > 0 seconds or None (no aging)")
+        need(self.admission is None or _takes_rule_arguments(self.admission), "admission",
+             "must be None (the package's rule) or a function (waiting, budget, scheduled_tokens, free_seqs, "
+             "free_blocks, chunked_prefill) -> [(request id, tokens), ...]")
+
+
+def _takes_rule_arguments(fn) -> bool:
+    """Can ``fn`` be called as the scheduler calls an admission rule (by keyword)?"""
+    import inspect
+
+    if not callable(fn):
+        return False
+    try:
+        inspect.signature(fn).bind(waiting=[], budget=0, scheduled_tokens=0, free_seqs=0, free_blocks=0,
+                                   chunked_prefill=True)
+    except TypeError:
+        return False
+    except ValueError:          # no signature to read (a builtin): let the call say
+        return True
+    return True

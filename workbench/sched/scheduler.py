@@ -8,7 +8,8 @@ tokens, so prompts and generations mix in one batch (continuous batching).  Per 
        then take min(remaining, budget) tokens (a decode token, or a prefill chunk);
     2. swapped-out sequences come back when blocks allow (before any new admission); one
        that could never fit in the pool again is ended with a reason (``rejected``);
-    3. waiting requests are admitted, highest (aged) priority first, then longest cached
+    3. waiting requests are admitted by the admission rule (:func:`workbench.sched.admission.admit`,
+       or ``SchedulerConfig.admission``), highest (aged) priority first, then longest cached
        prefix first (prefix-aware), then arrival order; a request that cannot get blocks may
        preempt running requests of strictly lower priority, but only when preempting them
        would make it fit; one that could never fit in the pool (prompt plus ``max_new``
@@ -35,7 +36,9 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+from workbench.errors import WorkbenchError
 from workbench.kv.block_manager import AllocStatus, BlockManager
+from workbench.sched.admission import admission_problem, admit
 from workbench.sched.config import SchedulerConfig
 from workbench.sched.sequence import Sequence, SeqStatus
 
@@ -105,6 +108,7 @@ class Scheduler:
         self._seq_no = 0
         self.num_preemptions = 0
         self.num_rejected = 0
+        self._admission_error: str | None = None   # an admission rule's invalid answer, raised next step
 
     # ---- requests in and out ----------------------------------------------------------------
     def add(self, seq: Sequence) -> str | None:
@@ -256,6 +260,9 @@ class Scheduler:
 
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
+        if self._admission_error is not None:      # an admission rule's bad answer of the last step
+            msg, self._admission_error = self._admission_error, None
+            raise WorkbenchError(msg)
         self.step_no += 1
         cfg, m = self.config, self.manager
         out = SchedulerOutput(self.step_no, now)
@@ -318,37 +325,154 @@ class Scheduler:
 
         # 3. admissions, once the micro-batch window of the oldest waiting request has passed
         if self.waiting and not self.swapped and self._window_open(now):
-            if cfg.prefix_aware:
-                cached = {s.request_id: m.cached_prefix_tokens(s.tokens) if _reuse(s) else 0 for s in self.waiting}
-                key = lambda s: (order(s)[0], -cached[s.request_id], s.seq_no)  # noqa: E731
-            else:
-                key = order
-            for seq in sorted(self.waiting, key=key):
-                if budget <= 0:
-                    break
-                reason = self._never_fits(seq)
-                if reason is not None:                     # before anything is preempted for it
-                    self._reject(seq, reason, out)
-                    continue
-                status = m.can_allocate(len(seq.tokens), seq.tokens, _reuse(seq))
-                if len(self.running) >= cfg.max_num_seqs or status is not AllocStatus.OK:
-                    if not self._make_room_by_priority(seq, now, out):
-                        break                              # first come, first served: no overtaking
-                    status = m.can_allocate(len(seq.tokens), seq.tokens, _reuse(seq))
-                budget = left()
-                if status is not AllocStatus.OK or len(self.running) >= cfg.max_num_seqs:
-                    break
-                alloc = m.allocate(seq.request_id, seq.tokens, _reuse(seq))
-                self.waiting.remove(seq)
-                seq.num_computed = alloc.num_cached_tokens
-                seq.state["allocation"] = alloc
-                self._start_running(seq, now)
-                out.admitted.append(seq)
-                n = self._chunk(seq, budget, bool(out.scheduled))
-                if n:
-                    out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
-                    budget -= n
+            self._admit_waiting(now, out, left)
         return out
+
+    # ---- step 3: admissions ------------------------------------------------------------------
+    def _look(self, seq: Sequence) -> tuple[int, int, int]:
+        """(prompt tokens in the prefix cache, tokens it computes once admitted, KV blocks admitting
+        it takes from the available ones), as :meth:`BlockManager.allocate` would now: one prefix
+        match.  Cached hits no request holds are available blocks too, so they count as taken."""
+        m = self.manager
+        hits = m._match(list(seq.tokens), _reuse(seq))[0]
+        cached = len(hits) * m.block_size
+        need = -(-len(seq.tokens) // m.block_size)
+        held_by_none = sum(1 for b in hits if m.blocks[b].ref_count == 0)
+        return cached, len(seq.tokens) - cached, need - len(hits) + held_by_none
+
+    def _admit_waiting(self, now: float, out: SchedulerOutput, left) -> None:
+        """Step 3 of :meth:`schedule`.  The admission rule (``config.admission``, default
+        :func:`workbench.sched.admission.admit`) sees the waiting requests that can fit in the
+        pool as plain values and answers which join this step (pure: it changes nothing).  The
+        requests are then walked in the package's order (aged priority, cached prefix when
+        prefix-aware, arrival; fixed for the step): one that can never fit is rejected when the
+        walk reaches it (while the budget lasts), one the rule admitted is allocated, and the first
+        the rule left out that does not fit may preempt running requests of lower priority
+        (:meth:`_make_room_by_priority`) and is admitted then.  When the state moved away from
+        what the rule was shown (an admission took cached blocks another request would hit, an
+        offload tier restored a prefix, a preemption freed blocks), the rule is asked again about
+        the requests still waiting: every decision is taken on exact numbers, as the loop it
+        replaces took them one request at a time."""
+        cfg, m = self.config, self.manager
+        if left() <= 0:
+            return
+        rule = cfg.admission or admit
+        looks = {s.request_id: self._look(s) for s in self.waiting}
+        cached = {rid: (c if cfg.prefix_aware else 0) for rid, (c, _, _) in looks.items()}
+        prio = {s.request_id: self.effective_priority(s, now) for s in self.waiting}
+        queue = sorted(self.waiting, key=lambda s: (-prio[s.request_id], -cached[s.request_id], s.seq_no))
+        never = {s.request_id: self._never_fits(s) for s in queue}
+        fresh = True                               # looks describe the pool as it is now
+        while queue:
+            if left() <= 0:
+                return
+            if not fresh:
+                looks = {s.request_id: self._look(s) for s in queue}
+            waiting = [{"id": s.request_id, "priority": prio[s.request_id], "cached": cached[s.request_id],
+                        "arrival": s.seq_no, "tokens": looks[s.request_id][1], "blocks": looks[s.request_id][2]}
+                       for s in queue if never[s.request_id] is None]
+            shown = dict(waiting=waiting, budget=cfg.max_num_batched_tokens,
+                         scheduled_tokens=sum(x.num_tokens for x in out.scheduled),
+                         free_seqs=max(0, cfg.max_num_seqs - len(self.running)), free_blocks=m.num_available_blocks,
+                         chunked_prefill=cfg.chunked_prefill)
+            planned = self._ask(rule, shown, out)
+            if planned is None:
+                return
+            fresh, again = True, False
+            assumed_free = shown["free_blocks"]    # the blocks the rule's answer leaves, as it was shown them
+            for seq in list(queue):
+                if left() <= 0 and not planned:
+                    return
+                rid = seq.request_id
+                if never[rid] is not None:
+                    if left() > 0:                 # (as far as the budget lasts)
+                        self._reject(seq, never[rid], out)
+                        queue.remove(seq)
+                    continue
+                if not fresh and self._look(seq) != looks[rid]:
+                    again = True                   # the rule saw other numbers for it: ask again
+                    break
+                if rid in planned:
+                    before = m.num_cached_blocks
+                    n = self._start_admitted(seq, now, out, left, planned.pop(rid), looks[rid][1])
+                    queue.remove(seq)              # (refused by the pool: it stays waiting, for the next step)
+                    assumed_free -= looks[rid][2]
+                    if n is None or n[0] != n[1]:
+                        fresh, again = False, True     # the pool or the budget is not what the rule saw
+                        break
+                    if m.num_cached_blocks != before or m.num_available_blocks != assumed_free:
+                        fresh = False              # others' prefix hits may have moved: look again before each
+                    continue
+                if planned:
+                    continue                       # the rule admits requests after this one: pass it over
+                # the first request the rule left out, its admissions done: priority preemption
+                if len(self.running) < cfg.max_num_seqs and looks[rid][2] <= m.num_available_blocks:
+                    again = not fresh              # it fits: the rule left it waiting (asked again if the
+                    break                          # pool moved under the answer)
+                if not self._make_room_by_priority(seq, now, out):
+                    return                         # first come, first served: no overtaking
+                status = m.can_allocate(len(seq.tokens), seq.tokens, _reuse(seq))
+                if status is not AllocStatus.OK or len(self.running) >= cfg.max_num_seqs:
+                    return
+                self._start_admitted(seq, now, out, left, None, None)
+                queue.remove(seq)
+                fresh, again = False, True
+                break
+            if not again:
+                return
+
+    def _ask(self, rule, shown: dict, out: SchedulerOutput) -> dict[str, int] | None:
+        """The rule's answer as {request id: tokens}; None when it has none to give (it raised or
+        answered something invalid: see :meth:`_refuse`)."""
+        if rule is admit:                          # the package's own: trusted, not copied or validated
+            return dict(admit(**shown))
+        try:
+            answer = rule(**{**shown, "waiting": [dict(w) for w in shown["waiting"]]})
+        except Exception as e:  # noqa: BLE001 - the learner's code: said in one line
+            self._refuse(f"it raised {type(e).__name__}: {e}", out)
+            return None
+        problem = admission_problem(answer, **shown)
+        if problem is not None:
+            self._refuse(problem, out)
+            return None
+        return {rid: n for rid, n in answer}
+
+    def _refuse(self, problem: str, out: SchedulerOutput) -> None:
+        """An admission rule's answer that cannot be carried out: a one-line WorkbenchError.
+        Nothing of it is applied.  Raised now when nothing else happened in this step; otherwise
+        this step goes on without its admissions (the KV copies, preemptions and rejections
+        decided before it must reach the engine) and the next :meth:`schedule` raises it, before
+        it changes anything.  Either way every request is still queued and every block accounted."""
+        msg = (f"SchedulerConfig.admission at step {out.step}: {problem}; nothing was admitted, every request "
+               "still waits")
+        if not (out.admitted or out.preempted or out.swapped_out or out.swapped_in or out.rejected):
+            self.step_no -= 1
+            raise WorkbenchError(msg)
+        self._admission_error = msg
+
+    def _start_admitted(self, seq: Sequence, now: float, out: SchedulerOutput, left, planned: int | None,
+                        shown_tokens: int | None) -> tuple[int, int] | None:
+        """Allocate ``seq``'s blocks, start it and schedule its first chunk: the rule's ``planned``
+        tokens (capped by what remains after the allocation: an offload tier may restore more of
+        its prefix than the rule was shown), or the package's chunk rule (None: the package's own
+        rule, or a request admitted after a preemption).  Returns (tokens scheduled, tokens
+        planned), or None when the pool refuses the blocks (nothing changed)."""
+        m = self.manager
+        alloc = m.allocate(seq.request_id, seq.tokens, _reuse(seq))
+        if alloc is None:
+            return None
+        self.waiting.remove(seq)
+        seq.num_computed = alloc.num_cached_tokens
+        seq.state["allocation"] = alloc
+        self._start_running(seq, now)
+        out.admitted.append(seq)
+        if planned is None or self.config.admission is None:
+            n = self._chunk(seq, left(), bool(out.scheduled))
+        else:
+            n = seq.remaining if planned >= shown_tokens else min(planned, seq.remaining)
+        if n:
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
+        return n, (n if planned is None else planned)
 
     def _chunk(self, seq: Sequence, budget: int, others: bool) -> int:
         """Tokens of ``seq`` to compute within ``budget``: all that remain, or a prefill chunk.

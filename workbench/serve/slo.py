@@ -38,11 +38,33 @@ from typing import AsyncIterator, Callable
 
 import numpy as np
 
-from workbench.errors import ConfigError
+from workbench.errors import ConfigError, WorkbenchError
 from workbench.load.target import Prompt, TokenEvent
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 POLICIES = ("reject", "queue")
+
+
+def ewma_step(baseline: float | None, p95: float, samples: int, alpha: float, factor: float, learn_factor: float,
+              min_samples: int, min_threshold: float) -> tuple[float | None, bool]:
+    """One TTFT sample's effect on a CLOSED guard: ``(baseline after it, whether the guard trips)``.
+
+    ``p95``: the window's P95 TTFT (seconds) with the sample in it; ``samples``: TTFTs in the
+    window.  Until ``min_samples`` are in, nothing happens; the first full window's P95 seeds the
+    baseline; the guard trips when the P95 exceeds ``max(factor x baseline, min_threshold)``
+    (strictly: a P95 exactly at the bound does not trip), leaving the baseline as it was; a P95
+    at most ``learn_factor x baseline`` is healthy and the baseline learns it by EWMA,
+    ``baseline + alpha (p95 - baseline)`` (``alpha * p95 + (1 - alpha) * baseline``); between
+    the two it is neither: a slow period does not become the norm."""
+    if samples < min_samples:
+        return baseline, False
+    if baseline is None:
+        return p95, False
+    if p95 > max(factor * baseline, min_threshold):
+        return baseline, True
+    if p95 <= learn_factor * baseline:
+        return baseline + alpha * (p95 - baseline), False
+    return baseline, False
 
 
 @dataclass
@@ -61,6 +83,9 @@ class SLOConfig:
     policy: str = "reject"         # OPEN sheds by "reject" or "queue"
     queue_timeout_s: float = 10.0  # policy="queue": how long GuardedTarget holds a request at most
     bypass_priorities: tuple = ()  # priorities admitted even while OPEN (e.g. (1,) for "interactive")
+    # the breaker's step: None for the package's (ewma_step), or a function with its parameters
+    # (notebook 04's exercise 04.breaker); an invalid answer is a one-line WorkbenchError
+    update: Callable | None = None
 
     def __post_init__(self) -> None:
         def bad(name, why):
@@ -96,6 +121,8 @@ class SLOConfig:
             self.bypass_priorities = tuple(int(p) for p in self.bypass_priorities)
         except (TypeError, ValueError):
             bad("bypass_priorities", "must be a tuple of integer priorities")
+        if self.update is not None and not callable(self.update):
+            bad("update", "must be None (the package's ewma_step) or a function with ewma_step's parameters")
 
 
 @dataclass
@@ -256,15 +283,39 @@ class SLOGuard:
         if len(self.window) < c.min_samples:
             return self._state
         p = self.p95()
-        if self.baseline is None:          # seed from the first full set of samples
-            self.baseline = p
-            return self._state
-        if p > self.threshold:
+        baseline, trips = self._step(p)
+        if trips:
             self._go(OPEN, now, f"TTFT P{c.quantile * 100:g} {p * 1e3:.1f} ms > {c.factor:g} x baseline "
                                 f"{self.baseline * 1e3:.1f} ms over {len(self.window)} requests")
-        elif p <= c.learn_factor * self.baseline:
-            self.baseline += c.ewma_alpha * (p - self.baseline)
+        self.baseline = baseline
         return self._state
+
+    def _step(self, p95: float) -> tuple[float, bool]:
+        """:func:`ewma_step` (or ``config.update``) on the window's P95; an update's answer is
+        checked before anything changes (a bad one is a one-line WorkbenchError)."""
+        c = self.config
+        kw = dict(baseline=self.baseline, p95=p95, samples=len(self.window), alpha=c.ewma_alpha, factor=c.factor,
+                  learn_factor=c.learn_factor, min_samples=c.min_samples, min_threshold=c.min_threshold_s)
+        if c.update is None:
+            return ewma_step(**kw)
+        try:
+            got = c.update(**kw)
+        except Exception as e:  # noqa: BLE001 - the learner's code: said in one line
+            raise WorkbenchError(f"SLOConfig.update raised {type(e).__name__}: {e}") from None
+        if not (isinstance(got, (tuple, list)) and len(got) == 2):
+            raise WorkbenchError(f"SLOConfig.update must return (baseline, trips), got {got!r}")
+        baseline, trips = got
+        if isinstance(baseline, bool) or not isinstance(baseline, (int, float)) or not (
+                math.isfinite(baseline) and baseline >= 0):
+            raise WorkbenchError(f"SLOConfig.update returned baseline {baseline!r}: once {c.min_samples} samples are "
+                                 "in, the baseline is a finite number of seconds >= 0")
+        if not isinstance(trips, (bool, np.bool_)):
+            raise WorkbenchError(f"SLOConfig.update returned trips={trips!r}: True or False")
+        trips = bool(trips)
+        if trips and self.baseline is None:
+            raise WorkbenchError("SLOConfig.update tripped on the first full window: with no baseline yet there is "
+                                 "nothing to compare with (the first P95 seeds the baseline)")
+        return float(baseline), trips
 
     def snapshot(self, now: float | None = None) -> dict:
         """State and numbers for views and /metrics (times in seconds)."""
@@ -277,7 +328,9 @@ class SLOGuard:
                     "trips": sum(1 for t in self.transitions if t[2] == OPEN), **self.counts}
 
     def describe(self) -> dict:
-        return asdict(self.config)
+        d = asdict(self.config)
+        d["update"] = None if self.config.update is None else getattr(self.config.update, "__name__", "custom")
+        return d
 
 
 
