@@ -47,6 +47,14 @@ def test_a_stub_that_still_raises_is_not_written_not_failed():
     assert r.status == "not written" and not r.passed
 
 
+def test_a_library_that_raises_not_implemented_is_a_failure_not_an_unwritten_stub():
+    def total(values):
+        return int(torch.tensor(values, dtype=torch.float32).__lshift__(1).sum())   # torch: not for floats
+
+    r = check_fn(_toy(), total)
+    assert r.status == "failed" and r.rule.startswith("your function raised NotImplementedError")
+
+
 def test_an_edge_case_failure_names_the_case_the_call_and_both_values():
     def total(values):
         return sum(values) if values else None

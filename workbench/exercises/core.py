@@ -264,11 +264,25 @@ def _learner_frame(tb, fn) -> str:
     return best
 
 
+def _raised_by_the_stub(e: NotImplementedError, fn: Callable) -> bool:
+    """Did the learner's own function raise it (the stub's ``raise NotImplementedError``), rather
+    than a library it called (torch raises NotImplementedError for, e.g., a shift of a float tensor)?"""
+    frames = list(traceback.walk_tb(e.__traceback__))
+    if not frames:
+        return False
+    frame, lineno = frames[-1]
+    line = linecache.getline(frame.f_code.co_filename, lineno).strip()
+    # a C function (torch's) that raises leaves the learner's line calling it as the last Python frame
+    return line.startswith("raise NotImplementedError") or (not line and not e.args)
+
+
 def _call(fn: Callable, kwargs: dict) -> Any:
     try:
         return fn(**copy.deepcopy(kwargs))
-    except NotImplementedError:
-        raise
+    except NotImplementedError as e:
+        if _raised_by_the_stub(e, fn):
+            raise
+        raise _Raised(e, _learner_frame(e.__traceback__, fn)) from None
     except Exception as e:  # the learner's code raised: say where in their code
         raise _Raised(e, _learner_frame(e.__traceback__, fn)) from None
 

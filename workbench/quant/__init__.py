@@ -9,6 +9,9 @@ model, beside ``transforms``, below ``engine``.
 * ``apply`` - :func:`quantize_model` (``nn.Linear`` -> :class:`QuantLinear`, the torch reference
   of every low-bit kernel), :func:`set_quant_backend` (reference / torch CPU ops / Triton, per
   layer, with the reason for every fallback), :func:`quantization_report`, :func:`weight_bytes`;
+* ``hooks`` - a learner's own asymmetric int4 scales / zero points and nibble packer run by the
+  real quantizer (``quantize_model(..., group_scales=fn, pack=fn)``, notebook 05's exercises),
+  every value they return checked before it becomes a layer's buffer;
 * ``calib`` - what the linear layers see on calibration text (:func:`collect_linear_inputs`);
 * ``fold`` - the scale groups of a decoder layer and exact folding of per-channel scales into the
   preceding norm / linear; ``smooth`` - SmoothQuant (:func:`smooth_model`); ``awq`` -

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.errors import ConfigError
+from workbench.errors import ConfigError, WorkbenchError
 from workbench.measure.memory import storage_bytes
 from workbench.quant.recipe import QuantRecipe
 from workbench.quant.rtn import QuantizedWeight, quantize_weight
@@ -107,13 +107,19 @@ def fake_quantize_per_token(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
     return (torch.round(xf / s).clamp(-hi, hi) * s).to(x.dtype)
 
 
-def quantize_model(model: nn.Module, recipe: QuantRecipe | str, calibration=None) -> nn.Module:
+def quantize_model(model: nn.Module, recipe: QuantRecipe | str, calibration=None, *,
+                   group_scales=None, pack=None) -> nn.Module:
     """Replace every ``nn.Linear`` not named in ``recipe.skip`` by a :class:`QuantLinear` (in
     place; returns ``model``, with ``model.recipe`` set).  A model is quantized once.
 
     ``calibration``: token-id sequences, required by AWQ, GPTQ and SmoothQuant (the benchmarks
     use the calibration half of the held-out corpus, disjoint from the evaluation half).  What
-    the calibrated methods chose is kept in ``model.quant_calibration``."""
+    the calibrated methods chose is kept in ``model.quant_calibration``.
+
+    ``group_scales`` / ``pack``: your functions in place of the package's scales and zero points
+    (asymmetric int4) and nibble packing, for round-to-nearest int4 recipes
+    (:mod:`workbench.quant.hooks`: what they take and return, and the checks of what they
+    return).  The layers are replaced only once every one of them was quantized."""
     recipe = QuantRecipe.parse(recipe) if isinstance(recipe, str) else recipe
     if getattr(model, "recipe", None) is not None:
         raise ConfigError(f"quantize_model: the model is already quantized ({model.recipe.name}); load it again")
@@ -127,12 +133,25 @@ def quantize_model(model: nn.Module, recipe: QuantRecipe | str, calibration=None
     if not targets:
         raise ConfigError("quantize_model: no nn.Linear left to quantize after 'skip' "
                           f"({', '.join(recipe.skip)})")
+    hooks = {"group_scales": group_scales, "pack": pack}
+    if group_scales is not None or pack is not None:
+        from workbench.quant.hooks import check_settings
+
+        check_settings([(n, recipe.layer_settings(n, m.in_features)) for n, m in targets + heads], group_scales, pack)
     calib = _calibrate(model, recipe, calibration, [n for n, _ in targets])
-    for name, lin in targets:
-        set_module(model, name, quantize_linear(lin, recipe.layer_settings(name, lin.in_features),
-                                                weight=calib["weights"].get(name), clip=calib["clip"].get(name)))
-    for name, lin in heads:                # the head keeps its float weight (the embedding's): QuantHead
-        set_module(model, name, QuantHead(lin, quantize_linear(lin, recipe.layer_settings(name, lin.in_features))))
+    done, head_names = [], {n for n, _ in heads}
+    for name, lin in targets + heads:
+        try:
+            q = quantize_linear(lin, recipe.layer_settings(name, lin.in_features), weight=calib["weights"].get(name),
+                                clip=calib["clip"].get(name), **hooks)
+        except WorkbenchError as e:
+            if group_scales is None and pack is None:
+                raise
+            raise WorkbenchError(f"layer {name}: {e}") from None    # the model is still as it was: nothing replaced yet
+        # the head keeps its float weight (the embedding's): QuantHead
+        done.append((name, QuantHead(lin, q) if name in head_names else q))
+    for name, mod in done:
+        set_module(model, name, mod)
     model.recipe = recipe
     model.quant_calibration = calib["report"]
     return model
@@ -163,13 +182,14 @@ def _check_names(model: nn.Module, recipe: QuantRecipe) -> None:
 
 
 def quantize_linear(lin: nn.Linear, settings: dict, weight: QuantizedWeight | None = None,
-                    clip: torch.Tensor | None = None) -> QuantLinear:
+                    clip: torch.Tensor | None = None, *, group_scales=None, pack=None) -> QuantLinear:
     """One ``nn.Linear`` as a :class:`QuantLinear` with ``settings`` (``recipe.layer_settings``):
-    round-to-nearest (scales times ``clip``, AWQ's multipliers), or ``weight`` as GPTQ stored it."""
+    round-to-nearest (scales times ``clip``, AWQ's multipliers), or ``weight`` as GPTQ stored it;
+    ``group_scales`` / ``pack``: see :func:`quantize_model`."""
     w = lin.weight.detach()
     q = weight if weight is not None else quantize_weight(
         w, bits=settings["bits"], group=settings["group"], per_channel=settings["per_channel"],
-        symmetric=settings["symmetric"], scale_multiplier=clip)
+        symmetric=settings["symmetric"], scale_multiplier=clip, group_scales=group_scales, pack=pack)
     err = float((q.dequantize(torch.float32) - w.float()).norm() / w.float().norm().clamp_min(1e-30))
     return QuantLinear(q, lin.bias, settings, err)
 

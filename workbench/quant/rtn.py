@@ -140,9 +140,11 @@ def compute_scales(w: torch.Tensor, bits: int = 8, group: int | None = None, per
 
 
 def encode_weight(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
-                  group: int | None = None, per_channel: bool = True) -> QuantizedWeight:
+                  group: int | None = None, per_channel: bool = True, *, pack=None) -> QuantizedWeight:
     """``w [out, in]`` rounded to the grid of ``scales`` / ``zeros`` (as :func:`compute_scales`
-    gives them, or as GPTQ fixes them group by group) and stored (see the module docstring)."""
+    gives them, or as GPTQ fixes them group by group) and stored (see the module docstring).
+    ``pack``: a function packing int4 codes in place of :func:`pack_int4` (checked:
+    :mod:`workbench.quant.hooks`)."""
     if bits not in BITS:
         raise ConfigError(f"encode_weight: bits must be one of {BITS}, got {bits}")
     out, n = w.shape
@@ -156,7 +158,12 @@ def encode_weight(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | N
         q = (torch.round(x / s[..., None]) + z[..., None]).clamp(lo, hi)
     q = q.reshape(out, n)
     if bits == 4:
-        stored = pack_int4((q + 8) if zeros is None else q)
+        codes = (q + 8) if zeros is None else q
+        if pack is None:
+            stored = pack_int4(codes)
+        else:                                    # a learner's packer, its bytes checked
+            from workbench.quant.hooks import packer
+            stored = packer(pack)(codes)
     else:
         stored = (q if zeros is None else q - 128).to(torch.int8)
     zs = None if zeros is None else (zeros.float().reshape(s.shape) - (128 if bits == 8 else 0)).to(torch.int8)
@@ -164,9 +171,22 @@ def encode_weight(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | N
 
 
 def quantize_weight(w: torch.Tensor, bits: int = 8, group: int | None = None, per_channel: bool = True,
-                    symmetric: bool = True, scale_multiplier: torch.Tensor | None = None) -> QuantizedWeight:
+                    symmetric: bool = True, scale_multiplier: torch.Tensor | None = None, *,
+                    group_scales=None, pack=None) -> QuantizedWeight:
     """Round-to-nearest quantization of ``w [out, in]`` (see the module docstring).
     ``scale_multiplier`` [out, n_groups]: scales are multiplied by it before rounding (a clip
-    search shrinks the range with values < 1)."""
-    s, z = compute_scales(w, bits, group, per_channel, symmetric, scale_multiplier)
-    return encode_weight(w, s, z, bits, group, per_channel)
+    search shrinks the range with values < 1).  ``group_scales`` / ``pack``: your functions in
+    place of :func:`compute_scales` (asymmetric int4) / :func:`pack_int4`, their results checked
+    (:mod:`workbench.quant.hooks`)."""
+    if group_scales is None and pack is None:
+        s, z = compute_scales(w, bits, group, per_channel, symmetric, scale_multiplier)
+        return encode_weight(w, s, z, bits, group, per_channel)
+    from workbench.quant import hooks
+
+    hooks.check_weight_settings(bits, group, per_channel, symmetric, scale_multiplier, group_scales, pack)
+    _grouped(w, group, per_channel, "quantize_weight")          # the shape and group checks, before any hook runs
+    if group_scales is not None:
+        s, z = hooks.scales_from(group_scales, w, group)
+    else:
+        s, z = compute_scales(w, bits, group, per_channel, symmetric, scale_multiplier)
+    return encode_weight(w, s, z, bits, group, per_channel, pack=pack)
