@@ -219,9 +219,12 @@ TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=12)   # small alphabet
 
 class BlockManagerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(4, 16), block_size=st.integers(1, 4),
-                caching=st.sampled_from([True, True, True, False]), eviction=st.sampled_from(["lru", "fifo"]),
+                caching=st.sampled_from([True, True, True, False]),
+                eviction=st.sampled_from(["lru", "fifo", "policy"]),
                 constant_hash=st.sampled_from([False, False, False, True]))
     def setup(self, num_blocks, block_size, caching, eviction, constant_hash):
+        if eviction == "policy":   # a function chooses (BlockManager(eviction=choose_victim)): a leaf, most hits
+            eviction = self._leaf_most_hits
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching, eviction=eviction)
         if constant_hash:  # every block collides: hits must still be verified, never wrong
             self.bm.prefix_cache.hash_fn = lambda parent, tokens: 0
@@ -230,6 +233,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.tokens: dict[str, list[int]] = {}
         self.history: list[list[int]] = []   # every sequence's tokens when freed: re-requested for hits
         self.next_id = 0
+
+    def _leaf_most_hits(self, candidates):
+        """A policy unlike LRU and FIFO; checks that every candidate is a cached block first."""
+        states = self.bm.block_states()
+        assert candidates and all(states[c.block_id] == "cached" for c in candidates)
+        ids = {c.block_id for c in candidates}
+        assert all(c.children == sum(k.parent == c.block_id for k in candidates) for c in candidates)
+        # a parent that is no candidate is held: by a sequence, or as a hit of the prompt being admitted
+        assert all(c.parent is None or c.parent in ids or states[c.parent] != "free" for c in candidates)
+        return max((c for c in candidates if c.children == 0), key=lambda c: (c.hits, c.block_id)).block_id
 
     def _new_id(self) -> str:
         self.next_id += 1

@@ -24,6 +24,13 @@ cached      0          no user, but holds a committed full block that a later re
                        can reuse; evicted (LRU or FIFO) only when the free list is empty
 ==========  =========  ============================================================
 
+Eviction: ``eviction="lru"`` (the block whose last user let go longest ago) or ``"fifo"`` (the
+oldest commit), kept in a heap; or a function ``choose_victim(candidates) -> block_id`` that gets
+every cached block as an :class:`EvictionCandidate` (ticks, hits, depth, parent, children) each
+time one must go, and returns the id of one of them (:func:`lru` and :func:`fifo` are the two
+orders written as such functions).  A return that is not a candidate's id is a WorkbenchError,
+raised before anything changes.
+
 A block becomes reusable only after :meth:`commit` says its KV exists — never at allocation,
 or a second request could read keys that no one has written yet.  Hits, hashing and miss
 reasons live in :mod:`workbench.kv.prefix_cache`.
@@ -31,31 +38,65 @@ reasons live in :mod:`workbench.kv.prefix_cache`.
 Contract for copy-on-write: :meth:`take_copies` must be called (and the copies done) after each
 :meth:`append_slot` / :meth:`allocate`, before any :meth:`free` could hand the source block out.
 
-Over 400 lines because :class:`BlockManager` is one state machine (free list, eviction heap,
-tables, prefix index) whose every method, ``check_invariants`` included, keeps the same private
+Over 400 lines because :class:`BlockManager` is one state machine (free list, eviction heap or
+policy, tables, prefix index) whose every method, ``check_invariants`` included, keeps the same private
 state consistent; split, that state would be read across modules.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import deque
+import numbers
+from collections import Counter, deque
+from typing import Callable, Sequence
 
 from workbench.errors import WorkbenchError
-from workbench.kv.blocks import AllocStatus, Allocation, Block, KVStats, _as_token_ids, _Seq
+from workbench.kv.blocks import AllocStatus, Allocation, Block, EvictionCandidate, KVStats, _as_token_ids, _Seq
 from workbench.kv.prefix_cache import MissReason, PrefixCache
 
-__all__ = ["AllocStatus", "Allocation", "Block", "BlockManager", "KVStats", "MissReason"]
+__all__ = ["AllocStatus", "Allocation", "Block", "BlockManager", "EvictionCandidate", "EvictionPolicy", "KVStats",
+           "MissReason", "fifo", "lru", "slots"]
+
+#: ``choose_victim(candidates) -> block_id``: which cached block to evict (module doc)
+EvictionPolicy = Callable[[list[EvictionCandidate]], int]
+
+
+def lru(candidates: list[EvictionCandidate]) -> int:
+    """The least recently used candidate: the one whose last user let go longest ago (what
+    ``eviction="lru"`` evicts)."""
+    return min(candidates, key=lambda c: c.last_used).block_id
+
+
+def fifo(candidates: list[EvictionCandidate]) -> int:
+    """The candidate committed first (what ``eviction="fifo"`` evicts)."""
+    return min(candidates, key=lambda c: c.born).block_id
+
+
+def slots(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """Physical slots of token positions [start, end) of a sequence with this block table:
+    position ``p`` is token ``p % block_size`` of table block ``p // block_size``, so its slot is
+    ``block_table[p // block_size] * block_size + p % block_size``."""
+    B = block_size
+    if not 0 <= start <= end <= len(block_table) * B:
+        raise WorkbenchError(f"slot mapping: [{start}, {end}) is outside a block table of {len(block_table)} blocks "
+                             f"of {B} tokens")
+    return [block_table[p // B] * B + p % B for p in range(start, end)]
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 eviction: str = "lru") -> None:
+                 eviction: str | EvictionPolicy = "lru") -> None:
         for name, v in (("num_blocks", num_blocks), ("block_size", block_size)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise WorkbenchError(f"BlockManager: {name} must be a positive integer, got {v!r}")
-        if eviction not in ("lru", "fifo"):
-            raise WorkbenchError(f"BlockManager: eviction must be 'lru' or 'fifo', got {eviction!r}")
+        if callable(eviction):     # a policy: the reports name it by its function's name
+            self._policy: EvictionPolicy | None = eviction
+            eviction = getattr(eviction, "__name__", type(eviction).__name__)
+        elif eviction in ("lru", "fifo"):
+            self._policy = None
+        else:
+            raise WorkbenchError(f"BlockManager: eviction must be 'lru', 'fifo' or a function "
+                                 f"choose_victim(candidates) -> block id, got {eviction!r}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching, self.eviction = bool(enable_prefix_caching), eviction
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -175,11 +216,14 @@ class BlockManager:
         hits, hashes, reason = self._match(token_ids, reuse)
         if not self._fits(need, hits):
             return None
+        # a policy chooses every victim before anything changes: a bad choice leaves no trace
+        victims = self._choose_victims(need - len(hits) - len(self._free), set(hits)) if self._policy else []
         for bid in hits:  # claim hits first, so the evictions below cannot take them
             self._ref(bid)
+            self.blocks[bid].hits += 1
         table = list(hits)
         for j in range(len(hits), need):
-            bid = self._take_block()
+            bid = self._take_block(victims)
             if j < len(hashes):  # a full prompt block this request will compute
                 self.blocks[bid].pending_hash = hashes[j]
                 self.prefix_cache.pending[hashes[j]] += 1
@@ -216,7 +260,7 @@ class BlockManager:
                 b = self.blocks[self._take_block()]
                 parent = self.blocks[held[-1]] if held else None
                 self._tick += 1
-                b.hash, b.tokens, b.born = hashes[i], tokens, self._tick
+                b.hash, b.tokens, b.born, b.depth = hashes[i], tokens, self._tick, i
                 b.parent_cid = parent.cid if parent else None
                 b.cid = pc.content_id(hashes[i], tokens, b.parent_cid)
                 pc.register(hashes[i], b.id)
@@ -303,7 +347,7 @@ class BlockManager:
             if not pc.pending[b.pending_hash]:
                 del pc.pending[b.pending_hash]
         self._tick += 1
-        b.hash, b.tokens, b.parent_cid, b.born, b.pending_hash = h, tokens, parent_cid, self._tick, None
+        b.hash, b.tokens, b.parent_cid, b.born, b.pending_hash, b.depth = h, tokens, parent_cid, self._tick, None, j
         b.cid = pc.content_id(h, tokens, parent_cid)
         pc.register(h, b.id)
         pc.remember(parent_hash, tokens)
@@ -324,7 +368,8 @@ class BlockManager:
     def _release(self, b: Block) -> None:
         if b.cid is not None and self.prefix_cache.index.get(b.hash) == b.id:
             self._tick += 1
-            prio = self._tick if self.eviction == "lru" else b.born
+            b.last_used = self._tick
+            prio = self._tick if self._policy is not None or self.eviction == "lru" else b.born
             self._evictable[b.id] = prio
             heapq.heappush(self._heap, (prio, b.id))
             return
@@ -342,16 +387,20 @@ class BlockManager:
             del self._evictable[bid]  # its heap entry goes stale
         b.ref_count += 1
 
-    def _take_block(self) -> int:
-        """A block with no content and ref_count 1: from the free list, else evict a cached one."""
+    def _take_block(self, victims: list[int] | None = None) -> int:
+        """A block with no content and ref_count 1: from the free list, else evict a cached one
+        (the next of ``victims`` when a policy chose them ahead, else its choice now, else the heap's)."""
         if self._free:
             bid = self._free.popleft()
         else:
-            while True:
-                prio, bid = heapq.heappop(self._heap)
-                if self._evictable.get(bid) == prio:
-                    break
-            del self._evictable[bid]
+            if self._policy is not None:
+                bid = victims.pop(0) if victims else self._choose_victims(1)[0]
+            else:
+                while True:
+                    prio, bid = heapq.heappop(self._heap)
+                    if self._evictable.get(bid) == prio:
+                        break
+            del self._evictable[bid]   # (a policy's victim leaves a stale heap entry: skipped lazily)
             b = self.blocks[bid]
             if self.on_evict is not None:
                 self.on_evict(bid, b.hash, b.tokens)
@@ -364,6 +413,59 @@ class BlockManager:
         self.blocks[bid].ref_count = 1
         return bid
 
+    # ---- eviction by a policy -----------------------------------------------------------------
+    def eviction_candidates(self, claimed: set[int] = frozenset(), gone: set[int] = frozenset()
+                            ) -> list[EvictionCandidate]:
+        """Every cached block as a policy sees it (oldest release first).  ``claimed``: cached
+        blocks about to be held (a prompt's hits), ``gone``: blocks already chosen to be evicted."""
+        owner: dict[int, int] = {}   # cid -> the block in the pool holding that prefix (the indexed one first)
+        index = self.prefix_cache.index
+        for indexed in (False, True):
+            for b in self.blocks:
+                if b.cid is not None and b.id not in gone and (index.get(b.hash) == b.id) == indexed \
+                        and (b.ref_count > 0 or b.id in self._evictable):
+                    owner[b.cid] = b.id
+        cached = sorted((bid for bid in self._evictable if bid not in claimed and bid not in gone),
+                        key=lambda i: self.blocks[i].last_used)
+        parents = {bid: owner.get(self.blocks[bid].parent_cid) if self.blocks[bid].parent_cid is not None else None
+                   for bid in cached}
+        children = Counter(p for p in parents.values() if p in parents)
+        return [EvictionCandidate(bid, b.last_used, b.born, b.hits, b.depth, parents[bid], children[bid])
+                for bid, b in ((i, self.blocks[i]) for i in cached)]
+
+    def _choose_victims(self, n: int, claimed: set[int] = frozenset()) -> list[int]:
+        """Ask the policy for ``n`` victims, one at a time (each choice sees the pool without the
+        ones before it); every answer is checked before anything changes."""
+        victims: list[int] = []
+        for _ in range(max(n, 0)):
+            cands = self.eviction_candidates(claimed, set(victims))
+            got = self._policy(cands)
+            victims.append(self._check_victim(got, cands, claimed, victims))
+        return victims
+
+    def _check_victim(self, got, cands: list[EvictionCandidate], claimed=(), chosen=()) -> int:
+        ids = [c.block_id for c in cands]
+        shown = ", ".join(map(str, ids[:12])) + (", ..." if len(ids) > 12 else "")
+        where = f"BlockManager: the eviction policy {self.eviction} "
+        if isinstance(got, EvictionCandidate):
+            raise WorkbenchError(where + f"returned a candidate (block {got.block_id}): return its block_id, an int")
+        if isinstance(got, bool) or not isinstance(got, numbers.Integral):
+            shown_got = repr(got) if len(repr(got)) <= 60 else repr(got)[:57] + "..."
+            raise WorkbenchError(where + f"returned {shown_got} ({type(got).__name__}): it must return the block_id "
+                                 f"(an int) of one of its {len(ids)} candidates [{shown}]")
+        got = int(got)
+        if got not in ids:
+            held = 0 <= got < self.num_blocks and (self.blocks[got].ref_count > 0 or got in claimed)
+            why = (f"there is no block {got} (the pool has {self.num_blocks})" if not 0 <= got < self.num_blocks else
+                   f"block {got} would be freed while a sequence still holds it (" +
+                   (f"ref_count {self.blocks[got].ref_count})" if self.blocks[got].ref_count else
+                    "a prefix hit of the prompt being admitted)") if held else
+                   f"block {got} is already chosen for this allocation" if got in chosen else
+                   f"block {got} is free, not cached")
+            raise WorkbenchError(where + f"chose block {got}: {why}; only a candidate (cached, ref_count 0) may "
+                                 f"be evicted: [{shown}]")
+        return got
+
     # ---- views --------------------------------------------------------------------------------
     def block_table(self, seq_id: str) -> list[int]:
         return list(self._seq(seq_id).table)
@@ -374,7 +476,7 @@ class BlockManager:
         if not 0 <= start <= end <= len(s.tokens):
             raise WorkbenchError(f"BlockManager.slot_mapping: [{start}, {end}) is outside sequence {seq_id!r} "
                                  f"of {len(s.tokens)} tokens")
-        return [s.table[p // B] * B + p % B for p in range(start, end)]
+        return slots(s.table, start, end, B)
 
     def block_states(self) -> list[str]:
         """'free' / 'owned' / 'shared' / 'cached' for every physical block (block-map widget)."""

@@ -25,9 +25,32 @@ class Block:
     parent_cid: int | None = None      # content id of the previous block's prefix
     born: int = 0                      # tick of commit: FIFO eviction order
     pending_hash: int | None = None    # hash it will get once committed (for NOT_COMPUTED)
+    last_used: int = 0                 # tick at which its last user let go: LRU eviction order
+    hits: int = 0                      # prefix hits on its content since it was committed
+    depth: int = 0                     # its index in its prompt's chain (0: a prompt's first block)
 
     def reset(self) -> None:
         self.hash = self.tokens = self.cid = self.parent_cid = self.pending_hash = None
+        self.hits = self.depth = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionCandidate:
+    """A cached block (ref_count 0) that an eviction policy may choose when the free list is empty
+    (``BlockManager(eviction=choose_victim)``, ``choose_victim(candidates) -> block_id``).
+
+    Ticks come from one clock of the block manager, which advances on every commit of a full block
+    and every release of a cached one: larger is later.  ``parent`` and ``children`` describe the
+    prefix tree: a block is reachable by a later prompt only through its parent (the hash chain), so
+    a *leaf* (``children == 0``) is the one whose loss costs no other cached block its use."""
+    block_id: int
+    last_used: int        # tick when its last user let go (LRU evicts the smallest)
+    born: int             # tick when its KV was committed (FIFO evicts the smallest)
+    hits: int             # how many later prompts reused it since it was committed
+    depth: int            # its index in its prompt's chain: 0 is the first block of a prompt
+    parent: int | None    # the block holding the previous block of its prefix (cached, or held by a
+                          # sequence); None for a first block, or when that block was evicted
+    children: int         # cached blocks that continue its prefix (their parent is this block)
 
 
 class AllocStatus(enum.Enum):

@@ -28,7 +28,7 @@ import torch
 
 from workbench.model.config import ModelConfig
 from workbench.errors import ConfigError, WorkbenchError
-from workbench.kv.block_manager import AllocStatus, Allocation, BlockManager
+from workbench.kv.block_manager import AllocStatus, Allocation, BlockManager, EvictionPolicy
 from workbench.kv.layout import KVLayout
 from workbench.kv.kv_prefetch import KVPrefetch, make_tiers, offloaded_prefix
 from workbench.measure.timing import ElapsedTotal
@@ -41,7 +41,8 @@ class PagedKVConfig:
                                            # a time: 4 x max_model_len (room for cached prefixes)
     kv_cache_bytes: int | None = None      # alternatively: a memory budget for the pool
     enable_prefix_caching: bool = True
-    eviction: str = "lru"
+    eviction: str | EvictionPolicy = "lru"  # "lru", "fifo", or choose_victim(candidates) -> block id
+                                           # (workbench.kv.block_manager: every cached block, each eviction)
     offload: str | None = None             # None, "host" or "disk": where evicted cached blocks go
     offload_blocks: int = 4096             # capacity of the offload tier, in blocks
     offload_path: str | None = None        # file for "disk" (default: a temporary file)
@@ -79,8 +80,9 @@ class PagedKVConfig:
                 raise ConfigError(f"PagedKVConfig.{name} must be an integer >= 1, got {v!r}")
         if self.num_blocks is not None and self.kv_cache_bytes is not None:
             raise ConfigError("PagedKVConfig: give num_blocks or kv_cache_bytes, not both")
-        if self.eviction not in ("lru", "fifo"):
-            raise ConfigError(f"PagedKVConfig.eviction must be 'lru' or 'fifo', got {self.eviction!r}")
+        if not callable(self.eviction) and self.eviction not in ("lru", "fifo"):
+            raise ConfigError(f"PagedKVConfig.eviction must be 'lru', 'fifo' or a function choose_victim(candidates) "
+                              f"-> block id, got {self.eviction!r}")
 
     @property
     def effective_lookahead(self) -> int:
