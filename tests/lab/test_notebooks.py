@@ -61,7 +61,8 @@ EXPECTED_KEYS = {
     "02_kv_tiers": {"ttft_p50_reduction", "hit_rate", "bookkeeping_cost", "identical_greedy_tokens",
                     "best_tier_reduction", "best_tier_rel_ppl", "prefix_ttft_verdict", "offload_host_verdict",
                     "physical_reduction_measured", "physical_measured_vs_formula", "physical_identical_to_accounted",
-                    "claim_8k_64k_verdict", "threads", "noise_threshold"},
+                    "claim_8k_64k_verdict", "threads", "noise_threshold", "eviction_reuse_lru", "eviction_reuse_fifo",
+                    "eviction_reuse_yours", "hash_chain_predicts_hits", "slot_mapping_key_error"},
     "05_quantization": {"rel_ppl_bf16", "rel_ppl_w8a16", "rel_ppl_w4a16_pt", "rel_ppl_w4a16_pc", "rel_ppl_w4a16_g128",
                         "rel_ppl_se_w4a16_g128", "rel_ppl_w4a16_g128_awq", "rel_ppl_w4a16_g128_gptq", "rel_ppl_w4a8",
                         "rel_ppl_w8a8", "rel_ppl_w8a8_smooth_0_5", "linear_bytes_w4a16_vs_bf16",
@@ -69,7 +70,8 @@ EXPECTED_KEYS = {
                         "per_channel_claim_verdict", "int4_decode_cpu_verdict", "outlier_max_median_down_proj",
                         "max_err_w4a16_kernel", "cpu_int4pack_speedup_m1", "threads", "noise_threshold",
                         "calib_memory_reference", "calib_memory_prose", "calib_memory_prose_ppl_pct",
-                        "calib_latency_reference", "calib_domains_differ_memory", "calib_recipe_reproduced"},
+                        "calib_latency_reference", "calib_domains_differ_memory", "calib_recipe_reproduced",
+                        "exercise_w4a16_asym_identical", "exercise_dequantize_error_gap"},
 }
 
 
