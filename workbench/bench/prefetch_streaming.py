@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
@@ -90,11 +91,50 @@ def pick_config(candidates: list[dict] | None = None, resident_layers: int = 1, 
 
 
 
+def ideal_times(t_resident: float, compute: dict, copy: dict, streamed: list) -> dict:
+    """The bounds of one all-resident run (module doc): ``t_ideal`` = ``t_resident`` with every
+    streamed-layer execution costing the longer of its copy and its compute, and ``t_lane`` =
+    ``max(t_resident, the copies of every streamed execution)``.  ``compute``: seconds per
+    ``(step, layer)`` execution (every layer's, resident ones too); ``copy``: each streamed
+    layer's copy seconds; ``streamed``: the streamed layers' indices."""
+    execs = [(k, c) for k, c in compute.items() if k[1] in streamed]
+    return {"t_ideal": t_resident - sum(c for _, c in execs) + sum(max(copy[k[1]], c) for k, c in execs),
+            "t_lane": max(t_resident, sum(copy[k[1]] for k, _ in execs))}
+
+
+def _checked_ideal(ideal: Callable[..., dict], kw: dict) -> tuple[float, float]:
+    """A stand-in's answer (a learner's :func:`ideal_times`, notebook 03) on ``kw``: a dict of two
+    finite numbers, neither below the all-resident time; else a WorkbenchError naming the rule."""
+    t_resident = kw["t_resident"]
+    try:
+        got = ideal(**kw)
+    except Exception as e:  # noqa: BLE001 - the caller's code: one line, not its traceback
+        raise WorkbenchError(f"streaming_experiment: ideal raised {type(e).__name__}: {e}") from None
+    if not isinstance(got, dict) or not {"t_ideal", "t_lane"} <= set(got):
+        raise WorkbenchError(f"streaming_experiment: ideal returned {type(got).__name__} {got!r:.80}; it must return "
+                             "a dict with 't_ideal' and 't_lane' (seconds)")
+    out = []
+    for key in ("t_ideal", "t_lane"):
+        v = got[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise WorkbenchError(f"streaming_experiment: ideal returned {key}={v!r}: a finite number of seconds")
+        if v < t_resident * (1 - 1e-9) - 1e-12:
+            why = ("each streamed execution costs at least its compute: max(copy, compute)" if key == "t_ideal" else
+                   "the compute cannot beat the all-resident run: max(t_resident, sum of the copies)")
+            raise WorkbenchError(f"streaming_experiment: ideal returned {key}={v:.6g} s, below the all-resident "
+                                 f"time {t_resident:.6g} s: {why}")
+        out.append(float(v))
+    return out[0], out[1]
+
+
 def streaming_experiment(model=None, resident_layers: int = 1, distances=(0, 1, 2, 3), workload: Workload | None = None,
                          repeats: int = 3, transport: str = "auto", dtype=None, threads=1, device=None,
-                         ceiling_gbps: float | None = None, engine: LLMEngine | None = None, bar=None) -> dict:
+                         ceiling_gbps: float | None = None, engine: LLMEngine | None = None, bar=None,
+                         ideal: Callable[..., dict] | None = None) -> dict:
     """All-resident, then each distance (0 = synchronous), same workload, interleaved repeats.
-    ``bar``: a progress bar (``total``, ``start(name)``, ``advance()``), told of every run."""
+    ``bar``: a progress bar (``total``, ``start(name)``, ``advance()``), told of every run.
+    ``ideal``: a stand-in for :func:`ideal_times` (same keyword arguments; notebook 03's exercise),
+    its answers checked (:func:`_checked_ideal`)."""
     if 0 not in distances:
         raise ConfigError("streaming_experiment: distances must include 0 (the synchronous baseline)")
     w = workload or Workload()
@@ -107,12 +147,17 @@ def streaming_experiment(model=None, resident_layers: int = 1, distances=(0, 1, 
     rows = [_row(n, runs[n], ref, ceiling_gbps) for n in configs]
     streamed = list(range(resident_layers, len(eng.model.model.layers)))
     copy = _copy_medians(runs["d=0"])
-    ideal, lane = [], []
+    ideals, lane = [], []
     for x in runs["resident"]:
-        execs = [(k, c) for k, c in x["compute"].items() if k[1] in streamed]
-        ideal.append(x["seconds"] - sum(c for _, c in execs) + sum(max(copy[k[1]], c) for k, c in execs))
-        lane.append(max(x["seconds"], sum(copy[k[1]] for k, _ in execs)))
-    t_ideal, t_lane = statistics.median(ideal), statistics.median(lane)
+        kw = dict(t_resident=x["seconds"], compute=dict(x["compute"]), copy=dict(copy), streamed=list(streamed))
+        if ideal is None:
+            r = ideal_times(**kw)
+            t_i, t_l = r["t_ideal"], r["t_lane"]
+        else:
+            t_i, t_l = _checked_ideal(ideal, kw)
+        ideals.append(t_i)
+        lane.append(t_l)
+    t_ideal, t_lane = statistics.median(ideals), statistics.median(lane)
     wall = {n: [x["seconds"] for x in runs[n]] for n in configs}
     best = min((n for n in configs if n not in ("resident", "d=0")), key=lambda n: statistics.median(wall[n]),
                default=None)
@@ -122,7 +167,7 @@ def streaming_experiment(model=None, resident_layers: int = 1, distances=(0, 1, 
            "layers": len(eng.model.model.layers), "threads": torch.get_num_threads(), "rows": rows,
            "copy_ms_per_layer": 1e3 * statistics.median(copy.values()),
            "t_resident": statistics.median(wall["resident"]),
-           "t_sync": t_sync, "t_ideal": t_ideal, "t_ideal_runs": ideal, "t_lane": t_lane, "best": best,
+           "t_sync": t_sync, "t_ideal": t_ideal, "t_ideal_runs": ideals, "t_lane": t_lane, "best": best,
            "link_busy_bound": moved / t_lane / 1e9 / ceiling_gbps if ceiling_gbps else None,
            "hidden_share": None, "hidden_share_range": None, "hidden_share_lane": None}
     if best is not None:

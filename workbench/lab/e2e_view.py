@@ -35,6 +35,7 @@ from __future__ import annotations
 import html
 import math
 import time
+from collections.abc import Callable
 
 BETTER, WORSE, NOISE, BASE, SKIP = "#009E73", "#D55E00", "#bab0ac", "#0072B2", "#7f7f7f"
 PENDING = "#e6e6e6"                       # a stack step not measured yet (the live waterfall)
@@ -581,13 +582,19 @@ def _ceil1(v: float) -> float:
 
 
 def slo_choices(candidates: list[dict], max_rel_ppl: float, noise: float | None = None, default: float | None = None,
-                bounds=None) -> list[dict]:
+                bounds=None, pick: Callable[..., str | None] | None = None) -> list[dict]:
     """The recommendation for each P95 TTFT bound a slider offers, computed now from the measured
     ``candidates`` (:meth:`Ablation.candidates`) with :func:`workbench.bench.e2e_recommend.recommend`.
     By default the bounds are where the answer can change: each configuration's slowest-round P95
     TTFT (rounded up to 0.1 ms, so it meets it), one bound under all of them (nothing meets it), and
     ``default``.  Each choice: ``bound``, ``pick`` (None: nothing meets it), ``reason``, ``meets``
-    and ``quality_ok`` per configuration, ``default`` (True for the stated SLO)."""
+    and ``quality_ok`` per configuration, ``default`` (True for the stated SLO).
+
+    ``pick``: a stand-in for the rule's pick (notebook 06's exercise), called as
+    ``pick(rows=candidates, ttft_p95_ms=bound, max_rel_ppl=..., noise=...)`` at every bound: its answer
+    is the choice's ``pick`` (the reason then names the rule's when they differ).  It must name a
+    measured configuration that meets the SLO at that bound, or be None: anything else is a
+    WorkbenchError naming the rule."""
     from workbench.bench.e2e_recommend import SLO, recommend
 
     worst = sorted({max(c["ttft_ms_p95"]) for c in candidates if c["ttft_ms_p95"]})
@@ -601,11 +608,34 @@ def slo_choices(candidates: list[dict], max_rel_ppl: float, noise: float | None 
     out = []
     for b in sorted(bounds):
         rec = recommend(candidates, SLO(ttft_p95_ms=b, max_rel_ppl=max_rel_ppl), noise=noise)
+        if pick is not None:
+            rec = _their_pick(pick, candidates, b, max_rel_ppl, noise, rec)
         out.append({"bound": b, "pick": rec["pick"], "reason": rec["reason"], "tied": rec["tied"],
                     "meets": {t["config"]: t["meets"] for t in rec["table"]},
                     "quality_ok": {t["config"]: t["rel_ppl"] is None or t["rel_ppl"] <= max_rel_ppl for t in rec["table"]},
                     "default": default is not None and b == float(default)})
     return out
+
+
+def _their_pick(pick: Callable, candidates: list[dict], bound: float, max_rel_ppl: float, noise, rec: dict) -> dict:
+    """``rec`` with ``pick``'s answer at ``bound`` as its pick, checked (:func:`slo_choices`)."""
+    from workbench.errors import WorkbenchError
+
+    try:
+        got = pick(rows=candidates, ttft_p95_ms=bound, max_rel_ppl=max_rel_ppl, noise=noise)
+    except Exception as e:  # noqa: BLE001 - the caller's code: one line, not its traceback
+        raise WorkbenchError(f"slo_choices: pick raised {type(e).__name__}: {e} (P95 TTFT <= {bound:g} ms)") from None
+    table = {t["config"]: t for t in rec["table"]}
+    if got is not None and (not isinstance(got, str) or got not in table):
+        raise WorkbenchError(f"slo_choices: pick returned {got!r} at P95 TTFT <= {bound:g} ms: the name of a measured "
+                             f"configuration ({', '.join(table)}) or None")
+    if got is not None and not table[got]["meets"]:
+        raise WorkbenchError(f"slo_choices: pick returned {got!r} at P95 TTFT <= {bound:g} ms, which does not meet the "
+                             f"SLO: {table[got]['why']}")
+    if got == rec["pick"]:
+        return rec
+    rule = f"the rule picks {rec['pick'] or 'none'}: {rec['reason']}"
+    return {**rec, "pick": got, "reason": (f"{got} meets the SLO (your pick); " if got else "your pick: none; ") + rule}
 
 
 def _wrap_plain(text: str, width: int) -> str:

@@ -16,7 +16,8 @@ _EXPORTS = exports({
     "workbench.prefetch.transports": "DiskTransport HostTransport Job Transport make_transport",
     "workbench.prefetch.cuda_transport": "CudaTransport",
     "workbench.prefetch.prefetcher": "PrefetchStats Prefetcher",
-    "workbench.prefetch.weights": "WeightStreamConfig WeightStreamer stream_weights weight_streamer",
+    "workbench.prefetch.weights": ("WeightStreamConfig WeightStreamer next_fetch stream_buffers stream_weights "
+                                   "weight_streamer"),
     "workbench.prefetch.link": "LinkPoint measure_link",
 })
 __all__ = list(_EXPORTS)

@@ -22,7 +22,7 @@ the same rank in the next step) is fetched into it.  So while rank r computes, r
 are in flight or ready: layer i + d is fetched while layer i computes, across the step boundary
 too (the first layers of step n+1 are fetched while the last of step n compute and while the
 engine samples).  Distance 0 is the synchronous baseline: each layer is fetched when it is
-needed, with one buffer.
+needed, with one buffer.  The rule is :func:`stream_buffers` and :func:`next_fetch`.
 
 What streams: every tensor a layer reads at forward time (:func:`forward_tensors`) - its
 parameters, its module buffers, and the tensors its quantized layers' compute ops hold.  A
@@ -41,14 +41,16 @@ tokens are identical to the all-resident model (tested, quantized models include
 
 from __future__ import annotations
 
+import numbers
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from workbench.errors import ConfigError
+from workbench.errors import ConfigError, WorkbenchError
 from workbench.prefetch.prefetcher import Prefetcher
 from workbench.prefetch.transports import make_transport
 from workbench.prefetch.weight_layout import (
@@ -95,6 +97,30 @@ class WeightStreamConfig:
         return f"stream-weights {what} d={self.distance} {self.transport}"
 
 
+def stream_buffers(streamed: int, distance: int) -> int:
+    """The layer-sized streaming buffers: one at distance 0 (each layer fetched when needed), else
+    ``distance + 1``, never more than the ``streamed`` layers (so the distance reached is at most
+    ``streamed - 1``)."""
+    return 1 if distance == 0 else min(distance + 1, streamed)
+
+
+def next_fetch(rank: int, streamed: int, distance: int) -> int | None:
+    """The schedule: when the streamed layer of rank ``rank`` (0 .. streamed - 1) has computed, its
+    buffer ``rank % buffers`` is free, and the copy of the next rank that lives in that buffer
+    starts: ``rank + buffers``, or, past the last streamed rank, ``rank % buffers`` - the same
+    buffer's first rank in the next step.  None at distance 0 (nothing is fetched ahead)."""
+    if distance == 0:
+        return None
+    buffers = stream_buffers(streamed, distance)
+    nxt = rank + buffers
+    return nxt if nxt < streamed else rank % buffers
+
+
+#: ``schedule(rank=, streamed=, distance=) -> {"buffers": int, "fetch": rank | None}``: a stand-in for
+#: :func:`stream_buffers` and :func:`next_fetch` together (notebook 03's exercise)
+Schedule = Callable[..., dict]
+
+
 def _fmt_bytes(n: float) -> str:
     for unit, k in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= k:
@@ -105,7 +131,7 @@ def _fmt_bytes(n: float) -> str:
 class WeightStreamer:
     """The installed transformation (``model._wb_stream``): buffers, hooks, the prefetcher."""
 
-    def __init__(self, model: nn.Module, config: WeightStreamConfig) -> None:
+    def __init__(self, model: nn.Module, config: WeightStreamConfig, schedule: Schedule | None = None) -> None:
         if getattr(model, "_wb_stream", None) is not None:
             raise ConfigError("stream_weights: this model already streams its weights; remove() that first")
         self.model, self.config = model, config
@@ -137,8 +163,11 @@ class WeightStreamer:
         self.streamed = list(range(n_res, L))
         n = len(self.streamed)
         d = config.distance
-        self.num_buffers = 1 if d == 0 else min(d + 1, n)
+        self.num_buffers = stream_buffers(n, d)
         self.effective_distance = self.num_buffers - 1 if d else 0
+        # after rank r computes: the rank fetched into its buffer (the schedule, checked once, here)
+        self._next = (_checked_schedule(schedule, n, d) if schedule is not None else
+                      [next_fetch(r, n, d) for r in range(n)])
         self.device = dev
         # the streamed layers' layouts, strictly: an op whose tensors cannot be seen or viewed is refused
         self._layouts = {i: _layout(layers[i], self._shared, prefix=f"model.layers.{i}") for i in self.streamed}
@@ -180,11 +209,11 @@ class WeightStreamer:
         budget = self.config.resident_bytes
         d = self.config.distance
         for n_res in range(L - 1, -1, -1):
-            n_buf = 1 if d == 0 else min(d + 1, L - n_res)
+            n_buf = stream_buffers(L - n_res, d)
             need = self.fixed_bytes + sum(layer_bytes[:n_res]) + n_buf * max(layer_bytes[n_res:])
             if need <= budget:
                 return n_res
-        need = self.fixed_bytes + (1 if d == 0 else min(d + 1, L)) * max(layer_bytes)
+        need = self.fixed_bytes + stream_buffers(L, d) * max(layer_bytes)
         raise ConfigError(f"stream_weights: resident_bytes={budget} is too small: the embedding, head and norms "
                           f"({self.fixed_bytes} bytes) plus the streaming buffers need {need} bytes at distance {d}")
 
@@ -223,19 +252,17 @@ class WeightStreamer:
 
     def _post_hook(self, i: int):
         rank = self._rank.get(i)
-        n = len(self.streamed)
 
         def post(module, args, output):
             t0, t1 = self._t0.pop(i, None), self._mark()
             if t0 is not None and t1 is not None:
                 self.prefetcher.compute(f"L{i}", t0, t1)
             if rank is not None and self.config.distance:
-                nxt = rank + self.num_buffers
                 after = None
                 if self.transport.kind == "cuda":
                     after = torch.cuda.Event()
                     after.record()
-                self._submit(nxt if nxt < n else rank % self.num_buffers, after)   # past the last: next step
+                self._submit(self._next[rank], after)          # past the last rank: the next step's
         return _no_compile(post)
 
     def _end_of_layers(self, module, args):
@@ -311,6 +338,43 @@ class WeightStreamer:
         self.model._wb_stream = None
 
 
+def _checked_schedule(schedule: Schedule, streamed: int, distance: int) -> list[int | None]:
+    """``schedule`` for every rank, each answer checked against the rule (:func:`stream_buffers`,
+    :func:`next_fetch`) before anything runs: a copy into a buffer whose layer is still to compute
+    would change its weights, so a wrong answer is a WorkbenchError naming the rule, never a wrong
+    token.  Returns the rank fetched after each rank computes."""
+    buffers = stream_buffers(streamed, distance)
+    where = f"{streamed} streamed layers, distance {distance}"
+    out = []
+    for r in range(streamed):
+        try:
+            got = schedule(rank=r, streamed=streamed, distance=distance)
+        except Exception as e:  # noqa: BLE001 - the caller's code: one line, not its traceback
+            raise WorkbenchError(f"stream_weights: the schedule raised {type(e).__name__}: {e} (rank {r}, {where})") \
+                from None
+        if not isinstance(got, dict) or not {"buffers", "fetch"} <= set(got):
+            raise WorkbenchError(f"stream_weights: the schedule returned {type(got).__name__} {got!r:.60} for rank "
+                                 f"{r}: a dict with 'buffers' and 'fetch'")
+        b, f, want = got["buffers"], got["fetch"], next_fetch(r, streamed, distance)
+        if isinstance(b, bool) or not isinstance(b, numbers.Integral) or int(b) != buffers:
+            raise WorkbenchError(f"stream_weights: the schedule keeps {b!r} buffers ({where}): one at distance 0, else "
+                                 f"d + 1 but never more than the streamed layers, min(d + 1, streamed) = {buffers}")
+        if f is None and want is None:
+            out.append(None)
+            continue
+        if f is None or want is None or isinstance(f, bool) or not isinstance(f, numbers.Integral):
+            rule = ("at distance 0 nothing is fetched ahead: None" if want is None else
+                    "at distance >= 1 every computed layer's buffer takes the next copy: a rank (int)")
+            raise WorkbenchError(f"stream_weights: the schedule fetches {f!r} after rank {r} ({where}): {rule}")
+        if int(f) != want:
+            raise WorkbenchError(
+                f"stream_weights: the schedule fetches rank {int(f)} after rank {r} computes ({where}): buffer "
+                f"{r % buffers} is the one free, and the next rank that lives in it is {want} (rank + buffers, or "
+                "past the last rank, rank % buffers in the next step)")
+        out.append(want)
+    return out
+
+
 def _forget_compiled() -> None:
     """Code ``torch.compile`` traced before the hooks existed runs without them: Dynamo does not
     guard on hooks being added (``torch._dynamo.config.skip_nnmodule_hook_guards``), so streamed
@@ -328,9 +392,13 @@ def _no_compile(fn):
     return disable(fn) if disable is not None else fn
 
 
-def stream_weights(model: nn.Module, config: WeightStreamConfig | None = None, **kw) -> WeightStreamer:
-    """Install weight streaming on ``model`` (in place); ``kw``: WeightStreamConfig fields."""
-    return WeightStreamer(model, config or WeightStreamConfig(**kw))
+def stream_weights(model: nn.Module, config: WeightStreamConfig | None = None, schedule: Schedule | None = None,
+                   **kw) -> WeightStreamer:
+    """Install weight streaming on ``model`` (in place); ``kw``: WeightStreamConfig fields.
+    ``schedule``: a stand-in for :func:`stream_buffers` and :func:`next_fetch` (a learner's, notebook
+    03: ``{"buffers": ..., "fetch": ...}``), called once per rank at install and checked against the
+    rule there (a WorkbenchError when it differs; nothing is installed then)."""
+    return WeightStreamer(model, config or WeightStreamConfig(**kw), schedule=schedule)
 
 
 def weight_streamer(model: nn.Module) -> WeightStreamer | None:
