@@ -110,7 +110,7 @@ EXERCISES = [
               '    # your code here\n'
               '    raise NotImplementedError'),
         reference=_latencies, cases=_latency_cases, strategy=_latency_strategy, compare=_latency_compare,
-        plugs_into="the latency table of section 2: your TTFT and TPOT beside the engine's own, per request"),
+        plugs_into="the latency table of section 4: your TTFT and TPOT beside the engine's own, per request"),
     Exercise(
         id="00.percentile", notebook="00_tour", title="P95 of a latency",
         teaches="what a tail percentile is, and why P95 of few samples interpolates",
