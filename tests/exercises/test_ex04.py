@@ -95,7 +95,7 @@ def test_admit_never_running_a_long_prompt_alone_is_named():
 def test_admit_the_block_boundary_is_named():
     r = check_fn(get("04.admit"), _admit(blocks_fit=lambda need, free: need < free))
     assert "the last free blocks" in r.case
-    assert "r0 is not admitted, but it fits" in r.rule and "4 KV blocks free; it needs 4" in r.rule
+    assert "r0 must be admitted" in r.rule and "4 KV blocks free, and it needs 4 blocks" in r.rule
 
 
 def test_admit_no_slot_check_is_named():

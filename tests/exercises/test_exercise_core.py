@@ -233,3 +233,22 @@ def test_the_check_view_escapes_and_marks_its_status():
     html = view._repr_html_()
     assert "data-status='failed'" in html and "<script>" not in html and "&lt;script&gt;" in html
     assert "00.percentile: failed on edge case" in repr(view)
+
+
+def test_who_names_whose_function_drives_the_cells_after_a_check():
+    from workbench.lab.exercise_view import check, who
+
+    quiet = lambda view: None                                              # noqa: E731
+    assert who("00.latencies").startswith("the package's latencies (yours is not checked yet")
+
+    def latencies(arrival, token_times, finished):
+        raise NotImplementedError
+
+    check("00.latencies", latencies, display=quiet)
+    assert who("00.latencies") == "the package's latencies (yours is not written yet)"
+    check("00.latencies", lambda arrival, token_times, finished: {}, display=quiet)
+    assert who("00.latencies") == "the package's latencies (yours does not pass yet)"
+    check("00.latencies", wx.load_solution("00.latencies"), display=quiet)
+    assert who("00.latencies") == "your latencies"
+    check("00.latencies", None, mode="solutions", display=quiet)
+    assert who("00.latencies") == "the solution's latencies"

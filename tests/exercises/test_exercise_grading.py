@@ -101,4 +101,4 @@ def test_list_and_hint():
     assert p.returncode == 0 and "hint 2 of 3" in p.stdout and "interpolate" in p.stdout
     p = subprocess.run([sys.executable, "-m", "workbench.cli.main", "exercises", "hint", "00.percentile", "9"],
                        capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and "has hints 1 to 3, not 9" in p.stderr
+    assert p.returncode == 2 and "has hints 1 to 3, not 9" in p.stderr and p.stdout == ""

@@ -81,6 +81,7 @@ def cmd_hint(args) -> int:
     from workbench.exercises import get, hint
 
     ex = get(args.exercise)
+    text = hint(args.exercise, args.k)          # a hint that is not there is an error before anything prints
     print(f"{ex.id} · {ex.title}: hint {args.k} of {len(ex.hints)}\n")
-    print(hint(args.exercise, args.k))
+    print(text)
     return 0

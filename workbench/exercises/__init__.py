@@ -101,7 +101,7 @@ def resolve(exercise_id: str, fn: Any, mode: str = "yours", *, examples: int | N
         return sol, res, "the solution (notebooks/solutions) drives what follows"
     res = check_fn(ex, fn, examples=examples)
     if res.passed:
-        note = f"your {ex.function} drives what follows" if ex.plugs_into else ""
+        note = f"your {ex.function} drives what follows: {ex.plugs_into}" if ex.plugs_into else ""
         return fn, res, note
     if res.status == "not written":
         return ex.reference, res, f"not written yet: the package's own {ex.function} drives what follows"

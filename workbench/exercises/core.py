@@ -110,7 +110,7 @@ class Result:
     def __str__(self) -> str:
         if self.status != "failed":
             return self.summary()
-        lines = [f"{self.exercise}: failed on {self.case}", f"  call:     {self.call}"]
+        lines = [f"{self.exercise}: failed on {self.case}", "  call:     " + self.call.replace("\n", "\n" + " " * 12)]
         if self.expected:
             lines.append(f"  expected: {self.expected}")
         if self.got:
@@ -151,8 +151,22 @@ def _round(vals):
     return float(f"{vals:.5g}") if isinstance(vals, float) else vals
 
 
-def call_text(function: str, kwargs: dict) -> str:
-    return f"{function}(" + ", ".join(f"{k}={show(v, 120)}" for k, v in kwargs.items()) + ")"
+def call_text(function: str, kwargs: dict, width: int = 100) -> str:
+    """The call as a learner would type it: on one line when short, else one argument a line and a
+    long list one item a line (nothing the failure turns on is cut off)."""
+    one = f"{function}(" + ", ".join(f"{k}={show(v, 120)}" for k, v in kwargs.items()) + ")"
+    if len(one) <= width:
+        return one
+    lines = []
+    for k, v in kwargs.items():
+        text = show(v, 2000)
+        if isinstance(v, (list, tuple)) and len(v) > 1 and len(text) > width - 8:
+            open_, close = ("[", "]") if isinstance(v, list) else ("(", ")")
+            items = [show(x, 400) for x in v[:40]] + ([f"... ({len(v) - 40} more)"] if len(v) > 40 else [])
+            pad = " " * (len(k) + 6)
+            text = open_ + (",\n" + pad).join(items) + close
+        lines.append(f"    {k}={text},")
+    return f"{function}(\n" + "\n".join(lines) + "\n)"
 
 
 # ---- comparing -----------------------------------------------------------------------------------

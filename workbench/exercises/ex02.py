@@ -253,7 +253,7 @@ EXERCISES = [
             "A sequence's KV lives in blocks of `block_size` tokens; its `block_table` lists their physical block "
             "ids in order. Return the physical slots (rows of a layer's cache viewed as `[num_blocks * block_size, "
             "...]`) of the token positions `start, start + 1, ..., end - 1`: where a prefill over `[start, end)` "
-            "writes its keys and values. Section 1 states the rule."),
+            "writes its keys and values."),
         hints=["Position `p` is in table block `p // block_size`, at offset `p % block_size` inside it.",
                "The table maps that table block to a physical block id; a slot counts tokens, so the physical "
                "block's first slot is `block_id * block_size`.",

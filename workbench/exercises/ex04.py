@@ -108,8 +108,12 @@ def _admit_compare(kw: dict, got, expected) -> str | None:
             return f"{g[0]} is admitted, but {why}"
         if g is None:                              # stopped early
             r = by_id[e[0]]
-            return (f"{e[0]} is not admitted, but it fits ({state}; it needs {r['blocks']}): admission goes on until "
-                    "the budget, the slots or the blocks run out, or a request does not fit")
+            how = "" if e[1] == r["tokens"] else (
+                f" Its {r['tokens']} tokens are more than the {left} left, so it computes {e[1]} this step"
+                + (" (chunked prefill off: it waits for a step of its own, holding its slot and blocks)" if e[1] == 0
+                   else " (chunked prefill: the rest in later steps)") + ".")
+            return (f"{e[0]} must be admitted: {state}, and it needs {r['blocks']} blocks.{how} Admission goes on until "
+                    "the budget, the slots or the blocks run out")
         if g[0] != e[0]:
             return f"{g[0]} is admitted where {e[0]} should be: {_order_rule(by_id[e[0]], by_id[g[0]])}"
         r = by_id[e[0]]
@@ -211,16 +215,22 @@ EXERCISES = [
         statement=(
             "Each step, the scheduler decides which waiting requests join the batch. A request is a dict: `id`, "
             "`priority`, `cached` (prompt tokens already in the prefix cache), `arrival` (0, 1, 2, ...), `tokens` "
-            "(prompt tokens it computes once admitted) and `blocks` (KV blocks it takes). In order of priority "
-            "(highest first), then `cached` (most first), then arrival, admit requests while the budget has tokens "
-            "left (`budget - scheduled_tokens`: the running sequences come first), a slot is free (`free_seqs`) and "
-            "their blocks fit (`free_blocks`); the first that does not fit stops admission. Each admitted request "
-            "computes all its tokens if they fit in what is left, else (with `chunked_prefill`) what is left, "
-            "or without it none this step - all of them, over the budget, if nothing else computes in this step - "
-            "and you return `[(id, tokens), ...]` in admission order."),
+            "(prompt tokens it computes once admitted) and `blocks` (KV blocks it takes). Return "
+            "`[(id, tokens computed this step), ...]` in admission order.\n\n"
+            "- **Order:** priority (highest first), then `cached` (most first), then arrival.\n"
+            "- **Who is admitted:** walk that order while the step has budget left (`budget - scheduled_tokens`: "
+            "the running sequences came first). A request can be admitted when a sequence slot is free "
+            "(`free_seqs`) and its `blocks` are free (`free_blocks`). The first request that cannot be admitted "
+            "stops the walk: none behind it overtakes it.\n"
+            "- **Tokens this step** (the budget decides how many, not whether it is admitted): all of `tokens` "
+            "when they fit in what is left; otherwise, with `chunked_prefill`, what is left; without it, 0 (the "
+            "request holds its slot and blocks and waits for a step of its own), except when nothing else "
+            "computes in this step: then all of them, over the budget."),
         hints=["Sort once with a key (`-priority`, `-cached`, `arrival`), then walk that order keeping three counts: "
-               "tokens left, free slots, free blocks. Stop (`break`, not `continue`) at the first request that does "
-               "not fit: a smaller one behind it may not overtake it, or a large request could wait forever.",
+               "tokens left, free slots, free blocks. Stop (`break`, not `continue`) at the first request that "
+               "cannot be admitted (no budget left, no slot, or not enough free blocks): a smaller one behind it may "
+               "not overtake it, or a large request could wait forever. A prompt larger than the budget left is "
+               "still admitted: it computes fewer tokens (or 0) this step.",
                "The budget check comes before the others: stop once `left <= 0`. A request's tokens this step: "
                "`tokens` when `tokens <= left`; else `left` with chunked prefill; else `0` if anything computes in "
                "this step already (`scheduled_tokens > 0` or an earlier admission with tokens > 0), otherwise "

@@ -9,6 +9,9 @@ from typing import Any
 
 from workbench.exercises import Result, get, resolve
 
+#: exercise id -> (status of its last check in this kernel, mode): what :func:`who` names
+_LAST: dict[str, tuple[str, str]] = {}
+
 _COLOURS = {"passed": ("#1b7f3b", "#eaf6ee"), "failed": ("#b42318", "#fdeceb"), "not written": ("#667085", "#f2f4f7")}
 
 
@@ -47,6 +50,7 @@ def check(exercise_id: str, fn: Any, mode: str = "yours", *, examples: int | Non
     """Check ``fn`` (exercise ``exercise_id``) and show the verdict; returns the function that
     drives what follows (yours when it passes, else the reference; the solution in batch runs)."""
     use, result, note = resolve(exercise_id, fn, mode, examples=examples)
+    _LAST[exercise_id] = (result.status, mode)
     view = CheckView(exercise_id, result, note)
     if display is None:
         try:
@@ -57,3 +61,18 @@ def check(exercise_id: str, fn: Any, mode: str = "yours", *, examples: int | Non
             display = print
     display(view)
     return use
+
+
+def who(exercise_id: str) -> str:
+    """Whose function an exercise's check handed on, for labels in the cells that use it: "your
+    slot_mapping", "the solution's slot_mapping" (batch runs) or "the package's slot_mapping (yours
+    is not written yet)" / "(yours does not pass yet)"."""
+    ex = get(exercise_id)
+    status, mode = _LAST.get(exercise_id, ("unchecked", "yours"))
+    if mode == "solutions":
+        return f"the solution's {ex.function}"
+    if status == "passed":
+        return f"your {ex.function}"
+    why = {"not written": "yours is not written yet", "failed": "yours does not pass yet"}.get(status,
+                                                                                               "yours is not checked yet")
+    return f"the package's {ex.function} ({why})"
