@@ -10,7 +10,6 @@ import base64
 import hashlib
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -188,7 +187,6 @@ for (const name of process.argv.slice(2)) {
 
 
 # ---- in Chromium ----------------------------------------------------------------------------------
-REQUIRED = os.environ.get("WORKBENCH_BROWSER_TESTS", "") == "1"
 
 STATE = """(id) => { const gd = document.getElementById(id);
   const label = [...gd.querySelectorAll('.slider-container text')].map((t) => t.textContent).find((t) => t.includes(' = '));
@@ -197,19 +195,6 @@ STATE = """(id) => { const gd = document.getElementById(id);
           points: gd.querySelectorAll('.scatterlayer .trace .point').length, line: line ? line.getAttribute('d') : null}; }"""
 
 
-@pytest.fixture(scope="module")
-def chromium():
-    from workbench.lab.browser_session import chromium_available
-
-    why = chromium_available()
-    if why:
-        if REQUIRED:
-            pytest.fail(f"WORKBENCH_BROWSER_TESTS=1 but no browser here: {why}")
-        pytest.skip(f"no browser: {why}")
-    from workbench.lab.browser_session import Browser
-
-    with Browser() as browser:
-        yield browser
 
 
 @pytest.mark.slow

@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import os
 import re
 from pathlib import Path
 
@@ -154,22 +153,8 @@ def test_figure_ids_are_plain_ids():
 
 
 # ---- in Chromium ----------------------------------------------------------------------------------
-REQUIRED = os.environ.get("WORKBENCH_BROWSER_TESTS", "") == "1"
 
 
-@pytest.fixture(scope="module")
-def chromium():
-    from workbench.lab.browser_session import chromium_available
-
-    why = chromium_available()
-    if why:
-        if REQUIRED:
-            pytest.fail(f"WORKBENCH_BROWSER_TESTS=1 but no browser here: {why}")
-        pytest.skip(f"no browser: {why}")
-    from workbench.lab.browser_session import Browser
-
-    with Browser() as browser:
-        yield browser
 
 
 def open_page(browser, report: Path) -> dict:

@@ -37,6 +37,8 @@ import math
 import time
 from collections.abc import Callable
 
+from workbench.lab.live_output import in_kernel
+
 BETTER, WORSE, NOISE, BASE, SKIP = "#009E73", "#D55E00", "#bab0ac", "#0072B2", "#7f7f7f"
 PENDING = "#e6e6e6"                       # a stack step not measured yet (the live waterfall)
 MEETS, MISSES, QUALITY, PICK = "#0072B2", "#E69F00", "#999999", "#009E73"   # the SLO panel
@@ -420,7 +422,7 @@ class AblationLive:
         self.stack_names = {st["config"] for st in ab.stack if st.get("config")} | {"baseline"}
         self.recorder = Recorder()
         self.bar = None
-        self.show = show and _in_ipython()
+        self.show = show and in_kernel()
         self.t0: float | None = None
         self.record_s = self.view_s = 0.0
         self.events = self.draws = 0
@@ -566,13 +568,6 @@ class AblationLive:
         return replay_figure(fig, frames, redraw=True, time_label="t", note=note)
 
 
-def _in_ipython() -> bool:
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    return shell is not None and getattr(shell, "kernel", None) is not None
 
 
 # ---- controls over the measured results: the SLO slider and the metric dropdown ----------------------

@@ -64,3 +64,13 @@ class LiveOutput:
             if close is not None:
                 close()
         self.shown, self.widgets = False, []
+
+
+def in_kernel() -> bool:
+    """Is this a kernel (a notebook, or papermill's), where ``display`` draws rather than prints?"""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None

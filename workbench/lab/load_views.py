@@ -44,6 +44,7 @@ from collections.abc import Callable
 import numpy as np
 
 from workbench.errors import ConfigError
+from workbench.lab.live_output import in_kernel
 from workbench.lab.replay import Recorder
 from workbench.lab.sched_timeline import TIMELINE_COLUMNS, scheduler_timeline, tidy_replay  # noqa: F401  (re-exported)
 from workbench.lab.viz import store_figure_state
@@ -466,7 +467,7 @@ class LatencyDashboard:
         display it.  Returns the replay figure."""
         self.stop_polling()
         fig = self.replay_fig = self.replay()
-        if show and (self._handle is not None or _in_notebook()):
+        if show and (self._handle is not None or in_kernel()):
             from IPython.display import display
 
             if self._handle is not None:
@@ -645,14 +646,6 @@ def svg_dashboard_html(data: dict, window_s: float, title: str, status_lines: li
             f'<div style="font:13px sans-serif">{status_lines_html(status_lines)}</div>{legend}{svg}</div>')
 
 
-def _in_notebook() -> bool:
-    """Is this a kernel (a notebook), where ``display`` draws a figure rather than printing it?"""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    return shell is not None and getattr(shell, "kernel", None) is not None
 
 
 def latency_vs_load_figure(df, x: str = "offered_qps", ys=("ttft_p50_ms", "ttft_p95_ms"),

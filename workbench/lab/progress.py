@@ -22,6 +22,8 @@ import html
 import sys
 import time
 
+from workbench.lab.live_output import in_kernel
+
 
 def _fmt_s(s: float) -> str:
     if s < 60:
@@ -46,7 +48,7 @@ class Progress:
         self._shown = -1e9
         self._handle = None
         self._display = display            # tests: a callable(html) instead of IPython
-        self._ipython = display is None and _in_ipython()
+        self._ipython = display is None and in_kernel()
         self.closed = False
 
     # ---- what it says
@@ -124,10 +126,3 @@ class Progress:
             print(self.text(), file=sys.stderr, flush=True)
 
 
-def _in_ipython() -> bool:
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    return shell is not None and getattr(shell, "kernel", None) is not None
