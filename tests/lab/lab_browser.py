@@ -278,3 +278,20 @@ def plotly_outputs(path: Path):
             if fig:
                 yield fig
 
+
+
+@pytest.fixture(scope="module")
+def chromium():
+    """A headless Chromium (Playwright) for the module (import this fixture from a test module):
+    skipped where there is none, a failure under ``WORKBENCH_BROWSER_TESTS=1`` (CI)."""
+    from workbench.lab.browser_session import chromium_available
+
+    why = chromium_available()
+    if why:
+        if REQUIRED:
+            pytest.fail(f"WORKBENCH_BROWSER_TESTS=1 but no browser here: {why}")
+        pytest.skip(f"no browser: {why}")
+    from workbench.lab.browser_session import Browser
+
+    with Browser() as browser:
+        yield browser

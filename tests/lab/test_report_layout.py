@@ -22,6 +22,7 @@ pd = pytest.importorskip("pandas")
 go = pytest.importorskip("plotly.graph_objects")
 nbformat = pytest.importorskip("nbformat")
 
+from lab_browser import chromium  # noqa: F401  (the fixture)
 from workbench.lab.formats import format_value, humanize, readable_table, table_html, title_of, unit_kind
 from workbench.lab.replay import Recorder, replay_figure
 from workbench.lab.results import _INFLATE_JS, collect_results, save_results, write_report

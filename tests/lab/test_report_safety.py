@@ -19,6 +19,7 @@ pytest.importorskip("papermill")
 pd = pytest.importorskip("pandas")
 go = pytest.importorskip("plotly.graph_objects")
 
+from lab_browser import chromium  # noqa: F401  (the fixture)
 from workbench.lab import runner
 from workbench.lab.executors import Executor
 from workbench.lab.results import collect_results, html_id, save_results, write_report
