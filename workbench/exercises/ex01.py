@@ -34,8 +34,8 @@ def _device() -> str:
         return "cuda"
     if not workbench_kernels.interpreter_active():
         raise WorkbenchError("the Triton exercises run on a CPU under the Triton interpreter: set TRITON_INTERPRET=1 "
-                             "before triton is first imported (the notebook's first code cells do; in a shell: "
-                             "TRITON_INTERPRET=1 workbench exercises check ...)")
+                             "before triton is first imported (the notebook's first code cells do, and so does "
+                             "workbench exercises check where there is no GPU; in Python: TRITON_INTERPRET=1 python ...)")
     return "cpu"
 
 
