@@ -9,6 +9,10 @@ One concept per file:
 * ``arrivals``  - constant / Poisson arrival times and k6-style stages (pure functions of time);
 * ``generator`` - :class:`LoadConfig`, :class:`LoadRun`, :func:`run_load` / :func:`run_load_sync`;
 * ``result``    - :class:`RequestRecord`, :class:`LoadResult` (frame, summary, JSON);
+* ``traces``    - recorded traces in: our JSONL, ShareGPT, Azure, BurstGPT, Mooncake (:func:`read_trace`);
+* ``trace_workload`` - a trace as token ids with its prefix structure, and its summary
+  (:func:`build_trace_workload`, :class:`TraceOptions`, :class:`TraceWorkload`);
+* ``trace_samples`` - small synthetic files in each format (:func:`write_sample`);
 
 The SLO guard (a serving policy) is :mod:`workbench.serve.slo`; the live views are
 :mod:`workbench.lab.load_views`; the ``workbench load`` command is :mod:`workbench.cli.load`.
@@ -32,6 +36,9 @@ _EXPORTS = exports({
     "workbench.load.generator": "LoadConfig LoadRun run_load run_load_sync",
     "workbench.load.result": "LoadResult RequestRecord",
     "workbench.load.target": "CallableTarget HTTPTarget Target TokenEvent parse_sse_chunk",
+    "workbench.load.traces": "FORMATS TraceError TraceRow detect_format read_trace",
+    "workbench.load.trace_workload": "TraceOptions TraceWorkload build_trace_workload parse_window",
+    "workbench.load.trace_samples": "write_sample",
 })
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy(__name__, _EXPORTS)
