@@ -1,4 +1,5 @@
-"""The load generator: open-loop (constant / Poisson) or closed-loop users, with k6 stages.
+"""The load generator: open-loop (constant / Poisson) or closed-loop users, with k6 stages, or a
+recorded trace replayed at its own arrival times.
 
 ::
 
@@ -12,6 +13,13 @@
 * ``closed``: ``concurrency`` virtual users, each sending its next request when the previous
   one finished (plus ``think_time_s``); with stages, ``target`` is the number of users
   (users above the target finish their request and then wait; k6's graceful ramp-down).
+* ``trace``: ``trace`` (a :class:`workbench.engine.traces.Trace`, e.g. ``TraceWorkload.trace()``)
+  replayed open loop: request i is sent ``trace.requests[i].at`` seconds after the start with
+  its own prompt, ``params.max_tokens`` and priority, and its params' ``temperature`` and
+  ``ignore_eos`` (with ``top_p`` / ``top_k`` / ``seed`` / ``stop`` when set) as sampling keyword
+  arguments, so a server generates the recorded number of tokens; ``sampling`` overrides them.
+  Its schedule is one stage, ``"trace"``, whose target follows the recorded rate (requests/s in
+  each tenth of the trace).  Requests out of time order are sorted (stable).
 
 Bounds: ``max_requests`` (count) and ``max_duration_s`` (wall time; requests still in flight
 then are cancelled and recorded as ``cancelled``).  Without ``max_duration_s`` the run waits
@@ -40,11 +48,12 @@ from datetime import datetime, timezone
 from typing import Callable, Sequence
 
 from workbench.errors import ConfigError
-from workbench.load.arrivals import Schedule, Stage, arrival_offsets
+from workbench.load.arrivals import Schedule, Segment, Stage, arrival_offsets
 from workbench.load.result import LoadResult, RequestRecord
 from workbench.load.target import Prompt, TokenEvent
 
-MODES = ("constant", "poisson", "closed")
+MODES = ("constant", "poisson", "closed", "trace")
+TRACE_BINS = 10                          # the trace schedule's target: the recorded rate in each tenth
 Observer = Callable[["LoadRun", "RequestRecord | None"], None]
 
 
@@ -65,6 +74,7 @@ class LoadConfig:
     seed: int = 0
     tick_s: float = 0.25                 # observers' periodic call
     name: str = ""
+    trace: object | None = None          # mode="trace": a Trace (requests with at, prompt, params, priority)
 
     def __post_init__(self) -> None:
         def bad(name, why):
@@ -72,6 +82,8 @@ class LoadConfig:
 
         if self.mode not in MODES:
             bad("mode", f"must be one of {MODES}")
+        if self.mode == "trace" or self.trace is not None:
+            self._check_trace()
         open_loop = self.mode != "closed"
         if self.stages is not None:
             self.stages = [Stage.coerce(s, i, "LoadConfig.stages") for i, s in enumerate(self.stages)]
@@ -81,7 +93,7 @@ class LoadConfig:
             bad("rate", "must be a finite number >= 0 (requests per second)")
         if self.concurrency is not None and not (isinstance(self.concurrency, int) and self.concurrency >= 0):
             bad("concurrency", "must be an integer >= 0 (virtual users)")
-        if self.stages is None:
+        if self.stages is None and self.mode != "trace":
             if open_loop and not self.rate:
                 bad("rate", f"must be > 0 for mode={self.mode!r} without stages")
             if not open_loop and not self.concurrency:
@@ -106,7 +118,43 @@ class LoadConfig:
         if not (callable(self.priority) or isinstance(self.priority, int)):
             bad("priority", "must be an int or fn(request index) -> int")
 
+    def _check_trace(self) -> None:
+        """mode="trace": a trace with requests, each with a time >= 0, a prompt and max_tokens;
+        the requests in time order (a stable sort of ``trace.requests`` when they are not)."""
+        if self.mode != "trace":
+            raise ConfigError(f"LoadConfig.trace is given with mode={self.mode!r}: a trace is replayed with "
+                              "mode='trace' (its own arrival times)")
+        if self.trace is None:
+            raise ConfigError("LoadConfig(mode='trace') needs trace=<a Trace> (e.g. TraceWorkload.trace())")
+        for name in ("rate", "concurrency", "stages", "prompts"):
+            if getattr(self, name) is not None:
+                raise ConfigError(f"LoadConfig.{name} is given with mode='trace': the trace's own arrival times "
+                                  "and prompts are sent; leave it None")
+        reqs = getattr(self.trace, "requests", None)
+        if reqs is None:
+            raise ConfigError(f"LoadConfig.trace: expected a Trace (with .requests), got {type(self.trace).__name__}")
+        if not len(reqs):
+            raise ConfigError("LoadConfig.trace has no request: nothing to replay")
+        for i, r in enumerate(reqs):
+            where = f"LoadConfig.trace.requests[{i}]"
+            at = getattr(r, "at", None)
+            if not (isinstance(at, (int, float)) and not isinstance(at, bool) and math.isfinite(at) and at >= 0):
+                raise ConfigError(f"{where}.at={at!r} must be a finite number >= 0 (seconds after the start)")
+            p = getattr(r, "prompt", None)
+            if not ((isinstance(p, str) or isinstance(p, (list, tuple))) and len(p)):
+                raise ConfigError(f"{where}.prompt must be a non-empty text or list of token ids")
+            mt = getattr(getattr(r, "params", None), "max_tokens", None)
+            if not (isinstance(mt, int) and mt >= 1):
+                raise ConfigError(f"{where}.params.max_tokens={mt!r} must be an integer >= 1 (SamplingParams)")
+        self._trace_requests = sorted(reqs, key=lambda r: r.at)
+
+    def trace_requests(self) -> list:
+        """mode="trace": the trace's requests in time order (what request i of the run sends)."""
+        return getattr(self, "_trace_requests", [])
+
     def schedule(self) -> Schedule:
+        if self.mode == "trace":
+            return trace_schedule([r.at for r in self.trace_requests()])
         start = self.rate if self.mode != "closed" else self.concurrency
         if self.stages is None:
             return Schedule.constant(start)
@@ -117,11 +165,46 @@ class LoadConfig:
         d = {k: getattr(self, k) for k in ("mode", "rate", "concurrency", "max_requests", "max_duration_s",
                                            "max_tokens", "think_time_s", "sampling", "seed", "name")}
         d["stages"] = None if self.stages is None else [[s.duration_s, s.target, s.name] for s in self.stages]
+        if self.mode == "trace":
+            reqs = self.trace_requests()
+            dur = reqs[-1].at
+            d.update(max_tokens="per request (the trace's)", prompts=f"trace of {len(reqs)}",
+                     priority="per request (the trace's)",
+                     trace={"requests": len(reqs), "duration_s": dur,
+                            "rate_per_s": len(reqs) / dur if dur > 0 else None})
+            return d
         p = self.prompts
         d["prompts"] = (f"held-out x{self.num_prompts}" if p is None else
                         f"fn {getattr(p, '__name__', '?')}" if callable(p) else f"list of {len(p)}")
         d["priority"] = self.priority if isinstance(self.priority, int) else f"fn {getattr(self.priority, '__name__', '?')}"
         return d
+
+
+def trace_schedule(times: Sequence[float], bins: int = TRACE_BINS) -> Schedule:
+    """The schedule of a trace whose requests arrive at ``times`` (sorted, seconds): one stage,
+    ``"trace"``, over [0, last arrival], whose value is the recorded rate (requests/s) in each of
+    ``bins`` equal spans - the live view's target line.  All at time 0: one endless segment of
+    rate NaN (a burst has no rate)."""
+    dur = max(times) if len(times) else 0.0
+    if not dur > 0:
+        return Schedule([Segment(0.0, math.inf, math.nan, math.nan, 0, "trace")])
+    width = dur / bins
+    counts = [0] * bins
+    for t in times:
+        counts[min(int(t / width), bins - 1)] += 1
+    edges = [k * width for k in range(bins)] + [dur]
+    return Schedule([Segment(edges[k], edges[k + 1], counts[k] / width, counts[k] / width, 0, "trace")
+                     for k in range(bins)])
+
+
+def trace_sampling(params) -> dict:
+    """The sampling keyword arguments a trace request sends (see the module docstring)."""
+    out = {"temperature": float(params.temperature), "ignore_eos": bool(params.ignore_eos)}
+    for name, unset in (("top_p", 1.0), ("top_k", 0), ("seed", None), ("stop", [])):
+        v = getattr(params, name, unset)
+        if v != unset and v is not None:
+            out[name] = list(v) if name == "stop" else v
+    return out
 
 
 class LoadRun:
@@ -187,6 +270,8 @@ class LoadRun:
 
     # ---- requests -------------------------------------------------------------------------------
     def _prompt_source(self) -> Callable[[int], Prompt]:
+        if self.config.mode == "trace":
+            return lambda i: self.config.trace_requests()[i].prompt
         p = self.config.prompts
         if callable(p):
             return p
@@ -197,6 +282,16 @@ class LoadRun:
         prompts = list(p)
         return lambda i: prompts[i % len(prompts)]
 
+    def _request_parts(self, i: int) -> tuple[Prompt, int, int, dict]:
+        """Request ``i``'s prompt, max_tokens, priority and sampling keyword arguments."""
+        cfg = self.config
+        if cfg.mode == "trace":
+            r = cfg.trace_requests()[i]
+            return (r.prompt, int(r.params.max_tokens), int(getattr(r, "priority", 0) or 0),
+                    {**trace_sampling(r.params), **cfg.sampling})
+        prio = cfg.priority(i) if callable(cfg.priority) else cfg.priority
+        return self._prompt(i), cfg.max_tokens, prio, cfg.sampling
+
     def _take_ticket(self) -> int | None:
         cfg = self.config
         if cfg.max_requests is not None and self.sent >= cfg.max_requests:
@@ -205,9 +300,8 @@ class LoadRun:
         return self.sent - 1
 
     async def _request(self, i: int, scheduled: float, user: int | None = None) -> RequestRecord:
-        cfg, t0 = self.config, self.t_start
-        prompt = self._prompt(i)
-        prio = cfg.priority(i) if callable(cfg.priority) else cfg.priority
+        t0 = self.t_start
+        prompt, max_tokens, prio, sampling = self._request_parts(i)
         sent = self.clock() - t0
         stage = self.schedule.stage_at(min(scheduled, sent))
         rec = RequestRecord(id=i, stage=stage, stage_name=self.schedule.segments[stage].name, priority=prio,
@@ -216,7 +310,7 @@ class LoadRun:
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         stream = None
         try:
-            stream = self.target.send(prompt, cfg.max_tokens, priority=prio, **cfg.sampling)
+            stream = self.target.send(prompt, max_tokens, priority=prio, **sampling)
             async for ev in stream:
                 self._apply(rec, ev, t0, self.clock)
                 if rec.status != "pending":
@@ -270,12 +364,24 @@ class LoadRun:
 
     # ---- arrival processes ----------------------------------------------------------------------
     async def _sleep_until(self, offset: float) -> None:
-        delay = self.t_start + offset - self.clock()
-        if delay > 0:
+        # asyncio may wake a timer up to its clock resolution early: sleep again (a few times at most,
+        # so that a virtual clock that rounds cannot spin) - nothing is sent before its time
+        for _ in range(3):
+            delay = self.t_start + offset - self.clock()
+            if delay <= 0:
+                return
             await asyncio.sleep(delay)
 
+    def _offsets(self):
+        if self.config.mode == "trace":
+            return (r.at for r in self.config.trace_requests())
+        return arrival_offsets(self.schedule, self.config.mode, self.config.seed)
+
     async def _open_loop(self) -> None:
-        for offset in arrival_offsets(self.schedule, self.config.mode, self.config.seed):
+        cap = self.config.max_requests
+        for offset in self._offsets():
+            if cap is not None and self.sent >= cap:    # all sent: the run does not wait for the next arrival
+                break
             await self._sleep_until(offset)
             i = self._take_ticket()
             if i is None:
@@ -363,10 +469,24 @@ class LoadRun:
         duration = max([self.clock() - self.t_start] + [r.end for r in self.records if r.end is not None])
         self.done = True
         self._notify(None)
-        stages = [(k, name, a, min(b, duration), tgt) for k, name, a, b, tgt in self.schedule.stage_windows()
+        stages = [(k, name, a, min(b, duration), tgt) for k, name, a, b, tgt in self._stage_windows()
                   if a < duration]
         return LoadResult(records=sorted(self.records, key=lambda r: r.id), duration_s=duration, stages=stages,
                           config=self.config.describe(), started_at=started_at)
+
+    def _stage_windows(self) -> list[tuple[int, str, float, float, float]]:
+        """(stage, name, t0, t1, target) per stage; a stage of several segments (a trace's tenths) is
+        one window whose target is its mean value (a trace: its recorded rate)."""
+        windows = self.schedule.stage_windows()
+        if len({w[0] for w in windows}) == len(windows):
+            return windows
+        merged: dict[int, list] = {}
+        for k, name, a, b, _ in windows:
+            m = merged.setdefault(k, [k, name, a, b])
+            m[2], m[3] = min(m[2], a), max(m[3], b)
+        sched = self.schedule
+        return [(k, name, a, b, (sched.integral(b) - sched.integral(a)) / (b - a) if math.isfinite(b) and b > a
+                 else sched.value(a)) for k, name, a, b in merged.values()]
 
     def _spawn_driver(self) -> asyncio.Task:
         coro = self._closed_loop() if self.config.mode == "closed" else self._open_loop()
