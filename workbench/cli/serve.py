@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from workbench.cli.options import (add_backend_arg, add_fast_path_args, add_memory_budget_arg, add_model_args,
                                    add_quant_arg, add_stream_args, add_tier_args, apply_backend, check_sizes, count,
                                    tier_config, tier_store, weight_stream_config)
 
 
 def cmd_serve(args) -> int:
+    with _from_config(args):     # a refusal that names an option the --config file set says so
+        engine, config, guard = _server_parts(args)
+    from workbench.serve import serve
+
+    announce = lambda line: print(line, flush=True)  # noqa: E731 - scripts read the port from this line
+    return serve(engine, config, announce=announce, guard=guard)
+
+
+def _server_parts(args):
+    """The engine, the ServerConfig and the SLO guard of serve's flags (the checks first)."""
     import os
 
     from workbench.sched import SchedulerConfig
@@ -15,7 +27,7 @@ def cmd_serve(args) -> int:
     # the checks that need no model, no torch and no web framework first: a mistake is said at once
     api_key = _api_key(args.api_key, os.environ.get("WORKBENCH_API_KEY"))
     _check_serve_kv_args(args)
-    from workbench.serve import ServerConfig, serve
+    from workbench.serve import ServerConfig
 
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                             chunked_prefill=not args.no_chunked_prefill, micro_batch_window_s=args.window_ms / 1e3,
@@ -58,13 +70,21 @@ def cmd_serve(args) -> int:
     engine = LLMEngine(llm, kv=kv, scheduler=sched, tiers=tiers, tier_basis=basis, tier_store=store, compile=args.compile,
                        cuda_graphs=args.cuda_graphs, stream_weights=weight_stream_config(args),
                        memory_budget=args.memory_budget)
-    announce = lambda line: print(line, flush=True)  # noqa: E731 - scripts read the port from this line
-    return serve(engine, config, announce=announce, guard=guard)
+    return engine, config, guard
 
 
 def add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, SSE, /metrics) "
                                      "over the batched engine")
+    _add_serve_args(s)
+    s.set_defaults(func=cmd_serve)
+
+
+def _add_serve_args(s) -> None:
+    s.add_argument("--config", default=None, metavar="FILE",
+                   help="serve options from a JSON file, e.g. the one workbench tune writes: "
+                        "{\"workbench_serve_config\": 1, \"serve\": {\"max_num_seqs\": 8, \"compile\": true, ...}} "
+                        "(each key a flag below, - written _); flags on the command line win")
     add_model_args(s)
     add_quant_arg(s)
     add_backend_arg(s)
@@ -115,6 +135,9 @@ def add_serve_parser(sub) -> None:
                    help="keep evicted prefix blocks in host memory or on disk; a later hit copies them back")
     g.add_argument("--offload-blocks", type=count, default=4096, help="capacity of the offload tier, in blocks "
                                                                       "(host memory or the file system's free space)")
+    g.add_argument("--lookahead", type=count, default=None, metavar="N",
+                   help="with --offload: each engine step, stage the offloaded prefix blocks of the next N waiting "
+                        "requests back ahead of their admission (0: copy them back at admission; default: 4)")
     g.add_argument("--kv", choices=["paged", "contiguous"], default="paged",
                    help="contiguous: one cache per request (no prefix sharing), max-num-seqs x max-model-len "
                         "tokens at most")
@@ -132,7 +155,6 @@ def add_serve_parser(sub) -> None:
     g.add_argument("--slo-window", type=int, default=50, help="TTFTs in the sliding window")
     g.add_argument("--slo-cooldown-s", type=float, default=5.0, help="seconds open before probing")
     g.add_argument("--slo-bypass-priority", type=int, action="append", default=[], help="priorities never shed")
-    s.set_defaults(func=cmd_serve)
 
 
 def _serve_kv(args):
@@ -145,7 +167,7 @@ def _serve_kv(args):
         return "contiguous"
     return PagedKVConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                          enable_prefix_caching=not args.no_prefix_caching, offload=args.offload,
-                         offload_blocks=args.offload_blocks)
+                         offload_blocks=args.offload_blocks, lookahead=args.lookahead)
 
 
 def _check_serve_sizes(args, sched) -> None:
@@ -179,7 +201,8 @@ def _check_serve_kv_args(args) -> None:
     paged_only = [name for name, on in (("--offload", args.offload is not None),
                                          ("--num-blocks", args.num_blocks is not None),
                                          ("--block-size", args.block_size != 16),
-                                         ("--no-prefix-caching", args.no_prefix_caching)) if on]
+                                         ("--no-prefix-caching", args.no_prefix_caching),
+                                         ("--lookahead", args.lookahead is not None)) if on]
     if not args.tiers and (args.tier_store != "accounted" or args.tier_predict != "step"):
         raise ConfigError("--tier-store / --tier-predict choose how the tiered cache keeps its blocks: add --tiers")
     if args.tiers and args.kv != "paged":
@@ -187,6 +210,95 @@ def _check_serve_kv_args(args) -> None:
     layout = "--tiers" if args.tiers else "--kv contiguous" if args.kv == "contiguous" else None
     if layout and paged_only:
         raise ConfigError(f"{', '.join(paged_only)}: options of the paged pool, which {layout} does not use")
+    if args.lookahead is not None and args.lookahead < 0:
+        raise ConfigError(f"--lookahead must be a whole number >= 0 (0: no staging ahead), got {args.lookahead}")
+    if args.lookahead is not None and args.offload is None:
+        raise ConfigError(f"--lookahead {args.lookahead} stages offloaded prefix blocks back ahead of the requests "
+                          "that need them: add --offload host or --offload disk (or drop --lookahead)")
     if (args.compile or args.cuda_graphs) and args.tiers:
         raise ConfigError("--compile / --cuda-graphs run decode steps on static buffers (the paged pool or --kv "
                           "contiguous); the tiered cache routes blocks per step on the host: drop --tiers or them")
+
+
+# ---- serve --config FILE ---------------------------------------------------------------------
+def with_serve_config(parser, argv: list[str], args):
+    """``serve --config FILE``: the namespace of ``argv`` with the file's options in it.
+
+    The file's options become serve flags (:func:`workbench.bench.serve_config.serve_argv`) placed
+    right after ``serve``, before the command line's flags, and ``parser`` parses the whole again:
+    every value is checked as if it had been typed, and a flag on the command line wins (argparse
+    keeps the last value; an appended flag such as --slo-bypass-priority keeps the file's values and
+    adds the command line's).  Before that the file's flags are parsed alone, so that a bad value is
+    refused naming the file.  ``args.config_flags``: the flags in effect that the file set (a later
+    refusal naming one says where it came from, :func:`_from_config`)."""
+    import argparse
+    import json
+
+    from workbench.bench.serve_config import read_serve_config, serve_argv
+    from workbench.errors import ConfigError
+
+    where = f"--config {args.config}"
+    options = read_serve_config(args.config)
+    alone = _standalone_serve_parser(where)
+    actions = {o[2:].replace("-", "_"): a for a in alone._actions for o in a.option_strings if o.startswith("--")}
+    for key, value in options.items():
+        action, flag = actions.get(key), "--" + key.replace("_", "-")
+        if key in ("config", "help"):
+            raise ConfigError(f"{where}: {key!r} cannot be set from a config file")
+        if action is None:
+            raise ConfigError(f"{where}: unknown option {key!r} (serve has no {flag})")
+        if action.nargs == 0 and not isinstance(value, bool) and value is not None:
+            raise ConfigError(f"{where}: {key!r} is a switch ({flag}): give true or false, got {json.dumps(value)}")
+        if action.nargs != 0 and isinstance(value, bool):
+            raise ConfigError(f"{where}: {key!r} takes a value ({flag} VALUE), got {json.dumps(value)}")
+        if isinstance(value, list) and not isinstance(action, argparse._AppendAction):
+            raise ConfigError(f"{where}: {key!r} takes one value ({flag} VALUE), got a list")
+    file_argv = serve_argv(options)
+    alone.parse_args(file_argv)                   # a bad value: argparse's message, naming the file
+    at = argv.index(args.command) + 1             # nothing precedes the command but the program
+    merged = parser.parse_args([*argv[:at], *file_argv, *argv[at:]])
+    typed = vars(alone.parse_args(argv[at:]))     # what the command line set (the parser has no defaults)
+    merged.config_flags = {"--" + key.replace("_", "-"): (key, value) for key, value in options.items()
+                           if value is not None and value is not False
+                           and (actions[key].dest not in typed or isinstance(actions[key], argparse._AppendAction))}
+    return merged
+
+
+def _standalone_serve_parser(where: str):
+    """serve's flags in a parser of their own, with no defaults (a namespace holds what was given)
+    and whose errors are one-line ConfigErrors that name ``where``."""
+    import argparse
+
+    from workbench.errors import ConfigError
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise ConfigError(f"{where}: {message}")
+
+    p = Parser(prog="workbench serve", add_help=False)
+    _add_serve_args(p)
+    for action in p._actions:
+        action.default = argparse.SUPPRESS
+    return p
+
+
+@contextmanager
+def _from_config(args):
+    """A WorkbenchError raised inside that names a flag the --config file set (as ``--flag``, as
+    its name in the API, ``num_blocks``, or by the file's text, a model path) says so at its end."""
+    import re
+
+    from workbench.errors import WorkbenchError
+
+    try:
+        yield
+    except WorkbenchError as e:
+        text = str(e)
+        named = [flag for flag, (key, value) in (getattr(args, "config_flags", None) or {}).items()
+                 if re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text)
+                 # a short one-word key (model, port) is too common a word to be matched as a word
+                 or (("_" in key or len(key) > 8) and re.search(rf"(?<![\w-]){key}(?![\w-])", text))
+                 or (isinstance(value, str) and len(value) > 2 and value in text)]
+        if named:
+            e.args = (f"{text} ({', '.join(named)} from --config {args.config})",)
+        raise
