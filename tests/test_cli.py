@@ -132,7 +132,7 @@ def test_subcommands_keep_their_order():
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     assert list(sub.choices) == ["generate", "bench", "run-notebooks", "info", "kv-inspect", "prefix-bench",
-                                 "sched-bench", "serve", "kernels-bench", "kernels-aot", "load", "prefetch-bench",
+                                 "sched-bench", "serve", "kernels-bench", "kernels-aot", "load", "tune", "prefetch-bench",
                                  "tier-bench", "quant-bench", "quantize", "calibrate-quant", "claims", "decode-stack", "import-gguf",
                                  "exercises"]
 

@@ -1,5 +1,5 @@
 """``workbench`` command line: generate, bench, run-notebooks, info, kv-inspect, prefix-bench,
-sched-bench, serve, load, kernels-bench, kernels-aot, prefetch-bench, tier-bench, quant-bench, quantize,
+sched-bench, serve, load, tune, kernels-bench, kernels-aot, prefetch-bench, tier-bench, quant-bench, quantize,
 calibrate-quant, claims, decode-stack, import-gguf, exercises.
 
 argparse lives only in this package; each subcommand calls a plain function with the same parameters.
@@ -8,7 +8,7 @@ This module builds the parser from the subcommands' modules (in the order ``--he
 :mod:`~workbench.cli.model` (generate, info, kv-inspect), :mod:`~workbench.cli.bench` (bench,
 prefix-bench, sched-bench), :mod:`~workbench.cli.notebooks` (run-notebooks),
 :mod:`~workbench.cli.serve`, :mod:`~workbench.cli.kernels` (kernels-bench, kernels-aot),
-:mod:`~workbench.cli.load`, :mod:`~workbench.cli.prefetch` (prefetch-bench), :mod:`~workbench.cli.tiers`
+:mod:`~workbench.cli.load`, :mod:`~workbench.cli.tune` (tune: notebook 06 on your own trace), :mod:`~workbench.cli.prefetch` (prefetch-bench), :mod:`~workbench.cli.tiers`
 (tier-bench), :mod:`~workbench.cli.quant` (quant-bench), :mod:`~workbench.cli.quantize` (quantize: a
 compressed-tensors checkpoint), :mod:`~workbench.cli.calibrate` (calibrate-quant), :mod:`~workbench.cli.claims`
 (the claims lab), :mod:`~workbench.cli.decode_stack` (decode-stack: the paged decode stack against the
@@ -37,8 +37,9 @@ from workbench.cli.options import prepare_threads, prepare_triton
 from workbench.cli.prefetch import add_prefetch_bench_parser
 from workbench.cli.quant import add_quant_bench_parser
 from workbench.cli.quantize import add_quantize_parser
-from workbench.cli.serve import add_serve_parser
+from workbench.cli.serve import add_serve_parser, with_serve_config
 from workbench.cli.tiers import add_tier_bench_parser
+from workbench.cli.tune import add_tune_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_kernels_bench_parser(sub)
     add_kernels_aot_parser(sub)
     add_load_parser(sub)
+    add_tune_parser(sub)
     add_prefetch_bench_parser(sub)
     add_tier_bench_parser(sub)
     add_quant_bench_parser(sub)
@@ -70,8 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from workbench.errors import WorkbenchError
 
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
+        if args.command == "serve" and args.config is not None:
+            args = with_serve_config(parser, argv, args)   # the file's flags, then the command line's, parsed again
         prepare_threads(args)
         prepare_triton(args)
         return args.func(args)
