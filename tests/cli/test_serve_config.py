@@ -11,9 +11,7 @@ import json
 import os
 import random
 import shlex
-import subprocess
 import sys
-import time
 
 import pytest
 
@@ -291,12 +289,11 @@ def test_serve_starts_from_a_config_file(tmp_path):
     options = {"max_num_seqs": 4, "window_ms": 5.0, "offload": "host", "lookahead": 2, "num_blocks": 64,
                "log_level": "warning", "port": 8}
     path = write_serve_config(tmp_path / "tuned serve.json", options, about={"measured": "nothing: a test"})
-    proc = subprocess.Popen(CLI + ["serve", "--config", str(path), "--port", "0"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ))
-    try:
-        line = _announce(proc, time.monotonic() + 180)
+    from workbench.serve.spawn import spawn_server
+
+    with spawn_server(["--config", str(path), "--port", "0"], timeout_s=180, env=dict(os.environ)) as srv:
+        line, port = srv.announce, srv.port
         assert "64 KV blocks of 16" in line, line                 # num_blocks from the file
-        port = int(line.rsplit("port ", 1)[1].split(",")[0])      # --port 0 from the command line won
         assert port != 8
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
                        json={"model": "bundled", "prompt": "The list type", "max_tokens": 4, "temperature": 0})
@@ -305,20 +302,5 @@ def test_serve_starts_from_a_config_file(tmp_path):
         info = json.loads(r.headers["x-model-info"])
         assert info["kv_prefetch"]["offload"] == "host" and info["kv_prefetch"]["lookahead"] == 2
         assert info["scheduler"]["max_num_seqs"] == 4 and info["scheduler"]["micro_batch_window_s"] == 0.005
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
-def _announce(proc: subprocess.Popen, deadline: float) -> str:
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith("workbench serve:"):
-            return line
-    raise AssertionError(f"workbench serve did not start: {proc.stderr.read() if proc.poll() is not None else ''}")

@@ -9,7 +9,6 @@ import math
 import os
 import random
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -133,27 +132,10 @@ def served(tmp_path_factory):
     """``workbench serve --port 0`` (the bundled model on CPU) in a subprocess; its URL from the line it prints."""
     pytest.importorskip("uvicorn")
     pytest.importorskip("httpx")
-    err = tmp_path_factory.mktemp("serve") / "stderr.txt"
-    with open(err, "w") as ferr:
-        proc = subprocess.Popen(CLI + ["serve", "--device", "cpu", "--port", "0", "--log-level", "warning"],
-                                stdout=subprocess.PIPE, stderr=ferr, text=True, env=dict(os.environ))
-    try:
-        deadline, url = time.monotonic() + 120, None
-        while url is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            m = re.match(r"workbench serve: (http://\S+)/v1\s", line)
-            url = m.group(1) if m else None
-        assert url, f"workbench serve did not start: {err.read_text()[-2000:]}"
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    from workbench.serve.spawn import spawn_server
+
+    with spawn_server(["--device", "cpu", "--port", "0", "--log-level", "warning"], env=dict(os.environ)) as srv:
+        yield srv.url
 
 
 def expected_lengths(path, length_scale: float, context: int = 1024) -> list[tuple[int, int]]:

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -69,23 +68,13 @@ def test_quantize_with_awq_on_a_dataset_records_where_it_calibrated(tmp_path, ca
     assert model.recipe.method == "awq" and model.quant_calibration["awq"]
 
 
-def _free_port_line(proc: subprocess.Popen, deadline: float) -> int:
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith("workbench serve:"):
-            return int(line.rsplit("port ", 1)[1].split(",")[0])
-    raise AssertionError(f"workbench serve did not start: {proc.stderr.read() if proc.poll() is not None else ''}")
-
-
 def test_serve_runs_the_checkpoint(written):
     import httpx
 
-    proc = subprocess.Popen(CLI + ["serve", "--model", str(written), "--port", "0", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
-    try:
-        port = _free_port_line(proc, time.monotonic() + 120)
+    from workbench.serve.spawn import spawn_server
+
+    with spawn_server(["--model", str(written), "--port", "0", "--log-level", "warning"], env=dict(os.environ)) as srv:
+        port = srv.port
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                        json={"model": str(written), "prompt": "The list type", "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200, r.text
@@ -93,13 +82,6 @@ def test_serve_runs_the_checkpoint(written):
         info = json.loads(r.headers["x-model-info"])
         assert info["quant"]["name"] == "w4a16-g128-sym-rtn-fallback=pow2"
         assert info["quant"]["placement"]["layers"] == {"cpu": 42}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.parametrize("args,needle", [

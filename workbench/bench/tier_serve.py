@@ -22,13 +22,12 @@ import json
 import os
 import re
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from workbench.errors import WorkbenchError
+from workbench.serve.spawn import stop_process
 
 # the TierConfig fields `workbench serve --tiers` takes as flags (element_bytes is accounting only)
 SERVE_FIELDS = ("window", "sink", "rank", "warm_tokens", "chunk", "block", "budget", "value_format", "key_space",
@@ -46,24 +45,11 @@ def _tier_args(tier: dict) -> list[str]:
 
 
 def _start(store: str, tier: dict, extra: list[str], timeout: float = 180.0):
-    cmd = [sys.executable, "-m", "workbench.cli", "serve", "--port", "0", "--tiers", "--tier-store", store,
-           *_tier_args(tier), *extra]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    t0, lines = time.time(), []
-    while time.time() - t0 < timeout:
-        line = proc.stdout.readline()
-        if not line:
-            if proc.poll() is not None:
-                break
-            continue
-        lines.append(line.rstrip())
-        m = re.search(r"(http://[\d.:a-z]+)/v1", line)
-        if m:
-            threading.Thread(target=proc.stdout.read, daemon=True).start()     # keep the pipe drained
-            return proc, m.group(1)
-    proc.kill()
-    raise WorkbenchError(f"workbench serve --tier-store {store} did not start: " + " | ".join(lines[-5:]))
+    from workbench.serve.spawn import start_server
+
+    srv = start_server(["--port", "0", "--tiers", "--tier-store", store, *_tier_args(tier), *extra], timeout_s=timeout,
+                       env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    return srv.proc, srv.url
 
 
 def _scrape(http, url: str) -> dict:
@@ -136,11 +122,7 @@ def _run_store(store: str, tier: dict, prompts: list[str], max_tokens: int, conc
                 if m:
                     prefetch[m.group(1)] = float(m.group(2))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
     ok = [r for r in rows if "error" not in r]
     ttfts = sorted(r["ttft_s"] for r in ok if r["ttft_s"] is not None)
     tokens = sum(r["tokens"] for r in ok)
