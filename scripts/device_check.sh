@@ -25,7 +25,8 @@
 #                           16, 64 on Llama-7B-sized layers (saved per row; exits 1 beyond 1e-2 error);
 #   6. prefetch_link    15  the pinned host -> HBM link's GB/s per block size (and the host copy);
 #   7. e2e              45  notebook 06's ablation at its tiny size: every layer alone and stacked (saved
-#                           after every run of a configuration);
+#                           after every run of a configuration), then the pick's capacity at the SLO (the
+#                           highest multiple of the trace's rate it serves within it: workbench tune's search);
 #   then the rest, in the time that remains:
 #   8. tests            45  the kernel, backend, CUDA-graph, batched-engine, CUDA prefetch, CUDA tiers and
 #                           quantized-kernel tests on the GPU (compiled Triton; 8 xdist workers, at most 5

@@ -105,7 +105,7 @@ def test_tune_recommends_writes_the_serve_command_and_the_server_serves_the_trac
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "40 requests" in r.stdout.splitlines()[0], r.stdout[:500]        # the summary before the run
     summary = json.loads((out / "tune.json").read_text())
-    assert summary["tuned"] and summary["capacity_multiple"] >= 1.0
+    assert summary["tuned"] and summary["capacity_multiple"] > 0
     assert summary["capacity_table"] and summary["capacity_table"][0]["multiple"] == 1.0
     # serve.json is what workbench serve --config reads, and the printed command is the same configuration
     opts = read_serve_config(out / "serve.json")
@@ -117,8 +117,45 @@ def test_tune_recommends_writes_the_serve_command_and_the_server_serves_the_trac
 
     args = build_parser().parse_args(argv[1:])
     assert args.max_num_seqs == opts["max_num_seqs"] and args.max_batched_tokens == opts["max_batched_tokens"]
-    # the started server served every request of the trace, with a P95 TTFT within noise of the tuning's
+    # the started server served every request of the trace, at the recorded rate and at the capacity found.
+    # Its P95 TTFT is not within noise of the in-process tuning's on this 2-core machine: the HTTP front end
+    # shares the engine's process (and its GIL) and the load generator the cores; measured 1.9x on this trace
+    # (docs/tune.md). The bound below guards that gap from growing.
     v = summary["verify"]
     assert len(v["rounds"]) == 3 and all(x["ok"] == x["requests"] == 40 for x in v["rounds"]), v
-    assert v["within_noise"] or 0.5 <= v["ratio"] <= 2.0, v
+    assert v["within_noise"] or v["ratio"] <= 2.5, v
+    assert len(v["at_capacity"]) == (3 if summary["capacity_multiple"] != 1 else 0)
+    assert all(x["ok"] == x["requests"] == 40 for x in v["at_capacity"]), v
     assert (out / "06_end_to_end.ipynb").is_file() and Path(summary["report"]).is_file()
+
+
+def test_the_capacity_search_goes_down_when_the_trace_is_more_than_it_serves():
+    """A configuration that misses the SLO at the recorded rate: the search halves the rate until
+    it meets, then narrows the gap (a stand-in ablation whose P95 TTFT grows with the rate)."""
+    from workbench.bench.e2e_recommend import SLO
+    from workbench.bench.tune import capacity_search
+
+    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+    class Config:
+        spec = type("S", (), {"priorities": False})()
+
+    class Stand:            # P95 TTFT = 400 ms x (rate multiple): meets 100 ms up to 0.25x
+        workload = type("W", (), {"trace": lambda self, priorities: Trace([TraceRequest(1.0, [1], sp)])})()
+
+        def config(self, name):
+            return Config()
+
+        def samples(self, name, metric):
+            return [400.0, 410.0] if metric == "ttft_ms_p95" else [10.0, 10.0]
+
+        def _run_once(self, c, trace):
+            m = 1.0 / trace.requests[0].at
+            return {"ttft_ms_p95": 400.0 * m, "tokens_per_s": 10.0 * m, "finished": 1}, []
+
+    cap = capacity_search(Stand(), "x", SLO(ttft_p95_ms=100.0), rounds=1, refine=2)
+    assert cap["multiple"] == 0.25 and cap["bounded"], cap
+    assert [r["multiple"] for r in cap["table"]] == [1.0, 0.5, 0.25, 0.3536, 0.2973]
+    assert "less than the trace offers" in cap["reason"]
+    up = capacity_search(Stand(), "x", SLO(ttft_p95_ms=1000.0), rounds=1, refine=1)   # 1x meets: up to 2.5x
+    assert up["multiple"] == 2.0 and [r["multiple"] for r in up["table"]] == [1.0, 2.0, 4.0, 2.8284]

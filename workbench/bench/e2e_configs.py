@@ -34,14 +34,17 @@ LAYERS = {
                                               "ahead of use")),
     "window": ("micro-batch window", "new arrivals wait up to the window to be admitted together"),
     "priorities": ("priorities", "chat turns go first (priority 1) and may preempt documents and one-off requests"),
-    "quant": ("quantization", "linear layers quantized: the device's fastest scheme (DEVICE_QUANT)"),
+    "quant": ("quantization", "linear layers quantized: the scheme E2EConfig.quant names (notebook 06: the fastest "
+                              "within the SLO's perplexity bound on this model, bench.e2e_quant_choice; else "
+                              "the device's, DEVICE_QUANT)"),
 }
 # The device's fastest quantization, measured on the bundled model (decode step at batch 1 / 8, a 256-token
 # prefill; 2-core AMD EPYC, 1 thread): fp32 2.3 / 3.7 / 31 ms; W8A8 (torch._int_mm, int8 activations)
 # 1.7 / 2.8 / 14 ms; W8A16 (the compiled int8 reduction; torch's int8pack op took 4.3 / 27 / 32 ms)
 # 1.8 / 3.4 / 31 ms; W4A16 g128 7.7 / 6.4 / 33 ms.  06's workload is mostly prefill: W8A8.  (On a real
 # checkpoint W8A8's quality may not hold - SmolLM2-135M: +2.9 % perplexity, W8A16 -0.2 % - which is
-# what workbench calibrate-quant weighs.)  On a GPU the Triton W4A16 kernel reads the fewest bytes.
+# what workbench calibrate-quant weighs, and notebook 06 chooses per model: bench.e2e_quant_choice.)  On a GPU the
+# Triton W4A16 kernel reads the fewest bytes.
 DEVICE_QUANT = {"cpu": "w8a8", "cuda": "w4a16:g128"}
 # Layers measured alone but left out of the stack, and why (the stack is the fastest configuration
 # the device can build; these trade speed for memory, or exactness for memory).

@@ -386,11 +386,14 @@ def run_ablation(llm, workload: Workload, cfg: E2EConfig | None = None, model=No
 
 
 def run_end_to_end(model=None, device=None, dtype=None, mode: str = "tiny", slo_ttft_p95_ms: float | None = None,
-                   metric: str = "ttft_ms_p95", progress: bool = False) -> dict:
+                   metric: str = "ttft_ms_p95", progress: bool = False, capacity: bool = True) -> dict:
     """The whole ablation in one call, JSON-ready (``scripts/device_check.sh``'s ``e2e`` step):
     ``rows`` (:func:`report_rows`), ``stack``, ``waterfall`` of ``metric``, the recommendation for
     P95 TTFT <= ``slo_ttft_p95_ms`` (None: the baseline's slowest round, "never slower than the
-    baseline was") and perplexity +2 % at most, and the run's facts.
+    baseline was") and perplexity +2 % at most, ``capacity`` (with ``capacity=True``: the pick's
+    highest arrival-rate multiple within that SLO, :func:`workbench.bench.tune.capacity_search` with one
+    round a multiple, up to 8x; None when the pick is the reference or nothing meets it), and the
+    run's facts.
 
     After every run (one configuration in one round) the result so far goes to
     :func:`workbench.measure.gpu_results.save_partial` (a no-op unless ``$WORKBENCH_PARTIAL_OUT``
@@ -424,14 +427,19 @@ def run_end_to_end(model=None, device=None, dtype=None, mode: str = "tiny", slo_
         except Exception as e:  # noqa: BLE001 - saving what there is must never stop the measuring
             print(f"[e2e] could not save the partial result: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
+    cap = None
     try:                                 # run_ablation's steps, saving as the runs go
         ab.warm_up()
         ab.run(progress=on_run)
         ab.measure_quality()
+        slo = SLO(ttft_p95_ms=slo_ttft_p95_ms or max(ab.samples("baseline", "ttft_ms_p95")))
+        rec = recommend(ab.candidates(), slo)
+        if capacity and rec["pick"] not in (None, "reference LLM()"):
+            from workbench.bench.tune import capacity_search   # the pick's capacity at the SLO, coarsely
+
+            cap = capacity_search(ab, rec["pick"], slo, rounds=1, max_multiple=8.0, refine=1)
     finally:
         ab.close()
-    slo = SLO(ttft_p95_ms=slo_ttft_p95_ms or max(ab.samples("baseline", "ttft_ms_p95")))
-    rec = recommend(ab.candidates(), slo)
     return {**head, "rows": report_rows(ab), "stack": ab.stack, "waterfall": ab.waterfall(metric),
             "slo": slo.describe(), "recommendation": rec["pick"], "recommendation_reason": rec["reason"],
-            "seconds": time.perf_counter() - t0}
+            "capacity": cap, "seconds": time.perf_counter() - t0}

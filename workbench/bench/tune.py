@@ -82,8 +82,10 @@ def capacity_search(ab, name: str, slo: SLO, rounds: int = 2, max_multiple: floa
                     progress=None) -> dict:
     """The highest arrival-rate multiple of ``ab``'s trace at which configuration ``name`` meets
     ``slo`` in every round (see the module docstring).  ``ab``: an :class:`~workbench.bench.end_to_end.Ablation`
-    that has run (its engines still open).  Returns ``multiple`` (the capacity: 1.0 when only the
-    recorded rate was within it; None when not even that), ``time_scale`` (1 / multiple),
+    that has run (its engines still open).  When the recorded rate is already more than it serves,
+    the search goes down instead (0.5x, 0.25x, ... to ``1 / max_multiple``, then the same halving of
+    the gap).  Returns ``multiple`` (the capacity; below 1 when the trace offers more than it serves
+    within the SLO; None when not even ``1 / max_multiple`` is), ``time_scale`` (1 / multiple),
     ``bounded`` (False when ``max_multiple`` still met the SLO), ``table`` (one row per multiple:
     each round's P95 TTFT and throughput) and ``reason``.  ``progress(text)``: called before each point."""
     if rounds < 1 or not max_multiple > 1 or refine < 0:
@@ -109,19 +111,26 @@ def capacity_search(ab, name: str, slo: SLO, rounds: int = 2, max_multiple: floa
                   "ttft_ms_p95_worst": max(measured) if measured else None,
                   "tokens_per_s": ab.samples(name, "tokens_per_s"), "finished": None, "meets": at1,
                   "source": "the ablation's rounds"})
-    if not at1:
-        return {"config": name, "multiple": None, "time_scale": None, "bounded": True, "table": table,
-                "slo": slo.describe(),
-                "reason": f"{name} does not meet the SLO at the recorded rate (P95 TTFT {max(measured or [math.nan]):.0f} ms "
-                          f"in its slowest round): no capacity to search"}
-    lo, hi = 1.0, None
-    m = 2.0
-    while m <= max_multiple:
-        if point(m):
-            lo, m = m, m * 2
-        else:
-            hi = m
-            break
+    if at1:                             # up: double while it meets
+        lo, hi, m = 1.0, None, 2.0
+        while m <= max_multiple:
+            if point(m):
+                lo, m = m, m * 2
+            else:
+                hi = m
+                break
+    else:                               # the trace is more than it serves: down, halving until it meets
+        lo, hi, m = None, 1.0, 0.5
+        while m >= 1 / max_multiple:
+            if point(m):
+                lo = m
+                break
+            hi, m = m, m / 2
+        if lo is None:
+            return {"config": name, "multiple": None, "time_scale": None, "bounded": True, "table": table,
+                    "slo": slo.describe(),
+                    "reason": f"{name} does not meet the SLO even at 1/{max_multiple:g} of the trace's rate "
+                              f"(P95 TTFT {max(measured or [math.nan]):.0f} ms at the recorded rate)"}
     for _ in range(refine if hi is not None else 0):
         mid = math.sqrt(lo * hi)
         if point(mid):
@@ -130,6 +139,7 @@ def capacity_search(ab, name: str, slo: SLO, rounds: int = 2, max_multiple: floa
             hi = mid
     bounded, lo = hi is not None, round(lo, 4)           # as the table has it
     reason = (f"{name} meets the SLO ({slo.describe()}) up to {lo:.2f}x the trace's recorded rate"
+              + (" - less than the trace offers" if lo < 1 else "")
               + (f" and not at {hi:.2f}x" if bounded else f", the largest multiple tried ({max_multiple:g}x)")
               + f" ({len(table) - 1} multiples measured, {rounds} rounds each)")
     return {"config": name, "multiple": lo, "time_scale": 1 / lo, "bounded": bounded, "table": table,
@@ -188,6 +198,14 @@ def pick_by_capacity(screen: list[dict], table: list[dict], tie: float = 0.1) ->
     key = lambda r: (facts.get(r["config"], {}).get("layers", 0), facts.get(r["config"], {}).get("memory_bytes") or 0,
                      -r["estimate"])
     return min(tied, key=key)["config"]
+
+
+def closest_config(table: list[dict]) -> str | None:
+    """When no configuration meets the SLO: the one within its quality bounds (perplexity, agreement)
+    whose slowest round came nearest the P95 TTFT bound (the reference, which is no server, left out)."""
+    ok = [t for t in table if t["config"] != "reference LLM()"
+          and "perplexity" not in t["why"] and "agreement" not in t["why"]]
+    return min(ok, key=lambda t: t["ttft_ms_p95_worst"])["config"] if ok else None
 
 
 def serve_options(ab, name: str, model=None, device=None, dtype=None) -> tuple[dict, list[str]]:

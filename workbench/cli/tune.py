@@ -53,6 +53,15 @@ def _context(model, device: str, mode: str) -> tuple:
     return Tokenizer(folder), ctx
 
 
+def _cores() -> int:
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def _sidecar(record: dict) -> dict:
     from workbench.errors import WorkbenchError
     from workbench.lab.results import load_results
@@ -64,64 +73,59 @@ def _sidecar(record: dict) -> dict:
 
 
 def verify(options: dict, trace: str, trace_options, tuned_p95: list[float], rounds: int = 3,
-           timeout_s: float = 600.0, say=print, tokenizer: str | None = None) -> dict:
+           timeout_s: float = 600.0, say=print, tokenizer: str | None = None, capacity: float | None = None,
+           slo_ms: float | None = None) -> dict:
     """Start ``workbench serve`` with ``options`` (port 0), replay ``trace`` against it ``rounds``
     times with ``workbench load --trace``, and compare each round's P95 TTFT with ``tuned_p95``
-    (the tuning's rounds, in process)."""
-    import subprocess
-
+    (the tuning's rounds, in process); then, given ``capacity`` (the rate multiple the tuning
+    found), ``rounds`` more replays at that multiple, each against ``slo_ms``."""
     from workbench.bench.serve_config import serve_argv
     from workbench.cli.load import run_load_command
-    from workbench.errors import WorkbenchError
     from workbench.measure.compare import compare_samples
+    from workbench.serve.spawn import start_server, stop_process
 
-    argv = [sys.executable, "-m", "workbench.cli.main", "serve", *serve_argv({**options, "port": 0})]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    url, lines, t0 = None, [], time.perf_counter()
+    flags = serve_argv({**options, "port": 0})
+    srv = start_server(flags, timeout_s=timeout_s)
+    url = srv.url
     try:
-        while url is None:
-            line = proc.stdout.readline()
-            if not line:
-                raise WorkbenchError("the tuned server did not start: " + " | ".join(x.strip() for x in lines[-5:]))
-            lines.append(line)
-            if line.startswith("workbench serve: http"):
-                url = line.split()[2].removesuffix("/v1")
-            if time.perf_counter() - t0 > timeout_s:
-                raise WorkbenchError(f"the tuned server did not announce itself within {timeout_s:.0f} s")
-        say(f"verify: {' '.join(argv[3:])} -> {url}")
-        import threading
+        say(f"verify: workbench serve {' '.join(flags)} -> {url}")
 
-        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()   # drain its log
-        p95s, runs = [], []
-        # one warm-up replay (a fresh server compiles its static steps at the first requests), not counted
-        for r in range(rounds + 1):
+        def replay(multiple: float) -> dict:
             o = trace_options
-            res, _ = run_load_command(url=url, trace=trace, trace_format=o.format, time_scale=o.time_scale,
+            res, _ = run_load_command(url=url, trace=trace, trace_format=o.format, time_scale=o.time_scale / multiple,
                                       limit=o.limit, window=o.window, length_scale=o.length_scale,
                                       max_tokens_cap=o.max_tokens_cap, trace_rate=o.rate, tokenizer=tokenizer,
                                       progress=None)
             s = res.summary().loc["all"]
-            if r == 0:
-                say(f"verify: warm-up replay, P95 TTFT {s['ttft_p95_ms']:.1f} ms (not counted)")
-                continue
-            p95s.append(float(s["ttft_p95_ms"]))
-            runs.append({"round": r, "ok": int(s["ok"]), "requests": int(s["requests"]),
-                         "ttft_p50_ms": float(s["ttft_p50_ms"]), "ttft_p95_ms": float(s["ttft_p95_ms"]),
-                         "tokens_per_s": float(s["tokens_per_s"])})
-            say(f"verify: round {r}: {runs[-1]['ok']}/{runs[-1]['requests']} ok, P95 TTFT {p95s[-1]:.1f} ms")
+            return {"multiple": multiple, "ok": int(s["ok"]), "requests": int(s["requests"]),
+                    "ttft_p50_ms": float(s["ttft_p50_ms"]), "ttft_p95_ms": float(s["ttft_p95_ms"]),
+                    "tokens_per_s": float(s["tokens_per_s"])}
+
+        # one warm-up replay (a fresh server compiles its static steps at the first requests), not counted
+        say(f"verify: warm-up replay, P95 TTFT {replay(1.0)['ttft_p95_ms']:.1f} ms (not counted)")
+        runs, at_capacity = [], []
+        for r in range(1, rounds + 1):
+            runs.append({"round": r, **replay(1.0)})
+            say(f"verify: round {r}: {runs[-1]['ok']}/{runs[-1]['requests']} ok, P95 TTFT {runs[-1]['ttft_p95_ms']:.1f} ms")
+        if capacity and capacity != 1:
+            for r in range(1, rounds + 1):
+                at_capacity.append({"round": r, **replay(capacity)})
+                say(f"verify: at {capacity:.2f}x, round {r}: P95 TTFT {at_capacity[-1]['ttft_p95_ms']:.1f} ms"
+                    + (f" ({'within' if at_capacity[-1]['ttft_p95_ms'] <= slo_ms else 'beyond'} the SLO's "
+                       f"{slo_ms:g} ms)" if slo_ms else ""))
+        p95s = [x["ttft_p95_ms"] for x in runs]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(srv.proc)
     cmp = compare_samples(p95s, tuned_p95, names=("the started server", "the tuning"), metric="P95 TTFT", unit="ms",
                           lower_is_better=True)
     import numpy as np
 
     ratio = float(np.median(p95s) / np.median(tuned_p95))
     return {"rounds": runs, "server_ttft_ms_p95": p95s, "tuned_ttft_ms_p95": list(tuned_p95), "ratio": ratio,
-            "within_noise": cmp.winner is None, "verdict": cmp.verdict if hasattr(cmp, "verdict") else str(cmp)}
+            "within_noise": cmp.winner is None, "verdict": cmp.verdict if hasattr(cmp, "verdict") else str(cmp),
+            "at_capacity": at_capacity,
+            "meets_slo_at_capacity": (all(x["ttft_p95_ms"] <= slo_ms for x in at_capacity)
+                                      if at_capacity and slo_ms else None)}
 
 
 def cmd_tune(args) -> int:
@@ -149,6 +153,8 @@ def cmd_tune(args) -> int:
               "alone": None if args.alone else [], "stack_quant": args.stack_quant}
     if args.repeats:
         params["repeats"] = args.repeats
+    if device == "cpu":          # the threads the server will run with, measured with them (see --threads)
+        params["threads"] = args.threads or max(1, _cores() - 1)
     print(f"workbench tune: notebook 06 on {wl.source} -> {out}", flush=True)
     res = run_notebooks(["06_end_to_end"], parameters=params, out_dir=out, progress=not args.quiet,
                         timeout=args.cell_timeout)
@@ -174,16 +180,26 @@ def cmd_tune(args) -> int:
                                                                            "tuned_ttft_ms_p95_runs")})
         summary.update(serve_options=opts, serve_config=str(cfg_path), serve_command=serve_command(opts),
                        serve_command_short=serve_command(opts, config_path=cfg_path))
-        print(f"capacity at the SLO: {m.get('capacity_multiple'):.2f}x the trace's rate  ({summary['capacity_reason']})")
+        cap = m.get("capacity_multiple") or 0.0
+        print(f"capacity at the SLO: {cap:.2f}x the trace's rate"
+              + (" (LESS than the trace offers: this traffic needs more than one such server, or a looser SLO)"
+                 if cap < 1 else "") + f"  ({summary['capacity_reason']})")
         print(f"serve it:  {summary['serve_command']}\n      or:  {summary['serve_command_short']}")
         if args.verify:
             summary["verify"] = v = verify(opts, args.trace, topts, summary["tuned_ttft_ms_p95_runs"],
-                                           rounds=args.verify_rounds, tokenizer=args.model)
+                                           rounds=args.verify_rounds, tokenizer=args.model,
+                                           capacity=m.get("capacity_multiple"), slo_ms=slo.ttft_p95_ms)
             print(f"verify: the started server's P95 TTFT {', '.join(f'{x:.1f}' for x in v['server_ttft_ms_p95'])} ms "
                   f"against the tuning's {', '.join(f'{x:.1f}' for x in v['tuned_ttft_ms_p95'])} ms "
                   f"(median ratio {v['ratio']:.2f}): {'within noise' if v['within_noise'] else v['verdict']}")
+            if v["at_capacity"]:
+                shown = ", ".join(f"{x['ttft_p95_ms']:.1f}" for x in v["at_capacity"])
+                print(f"verify: at the capacity ({m.get('capacity_multiple'):.2f}x) the started server's P95 TTFT "
+                      f"{shown} ms: "
+                      f"{'within' if v['meets_slo_at_capacity'] else 'not within'} the SLO in every round")
     else:
-        print("no configuration meets the SLO at the trace's recorded rate: no serve command (see the report)")
+        print("no configuration within the SLO's quality bounds serves any share of the trace within its P95 TTFT "
+              "bound: no serve command (see the report)")
         code = 1
     (out / "tune.json").write_text(json.dumps(summary, indent=2, default=str))
     print(f"report: {res['report']}\nsummary: {out / 'tune.json'}")
@@ -214,6 +230,10 @@ def add_tune_parser(sub) -> None:
     r = p.add_argument_group("the run")
     r.add_argument("--mode", default="smoke", help="notebook 06's size: tiny, smoke (default) or full")
     r.add_argument("--repeats", type=int, default=None, help="rounds per configuration (default: the mode's)")
+    r.add_argument("--threads", type=int, default=None,
+                   help="torch threads on a CPU, for the tuning and the server it writes (default: the cores less "
+                        "one, at least 1: a server's HTTP front end and its clients need a core; on 2 cores a "
+                        "2-thread server answered the same trace 2x slower than a 1-thread one)")
     r.add_argument("--alone", action="store_true", help="also measure every layer alone (longer)")
     r.add_argument("--stack-quant", default="auto", help="auto (the fastest scheme within the SLO's perplexity "
                                                           "bound on this model), device, or a scheme")
