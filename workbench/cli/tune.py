@@ -121,7 +121,7 @@ def verify(options: dict, trace: str, trace_options, tuned_p95: list[float], rou
     import numpy as np
 
     ratio = float(np.median(p95s) / np.median(tuned_p95))
-    return {"rounds": runs, "server_ttft_ms_p95": p95s, "tuned_ttft_ms_p95": list(tuned_p95), "ratio": ratio,
+    return {"announce": srv.announce, "rounds": runs, "server_ttft_ms_p95": p95s, "tuned_ttft_ms_p95": list(tuned_p95), "ratio": ratio,
             "within_noise": cmp.winner is None, "verdict": cmp.verdict if hasattr(cmp, "verdict") else str(cmp),
             "at_capacity": at_capacity,
             "meets_slo_at_capacity": (all(x["ttft_p95_ms"] <= slo_ms for x in at_capacity)
@@ -170,7 +170,7 @@ def cmd_tune(args) -> int:
         summary["capacity_table"] = tables["capacity"].to_dict(orient="records")
     print(f"\nat the recorded rate, section 6's rule for {slo.describe()}: {summary['recommended']}\n  {summary['reason']}")
     if summary["tuned"]:
-        print(f"most headroom (the tuned configuration): {summary['tuned']}")
+        print(f"the tuned configuration (the most headroom, or the nearest when nothing met): {summary['tuned']}")
     code = 0
     if m.get("serve_options"):
         opts = json.loads(m["serve_options"])

@@ -364,9 +364,9 @@ class LoadRun:
 
     # ---- arrival processes ----------------------------------------------------------------------
     async def _sleep_until(self, offset: float) -> None:
-        # asyncio may wake a timer up to its clock resolution early: sleep again (a few times at most,
-        # so that a virtual clock that rounds cannot spin) - nothing is sent before its time
-        for _ in range(3):
+        # asyncio may wake a timer early (its own clock, not this run's; a loaded machine): sleep again,
+        # bounded so that a virtual clock that rounds cannot spin - nothing is sent before its time
+        for _ in range(100):
             delay = self.t_start + offset - self.clock()
             if delay <= 0:
                 return
