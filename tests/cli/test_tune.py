@@ -140,21 +140,13 @@ def test_the_capacity_search_goes_down_when_the_trace_is_more_than_it_serves():
 
     sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 
-    class Config:
-        spec = type("S", (), {"priorities": False})()
-
     class Stand:            # P95 TTFT = 400 ms x (rate multiple): meets 100 ms up to 0.25x
-        workload = type("W", (), {"trace": lambda self, priorities: Trace([TraceRequest(1.0, [1], sp)])})()
-
-        def config(self, name):
-            return Config()
-
         def samples(self, name, metric):
             return [400.0, 410.0] if metric == "ttft_ms_p95" else [10.0, 10.0]
 
-        def _run_once(self, c, trace):
-            m = 1.0 / trace.requests[0].at
-            return {"ttft_ms_p95": 400.0 * m, "tokens_per_s": 10.0 * m, "finished": 1}, []
+        def replay_at(self, name, multiple):
+            m = 1.0 / scale_trace(Trace([TraceRequest(1.0, [1], sp)]), multiple).requests[0].at
+            return {"ttft_ms_p95": 400.0 * m, "tokens_per_s": 10.0 * m, "finished": 1}
 
     cap = capacity_search(Stand(), "x", SLO(ttft_p95_ms=100.0), rounds=1, refine=2)
     assert cap["multiple"] == 0.25 and cap["bounded"], cap

@@ -299,6 +299,14 @@ class Ablation(AblationResults):
             close_engine(engine)
         return row, [list(o.token_ids) for o in res.outputs]
 
+    def replay_at(self, name: str, multiple: float = 1.0) -> dict:
+        """One more real-time replay of configuration ``name``, its trace at ``multiple`` times the
+        workload's rate (every arrival time divided by it): the run's row (the capacity search's step)."""
+        from workbench.bench.tune import scale_trace
+
+        c = self.config(name)
+        return self._run_once(c, scale_trace(self.workload.trace(priorities=c.spec.priorities), multiple))[0]
+
     def run(self, repeats: int | None = None, progress=None, started=None) -> Ablation:
         """``repeats`` rounds; each runs every configuration once, the order reversed every other
         round.  A run that raises marks its configuration failed (recorded) and the rest go on.

@@ -90,14 +90,12 @@ def capacity_search(ab, name: str, slo: SLO, rounds: int = 2, max_multiple: floa
     each round's P95 TTFT and throughput) and ``reason``.  ``progress(text)``: called before each point."""
     if rounds < 1 or not max_multiple > 1 or refine < 0:
         raise ConfigError("capacity_search: rounds >= 1, max_multiple > 1 and refine >= 0")
-    c = ab.config(name)
-    base = ab.workload.trace(priorities=c.spec.priorities)
     table: list[dict] = []
 
     def point(m: float) -> bool:
         if progress is not None:
             progress(f"capacity: {name} at {m:.2f}x the trace's rate")
-        rows = [ab._run_once(c, scale_trace(base, m))[0] for _ in range(rounds)]
+        rows = [ab.replay_at(name, m) for _ in range(rounds)]
         ok = _meets(rows, slo)
         table.append({"multiple": round(m, 4), "time_scale": round(1 / m, 4),
                       "ttft_ms_p95": [r["ttft_ms_p95"] for r in rows], "ttft_ms_p95_worst": max(r["ttft_ms_p95"] for r in rows),
@@ -155,13 +153,11 @@ def screen_capacity(ab, names, slo: SLO, multiples=(2.0, 4.0, 8.0, 16.0), rounds
     does not decide alone; without a miss, the highest multiple met)."""
     out = []
     for name in names:
-        c = ab.config(name)
-        base = ab.workload.trace(priorities=c.spec.priorities)
         row = {"config": name, "met": 1.0, "missed": None, "points": {}}
         for m in multiples:
             if progress is not None:
                 progress(f"screen: {name} at {m:g}x the trace's rate")
-            rows = [ab._run_once(c, scale_trace(base, m))[0] for _ in range(rounds)]
+            rows = [ab.replay_at(name, m) for _ in range(rounds)]
             row["points"][m] = max(r["ttft_ms_p95"] for r in rows)
             if not _meets(rows, slo):
                 row["missed"] = m

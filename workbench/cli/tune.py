@@ -53,15 +53,6 @@ def _context(model, device: str, mode: str) -> tuple:
     return Tokenizer(folder), ctx
 
 
-def _cores() -> int:
-    import os
-
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def _sidecar(record: dict) -> dict:
     from workbench.errors import WorkbenchError
     from workbench.lab.results import load_results
@@ -154,7 +145,9 @@ def cmd_tune(args) -> int:
     if args.repeats:
         params["repeats"] = args.repeats
     if device == "cpu":          # the threads the server will run with, measured with them (see --threads)
-        params["threads"] = args.threads or max(1, _cores() - 1)
+        from workbench.measure.probe import available_cores
+
+        params["threads"] = args.threads or max(1, available_cores() - 1)
     print(f"workbench tune: notebook 06 on {wl.source} -> {out}", flush=True)
     res = run_notebooks(["06_end_to_end"], parameters=params, out_dir=out, progress=not args.quiet,
                         timeout=args.cell_timeout)

@@ -187,6 +187,8 @@ class TraceWorkload:
         everything could reuse; blocks of ``block_size`` tokens, whole blocks only)."""
         import numpy as np
 
+        from workbench.kv.prefix_cache import block_hash
+
         n = len(self.info)
         at = np.array([i["at"] for i in self.info]) if n else np.zeros(0)
         dur = float(at.max()) if n else 0.0
@@ -198,7 +200,7 @@ class TraceWorkload:
         for p in self.prompts:
             h = None
             for k in range(len(p) // bs):
-                h = hash((h, tuple(p[k * bs:(k + 1) * bs])))
+                h = block_hash(h, p[k * bs:(k + 1) * bs])         # the prefix cache's own chain
                 if h in seen:
                     repeat += bs
                 else:
