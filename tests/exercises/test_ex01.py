@@ -281,15 +281,15 @@ def test_replaced_entry_points_run_in_every_module_and_the_next_apply_undoes_the
 
     apply_backends(model, {"rmsnorm": "eager"})
     assert replace_entry_points(model, rmsnorm=rmsnorm, add_rmsnorm=add_rmsnorm, swiglu=swiglu) is model
-    assert model._wb_ops.replaced == {"rmsnorm": "rmsnorm", "add_rmsnorm": "add_rmsnorm", "swiglu": "swiglu"}
-    assert all(m._wb_ops is model._wb_ops for m in model.modules() if hasattr(m, "_wb_ops") and m is not model)
+    assert model.ops.replaced == {"rmsnorm": "rmsnorm", "add_rmsnorm": "add_rmsnorm", "swiglu": "swiglu"}
+    assert all(m.ops is model.ops for m in model.modules() if hasattr(m, "ops") and m is not model)
     assert current_backends(model) == {op: "eager" for op in OPS}
     torch.testing.assert_close(logits(model), ref, atol=1e-4, rtol=1e-4)
     assert calls == {"rmsnorm": 2 * 2 + 1, "swiglu": 2}      # 2 layers x 2 norms + the final norm; one MLP each
     apply_backends(model, {"swiglu": "eager"})
-    assert model._wb_ops.replaced == {} and logits(model) is not None and calls["swiglu"] == 2
+    assert model.ops.replaced == {} and logits(model) is not None and calls["swiglu"] == 2
     remove_backends(model)
-    assert not hasattr(model.model.norm, "_wb_ops")
+    assert model.model.norm.ops is None
 
 
 @pytest.mark.parametrize("bad, rule", [
@@ -313,10 +313,10 @@ def test_a_wrong_pair_from_add_rmsnorm_is_named():
                                                 num_key_value_heads=1, head_dim=4)), {"rmsnorm": "eager"})
     replace_entry_points(model, add_rmsnorm=lambda x, residual, weight, eps: x)
     with pytest.raises(WorkbenchError, match=r"add_rmsnorm, replaced by <lambda>: the result must be a pair \(y, h\)"):
-        model._wb_ops.add_rmsnorm(x, r, w, 1e-5)
+        model.ops.add_rmsnorm(x, r, w, 1e-5)
     replace_entry_points(model, add_rmsnorm=lambda x, residual, weight, eps: (x, (x + residual).half()))
     with pytest.raises(WorkbenchError, match="h must have dtype float32, got float16"):
-        model._wb_ops.add_rmsnorm(x, r, w, 1e-5)
+        model.ops.add_rmsnorm(x, r, w, 1e-5)
 
 
 def test_bad_replacements_raise_config_error_and_change_nothing(tiny):
@@ -324,14 +324,14 @@ def test_bad_replacements_raise_config_error_and_change_nothing(tiny):
     with pytest.raises(ConfigError, match=r"apply_backends\(model, \.\.\.\) first"):
         replace_entry_points(model, rmsnorm=lambda x, weight, eps: x)
     apply_backends(model, {"rmsnorm": "eager"})
-    before = model._wb_ops
+    before = model.ops
     with pytest.raises(ConfigError, match="'rope' cannot be replaced; entry points that can: rmsnorm, add_rmsnorm, swiglu"):
         replace_entry_points(model, rope=lambda *a: a)
     with pytest.raises(ConfigError, match="rmsnorm must be a function, got int"):
         replace_entry_points(model, rmsnorm=3)
     with pytest.raises(ConfigError, match="expected a workbench CausalLM"):
         replace_entry_points(torch.nn.Linear(2, 2), rmsnorm=lambda x, weight, eps: x)
-    assert model._wb_ops is before
+    assert model.ops is before
 
 
 def test_unwritten_columns_fail_even_right_after_a_right_answer_to_the_same_case():

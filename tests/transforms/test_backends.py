@@ -106,7 +106,7 @@ def test_using_backends_restores_and_remove_backends_undoes(tiny):
     assert current_backends(model) == {o: "eager" for o in OPS}
     apply_backends(model, swiglu="triton")
     remove_backends(model)
-    assert type(model.model.layers[1].mlp) is MLP and not hasattr(model.model.layers[1].mlp, "_wb_ops")
+    assert type(model.model.layers[1].mlp) is MLP and model.model.layers[1].mlp.ops is None
     assert list(model.state_dict()) == keys, "the transformation swaps classes only: the state dict is unchanged"
 
 
@@ -156,7 +156,7 @@ def test_compile_backend_one_op(tiny):
     if DEVICE == "cpu" and shutil.which(os.environ.get("CXX", "c++")) is None:
         pytest.skip("torch.compile on a CPU needs a C++ compiler (none on PATH)")
     model = apply_backends(copy.deepcopy(tiny), swiglu="compile")
-    assert resolve_ops({"swiglu": "compile"}).swiglu is model.model.layers[0].mlp._wb_ops.swiglu
+    assert resolve_ops({"swiglu": "compile"}).swiglu is model.model.layers[0].mlp.ops.swiglu
     ref, out = run_steps(tiny, decode=()), run_steps(model, decode=())
     torch.testing.assert_close(out[0], ref[0], atol=1e-5, rtol=1e-5)
 

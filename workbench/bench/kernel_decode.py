@@ -34,7 +34,7 @@ def count_step_launches(model, step: Callable) -> dict:
     from workbench.transforms.backends import OPS as BACKEND_OPS
     from workbench.transforms.cuda_graphs import count_launches
 
-    ops = getattr(model.model.norm, "_wb_ops", None)
+    ops = model.ops
     uncounted, saved = [0], {}
 
     def wrap(fn):

@@ -17,7 +17,7 @@ Rows beyond the sequences' tokens (padding, see ``workbench.engine.runners``) ge
 depend on what else is in the step.  Attention's reductions run over a length that depends on
 padding and chunking, so it is computed in float64 and rounded to the model's dtype: the
 reduction order then changes only bits far below float32's precision.  With the attention
-kernels of ``workbench.transforms.backends`` (``attn._wb_ops``) the groups call ``attention_decode`` /
+kernels of ``workbench.transforms.backends`` (``attn.ops``) the groups call ``attention_decode`` /
 ``attention_prefill_paged`` on the pool's layer tensors instead (float32 inside; on a GPU the
 decode kernel's split count depends on the batch, so bitwise invariance is the eager path's).
 """

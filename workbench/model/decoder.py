@@ -29,6 +29,7 @@ from workbench.model.config import ModelConfig
 
 if TYPE_CHECKING:
     from workbench.model.kv_cache import KVCache
+    from workbench.model.ops import Ops
 
 
 class RMSNorm(nn.Module):
@@ -38,6 +39,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops: Ops | None = None      # backend entry points (workbench.transforms.backends); None: this code
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -140,6 +142,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.ops: Ops | None = None      # backend entry points (workbench.transforms.backends); None: this code
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
                 cache: KVCache | None) -> torch.Tensor:
@@ -178,6 +181,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.ops: Ops | None = None      # backend entry points (workbench.transforms.backends); None: this code
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -190,6 +194,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.ops: Ops | None = None      # backend entry points (workbench.transforms.backends); None: this code
 
     def forward(self, x, cos, sin, start, cache):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, start, cache)
@@ -223,6 +228,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.ops: Ops | None = None      # the backends' entry points, sampling's for the engine; None: the reference
 
     def forward(self, input_ids: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None,
                 logits_to_keep: int = 0, positions: torch.Tensor | None = None,

@@ -6,8 +6,9 @@ them to the cache it was given::
     out = cache.attend(attn, q, k, v, start)      # q [B, nh, T, hd], k/v [B, nkv, T, hd] -> [B, nh, T, hd]
 
 The cache writes the new keys/values where it keeps them and attends over what it holds,
-choosing the attention kernel from the backend entry points the module carries
-(``attn._wb_ops``, set by :func:`workbench.transforms.backends.apply_backends`; none: the reference).
+choosing the attention kernel from the backend entry points in the module's declared ``ops`` field
+(a :class:`~workbench.model.ops.Ops` set by :func:`workbench.transforms.backends.apply_backends`;
+None: the reference).
 Implementations::
 
     KVCache               contiguous [B, nkv, max_len, hd] per layer (this module; the reference)
@@ -31,20 +32,22 @@ from __future__ import annotations
 import torch
 
 from workbench.model.config import ModelConfig
+from workbench.model.ops import Ops
 
 
-def attention_ops(attn):
-    """The backend entry points an attention module holds (``workbench.transforms.backends``), or None
-    when it is the reference module or every attention-side op is ``eager``."""
-    ops = getattr(attn, "_wb_ops", None)
-    if ops is None or all(ops.backends.get(op, "eager") == "eager"
-                          for op in ("rope", "attention_decode", "attention_prefill")):
+def attention_ops(attn) -> Ops | None:
+    """The backend entry points an attention module holds (its ``ops`` field), or None when it is
+    the reference module or every attention-side op is ``eager``.  An object without the field
+    (a stand-in that carries only ``layer_idx``) counts as the reference."""
+    ops: Ops | None = getattr(attn, "ops", None)
+    if ops is None or not any(ops.uses_kernel(op) for op in ("rope", "attention_decode", "attention_prefill")):
         return None
     return ops
 
 
-def uses_kernel(ops, op: str) -> bool:
-    return ops is not None and ops.backends.get(op, "eager") != "eager"
+def uses_kernel(ops: Ops | None, op: str) -> bool:
+    """True when ``ops`` (None: the reference) runs ``op`` on a backend other than ``eager``."""
+    return ops is not None and ops.uses_kernel(op)
 
 
 def attend_sequences(cache, attn, q, start: int, tables, context) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The modules :func:`~workbench.transforms.backends.apply_backends` swaps in: the reference
-modules of :mod:`workbench.model.decoder` with their ops called through ``self._wb_ops`` (the
-:class:`~workbench.transforms.backends.Ops` of the chosen backends).  Same parameters and names
-as the classes they replace; only ``forward`` differs.
+modules of :mod:`workbench.model.decoder` with their ops called through their declared ``ops``
+field (the :class:`~workbench.model.ops.Ops` of the chosen backends, never None in these classes).
+Same parameters and names as the classes they replace; only ``forward`` differs.
 """
 
 from __future__ import annotations
@@ -10,15 +10,18 @@ import torch
 import torch.nn.functional as F
 
 from workbench.model.decoder import MLP, Attention, DecoderLayer, RMSNorm, reference_attention
+from workbench.model.ops import Ops
 
 
 class BackendRMSNorm(RMSNorm):
+    ops: Ops
+
     def forward(self, x):
-        return self._wb_ops.rmsnorm(x, self.weight, self.eps)
+        return self.ops.rmsnorm(x, self.weight, self.eps)
 
     def forward_residual(self, x, residual):
         """(norm(residual + x), residual + x) - the decoder layer's add and norm, fused."""
-        return self._wb_ops.add_rmsnorm(x, residual, self.weight, self.eps)
+        return self.ops.add_rmsnorm(x, residual, self.weight, self.eps)
 
 
 class BackendDecoderLayer(DecoderLayer):
@@ -29,8 +32,10 @@ class BackendDecoderLayer(DecoderLayer):
 
 
 class BackendMLP(MLP):
+    ops: Ops
+
     def forward(self, x):
-        return self.down_proj(self._wb_ops.swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.ops.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 def _token_rows(B: int, T: int, device) -> torch.Tensor:
@@ -43,8 +48,10 @@ class BackendAttention(Attention):
     slots, ``ops.rope_kv_write``: rotation and the K/V write in one launch); the cache then
     attends with the module's attention entry points (:mod:`workbench.model.kv_cache`)."""
 
+    ops: Ops
+
     def forward(self, x, cos, sin, start, cache):
-        ops = self._wb_ops
+        ops = self.ops
         B, T, _ = x.shape
         nh, nkv, hd = self.nh, self.nkv, self.hd
         q = self.q_proj(x).view(B * T, nh, hd)                 # [tokens, heads, hd]
@@ -77,7 +84,7 @@ class BackendAttention(Attention):
         workbench.transforms.paged_graphs); no shape depends on the step."""
         if hasattr(cache, "attend_decode"):                      # over the paged pool (paged_graphs)
             return self.o_proj(cache.attend_decode(self, q, k, v, cos, sin).reshape(B, 1, self.nh * self.hd))
-        ops, layer, hd = self._wb_ops, self.layer_idx, self.hd
+        ops, layer, hd = self.ops, self.layer_idx, self.hd
         kc = cache.k[layer].permute(0, 2, 1, 3)                   # [rows, max_len, nkv, hd]
         vc = cache.v[layer].permute(0, 2, 1, 3)
         if ops.backends["rope"] == "triton":

@@ -23,8 +23,11 @@ the classes live in :mod:`workbench.transforms.backend_modules`)::
                                            (ops.rope_kv_write); ops.attention_prefill / attention_decode
     MLP           -> BackendMLP            ops.swiglu
 
-The batched engine (``workbench.engine.runners``) reads the same ``_wb_ops`` of the attention
-modules and calls ``attention_prefill_paged`` / ``attention_decode`` on the paged pool itself.
+Every swapped module, and the model itself, gets the chosen :class:`~workbench.model.ops.Ops` in
+its declared ``ops`` field (None on a plain model: the reference code).  The KV caches read
+``attn.ops`` and call ``attention_prefill_paged`` / ``attention_decode`` on the paged pool
+themselves (:mod:`workbench.model.kv_cache`, :mod:`workbench.kv.batch`); the engine reads
+``model.ops`` for the sampling op (:mod:`workbench.engine.step_sampling`).
 
 Adding a backend is one :func:`register` line naming ``"module:function"`` per entry point; the
 module is imported only when the backend is chosen.  Contracts of the attention entry points
@@ -55,6 +58,7 @@ entry point an op's ``eager`` backend has, its ``compile`` backend has too.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from contextlib import contextmanager
 from typing import Callable
@@ -63,6 +67,7 @@ import torch
 
 from workbench.errors import ConfigError, WorkbenchError
 from workbench.model.decoder import MLP, Attention, CausalLM, DecoderLayer, RMSNorm
+from workbench.model.ops import ENTRY_POINTS, Ops
 from workbench.transforms.backend_modules import (BackendAttention, BackendDecoderLayer, BackendMLP,  # noqa: F401
                                                   BackendRMSNorm)
 
@@ -111,21 +116,8 @@ register("attention_prefill", "triton", attention_prefill=_K + "flash_prefill:at
 register("attention_decode", "triton", attention_decode=_K + "paged_decode:attention_decode")
 # "compile" needs no registration: torch.compile of each eager entry point, made on first use.
 _COMPILED: dict[tuple[str, str], Callable] = {}
-
-
-class Ops:
-    """The resolved entry points of one backend choice: ``ops.rmsnorm(x, w, eps)`` ...  ``replaced``:
-    entry point -> the name of the function standing in for it (:func:`replace_entry_points`)."""
-
-    def __init__(self, backends: dict[str, str], fns: dict[str, Callable], replaced: dict[str, str] | None = None) -> None:
-        self.backends = dict(backends)
-        self.replaced = dict(replaced or {})
-        for name, fn in fns.items():
-            setattr(self, name, fn)
-
-    def __repr__(self) -> str:
-        extra = "".join(f" {e}<-{f}" for e, f in self.replaced.items())
-        return f"Ops({format_backends(self.backends)}{extra})"
+if sorted(e for names in OPS.values() for e in names) != sorted(ENTRY_POINTS):
+    raise RuntimeError("OPS names other entry points than workbench.model.ops.Ops has fields for")
 
 
 def _kernel_file(target: str) -> str | None:
@@ -212,7 +204,7 @@ def resolve_ops(backends: dict[str, str] | None = None, device: torch.device | s
                 fns[entry] = _COMPILED[key]
             else:
                 fns[entry] = _load(op, backend, _IMPLS[(op, backend)][entry], device)
-    return Ops(chosen, fns)
+    return Ops(backends=chosen, **fns)
 
 
 def parse_backends(items: list[str] | None) -> dict[str, str]:
@@ -302,7 +294,15 @@ def _targets(model: CausalLM) -> list[tuple[str, torch.nn.Module]]:
 
 def current_backends(model: CausalLM) -> dict[str, str]:
     """The backend of every op (``eager`` for a model without backends applied)."""
-    return dict(getattr(model, "_wb_backends", None) or {op: "eager" for op in OPS})
+    ops = getattr(model, "ops", None)
+    return dict(ops.backends if ops is not None else {op: "eager" for op in OPS})
+
+
+def _install(model: CausalLM, ops: Ops | None) -> None:
+    """``ops`` into the declared ``ops`` field of every module the transformation swaps, and of the model."""
+    for _, m in _targets(model):
+        m.ops = ops
+    model.ops = ops
 
 
 def apply_backends(model: CausalLM, backends: dict[str, str] | None = None, **by_op: str) -> CausalLM:
@@ -318,8 +318,7 @@ def apply_backends(model: CausalLM, backends: dict[str, str] | None = None, **by
     ops = resolve_ops(chosen, model.device)
     for _, m in targets:
         m.__class__ = _SWAPS.get(type(m), type(m))
-        m._wb_ops = ops
-    model._wb_backends, model._wb_ops = ops.backends, ops     # the engine reads sampling from here
+    _install(model, ops)
     return model
 
 
@@ -328,9 +327,7 @@ def remove_backends(model: CausalLM) -> CausalLM:
     for _, m in _targets(model):
         if type(m) in _UNSWAP:
             m.__class__ = _UNSWAP[type(m)]
-        m.__dict__.pop("_wb_ops", None)
-    model.__dict__.pop("_wb_backends", None)
-    model.__dict__.pop("_wb_ops", None)
+    _install(model, None)
     return model
 
 
@@ -398,10 +395,10 @@ def replace_entry_points(model: CausalLM, **fns: Callable) -> CausalLM:
     parameters; each call's result is checked (type, shape, dtype, device) before the model uses it,
     and a wrong one raises :class:`WorkbenchError` naming the rule.  The next :func:`apply_backends`
     or :func:`remove_backends` undoes it; :func:`current_backends` still names the backends, and
-    ``model._wb_ops.replaced`` names the functions standing in."""
+    ``model.ops.replaced`` names the functions standing in."""
     if not isinstance(model, CausalLM):
         raise ConfigError(f"replace_entry_points: expected a workbench CausalLM, got {type(model).__name__}")
-    ops = getattr(model, "_wb_ops", None)
+    ops = model.ops
     if ops is None:
         raise ConfigError("replace_entry_points: the model has no backends: apply_backends(model, ...) first "
                           "(the entry points replaced are those of a backend choice)")
@@ -411,21 +408,18 @@ def replace_entry_points(model: CausalLM, **fns: Callable) -> CausalLM:
                               f"{', '.join(REPLACEABLE)}")
         if not callable(fn):
             raise ConfigError(f"replace_entry_points: {entry} must be a function, got {type(fn).__name__}")
-    entries = {e: getattr(ops, e) for names in OPS.values() for e in names}
-    entries.update({e: _checked(e, fn) for e, fn in fns.items()})
-    new = Ops(ops.backends, entries, {**ops.replaced, **{e: getattr(fn, "__name__", type(fn).__name__)
-                                                         for e, fn in fns.items()}})
-    for _, m in _targets(model):
-        if hasattr(m, "_wb_ops"):
-            m._wb_ops = new
-    model._wb_ops = new
+    new = dataclasses.replace(ops, **{e: _checked(e, fn) for e, fn in fns.items()},
+                              replaced={**ops.replaced, **{e: getattr(fn, "__name__", type(fn).__name__)
+                                                           for e, fn in fns.items()}})
+    _install(model, new)
     return model
 
 
 @contextmanager
 def using_backends(model: CausalLM, backends: dict[str, str] | None = None, **by_op: str):
     """``with using_backends(model, rmsnorm="triton"): ...`` - the previous choice comes back on exit."""
-    before = getattr(model, "_wb_backends", None)
+    ops = getattr(model, "ops", None)          # apply_backends refuses anything but a CausalLM
+    before = None if ops is None else dict(ops.backends)
     apply_backends(model, backends, **by_op)
     try:
         yield model

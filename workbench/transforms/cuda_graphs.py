@@ -229,7 +229,7 @@ def _backends_as(model: CausalLM, backends: dict[str, str] | None):
     """``backends`` on ``model`` for the duration (None: as it is; all ``eager``: the plain
     reference modules, which launch a few ops fewer than the eager backend modules); the
     model's previous state comes back on exit."""
-    before = getattr(model, "_wb_backends", None)
+    before = None if model.ops is None else dict(model.ops.backends)
     try:
         if backends is not None:
             chosen = {**current_backends(model), **backends}

@@ -84,7 +84,7 @@ class PagedStepCache:
     def attend_decode(self, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos, sin) -> torch.Tensor:
         """One decode token per row: rotate q / k, write k / v to their slots, attend over the
         row's blocks.  q [rows, nh, hd], k / v [rows, nkv, hd] -> [rows, nh, hd]."""
-        ops, layer = attn._wb_ops, attn.layer_idx
+        ops, layer = attn.ops, attn.layer_idx
         kc, vc = self.k[layer], self.v[layer]                        # [num_blocks + 1, block_size, nkv, hd]
         if ops.backends["rope"] == "triton":
             q, k = ops.rope_kv_write(q, k, v, cos, sin, self.positions, kc, vc, self.slots)
