@@ -18,8 +18,12 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from workbench.cli.prefetch import _table
+
+if TYPE_CHECKING:
+    from workbench.quant.calibrate_stages import CalibrationResult
 
 DEFAULT_LIMITS = {"ppl": "0.02", "kl": "0.01", "top1": "1.0", "exact_match": "3.0"}
 
@@ -34,12 +38,14 @@ def _dataset(spec: str) -> Path:
     return calibration_set(spec)
 
 
-def format_result(res: dict) -> str:
+def format_result(res: CalibrationResult) -> str:
+    """What a calibrator run found, for the terminal: the data, the most sensitive units, the measured
+    mixes and the recommendation with its reasons."""
     from workbench.quant.quality import describe_degradation
 
-    metric, d = res["target_metric"], res["diagnostics"]
+    metric, d = res.target_metric, res.diagnostics
     rt = d["row_tokens"]
-    out = [f"dataset {res['dataset']}: {d['rows']} rows ({d['calibration_rows']} calibration, {d['evaluation_rows']} "
+    out = [f"dataset {res.dataset}: {d['rows']} rows ({d['calibration_rows']} calibration, {d['evaluation_rows']} "
            f"evaluation), {d['tokens']:,} tokens; tokens per row {rt['min']}..{rt['max']} (p10 {rt['p10']}, median "
            f"{rt['median']}, p90 {rt['p90']}); split by {repr(d['group_field']) if d['group_field'] else 'row'}; "
            f"windows of {d['context']} tokens spread over each part: search {d['search_windows']} "
@@ -49,30 +55,30 @@ def format_result(res: dict) -> str:
            f"overlap (8-token n-grams): calibration part vs evaluation part {100 * d['overlap_calibration_vs_evaluation_8gram']:.2f}%, "
            f"with the bundled held-out perplexity split {100 * d['overlap_with_heldout_perplexity_split_8gram']:.2f}%; "
            f"rows found verbatim there: {d['rows_verbatim_in_heldout']}"]
-    out += [f"warning: {w}" for w in res["warnings"]]
-    r = res["reference"]["search"]
+    out += [f"warning: {w}" for w in res.warnings]
+    r = res.reference["search"]
     out.append(f"unquantized model on the search text: ppl {r['ppl']:.3f}, top-1 {100 * r['top1']:.1f}%"
                + (f", exact match {100 * r['exact_match']:.1f}% of {r['prompts']} prompts" if r["exact_match"] is not None else "")
-               + f"; target: {metric} degradation <= {describe_degradation(metric, res['max_degradation'])} "
-               f"({res['degradation_units']}); objective: {res['objective']}; backend {res['backend']}, "
-               f"{res['threads']} thread(s)")
-    worst = sorted(res["sensitivity"], key=lambda s: -s[metric][0])[:8]
-    what = ("one unit per decoder block" if res.get("unit") == "block" else
-            "q/k/v and gate/up of a block tied" if res.get("tie_fused") else "every layer on its own")
-    out += ["", f"most sensitive units (one unit quantized at a time, {what}; {len(res['sensitivity'])} measured in "
-                f"{res['seconds']['sensitivity']:.0f} s; MEASURED)"]
+               + f"; target: {metric} degradation <= {describe_degradation(metric, res.max_degradation)} "
+               f"({res.degradation_units}); objective: {res.objective}; backend {res.backend}, "
+               f"{res.threads} thread(s)")
+    worst = sorted(res.sensitivity, key=lambda s: -s[metric][0])[:8]
+    what = ("one unit per decoder block" if res.unit == "block" else
+            "q/k/v and gate/up of a block tied" if res.tie_fused else "every layer on its own")
+    out += ["", f"most sensitive units (one unit quantized at a time, {what}; {len(res.sensitivity)} measured in "
+                f"{res.seconds['sensitivity']:.0f} s; MEASURED)"]
     out.append(_table(["unit", "option", f"{metric} degradation", "agreement"],
                       [[s["layer"], s["option"], describe_degradation(metric, *s[metric]), f"{s['agreement']:.3f}"]
                        for s in worst]))
-    cost_h = f"MiB ({res['memory']})" if res["objective"] == "memory" else "ms/step [min..max]"
+    cost_h = f"MiB ({res.memory})" if res.objective == "memory" else "ms/step [min..max]"
     rows = []
-    for c in res["candidates"]:
-        cost = (f"{c['cost'] / 2**20:.3f}" if res["objective"] == "memory"
+    for c in res.candidates:
+        cost = (f"{c['cost'] / 2**20:.3f}" if res.objective == "memory"
                 else f"{c['ms']:.3f} [{c['ms_min']:.3f}..{c['ms_max']:.3f}]")
         conf = ("-" if "confirmation_degradation" not in c else
                 describe_degradation(metric, c["confirmation_degradation"], c["confirmation_degradation_se"])
                 + ("" if c["confirmed"] else " (over)"))
-        rows.append([c["key"] + (" *" if c["key"] == res["recommendation"]["key"] else ""), c["label"][:48],
+        rows.append([c["key"] + (" *" if c["key"] == res.recommendation.key else ""), c["label"][:48],
                      describe_degradation(metric, c["degradation"], c["degradation_se"]),
                      "yes" if c["passes"] else "no", conf, cost, f"{c['cost_vs_unquantized']:.3f}x",
                      "yes" if c["pareto"] else ""])
@@ -82,7 +88,7 @@ def format_result(res: dict) -> str:
                     "pareto"], rows)]
     from workbench.quant.calibrate_report import format_recommendation
 
-    out += ["", format_recommendation(res), f"({res['seconds']['total']:.0f} s in all)"]
+    out += ["", format_recommendation(res), f"({res.seconds['total']:.0f} s in all)"]
     return "\n".join(out)
 
 
@@ -130,7 +136,7 @@ def cmd_calibrate_quant(args) -> int:
     except ImportError:                     # plotly is optional for the core package
         pass
     if args.json:
-        print(json.dumps({"result": res, "files": {k: str(v) for k, v in paths.items()}}, indent=2, default=str))
+        print(json.dumps({"result": res.as_dict(), "files": {k: str(v) for k, v in paths.items()}}, indent=2, default=str))
         return 0
     print(format_result(res))
     if "recipe" not in paths:
@@ -139,13 +145,13 @@ def cmd_calibrate_quant(args) -> int:
     return 0
 
 
-def _save_partial(res: dict) -> None:
+def _save_partial(res: CalibrationResult) -> None:
     """The result so far, in the shape ``--json`` prints (without the files, written at the end), for a
     time cap that stops the run (``$WORKBENCH_PARTIAL_OUT``: scripts/device_check.sh's calibrate step)."""
     from workbench.measure.gpu_results import save_partial
 
     try:
-        save_partial({"result": res})
+        save_partial({"result": res.as_dict()})
     except Exception as e:  # noqa: BLE001 - saving what there is must never stop the measuring
         print(f"calibrate-quant: could not save the partial result: {type(e).__name__}: {e}", file=sys.stderr)
 

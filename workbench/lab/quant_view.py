@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import html
 import math
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -375,7 +376,7 @@ def quality_bound_figure(results, noise: float | None = None, title: str | None 
     ``layout.meta`` is :data:`QUALITY_BOUND_META`."""
     import plotly.graph_objects as go
 
-    results = [results] if isinstance(results, dict) else list(results)
+    results = [results] if isinstance(results, Mapping) else list(results)      # one result (or its JSON dict)
     metric = results[0]["target_metric"]
     scale, unit = (100.0, " %") if metric == "ppl" else (1.0, "")
     limit = float(results[0]["max_degradation"])

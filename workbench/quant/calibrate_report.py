@@ -84,12 +84,14 @@ def _short(layer: str) -> str:
     return f"L{block}.{kind}" if block is not None else kind
 
 
-def write_outputs(res: dict, out_dir) -> dict:
+def write_outputs(res, out_dir) -> dict:
     """``recipe.json`` (the recommendation, unless it is the unquantized model), ``pareto.csv``,
-    ``sensitivity.csv``, ``layer_costs.csv``, ``report.json``, ``recommendation.txt``; returns
+    ``sensitivity.csv``, ``layer_costs.csv``, ``report.json``, ``recommendation.txt`` of ``res``
+    (a :class:`~workbench.quant.calibrate_stages.CalibrationResult`, or its JSON dict); returns
     their paths."""
     import pandas as pd
 
+    from workbench.quant.calibrate_stages import result_dict
     from workbench.quant.recipe import QuantRecipe, save_recipe
 
     out = Path(out_dir)
@@ -119,7 +121,7 @@ def write_outputs(res: dict, out_dir) -> dict:
     paths["sensitivity"] = out / "sensitivity.csv"
     pd.DataFrame(res["layer_costs"]).drop(columns=["samples"], errors="ignore").to_csv(out / "layer_costs.csv", index=False)
     paths["layer_costs"] = out / "layer_costs.csv"
-    (out / "report.json").write_text(json.dumps(res, indent=2, default=_json_default) + "\n")
+    (out / "report.json").write_text(json.dumps(result_dict(res), indent=2, default=_json_default) + "\n")
     paths["report"] = out / "report.json"
     (out / "recommendation.txt").write_text(format_recommendation(res) + "\n")
     paths["recommendation"] = out / "recommendation.txt"
