@@ -1,7 +1,8 @@
 """The KV-cache layer.
 
 * bookkeeping, pure Python: ``block_manager`` (paged blocks, ref counts, eviction, copy-on-write),
-  ``prefix_cache`` (hash chain, verification, miss reasons), ``layout`` (byte accounting);
+  ``prefix_cache`` (hash chain, verification, miss reasons), ``layout`` (byte accounting),
+  ``interface`` (``KVManager``: the block calls a scheduler makes);
 * storage: ``paged`` (the pool's tensors, its lifecycle, a sequence's view), ``batch`` (a packed
   step's view over the pool or over per-sequence caches), ``offload``
   (host / disk tier for evicted blocks, through the prefetch layer's transports), ``kv_prefetch``
@@ -20,6 +21,7 @@ from workbench._exports import exports, lazy
 
 _EXPORTS = exports({
     "workbench.kv.block_manager": "AllocStatus Allocation Block BlockManager KVStats",
+    "workbench.kv.interface": "KVManager PrefixMatch",
     "workbench.kv.layout": "KVLayout dtype_bytes",
     "workbench.kv.prefix_cache": "MissReason PrefixCache block_hash",
     "workbench.kv.tier_config": ("TierConfig ZoneCounts basis_bytes full_bytes_per_token resident_bytes zone_bytes "

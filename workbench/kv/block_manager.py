@@ -52,6 +52,7 @@ from typing import Callable, Sequence
 
 from workbench.errors import WorkbenchError
 from workbench.kv.blocks import AllocStatus, Allocation, Block, EvictionCandidate, KVStats, _as_token_ids, _Seq
+from workbench.kv.interface import PrefixMatch
 from workbench.kv.prefix_cache import MissReason, PrefixCache
 
 __all__ = ["AllocStatus", "Allocation", "Block", "BlockManager", "EvictionCandidate", "EvictionPolicy", "KVStats",
@@ -84,6 +85,9 @@ def slots(block_table: Sequence[int], start: int, end: int, block_size: int) -> 
 
 
 class BlockManager:
+    """The bookkeeping of a pool of KV blocks (module doc).  It is a
+    :class:`~workbench.kv.interface.KVManager`: a scheduler can drive it directly."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  eviction: str | EvictionPolicy = "lru") -> None:
         for name, v in (("num_blocks", num_blocks), ("block_size", block_size)):
@@ -182,10 +186,21 @@ class BlockManager:
             reason = pc.miss_reason(hashes[i - 1] if i else None, hashes[i], token_ids[i * B:(i + 1) * B])
         return hits, hashes, reason
 
+    def match_prefix(self, token_ids: list[int], reuse: bool = True) -> PrefixMatch:
+        """The cached prefix blocks :meth:`allocate` would reuse for this prompt now (no state
+        change), and how many of them no sequence holds; ``reuse=False``: none."""
+        hits = self._match(list(token_ids), reuse)[0]
+        return PrefixMatch(tuple(hits), len(hits) * self.block_size,
+                           sum(1 for b in hits if self.blocks[b].ref_count == 0))
+
     def cached_prefix_tokens(self, token_ids: list[int]) -> int:
         """Prompt tokens :meth:`allocate` would reuse now (no state change): for prefix-aware
         ordering of waiting requests."""
         return len(self._match(list(token_ids))[0]) * self.block_size
+
+    def block_refs(self, block_id: int) -> int:
+        """How many sequences hold block ``block_id`` now (0: free or cached)."""
+        return self.blocks[block_id].ref_count
 
     def can_allocate(self, num_tokens: int, token_ids: list[int] | None = None, reuse: bool = True) -> AllocStatus:
         """Would a prompt of ``num_tokens`` tokens fit? Pass ``token_ids`` (the prompt) to count

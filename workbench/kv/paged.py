@@ -15,7 +15,8 @@ scatters the new keys/values into their slots and gathers the sequence's blocks 
 contiguous ``[1, nkv, S, hd]`` for the reference attention.  That gather copies the whole
 context every step; the paged decode-attention kernel reads the blocks in place instead.  A
 step of many sequences uses :class:`~workbench.kv.batch.PagedBatchCache`.  The scheduler drives
-the block manager through :class:`PoolBlocks`, which runs this pool's lifecycle around it.
+the block manager through :class:`PoolBlocks` (a :class:`~workbench.kv.interface.KVManager`), which
+runs this pool's lifecycle around it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import torch
 
 from workbench.model.config import ModelConfig
 from workbench.errors import ConfigError, WorkbenchError
-from workbench.kv.block_manager import AllocStatus, Allocation, BlockManager, EvictionPolicy
+from workbench.kv.block_manager import AllocStatus, Allocation, BlockManager, EvictionPolicy, KVStats
+from workbench.kv.interface import PrefixMatch
 from workbench.kv.layout import KVLayout
 from workbench.kv.kv_prefetch import KVPrefetch, make_tiers, offloaded_prefix
 from workbench.measure.timing import ElapsedTotal
@@ -306,16 +308,21 @@ class PagedKVPool:
 
 
 class PoolBlocks:
-    """:class:`BlockManager`'s interface (what the scheduler calls), with the pool's lifecycle
-    around the calls that change state.  Everything else goes to the manager as it is.
+    """The pool's :class:`~workbench.kv.interface.KVManager` (what an engine's scheduler drives):
+    every call goes to the block manager (``pool.manager``), and those that change state run the
+    pool's lifecycle at fixed points around it:
 
-    * ``allocate``: blocks the offload tier holds are restored first (their KV copied in), then
-      the allocation; what it did is kept in ``pool.admissions``; listeners get ``"begin"``.
-    * ``fork``: the child shares the parent's blocks (parallel sampling); ``pool.admissions``
-      records it as an allocation whose whole prompt was reused; listeners get ``"begin"``.
-    * ``append_slot``: copy-on-write copies are done before anything writes.
-    * ``commit``: listeners get ``"step"``.   * ``free``: listeners get ``"end"`` first.
-    * every call is timed into ``pool.manager_seconds`` (the bookkeeping cost of paging).
+    * :meth:`_before_allocate` (``allocate``): the offload tier's blocks of the prompt's prefix are
+      restored (their KV copied in), so the allocation hits them;
+    * :meth:`_after_change` (``allocate``, ``append_slot``): copy-on-write copies are done before
+      anything writes;
+    * :meth:`_announce` (listeners): ``"begin"`` after ``allocate`` and ``fork``, ``"step"`` after
+      ``commit``, ``"end"`` before ``free``;
+    * :meth:`_timed`: every manager call (a restore included) adds its wall time to
+      ``pool.manager_seconds``, the bookkeeping cost of paging.
+
+    ``allocate`` and ``fork`` keep what they did in ``pool.admissions`` until the sequence is freed
+    (a fork as an allocation whose whole prompt was reused: no prefix-cache hit in the stats).
     """
 
     def __init__(self, pool: PagedKVPool) -> None:
@@ -324,62 +331,118 @@ class PoolBlocks:
         # Python's cyclic collector ran (on a GPU: gigabytes of HBM held between engines)
         self.pool = weakref.proxy(pool)
 
-    def __getattr__(self, name):
-        return getattr(self.pool.manager, name)
+    @property
+    def manager(self) -> BlockManager:
+        """The pool's block manager now (``PagedKVPool.reset`` replaces it)."""
+        return self.pool.manager
 
-    def allocate(self, seq_id: str, token_ids: list[int], reuse: bool = True):
+    # ---- the pool's lifecycle around the manager -------------------------------------------------
+    def _timed(self, call, *args):
+        """``call(*args)``, its wall time added to ``pool.manager_seconds``."""
+        t0 = time.perf_counter()
+        try:
+            return call(*args)
+        finally:
+            self.pool.manager_seconds += time.perf_counter() - t0
+
+    def _before_allocate(self, token_ids: list[int], reuse: bool) -> int:
+        """Restore the prompt's offloaded prefix blocks into the pool; returns how many."""
         pool = self.pool
-        m = pool.manager
-        t0, evictions = time.perf_counter(), m.stats.evictions
-        restored = pool._restore(token_ids) if pool.offload is not None and reuse else 0
-        alloc = m.allocate(seq_id, token_ids, reuse)
-        pool.manager_seconds += time.perf_counter() - t0
+        return pool._restore(token_ids) if pool.offload is not None and reuse else 0
+
+    def _after_change(self) -> None:
+        """Do the copy-on-write copies the manager asked for."""
+        self.pool.copy_blocks(self.pool.manager.take_copies())
+
+    def _announce(self, event: str, seq_id: str) -> None:
+        """Tell the pool's listeners: ``"begin"``, ``"step"`` or ``"end"``."""
+        self.pool._notify(event, seq_id)
+
+    # ---- facts: the manager's -----------------------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.pool.manager.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.manager.num_blocks
+
+    @property
+    def num_available_blocks(self) -> int:
+        return self.pool.manager.num_available_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.pool.manager.num_cached_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.manager.num_used_blocks
+
+    @property
+    def stats(self) -> KVStats:
+        return self.pool.manager.stats
+
+    def num_tokens(self, seq_id: str) -> int:
+        return self.pool.manager.num_tokens(seq_id)
+
+    def block_table(self, seq_id: str) -> list[int]:
+        return self.pool.manager.block_table(seq_id)
+
+    def block_refs(self, block_id: int) -> int:
+        return self.pool.manager.block_refs(block_id)
+
+    def match_prefix(self, token_ids: list[int], reuse: bool = True) -> PrefixMatch:
+        return self.pool.manager.match_prefix(token_ids, reuse)
+
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        return self.pool.manager.cached_prefix_tokens(token_ids)
+
+    def can_allocate(self, num_tokens: int, token_ids: list[int] | None = None, reuse: bool = True) -> AllocStatus:
+        return self.pool.manager.can_allocate(num_tokens, token_ids, reuse)
+
+    # ---- changes: the manager's, with the lifecycle around them -------------------------------------
+    def allocate(self, seq_id: str, token_ids: list[int], reuse: bool = True) -> Allocation | None:
+        pool, m = self.pool, self.pool.manager
+        evictions = m.stats.evictions
+
+        def restore_and_allocate():
+            return self._before_allocate(token_ids, reuse), m.allocate(seq_id, token_ids, reuse)
+
+        restored, alloc = self._timed(restore_and_allocate)
         if alloc is None:
             return None
-        pool.copy_blocks(m.take_copies())
+        self._after_change()
         # What admitting this request did, for inspectors (kept until the request ends).
         pool.admissions[seq_id] = {"allocation": alloc, "restored_blocks": restored,
                                    "evictions": m.stats.evictions - evictions}
-        pool._notify("begin", seq_id)
+        self._announce("begin", seq_id)
         return alloc
 
     def fork(self, parent_id: str, child_id: str) -> None:
-        pool = self.pool
-        m = pool.manager
-        t0 = time.perf_counter()
-        m.fork(parent_id, child_id)
-        pool.manager_seconds += time.perf_counter() - t0
+        pool, m = self.pool, self.pool.manager
+        self._timed(m.fork, parent_id, child_id)
         n = m.num_tokens(child_id)
         # not in m.stats: a fork is no prefix-cache hit, and the hit rate should not count it
         pool.admissions[child_id] = {"allocation": Allocation(child_id, m.block_table(child_id), n, n, None, n),
                                      "restored_blocks": 0, "evictions": 0, "fork_of": parent_id}
-        pool._notify("begin", child_id)
+        self._announce("begin", child_id)
 
-    def append_slot(self, seq_id: str, token_id: int):
-        pool = self.pool
-        t0 = time.perf_counter()
-        slot = pool.manager.append_slot(seq_id, token_id)
-        pool.manager_seconds += time.perf_counter() - t0
-        pool.copy_blocks(pool.manager.take_copies())
+    def append_slot(self, seq_id: str, token_id: int) -> int | None:
+        slot = self._timed(self.pool.manager.append_slot, seq_id, token_id)
+        self._after_change()
         return slot
 
-    def commit(self, seq_id: str, num_tokens: int) -> None:
-        pool = self.pool
-        t0 = time.perf_counter()
-        pool.manager.commit(seq_id, num_tokens)
-        pool.manager_seconds += time.perf_counter() - t0
-        if pool.listeners:
-            pool._notify("step", seq_id)
+    def commit(self, seq_id: str, num_tokens_computed: int) -> None:
+        self._timed(self.pool.manager.commit, seq_id, num_tokens_computed)
+        self._announce("step", seq_id)
 
     def free(self, seq_id: str) -> None:
-        pool = self.pool
         try:
-            pool._notify("end", seq_id)
+            self._announce("end", seq_id)
         finally:
-            pool.admissions.pop(seq_id, None)
-            t0 = time.perf_counter()
-            pool.manager.free(seq_id)
-            pool.manager_seconds += time.perf_counter() - t0
+            self.pool.admissions.pop(seq_id, None)
+            self._timed(self.pool.manager.free, seq_id)
 
 
 class PagedSequenceCache:
