@@ -71,7 +71,7 @@ def _assert_pool_back(eng):
     m = eng.pool.manager
     assert m.num_used_blocks == 0, m.block_states()   # shared or not, everything is free or cached again
     m.check_invariants()
-    assert not eng._held and eng.num_held == 0 and eng.stats()["held"] == 0
+    assert not eng.forks and eng.num_held == 0 and eng.stats()["held"] == 0
 
 
 def test_greedy_forks_equal_the_prompt_alone_computed_once_on_shared_blocks(bundled_llm, alone, prompt_len):
@@ -239,7 +239,7 @@ def test_a_fork_needs_a_live_parent_with_the_same_prompt_not_yet_computed(bundle
         eng.add_request(PROMPT + " More.", GREEDY, request_id="c", fork_of=parent)
     held = eng.add_request(PROMPT, GREEDY, fork_of=parent)
     sibling = eng.add_request(PROMPT, GREEDY, fork_of=held)      # a held fork's parent is shared
-    assert eng.seqs[sibling].state["fork_of"] == parent and "c" not in eng.seqs and eng.num_held == 2
+    assert eng.seqs[sibling].fork_of == parent and "c" not in eng.seqs and eng.num_held == 2
     eng.step()
     with pytest.raises(ConfigError, match="'c' cannot fork 'p': it has computed its prompt already"):
         eng.add_request(PROMPT, GREEDY, request_id="c", fork_of=parent)

@@ -57,20 +57,25 @@ def _server_parts(args):
               check_finite=args.check_finite, quant=args.quant,
               quant_backend=args.quant_backend)
     apply_backend(llm, args.backend, llm.device.type)
-    tiers = basis = store = None
+    engine = LLMEngine(llm, _engine_config(args, llm, sched))
+    return engine, config, guard
+
+
+def _engine_config(args, llm, sched):
+    """The EngineConfig of serve's flags (the engine checks it once)."""
+    from workbench.engine.config import EngineConfig, FastPathConfig, TierSetup
+
+    tiers, kv = None, None
     if args.tiers:
         from workbench.bench.kv_inspect import fit_heldout_basis
 
-        tiers = tier_config(args)
-        basis = fit_heldout_basis(llm, tiers, args.calibration_docs)
-        store = tier_store(args)
-        kv = None
+        policy = tier_config(args)
+        tiers = TierSetup(policy, fit_heldout_basis(llm, policy, args.calibration_docs), tier_store(args))
     else:
         kv = _serve_kv(args)
-    engine = LLMEngine(llm, kv=kv, scheduler=sched, tiers=tiers, tier_basis=basis, tier_store=store, compile=args.compile,
-                       cuda_graphs=args.cuda_graphs, stream_weights=weight_stream_config(args),
-                       memory_budget=args.memory_budget)
-    return engine, config, guard
+    return EngineConfig(kv=kv, scheduler=sched, tiers=tiers, stream_weights=weight_stream_config(args),
+                        fast=FastPathConfig(compile=args.compile, cuda_graphs=args.cuda_graphs),
+                        memory_budget=args.memory_budget)
 
 
 def add_serve_parser(sub) -> None:

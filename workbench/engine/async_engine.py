@@ -202,7 +202,7 @@ class AsyncEngine:
                 self.last_error = f"on_step hook failed: {_describe(e)}"
         rec = eng.step_records[-1] if eng.step_records else None
         if rec is not None and rec.num_seqs == 0 and eng.scheduler.waiting:
-            time.sleep(min(0.001, eng.config.micro_batch_window_s or 0.001))  # window not open yet
+            time.sleep(min(0.001, eng.scheduler.config.micro_batch_window_s or 0.001))  # window not open yet
 
     def _failed(self, e: BaseException) -> None:
         """After a failure on the engine thread: end every unfinished request with the message."""

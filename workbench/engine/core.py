@@ -32,14 +32,16 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
-from workbench.engine import forks
+from workbench.engine.forks import Forks
 from workbench.engine.metrics import RequestMetrics
-from workbench.engine.modes import (check_fast_paths, describe, describe_error, describe_kv, describe_values,
-                                    install_weight_streaming, kv_memory, kv_mode, make_pool, make_runner, prefetch_stats,
-                                    resolve_model)
+from workbench.engine.config import EngineConfig
+from workbench.engine.loaded import LoadedModel
+from workbench.engine.modes import (describe, describe_error, describe_kv, describe_values, install_weight_streaming,
+                                    kv_memory, make_pool, make_runner, prefetch_stats, resolve_model)
 from workbench.engine.output import OutputProcessor
 from workbench.engine.sizing import check_engine_memory
 from workbench.engine.sampling import SamplingParams, sample
@@ -49,10 +51,21 @@ from workbench.engine.types import RequestOutput, StreamEvent
 from workbench.errors import ConfigError
 from workbench.kv.paged import PagedKVConfig
 from workbench.sched.config import SchedulerConfig
-from workbench.sched.scheduler import Scheduler
+from workbench.sched.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from workbench.sched.sequence import Sequence, SeqStatus
 
 __all__ = ["LLMEngine", "StepRecord", "describe_error"]   # the last two re-exported (workbench.engine, AsyncEngine)
+
+
+@dataclass
+class StepOutput:
+    """What one forward gave: the logits rows of the sampling sequences (in order), a token per
+    sampling sequence (None where its sampling failed: ``errors`` says why), or the error the
+    whole step failed with."""
+    rows: torch.Tensor | None = None
+    tokens: list[int | None] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)
+    failed: str | None = None
 
 
 class LLMEngine:
@@ -63,8 +76,14 @@ class LLMEngine:
     inductor generates C++ for the whole step), ``cuda_graphs`` captures it per batch-size
     bucket (CUDA only).  Sampling on a kernel is the ``sampling`` op of ``workbench.transforms.backends``.
 
-    ``model``: a folder, ``"preset:<name>"``, None (the bundled model), a loaded
-    :class:`~workbench.engine.loaded.LoadedModel` or :class:`~workbench.LLM` (its model is shared).
+    ``LLMEngine(model, config)``: ``model`` a folder, ``"preset:<name>"``, None (the bundled
+    model), a loaded :class:`~workbench.engine.loaded.LoadedModel` or :class:`~workbench.LLM` (its
+    model is shared); ``config`` an :class:`~workbench.engine.config.EngineConfig` (checked once, by
+    :meth:`~workbench.engine.config.EngineConfig.check`).  Or keywords, the config's parts by name
+    (:meth:`~workbench.engine.config.EngineConfig.from_options`), whose defaults here are the
+    serving set-up: the default paged pool and ``SchedulerConfig()``.  ``runner``: a custom runner
+    on the paged pool (a fake one drives the property tests).
+
     ``kv``: where KV lives - a :class:`~workbench.kv.paged.PagedKVConfig` (None: the default
     paged pool, with prefix caching) or ``"contiguous"`` (one contiguous cache per sequence,
     the reference).  ``tiers`` (+ ``tier_basis``): one hot / warm / cold
@@ -85,40 +104,34 @@ class LLMEngine:
     figure and the setting that makes it smaller.
     """
 
-    def __init__(self, model=None, tokenizer=None, device=None, dtype=None, kv: PagedKVConfig | str | None = None,
-                 scheduler: SchedulerConfig | None = None, batch_invariant: bool | None = None,
-                 max_model_len: int | None = None, clock=time.perf_counter, runner=None,
-                 history: int = 100_000, threads: int | str | None = None, tiers=None, tier_basis=None,
-                 tier_store=None, compile: bool = False, cuda_graphs: bool = False, static_decode: bool = False,
-                 stream_weights=None, memory_budget: int | str | None = None) -> None:
-        base, loaded = resolve_model(model, tokenizer=tokenizer, device=device, dtype=dtype,
-                                     max_model_len=max_model_len, threads=threads)
+    def __init__(self, model=None, config: EngineConfig | None = None, *, runner=None, clock=time.perf_counter,
+                 history: int = 100_000, **options) -> None:
+        config = EngineConfig.from_options(config, who="LLMEngine", serving_defaults=config is None, **options)
+        preloaded = isinstance(getattr(model, "loaded", model), LoadedModel)   # an LLM's or a LoadedModel
+        base, loaded = resolve_model(model, config.load)
+        config.check("LLMEngine", device=loaded.model.device, runner=runner, loaded=preloaded)
+        self.config = config
         self.llm, self.loaded, self.model, self.tokenizer = base, loaded, loaded.model, loaded.tokenizer
-        self.weight_streamer = install_weight_streaming(self.model, stream_weights)
-        self.config = scheduler or SchedulerConfig()
-        self.kv_mode = kv_mode(kv, tiers, self.config, runner)
-        self.tiers, self.tier_basis, self.tier_store = tiers, tier_basis, tier_store
-        if tier_store is not None and tiers is None:
-            raise ConfigError("LLMEngine: tier_store= is where a tiered cache keeps its blocks; give tiers= too")
+        self.weight_streamer = install_weight_streaming(self.model, config.stream_weights)
+        sched = config.scheduler_for(loaded.max_model_len)
+        self.kv_mode, t = config.kv_mode, config.tiers
+        self.tiers, self.tier_basis, self.tier_store = (t.config, t.basis, t.store) if t else (None, None, None)
         self.tier_prefetcher = None      # the physical tiered cache's shared prefetcher (made by make_runner)
-        self.compiled, self.cuda_graphs = bool(compile), bool(cuda_graphs)
-        self.static_decode = bool(static_decode or compile or cuda_graphs)
-        if self.static_decode:
-            check_fast_paths(self.kv_mode, loaded.model, cuda_graphs, runner, batch_invariant)
+        self.compiled, self.cuda_graphs = bool(config.fast.compile), bool(config.fast.cuda_graphs)
+        self.static_decode = config.fast.static
         # what the pool, the caches and the static buffers will take, refused before any is allocated
         w = self.model.lm_head.weight
-        self.memory_plan = check_engine_memory(self.model.config, w.device, w.dtype, kv=kv, scheduler=self.config,
-                                               max_model_len=loaded.max_model_len, tiers=tiers, tier_store=tier_store,
-                                               static_decode=self.static_decode, memory_budget=memory_budget)
-        self.pool = make_pool(self.model, self.kv_mode, kv, self.config, loaded.max_model_len, self.static_decode,
-                              self.memory_plan.budget)
-        self.scheduler = Scheduler(self.config, self.pool.blocks)
-        self.runner = runner or make_runner(self, batch_invariant)
+        self.memory_plan = check_engine_memory(self.model.config, w.device, w.dtype,
+                                               max_model_len=loaded.max_model_len, **config.memory_args(sched))
+        self.pool = make_pool(self.model, self.kv_mode, config.paged, sched, loaded.max_model_len,
+                              self.static_decode, self.memory_plan.budget)
+        self.scheduler = Scheduler(sched, self.pool.blocks)
+        self.runner = make_runner(self, config.fast.batch_invariant, custom=runner)   # runner: one, or pool -> one
         self.clock = clock
         self.seqs: dict[str, Sequence] = {}
         self.step_records: deque[StepRecord] = deque(maxlen=history)
         self._events: list[StreamEvent] = []     # events produced outside step() (rejections, aborts)
-        self._held: dict[str, list[Sequence]] = {}   # parent id -> forks waiting for its prompt (paged KV)
+        self.forks = Forks(self.scheduler, self._sample, self._end, self._finished)   # held for parents' prompts
         self._ids = itertools.count()
         self.num_finished = 0
         self.last_step_error: BaseException | None = None   # the last exception a step's requests ended on
@@ -182,7 +195,7 @@ class LLMEngine:
             raise ConfigError(f"request id {rid!r} is already in use")
         if not isinstance(priority, int):
             raise ConfigError(f"priority must be an integer, got {priority!r}")
-        parent = None if fork_of is None else forks.fork_parent(self, rid, fork_of, list(ids))
+        parent = None if fork_of is None else self.forks.parent(self.seqs, rid, fork_of, list(ids))
         now = self.clock() if arrival_time is None else arrival_time
         max_new = min(params.max_tokens, self.max_model_len - len(ids))
         seq = Sequence(rid, list(ids), len(ids), params, priority, now, max_new)
@@ -200,12 +213,12 @@ class LLMEngine:
         if params.logprobs is not None:
             out.logprobs = []
         seq.output = out
-        seq.state["proc"] = OutputProcessor(out, params, self.tokenizer, self.eos_token_ids, max_new)
-        seq.state["gen"] = params.generator(self.device)
+        seq.processor = OutputProcessor(out, params, self.tokenizer, self.eos_token_ids, max_new)
+        seq.generator = params.generator(self.device)
         self.seqs[rid] = seq
         if parent is not None and self.kv_mode == "paged" and params.prompt_logprobs in (
                 None, parent.params.prompt_logprobs):   # else only computing its prompt gives its prompt logprobs
-            forks.hold(self, seq, parent)
+            self.forks.hold(seq, parent)
             return rid
         reason = self.scheduler.add(seq)
         if reason is not None:
@@ -246,13 +259,13 @@ class LLMEngine:
 
     def _end(self, seq: Sequence, finish: str, error: str | None) -> None:
         if seq.status is SeqStatus.HELD:
-            forks.unhold(self, seq)
+            self.forks.unhold(seq)
         else:
-            forks.release_forks(self, seq)
+            self.forks.release(seq)
         self.scheduler.finish(seq)
         self.runner.drop_swap(seq.request_id)
         now = self.clock()
-        seq.state["proc"].finish(finish, now, error)
+        seq.processor.finish(finish, now, error)
         out = seq.output
         self._events.append(StreamEvent(seq.request_id, len(out.token_ids), -1, "", now,
                                         now - seq.arrival_time, True, finish, error))
@@ -261,10 +274,10 @@ class LLMEngine:
     @property
     def num_held(self) -> int:
         """Forks waiting for their parent's prompt (queued nowhere in the scheduler)."""
-        return sum(map(len, self._held.values()))
+        return self.forks.num_held
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._events) or bool(self._held)
+        return self.scheduler.num_unfinished > 0 or bool(self._events) or bool(self.forks)
 
     def get_output(self, request_id: str) -> RequestOutput:
         return self.seqs[request_id].output
@@ -288,71 +301,96 @@ class LLMEngine:
             raise
 
     def _step(self, events: list[StreamEvent]) -> list[StreamEvent]:
+        """schedule → carry out its decisions → execute → update from the output → records."""
         t0 = self.clock()
         out = self.scheduler.schedule(t0)
         t1 = self.clock()
+        self._carry_out(out, t0)
+        result = self._execute(out, t1)
+        t2 = self.clock()
+        ended = self._update(out, result, t1, t2, events)
+        t3 = self.clock()
+        events += self._events          # rejections of this step
+        self._events = []
+        self.step_records.append(step_record(out, self.scheduler, self.pool.manager.num_used_blocks,
+                                             t0, t1, t2, t3, ended))
+        return events
+
+    def _carry_out(self, out: SchedulerOutput, t0: float) -> None:
+        """What the schedule decided before the forward: forks of preempted parents released,
+        rejections ended, swap copies, the KV lookahead, what each admission reused."""
         for seq in out.preempted + [s.seq for s in out.swapped_out]:
-            forks.release_forks(self, seq)
+            self.forks.release(seq)
         for seq, reason in out.rejected:
             self._end(seq, "rejected", reason)
         for s in out.swapped_out:
             self.runner.swap_out(s)
         for s in out.swapped_in:
             self.runner.swap_in(s)
-            self.scheduler.manager.commit(s.seq.request_id, s.num_tokens)
+            self.scheduler.commit_swap_in(s)
         if self.pool.lookahead:    # KV prefetch: stage the next requests' offloaded / swapped KV (PagedKVConfig)
             self.pool.kv_prefetch.lookahead(self.scheduler, t0)
         for seq in out.admitted:
-            a = seq.state.pop("allocation")
+            a, seq.allocation = seq.allocation, None
             seq.output.num_cached_tokens = max(seq.output.num_cached_tokens, a.num_cached_tokens)
             if seq.output.prefix_miss_reason is None and seq.num_preemptions == 0:
                 seq.output.prefix_miss_reason = None if a.miss_reason is None else a.miss_reason.value
-        tokens: list[int | None] = []
-        errors: dict[str, str] = {}
-        step_failed = None
-        if out.scheduled:
-            for s in out.scheduled:
-                if s.seq.output.metrics.first_scheduled_time is None:
-                    s.seq.output.metrics.first_scheduled_time = t1
-            try:
-                logits = self.runner.execute(out.scheduled)
-            except Exception as e:  # noqa: BLE001 - the step's requests end, the engine goes on
-                step_failed = f"engine step {out.step} failed: {describe_error(e)}"
-                self.last_step_error = e
-            else:
-                rows = split_logits(out.scheduled, logits)
-                tokens, errors = self._sample([s.seq for s in out.scheduled if s.samples], rows)
-        t2 = self.clock()
-        finished = 0
-        sampled = iter(enumerate(tokens))
+
+    def _execute(self, out: SchedulerOutput, t1: float) -> StepOutput:
+        """The runner's forward over the scheduled chunks, then one token per sampling sequence.  A
+        failed forward is kept (its requests end with it), not raised: the engine goes on."""
+        result = StepOutput()
+        if not out.scheduled:
+            return result
         for s in out.scheduled:
-            seq = s.seq
-            if step_failed is not None:       # only the requests of this step: waiting ones are untouched
-                self._end(seq, "error", step_failed)
-                finished += 1
-                continue
-            seq.num_computed = s.start + s.num_tokens
-            self.scheduler.manager.commit(seq.request_id, seq.num_computed)
-            if not s.samples:
-                continue
+            if s.seq.output.metrics.first_scheduled_time is None:
+                s.seq.output.metrics.first_scheduled_time = t1
+        try:
+            logits = self.runner.execute(out.scheduled)
+        except Exception as e:  # noqa: BLE001 - the step's requests end, the engine goes on
+            result.failed = f"engine step {out.step} failed: {describe_error(e)}"
+            self.last_step_error = e
+        else:
+            result.rows = split_logits(out.scheduled, logits)
+            result.tokens, result.errors = self._sample([s.seq for s in out.scheduled if s.samples], result.rows)
+        return result
+
+    def _update(self, out: SchedulerOutput, result: StepOutput, t1: float, t2: float,
+                events: list[StreamEvent]) -> int:
+        """The scheduler commits what the step computed and finishes the requests whose token ended
+        them; the output side takes each sampled token (its event, stop checks) and starts the forks
+        held for a parent whose prompt is now computed.  Returns how many requests ended."""
+        if result.failed is not None:     # only the requests of this step: waiting ones are untouched
+            for s in out.scheduled:
+                self._end(s.seq, "error", result.failed)
+            return len(out.scheduled)
+        ended = 0
+        sampled = iter(enumerate(result.tokens))
+
+        def take(s: ScheduledSeq) -> bool:
+            nonlocal ended
             row, token = next(sampled)
+            seq = s.seq
             if token is None:                 # its sampling failed: it ends alone, with the reason
-                self._end(seq, "error", errors[seq.request_id])
-                finished += 1
-                continue
-            done = take_token(seq, token, seq.state.pop("last_row", None), t2, events)
-            if seq.request_id in self._held:   # its prompt is computed: its held forks start (before it may end)
-                finished += forks.start_forks(self, seq, rows[row], t1, t2, events)
+                self._end(seq, "error", result.errors[seq.request_id])
+                ended += 1
+                return False
+            last_row, seq.last_row = seq.last_row, None
+            done = take_token(seq, token, last_row, t2, events)
+            if seq.request_id in self.forks:   # its prompt is computed: its held forks start (before it may end)
+                ended += self.forks.start(seq, result.rows[row], t1, t2, events)
             if done:
-                self.scheduler.finish(seq)
                 self.num_finished += 1
-                finished += 1
-        t3 = self.clock()
-        events += self._events          # rejections of this step
-        self._events = []
-        self.step_records.append(step_record(out, self.scheduler, self.pool.manager.num_used_blocks,
-                                             t0, t1, t2, t3, finished))
-        return events
+                ended += 1
+            return done
+
+        self.scheduler.update_from_output(out, take)
+        return ended
+
+    def _finished(self, seq: Sequence) -> None:
+        """``seq`` ended on the token it took (a fork's first): out of the scheduler, counted."""
+        self.scheduler.finish(seq)
+        self.num_finished += 1
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int | None], dict[str, str]]:
         """One token per sequence, and the sequences whose sampling failed (id -> why; their token
@@ -412,8 +450,9 @@ class LLMEngine:
     def fast_paths(self) -> dict:
         """The configuration as plain values (``/metrics`` labels, ``x-model-info``); remade only
         when the model's backends or the scheduler's batch size change (read after every step)."""
-        key = (getattr(self.model, "_wb_backends", None) and tuple(self.model._wb_backends.items()),
-               self.config.max_num_seqs, id(self.weight_streamer))
+        ops = self.model.ops          # the backends' entry points (None: the reference modules)
+        key = (ops and tuple(ops.backends.items()),
+               self.scheduler.config.max_num_seqs, id(self.weight_streamer))
         if getattr(self, "_fast_paths_key", None) != key:
             self._fast_paths, self._fast_paths_key = describe_values(self), key
         return dict(self._fast_paths)

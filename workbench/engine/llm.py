@@ -1,4 +1,4 @@
-"""``LLM``: the offline front over the engine (:class:`workbench.sched.LLMEngine`).
+"""``LLM``: the offline front over the engine (:class:`workbench.engine.core.LLMEngine`).
 
 ::
 
@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from collections import deque
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator, Sequence
+from dataclasses import replace
+from typing import Iterator, Sequence
 
 import torch
 
@@ -37,10 +38,7 @@ from workbench.model.decoder import CausalLM
 from workbench.engine.sampling import SamplingParams, sample
 from workbench.sched.config import SchedulerConfig
 from workbench.engine.core import LLMEngine
-
-if TYPE_CHECKING:
-    from workbench.kv.paged import PagedKVConfig
-    from workbench.kv.tier_config import TierConfig
+from workbench.engine.config import EngineConfig, LoadOptions, reference_scheduler
 
 __all__ = ["LLM", "Prompt", "ReferenceLoop", "RequestOutput", "StreamEvent", "reference_generate",
            "reference_scheduler"]
@@ -95,16 +93,13 @@ def reference_generate(model: CausalLM, prompt_ids: list[int], max_new_tokens: i
     return [loop.step() for _ in range(max_new_tokens)]
 
 
-def reference_scheduler(max_model_len: int) -> SchedulerConfig:
-    """One sequence at a time, the whole prompt in one step, requests in arrival order."""
-    return SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=max_model_len, chunked_prefill=False,
-                           prefix_aware=False, max_queue_len=1 << 30, aging_s=None)
-
-
 class LLM:
-    """Offline front over one :class:`~workbench.sched.LLMEngine`.
+    """Offline front over one :class:`~workbench.engine.core.LLMEngine`.
 
-    ``model``: a path, ``"preset:<name>"``, None for the bundled model, or a loaded CausalLM.
+    ``LLM(model, config)``: ``model`` a path, ``"preset:<name>"``, None for the bundled model, or a
+    loaded CausalLM; ``config`` an :class:`~workbench.engine.config.EngineConfig` (default: the
+    reference configuration).  Or ``LLM(model, **options)``: the config's parts by keyword, as
+    below (:meth:`~workbench.engine.config.EngineConfig.from_options`; an unknown one is refused).
     ``tokenizer``: a folder / tokenizer.json path, a :class:`Tokenizer`, or None to use the
     model folder's (presets have none: pass prompts as token-id lists).
     ``kv``: None for a contiguous cache per request (the reference), or a
@@ -151,43 +146,26 @@ class LLM:
     and refused in one line before the weights load when they do not fit the budget or the machine.
     """
 
-    def __init__(self, model: str | CausalLM | None = None, tokenizer=None, device=None, dtype=None,
-                 max_model_len: int | None = None, kv: "PagedKVConfig | None" = None,
-                 tiers: "TierConfig | None" = None, tier_basis=None, tier_store=None, threads: int | str | None = None,
-                 scheduler: SchedulerConfig | None = None, batch_invariant: bool | None = None,
-                 compile: bool = False, cuda_graphs: bool = False, static_decode: bool = False,
-                 check_finite: bool = True, stream_weights=None, quant=None, quant_calibration=None,
-                 quant_backend: str = "auto", memory_budget: int | str | None = None) -> None:
-        compressed = is_compressed(model)          # a quantized checkpoint (compressed-tensors)
-        if compressed and quant is not None:
-            raise ConfigError(f"LLM: {model} is a quantized checkpoint (compressed-tensors) already; drop quant= "
-                              "(its layers run as stored; quant_backend= chooses where they compute)")
+    def __init__(self, model: str | CausalLM | None = None, config: EngineConfig | None = None, **options) -> None:
+        config = EngineConfig.from_options(config, who="LLM", **options)
+        config.check("LLM", model=model)           # before the load: a mistake costs no time or memory
         from workbench.engine.sizing import check_before_loading
         from workbench.measure.allocation import parse_bytes
 
-        memory_budget = parse_bytes(memory_budget, "LLM(memory_budget=...)")
+        config.memory_budget = parse_bytes(config.memory_budget, "LLM(memory_budget=...)")
         # the engine's sizes from the config alone: a pool or cache that cannot fit is refused before the load
-        check_before_loading(model, device, dtype, kv=kv if kv is not None or tiers is not None else "contiguous",
-                             scheduler=scheduler or SchedulerConfig(max_num_seqs=1), max_model_len=max_model_len,
-                             tiers=tiers, tier_store=tier_store, static_decode=bool(static_decode or compile or cuda_graphs),
-                             memory_budget=memory_budget)
-        self.loaded = LoadedModel.load(model, tokenizer=tokenizer, device=device, dtype=dtype,
-                                       max_model_len=max_model_len, threads=threads, check_finite=check_finite)
-        if quant is not None:        # weights quantized in place (a model object passed in is changed too)
-            self._quantize(quant, quant_calibration, quant_backend)
-        elif compressed:             # loaded quantized: only where the layers compute is chosen here
+        load, q = config.load, config.quant
+        check_before_loading(model, load.device, load.dtype, max_model_len=load.max_model_len,
+                             **config.memory_args(config.scheduler or SchedulerConfig(max_num_seqs=1)))
+        self.loaded = LoadedModel.load(model, **load.as_kwargs())
+        if q.recipe is not None:     # weights quantized in place (a model object passed in is changed too)
+            self._quantize(q.recipe, q.calibration, q.backend)
+        elif is_compressed(model):   # loaded quantized: only where the layers compute is chosen here
             from workbench.quant.apply import set_quant_backend
 
-            self.quant_placement = set_quant_backend(self.loaded.model, quant_backend)
-        if kv is not None and tiers is not None:
-            from workbench.engine.modes import TIERS_WITH_POOL
-
-            raise ConfigError(TIERS_WITH_POOL.format(who="LLM"))
-        self.engine = LLMEngine(self.loaded, kv=kv if kv is not None or tiers is not None else "contiguous",
-                                scheduler=scheduler or reference_scheduler(self.loaded.max_model_len),
-                                tiers=tiers, tier_basis=tier_basis, tier_store=tier_store, batch_invariant=batch_invariant,
-                                compile=compile, cuda_graphs=cuda_graphs, static_decode=static_decode,
-                                stream_weights=stream_weights, memory_budget=memory_budget)
+            self.quant_placement = set_quant_backend(self.loaded.model, q.backend)
+        self.config = config
+        self.engine = LLMEngine(self.loaded, replace(config, load=LoadOptions()))
         self._queues: dict[str, deque] = {}      # live stream id -> its events not yet yielded
 
     def _quantize(self, quant, calibration, backend: str) -> None:
@@ -314,7 +292,7 @@ class LLM:
     def batching(self, max_num_seqs: int):
         """Let up to ``max_num_seqs`` requests run together for the duration (e.g. interleaved
         streams that should hold their KV at the same time); the configuration comes back on exit."""
-        cfg = self.engine.config
+        cfg = self.engine.scheduler.config
         before = cfg.max_num_seqs
         cap = getattr(self.engine.runner, "max_seqs", None)
         if cap is not None and max_num_seqs > cap:

@@ -42,7 +42,7 @@ def split_logits(scheduled, logits: torch.Tensor) -> torch.Tensor:
         if s.samples:
             sample_rows.append(chunk[-1])
             if seq.params.logprobs is not None:
-                seq.state["last_row"] = chunk[-1]
+                seq.last_row = chunk[-1]
     if off != logits.shape[0]:
         raise RuntimeError(f"runner returned {logits.shape[0]} rows of logits, the step wants {off}")
     return torch.stack(sample_rows) if sample_rows else logits[:0]
@@ -57,8 +57,8 @@ def sample_batch(model, seqs: list[Sequence], logits: torch.Tensor,
     ``model`` on a kernel backend (``--backend sampling=triton``), one launch for the whole
     batch, each sampled row drawing its noise from its own request's generator (a failed
     launch is retried row by row, so that only the failing rows fail)."""
-    ops = getattr(model, "_wb_ops", None)
-    kernel = ops is not None and ops.backends.get("sampling", "eager") != "eager"
+    ops = getattr(model, "ops", None)      # the model's backend entry points (workbench.model.ops.Ops); None: reference
+    kernel = ops is not None and ops.uses_kernel("sampling")
     tokens: list[int | None] = [None] * len(seqs)
     errors: dict[str, str] = {}
     if kernel:
@@ -78,7 +78,7 @@ def sample_batch(model, seqs: list[Sequence], logits: torch.Tensor,
             if kernel:
                 tokens[i] = sample_kernel(ops, [s], logits[i:i + 1])[0]
             else:
-                tokens[i] = int(sampler(logits[i], s.params, s.state["gen"]))
+                tokens[i] = int(sampler(logits[i], s.params, s.generator))
         except Exception as e:  # noqa: BLE001
             errors[s.request_id] = f"sampling failed: {describe_error(e)}"
     return tokens, errors
@@ -93,7 +93,7 @@ def sample_kernel(ops, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         return ops.greedy_tokens(x).tolist()
     V = x.shape[1]
     noise = torch.cat([torch.zeros(1, V, device=x.device) if s.params.greedy
-                       else gumbel_noise(1, V, s.state["gen"], x.device) for s in seqs])
+                       else gumbel_noise(1, V, s.generator, x.device) for s in seqs])
     return ops.sample_tokens(x, temperature=[0.0 if s.params.greedy else s.params.temperature for s in seqs],
                              top_k=[s.params.top_k for s in seqs], top_p=[s.params.top_p for s in seqs],
                              gumbel=noise).tolist()
@@ -103,7 +103,7 @@ def take_token(seq: Sequence, token: int, row: torch.Tensor | None, now: float, 
     """Give ``seq`` its sampled ``token``: its stream event (with the token's log-probability
     from logits ``row`` when asked) goes to ``events``; True when the token ends the request."""
     seq.tokens.append(token)
-    ev = seq.state["proc"].push(token, now)
+    ev = seq.processor.push(token, now)
     if seq.params.logprobs is not None:      # the model's log-probability of the token it chose
         ev.logprobs = token_logprobs(row[None], [token], seq.params.logprobs)[0]
         seq.output.logprobs.append(ev.logprobs)

@@ -72,7 +72,7 @@ class EngineTarget:
 
     @property
     def engine(self):
-        """The :class:`~workbench.sched.LLMEngine` (``steps_frame()``, ``stats()``, ``pool``)."""
+        """The :class:`~workbench.engine.core.LLMEngine` (``steps_frame()``, ``stats()``, ``pool``)."""
         return self.aengine.engine
 
     def params(self, max_tokens: int, **sampling):

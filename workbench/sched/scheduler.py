@@ -35,9 +35,10 @@ import heapq
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 from workbench.errors import WorkbenchError
-from workbench.kv.block_manager import AllocStatus, BlockManager
+from workbench.kv.interface import AllocStatus, KVManager
 from workbench.sched.admission import admission_problem, admit
 from workbench.sched.config import SchedulerConfig
 from workbench.sched.sequence import Sequence, SeqStatus
@@ -98,7 +99,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, manager: KVManager) -> None:
         self.config, self.manager = config, manager
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -160,6 +161,23 @@ class Scheduler:
             self.swapped.remove(seq)
             self.swap_sizes.pop(seq.request_id, None)
         seq.status = SeqStatus.FINISHED
+
+    def commit_swap_in(self, s: SwapIn) -> None:
+        """A swapped-in sequence's KV is back in the pool (the runner copied it): commit it."""
+        self.manager.commit(s.seq.request_id, s.num_tokens)
+
+    def update_from_output(self, out: SchedulerOutput, take: Callable[[ScheduledSeq], bool]) -> None:
+        """What the step computed, in scheduling order: each chunk's KV is committed (``num_computed``
+        moves on, full blocks become reusable); then, when the chunk sampled a token, ``take(chunk)``
+        - the engine's output side: the token appended, its event, the stop checks - answers whether
+        the token ended the request, and a request it ended finishes here (its blocks go back).  A
+        request ``take`` ended otherwise (its sampling failed) was finished by the engine already."""
+        for s in out.scheduled:
+            seq = s.seq
+            seq.num_computed = s.start + s.num_tokens
+            self.manager.commit(seq.request_id, seq.num_computed)
+            if s.samples and take(s):
+                self.finish(seq)
 
     @property
     def num_unfinished(self) -> int:
@@ -334,11 +352,9 @@ class Scheduler:
         it takes from the available ones), as :meth:`BlockManager.allocate` would now: one prefix
         match.  Cached hits no request holds are available blocks too, so they count as taken."""
         m = self.manager
-        hits = m._match(list(seq.tokens), _reuse(seq))[0]
-        cached = len(hits) * m.block_size
+        match = m.match_prefix(seq.tokens, _reuse(seq))
         need = -(-len(seq.tokens) // m.block_size)
-        held_by_none = sum(1 for b in hits if m.blocks[b].ref_count == 0)
-        return cached, len(seq.tokens) - cached, need - len(hits) + held_by_none
+        return match.cached_tokens, len(seq.tokens) - match.cached_tokens, need - match.num_blocks + match.unheld
 
     def _admit_waiting(self, now: float, out: SchedulerOutput, left) -> None:
         """Step 3 of :meth:`schedule`.  The admission rule (``config.admission``, default
@@ -463,7 +479,7 @@ class Scheduler:
             return None
         self.waiting.remove(seq)
         seq.num_computed = alloc.num_cached_tokens
-        seq.state["allocation"] = alloc
+        seq.allocation = alloc
         self._start_running(seq, now)
         out.admitted.append(seq)
         if planned is None or self.config.admission is None:
@@ -502,17 +518,17 @@ class Scheduler:
             return False
         victims = self._victims_for(seq, now)
         slots_short = len(self.running) - cfg.max_num_seqs + 1
-        hits = m._match(list(seq.tokens), _reuse(seq))[0]
-        hit_set = set(hits)
-        need = -(-len(seq.tokens) // m.block_size) - len(hits)
+        match = m.match_prefix(seq.tokens, _reuse(seq))
+        hit_set = set(match.block_ids)
+        need = -(-len(seq.tokens) // m.block_size) - match.num_blocks
         # as BlockManager.can_allocate counts: cached hits are not available for the new blocks
-        available = m.num_available_blocks - sum(1 for b in hits if m.blocks[b].ref_count == 0)
+        available = m.num_available_blocks - match.unheld
         refs: Counter = Counter()
         for k in range(len(victims) + 1):
             if k:
                 refs.update(m.block_table(victims[k - 1].request_id))
             # blocks the first k victims release (no other holder); a released hit stays a hit
-            freed = sum(1 for b, c in refs.items() if c == m.blocks[b].ref_count and b not in hit_set)
+            freed = sum(1 for b, c in refs.items() if c == m.block_refs(b) and b not in hit_set)
             if k >= slots_short and need <= available + freed:
                 for victim in victims[:k]:
                     self._preempt(victim, out)

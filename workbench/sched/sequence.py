@@ -13,8 +13,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:       # names only: the scheduler is pure Python and imports nothing of the engine
+    import torch
+
+    from workbench.engine.output import OutputProcessor
     from workbench.engine.sampling import SamplingParams
     from workbench.engine.types import RequestOutput
+    from workbench.kv.block_manager import Allocation
 
 
 class SeqStatus(enum.Enum):
@@ -43,7 +47,14 @@ class Sequence:
     prompt_logprobs_done: bool = False   # its prompt's logprobs are known (computed, or a fork's parent's):
                                          # recomputing its prompt (preemption, a released fork) needs no logits
     output: RequestOutput | None = field(default=None, repr=False)
-    state: dict = field(default_factory=dict, repr=False)   # engine-side objects (generator, output processor)
+    # the scheduler's: the allocation of its last admission, until the engine reads what it reused
+    allocation: Allocation | None = field(default=None, repr=False)
+    fork_of: str | None = None        # a held fork: the request whose prompt it waits for
+    # the engine's: its output processor (detokenizing, stop checks), sampling generator, and, when it
+    # wants logprobs, the logits row its next token is sampled from (until the token is taken)
+    processor: OutputProcessor | None = field(default=None, repr=False)
+    generator: torch.Generator | None = field(default=None, repr=False)
+    last_row: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def num_generated(self) -> int:

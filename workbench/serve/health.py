@@ -28,7 +28,7 @@ def model_info(aengine, name: str, source: str | None = None, guard: GuardHook |
                chat_template: ChatTemplate | None = None) -> dict:
     """The engine configuration that serves requests (the ``x-model-info`` header, as a dict)."""
     eng = aengine.engine
-    llm, pool, cfg = eng.llm, eng.pool, eng.config
+    llm, pool, cfg = eng.llm, eng.pool, eng.scheduler.config
     folder = Path(llm.tokenizer.path).parent if llm.tokenizer is not None else None
     info = {"model": name, "path": shown_source(source or (str(folder) if folder else None)),
             "architecture": getattr(eng.model.config, "architecture", None), "device": str(eng.device),

@@ -7,7 +7,7 @@
     srv.engine.stats(), srv.metrics                                  # the AsyncEngine and ServerMetrics
 
 ``engine`` may be an :class:`~workbench.sched.AsyncEngine` (used as is, started if needed, and
-left running by ``stop()``), an :class:`~workbench.sched.LLMEngine` or an
+left running by ``stop()``), an :class:`~workbench.engine.core.LLMEngine` or an
 :class:`~workbench.LLM` (wrapped; the wrapper thread is ours to stop), or None / a model path or
 preset with keyword arguments for :func:`build_engine`.
 """
