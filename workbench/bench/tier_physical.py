@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -92,6 +93,139 @@ def _run(model, cache, ids, P: int, E: int, on_step=None) -> torch.Tensor:
     return torch.stack(out)
 
 
+@dataclass
+class _Tally:
+    """What :func:`physical_eval` sums over its documents: the scores, the byte series per decode
+    step (measured resident, formula, full, staging, resident with staging, one layer's working
+    set), the prefetcher's counters and the check against the accounted cache."""
+
+    nll_t: float = 0.0
+    nll_f: float = 0.0
+    kl: float = 0.0
+    agree: float = 0.0
+    dnll: list = field(default_factory=list)
+    bpt: list = field(default_factory=list)
+    fpt: list = field(default_factory=list)
+    full_pt: list = field(default_factory=list)
+    stag: list = field(default_factory=list)
+    with_stag: list = field(default_factory=list)
+    work: list = field(default_factory=list)
+    totals: dict = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
+    stall: float = 0.0
+    routed: float = 0.0
+    routed_acc: float = 0.0
+    offloaded: list = field(default_factory=list)
+    steps: int = 0
+    max_diff: float = 0.0
+    greedy_same: bool = True
+    components: dict | None = None
+    decode_s: float = 0.0
+
+
+def _physical_pass(model, cfg: TierConfig, basis, store: TierStore, ids, P: int, E: int, t: _Tally) -> torch.Tensor:
+    """One document through a fresh :class:`PhysicalTieredKVCache`: the prefill, then ``E`` decode
+    steps, each followed by ``cache.memory()`` into ``t``'s byte series; the prefetcher's counters,
+    the routed bytes and the decode time (without the ``memory()`` calls) into ``t``.  The decode
+    logits [E, V]."""
+    dev, dt = model.device, model.lm_head.weight.dtype
+    cache = PhysicalTieredKVCache(model.config, cfg, basis, store=store, max_len=ids.shape[1], device=dev, dtype=dt)
+    try:
+        mark = {}
+
+        def on_step(p):
+            if p is None:
+                # the prefill's work is done before the decode counters and clock start: its
+                # copies' events are resolved into the stats being dropped, its tail is not
+                # charged to the first decode step (a CUDA call returns before the GPU is done)
+                sync(dev)
+                cache.prefetcher.reset_stats()
+                mark["routed"], mark["t"] = cache.routed_bytes, time.perf_counter()
+                return
+            t_mem = time.perf_counter()
+            m = cache.memory()
+            mark["memory_s"] = mark.get("memory_s", 0.0) + time.perf_counter() - t_mem   # not decode time
+            t.bpt.append(m["resident_kv"] / (p + 1))
+            t.fpt.append(m["formula_kv"] / (p + 1))
+            t.full_pt.append(m["full"] / (p + 1))
+            t.stag.append(m["measured"]["staging"])
+            t.with_stag.append((m["resident_kv"] + m["measured"]["staging"]) / (p + 1))
+            t.work.append(m["working_one_layer"])
+
+        logits = _run(model, cache, ids, P, E, on_step)
+        sync(dev)                                   # the last decode step's tail belongs to decode
+        t.decode_s += time.perf_counter() - mark["t"] - mark.get("memory_s", 0.0)
+        st = cache.prefetcher.stats()
+        for k in _COUNTERS:
+            t.totals[k] += st[k] or 0
+        t.stall += st["stall_s"]
+        t.routed += cache.routed_bytes - mark["routed"]
+        t.steps += E
+        t.offloaded.append(cache.memory()["offloaded"])
+        t.components = measure_components(cache)
+    finally:
+        cache.release()
+    return logits
+
+
+def _accounted_check(model, cfg: TierConfig, basis, ids, P: int, E: int, logits, t: _Tally) -> None:
+    """The accounted :class:`TieredKVCache` on the same calls as the physical pass (its decode
+    ``logits``): the largest |logit difference|, greedy agreement and the routed bytes it
+    accounts, into ``t``."""
+    acc = TieredKVCache(model.config, cfg, basis, max_len=ids.shape[1], device=model.device,
+                        dtype=model.lm_head.weight.dtype)
+    acc_logits = _run(model, acc, ids, P, E)
+    t.max_diff = max(t.max_diff, float((acc_logits - logits).abs().max()))
+    t.greedy_same &= bool((acc_logits.argmax(-1) == logits.argmax(-1)).all())
+    t.routed_acc += float(acc.fetched_bytes_by_pos[P:P + E].sum())
+    del acc
+
+
+def _score(logits, ref, ids, P: int, E: int, t: _Tally) -> None:
+    """The tiered decode ``logits`` against the full cache's (``ref``) on the scored positions:
+    both NLLs, the per-token NLL difference, KL(full || tiered) and top-1 agreement, into ``t``."""
+    targets = ids[0, P + 1:P + 1 + E]
+    lp_t, lp_f = torch.log_softmax(logits, -1), torch.log_softmax(ref[P:P + E].float(), -1)
+    tok_t, tok_f = -lp_t.gather(1, targets[:, None])[:, 0], -lp_f.gather(1, targets[:, None])[:, 0]
+    t.nll_t, t.nll_f = t.nll_t + float(tok_t.sum()), t.nll_f + float(tok_f.sum())
+    t.dnll.append((tok_t - tok_f).double().cpu())
+    t.kl += float((lp_f.exp() * (lp_f - lp_t)).sum())
+    t.agree += float((lp_t.argmax(-1) == lp_f.argmax(-1)).sum())
+
+
+def _physical_row(cfg: TierConfig, store: TierStore, dt, docs: int, eval_tokens: int, check_accounted: bool,
+                  t: _Tally, t0: float) -> dict:
+    """:func:`physical_eval`'s result from its tally: per decode step, per token and the ratios
+    (the keys the module docstring describes)."""
+    es = torch.empty((), dtype=dt).element_size()
+    n = t.steps
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    ppl, ppl_full = math.exp(t.nll_t / n), math.exp(t.nll_f / n)
+    d = torch.cat(t.dnll)
+    se = float(d.std() / math.sqrt(d.numel())) if d.numel() > 1 else float("nan")
+    rescale = es / cfg.element_bytes        # routed bytes are counted at cfg.element_bytes
+    meas, form, full = mean(t.bpt), mean(t.fpt), mean(t.full_pt)
+    totals = t.totals
+    return {"kind": "measurement", "config": cfg.name, "store": store.name, "offload": store.offload,
+            "predict": store.predict, "docs": docs, "eval_tokens": eval_tokens, "scored_tokens": n,
+            "decode_steps": n, "dtype": str(dt).replace("torch.", ""), "element_bytes": es,
+            "ppl": ppl, "ppl_full": ppl_full, "rel_ppl": ppl / ppl_full - 1, "rel_ppl_se": (ppl / ppl_full) * se,
+            "kl": t.kl / n, "top1": t.agree / n,
+            "measured_bytes_per_token": meas, "formula_bytes_per_token": form, "measured_vs_formula": meas / form,
+            "measured_vs_formula_max_dev": max(abs(b / f - 1) for b, f in zip(t.bpt, t.fpt)),
+            "full_bytes_per_token": full, "reduction_measured": full / meas,
+            "staging_bytes_mean": mean(t.stag), "staging_bytes_max": max(t.stag),
+            "reduction_with_staging": full / mean(t.with_stag), "working_one_layer_max": max(t.work),
+            "prefetch_hit_rate": totals["hits"] / totals["uses"] if totals["uses"] else None,
+            "stall_ms_per_step": 1e3 * t.stall / n, "bytes_moved_per_step": totals["bytes"] / n,
+            "routed_bytes_per_step": t.routed * rescale / n,
+            "wasted_bytes_per_step": totals["wasted_bytes"] / n, **totals,
+            "offloaded_bytes": mean(t.offloaded), "decode_ms_per_step": 1e3 * t.decode_s / n,
+            "max_abs_diff_vs_accounted": t.max_diff if check_accounted else None,
+            "greedy_identical": t.greedy_same if check_accounted else None,
+            "routed_bytes_per_step_accounted": t.routed_acc * rescale / n if check_accounted else None,
+            "components": t.components, "seconds": time.perf_counter() - t0}
+
+
 def physical_eval(model, cfg: TierConfig, basis, sequences, eval_tokens: int = 256, store: TierStore | None = None,
                   reference=None, check_accounted: bool = True, bar=None) -> dict:
     """Quality, measured bytes and routing traffic of ``cfg`` on real decode steps through a
@@ -102,15 +236,8 @@ def physical_eval(model, cfg: TierConfig, basis, sequences, eval_tokens: int = 2
     _check_windows(sequences, eval_tokens)
     if reference is None:
         reference = reference_logits(model, sequences)
-    dev, dt = model.device, model.lm_head.weight.dtype
-    es = torch.empty((), dtype=dt).element_size()
-    nll_t = nll_f = kl = agree = 0.0
-    dnll, bpt, fpt, full_pt, stag, with_stag, work = [], [], [], [], [], [], []
-    totals = dict.fromkeys(_COUNTERS, 0)
-    stall = routed = routed_acc = 0.0
-    offloaded, steps, max_diff, greedy_same, components = [], 0, 0.0, True, None
+    t = _Tally()
     t0 = time.perf_counter()
-    decode_s = 0.0
     passes = 2 if check_accounted else 1
     if bar is not None:
         bar.total = passes * len(sequences)
@@ -119,90 +246,18 @@ def physical_eval(model, cfg: TierConfig, basis, sequences, eval_tokens: int = 2
         if bar is not None:
             bar.start(f"document {d + 1}/{len(sequences)}: physical cache, {E} decode steps of one token")
         P = N - E - 1
-        ids = torch.as_tensor(list(seq), dtype=torch.long, device=dev)[None]
-        cache = PhysicalTieredKVCache(model.config, cfg, basis, store=store, max_len=N, device=dev, dtype=dt)
-        try:
-            mark = {}
-
-            def on_step(p, cache=cache, mark=mark):
-                if p is None:
-                    # the prefill's work is done before the decode counters and clock start: its
-                    # copies' events are resolved into the stats being dropped, its tail is not
-                    # charged to the first decode step (a CUDA call returns before the GPU is done)
-                    sync(dev)
-                    cache.prefetcher.reset_stats()
-                    mark["routed"], mark["t"] = cache.routed_bytes, time.perf_counter()
-                    return
-                t_mem = time.perf_counter()
-                m = cache.memory()
-                mark["memory_s"] = mark.get("memory_s", 0.0) + time.perf_counter() - t_mem   # not decode time
-                bpt.append(m["resident_kv"] / (p + 1))
-                fpt.append(m["formula_kv"] / (p + 1))
-                full_pt.append(m["full"] / (p + 1))
-                stag.append(m["measured"]["staging"])
-                with_stag.append((m["resident_kv"] + m["measured"]["staging"]) / (p + 1))
-                work.append(m["working_one_layer"])
-
-            logits = _run(model, cache, ids, P, E, on_step)
-            sync(dev)                                   # the last decode step's tail belongs to decode
-            decode_s += time.perf_counter() - mark["t"] - mark.get("memory_s", 0.0)
-            st = cache.prefetcher.stats()
-            for k in _COUNTERS:
-                totals[k] += st[k] or 0
-            stall += st["stall_s"]
-            routed += cache.routed_bytes - mark["routed"]
-            steps += E
-            offloaded.append(cache.memory()["offloaded"])
-            components = measure_components(cache)
-        finally:
-            cache.release()
+        ids = torch.as_tensor(list(seq), dtype=torch.long, device=model.device)[None]
+        logits = _physical_pass(model, cfg, basis, store, ids, P, E, t)
         if bar is not None:
             bar.advance()
         if check_accounted:
             if bar is not None:
                 bar.start(f"document {d + 1}/{len(sequences)}: the accounted cache on the same calls")
-            acc = TieredKVCache(model.config, cfg, basis, max_len=N, device=dev, dtype=dt)
-            acc_logits = _run(model, acc, ids, P, E)
-            max_diff = max(max_diff, float((acc_logits - logits).abs().max()))
-            greedy_same &= bool((acc_logits.argmax(-1) == logits.argmax(-1)).all())
-            routed_acc += float(acc.fetched_bytes_by_pos[P:P + E].sum())
-            del acc
+            _accounted_check(model, cfg, basis, ids, P, E, logits, t)
             if bar is not None:
                 bar.advance()
-        targets = ids[0, P + 1:P + 1 + E]
-        lp_t, lp_f = torch.log_softmax(logits, -1), torch.log_softmax(ref[P:P + E].float(), -1)
-        tok_t, tok_f = -lp_t.gather(1, targets[:, None])[:, 0], -lp_f.gather(1, targets[:, None])[:, 0]
-        nll_t, nll_f = nll_t + float(tok_t.sum()), nll_f + float(tok_f.sum())
-        dnll.append((tok_t - tok_f).double().cpu())
-        kl += float((lp_f.exp() * (lp_f - lp_t)).sum())
-        agree += float((lp_t.argmax(-1) == lp_f.argmax(-1)).sum())
-    n = steps
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    ppl, ppl_full = math.exp(nll_t / n), math.exp(nll_f / n)
-    d = torch.cat(dnll)
-    se = float(d.std() / math.sqrt(d.numel())) if d.numel() > 1 else float("nan")
-    rescale = es / cfg.element_bytes        # routed bytes are counted at cfg.element_bytes
-    meas, form, full = mean(bpt), mean(fpt), mean(full_pt)
-    res = {"kind": "measurement", "config": cfg.name, "store": store.name, "offload": store.offload,
-           "predict": store.predict, "docs": len(sequences), "eval_tokens": eval_tokens, "scored_tokens": n,
-           "decode_steps": n, "dtype": str(dt).replace("torch.", ""), "element_bytes": es,
-           "ppl": ppl, "ppl_full": ppl_full, "rel_ppl": ppl / ppl_full - 1, "rel_ppl_se": (ppl / ppl_full) * se,
-           "kl": kl / n, "top1": agree / n,
-           "measured_bytes_per_token": meas, "formula_bytes_per_token": form, "measured_vs_formula": meas / form,
-           "measured_vs_formula_max_dev": max(abs(b / f - 1) for b, f in zip(bpt, fpt)),
-           "full_bytes_per_token": full, "reduction_measured": full / meas,
-           "staging_bytes_mean": mean(stag), "staging_bytes_max": max(stag),
-           "reduction_with_staging": full / mean(with_stag), "working_one_layer_max": max(work),
-           "prefetch_hit_rate": totals["hits"] / totals["uses"] if totals["uses"] else None,
-           "stall_ms_per_step": 1e3 * stall / n, "bytes_moved_per_step": totals["bytes"] / n,
-           "routed_bytes_per_step": routed * rescale / n,
-           "wasted_bytes_per_step": totals["wasted_bytes"] / n, **totals,
-           "offloaded_bytes": mean(offloaded), "decode_ms_per_step": 1e3 * decode_s / n,
-           "max_abs_diff_vs_accounted": max_diff if check_accounted else None,
-           "greedy_identical": greedy_same if check_accounted else None,
-           "routed_bytes_per_step_accounted": routed_acc * rescale / n if check_accounted else None,
-           "components": components, "seconds": time.perf_counter() - t0}
-    return res
+        _score(logits, ref, ids, P, E, t)
+    return _physical_row(cfg, store, model.lm_head.weight.dtype, len(sequences), eval_tokens, check_accounted, t, t0)
 
 
 PREDICTOR_FIELDS = ("prefetch_hit_rate", "stall_ms_per_step", "bytes_moved_per_step", "routed_bytes_per_step",

@@ -363,6 +363,98 @@ def pick_text(results: list[dict], picks: list[dict | None], bound: float, scale
     return f"<b>{PICK_PREFIX}</b> " + "<br>".join(lines)
 
 
+def _bound_panel(fig, j: int, n: int, res: dict, ch: dict, metric: str, scale: float, unit: str,
+                 limit: float) -> tuple:
+    """Panel ``j`` of ``n`` of the quality-bound figure: ``res``'s measured mixes coloured by the
+    choice ``ch`` (the slider's starting step), the bound line, the pick's star, the calibrator's
+    limit (dashed) and the panel's axes.  Returns what a slider step restyles: (keys, xs, ys, x
+    span, cost divisor, index of the panel's first trace)."""
+    import plotly.graph_objects as go
+
+    gap = 0.08
+    width = (1 - gap * (n - 1)) / n
+    ax = "" if j == 0 else str(j + 1)
+    x_title, div = _cost_axis(res)
+    cands = res["candidates"]
+    keys = [c["key"] for c in cands]
+    xs = [c["cost"] / div for c in cands]
+    ys = [scale * c["degradation"] for c in cands]
+    pad = 0.06 * ((max(xs) - min(xs)) or abs(max(xs)) or 1.0)
+    span = [min(xs) - pad, max(xs) + pad]
+    err_x = None
+    if res["objective"] == "latency" and all("ms_min" in c for c in cands):
+        err_x = dict(type="data", symmetric=False, array=[c["ms_max"] - c["ms"] for c in cands],
+                     arrayminus=[c["ms"] - c["ms_min"] for c in cands], thickness=1, color="#777777")
+    axes = {"xaxis": f"x{ax}", "yaxis": f"y{ax}"}
+    fig.add_trace(go.Scatter(
+        x=xs, y=ys, mode="markers", name="measured mix", showlegend=False, **axes,
+        text=[f"{c['key']}: {c['label']}" for c in cands], error_x=err_x,
+        error_y=dict(type="data", array=[2 * scale * (c["degradation_se"] or 0) for c in cands], thickness=1,
+                     color="#777777"),
+        marker=dict(color=[WITHIN if ch["within"][k] else OVER for k in keys], size=11,
+                    line=dict(width=1, color="white")),
+        hovertemplate="%{text}<br>cost %{x:.3f}<br>degradation %{y:+.2f}" + unit + "<extra></extra>"))
+    fig.add_trace(go.Scatter(x=span, y=[scale * ch["bound"]] * 2, mode="lines", name="the bound (slider)",
+                             line=dict(color="black", dash="dot", width=2), hoverinfo="skip", showlegend=j == 0,
+                             **axes))
+    p = ch["pick"]
+    fig.add_trace(go.Scatter(x=[p["cost"] / div] if p else [None], y=[scale * p["degradation"]] if p else [None],
+                             mode="markers", name="the pick", hoverinfo="skip", showlegend=j == 0, **axes,
+                             marker=dict(symbol="star", size=20, color=PICKED, line=dict(width=1, color="black"))))
+    fig.add_shape(type="line", xref=f"x{ax} domain", yref=f"y{ax}", x0=0, x1=1, y0=scale * limit, y1=scale * limit,
+                  line=dict(color="#D55E00", dash="dash", width=1.5))
+    fig.update_layout({f"xaxis{ax}": dict(domain=[j * (width + gap), j * (width + gap) + width], anchor=f"y{ax}",
+                                          title=dict(text=x_title, font=dict(size=12))),
+                       f"yaxis{ax}": dict(anchor=f"x{ax}", title=dict(text=f"{metric} increase ({unit.strip()})"
+                                                                      if metric == "ppl" else metric)
+                                          if j == 0 else None, matches="y" if j else None)})
+    return keys, xs, ys, span, div, len(fig.data) - 3
+
+
+def _bound_key(fig) -> None:
+    """The quality-bound figure's colour key: legend-only entries for within / over the bound
+    and the calibrator's limit."""
+    import plotly.graph_objects as go
+
+    for color, name in ((WITHIN, "within the bound"), (OVER, "over the bound")):
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name, marker=dict(color=color, size=10)))
+    fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name="the calibrator's limit",
+                             line=dict(color="#D55E00", dash="dash", width=1.5)))
+
+
+def _bound_step(i: int, results: list, panels: list, per: list, scale: float, unit: str) -> dict:
+    """Slider step ``i`` of the quality-bound figure: restyles each panel's mixes, bound line and
+    star (``panels`` from :func:`_bound_panel`) to the choices ``per[panel][i]`` and rewrites the
+    picks' annotation."""
+    data = {"marker.color": [], "x": [], "y": []}
+    idx = []
+    for (keys, xs, ys, span, div, first), choices in zip(panels, per):
+        ch = choices[i]
+        pk = ch["pick"]
+        data["marker.color"] += [[WITHIN if ch["within"][k] else OVER for k in keys], None, PICKED]
+        data["x"] += [xs, span, [pk["cost"] / div] if pk else [None]]
+        data["y"] += [ys, [scale * ch["bound"]] * 2, [scale * pk["degradation"]] if pk else [None]]
+        idx += [first, first + 1, first + 2]
+    b = per[0][i]["bound"]
+    text = pick_text(results, [c[i]["pick"] for c in per], b, scale, unit)
+    return {"method": "update", "label": f"{scale * b:+.2f}{unit}" + (" (the limit)" if per[0][i]["limit"] else ""),
+            "args": [data, {"annotations[0].text": text}, idx]}
+
+
+def _bound_annotations(fig, results: list, picks: list, limit: float, scale: float, unit: str, y: float) -> None:
+    """The picks' annotation at paper height ``y`` (``annotations[0]``: the slider rewrites it),
+    then each panel's objective above the panel."""
+    fig.add_annotation(text=pick_text(results, picks, limit, scale, unit), xref="paper",
+                       yref="paper", x=0, y=y, xanchor="left", yanchor="top", showarrow=False,
+                       align="left", font={"size": 12})
+    for j, res in enumerate(results):
+        ax = "" if j == 0 else str(j + 1)
+        fig.add_annotation(text=f"<b>{res['objective']} objective</b>: pick the "
+                                f"{'smallest' if res['objective'] == 'memory' else 'fastest'} within the bound",
+                           xref=f"x{ax} domain", yref=f"y{ax} domain", x=0, y=1, yshift=4, xanchor="left",
+                           yanchor="bottom", showarrow=False, font={"size": 12})
+
+
 def quality_bound_figure(results, noise: float | None = None, title: str | None = None, height: int = 580):
     """The calibrator's measured mixes (quality against cost), one panel per result in ``results``
     (:func:`workbench.quant.calibrate.calibrate` results on one text, e.g. the memory and the latency
@@ -382,84 +474,16 @@ def quality_bound_figure(results, noise: float | None = None, title: str | None 
     limit = float(results[0]["max_degradation"])
     bounds = {limit} | {max(0.0, float(c["degradation"])) for r in results for c in r["candidates"]}
     per = [quality_bound_choices(r, noise, bounds) for r in results]
-    n_steps = len(per[0])
     active = next(i for i, c in enumerate(per[0]) if c["limit"])
-    n = len(results)
-    gap = 0.08
-    width = (1 - gap * (n - 1)) / n
     fig = go.Figure()
-    panels = []                           # per panel: keys, xs, ys, span, axis suffix, div
-    for j, res in enumerate(results):
-        ax = "" if j == 0 else str(j + 1)
-        x_title, div = _cost_axis(res)
-        cands = res["candidates"]
-        keys = [c["key"] for c in cands]
-        xs = [c["cost"] / div for c in cands]
-        ys = [scale * c["degradation"] for c in cands]
-        pad = 0.06 * ((max(xs) - min(xs)) or abs(max(xs)) or 1.0)
-        span = [min(xs) - pad, max(xs) + pad]
-        ch = per[j][active]
-        err_x = None
-        if res["objective"] == "latency" and all("ms_min" in c for c in cands):
-            err_x = dict(type="data", symmetric=False, array=[c["ms_max"] - c["ms"] for c in cands],
-                         arrayminus=[c["ms"] - c["ms_min"] for c in cands], thickness=1, color="#777777")
-        axes = {"xaxis": f"x{ax}", "yaxis": f"y{ax}"}
-        fig.add_trace(go.Scatter(
-            x=xs, y=ys, mode="markers", name="measured mix", showlegend=False, **axes,
-            text=[f"{c['key']}: {c['label']}" for c in cands], error_x=err_x,
-            error_y=dict(type="data", array=[2 * scale * (c["degradation_se"] or 0) for c in cands], thickness=1,
-                         color="#777777"),
-            marker=dict(color=[WITHIN if ch["within"][k] else OVER for k in keys], size=11,
-                        line=dict(width=1, color="white")),
-            hovertemplate="%{text}<br>cost %{x:.3f}<br>degradation %{y:+.2f}" + unit + "<extra></extra>"))
-        fig.add_trace(go.Scatter(x=span, y=[scale * ch["bound"]] * 2, mode="lines", name="the bound (slider)",
-                                 line=dict(color="black", dash="dot", width=2), hoverinfo="skip", showlegend=j == 0,
-                                 **axes))
-        p = ch["pick"]
-        fig.add_trace(go.Scatter(x=[p["cost"] / div] if p else [None], y=[scale * p["degradation"]] if p else [None],
-                                 mode="markers", name="the pick", hoverinfo="skip", showlegend=j == 0, **axes,
-                                 marker=dict(symbol="star", size=20, color=PICKED, line=dict(width=1, color="black"))))
-        fig.add_shape(type="line", xref=f"x{ax} domain", yref=f"y{ax}", x0=0, x1=1, y0=scale * limit, y1=scale * limit,
-                      line=dict(color="#D55E00", dash="dash", width=1.5))
-        fig.update_layout({f"xaxis{ax}": dict(domain=[j * (width + gap), j * (width + gap) + width], anchor=f"y{ax}",
-                                              title=dict(text=x_title, font=dict(size=12))),
-                           f"yaxis{ax}": dict(anchor=f"x{ax}", title=dict(text=f"{metric} increase ({unit.strip()})"
-                                                                          if metric == "ppl" else metric)
-                                              if j == 0 else None, matches="y" if j else None)})
-        panels.append((keys, xs, ys, span, div, len(fig.data) - 3))
-    for color, name in ((WITHIN, "within the bound"), (OVER, "over the bound")):
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name, marker=dict(color=color, size=10)))
-    fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name="the calibrator's limit",
-                             line=dict(color="#D55E00", dash="dash", width=1.5)))
-
-    def step(i):
-        data = {"marker.color": [], "x": [], "y": []}
-        idx = []
-        for (keys, xs, ys, span, div, first), choices in zip(panels, per):
-            ch = choices[i]
-            pk = ch["pick"]
-            data["marker.color"] += [[WITHIN if ch["within"][k] else OVER for k in keys], None, PICKED]
-            data["x"] += [xs, span, [pk["cost"] / div] if pk else [None]]
-            data["y"] += [ys, [scale * ch["bound"]] * 2, [scale * pk["degradation"]] if pk else [None]]
-            idx += [first, first + 1, first + 2]
-        b = per[0][i]["bound"]
-        text = pick_text(results, [c[i]["pick"] for c in per], b, scale, unit)
-        return {"method": "update", "label": f"{scale * b:+.2f}{unit}" + (" (the limit)" if per[0][i]["limit"] else ""),
-                "args": [data, {"annotations[0].text": text}, idx]}
-
+    panels = [_bound_panel(fig, j, len(results), res, per[j][active], metric, scale, unit, limit)
+              for j, res in enumerate(results)]
+    _bound_key(fig)
     # pixels from the top: title, slider (its current value above the rail), the picks, the colour key
     top, bottom = 230, 60
     plot = height - top - bottom
     px = lambda v: 1 + v / plot           # noqa: E731 - px above the plot area -> paper
-    fig.add_annotation(text=pick_text(results, [c[active]["pick"] for c in per], limit, scale, unit), xref="paper",
-                       yref="paper", x=0, y=px(top - 130), xanchor="left", yanchor="top", showarrow=False,
-                       align="left", font={"size": 12})
-    for j, res in enumerate(results):          # each panel's objective, above it (after the picks: annotations[0])
-        ax = "" if j == 0 else str(j + 1)
-        fig.add_annotation(text=f"<b>{res['objective']} objective</b>: pick the "
-                                f"{'smallest' if res['objective'] == 'memory' else 'fastest'} within the bound",
-                           xref=f"x{ax} domain", yref=f"y{ax} domain", x=0, y=1, yshift=4, xanchor="left",
-                           yanchor="bottom", showarrow=False, font={"size": 12})
+    _bound_annotations(fig, results, [c[active]["pick"] for c in per], limit, scale, unit, px(top - 130))
     ds = str(results[0]["dataset"]).rsplit("/", 1)[-1]
     fig.update_layout(
         meta=QUALITY_BOUND_META, template="plotly_white", height=height,
@@ -468,7 +492,9 @@ def quality_bound_figure(results, noise: float | None = None, title: str | None 
         margin={"l": 60, "r": 20, "t": top, "b": bottom},
         legend={"orientation": "h", "x": 1, "xanchor": "right", "y": px(28), "yanchor": "bottom", "font": {"size": 11},
                 "bgcolor": "rgba(0,0,0,0)"},
-        sliders=[{"active": active, "steps": [step(i) for i in range(n_steps)], "x": 0, "len": 1.0, "y": px(top - 45),
+        sliders=[{"active": active, "steps": [_bound_step(i, results, panels, per, scale, unit)
+                                              for i in range(len(per[0]))],
+                  "x": 0, "len": 1.0, "y": px(top - 45),
                   "yanchor": "top", "pad": {"t": 0, "b": 0}, "font": {"color": "rgba(0,0,0,0)"},
                   "currentvalue": {"prefix": f"quality bound: {metric} increase at most ", "visible": True,
                                    "xanchor": "left", "font": {"size": 13, "color": "#222222"}},
