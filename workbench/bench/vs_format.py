@@ -3,6 +3,8 @@ the verdicts, first divergences, the front's overhead, the fastest rows, the oth
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 
 def _ppl_text(q) -> str:
     """A row's perplexity against the unquantized model: ``+0.3% +-0.2`` (or "=" for the same weights)."""
@@ -11,7 +13,10 @@ def _ppl_text(q) -> str:
     return "=" if isinstance(q, str) else "-"
 
 
-def format_bench(res: dict) -> str:
+def format_bench(res: Mapping) -> str:
+    """The table ``workbench bench`` prints, from :func:`~workbench.bench.vs_transformers.run_bench`'s
+    :class:`~workbench.bench.vs_types.BenchResult` or its JSON (``workbench bench --json`` read back):
+    both are read by key."""
     h = res["transformers_generate"]
     lines = [f"model {res['model']} on {res['device']} ({res['device_name']}), {res['dtype']}, "
              f"{res['threads']} threads; prompt {res['config']['prompt_tokens']} tokens, "

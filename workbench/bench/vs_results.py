@@ -2,13 +2,14 @@
 configuration's statistics against transformers (ratio, verdict, greedy agreement and the logit
 margin at each first divergence), the paged pool against contiguous KV; the quantized rows'
 perplexity against the unquantized model, the fastest row within quality, and the run's result
-(also what a partial save writes)."""
+(:class:`~workbench.bench.vs_types.BenchResult`; also what a partial save writes)."""
 
 from __future__ import annotations
 
 import statistics
 
 from workbench.bench.vs_configs import LLAMACPP
+from workbench.bench.vs_types import BenchResult
 from workbench.engine.llm import LLM
 from workbench.engine.metrics import jitter
 
@@ -58,33 +59,17 @@ def _batch_rows(llm: LLM, raw: dict, tokens: dict, groups: list, info: dict, our
 
 
 def _result(head: dict, batches: list[int], per_batch: dict, quality: dict, max_rel_ppl: float, llm: LLM,
-            skipped: dict) -> dict:
-    """:func:`run_bench`'s result from each batch size's rows (:func:`_batch_rows`; the smallest size is
-    the top level), the quantized rows' perplexity (``quality``; ``{}``: not measured yet) and the sides
-    not measured (``skipped``: name -> why)."""
+            skipped: dict) -> BenchResult:
+    """:func:`run_bench`'s result from the run's facts (``head``), each batch size's rows
+    (:func:`_batch_rows`; the smallest size is the top level), the quantized rows' perplexity
+    (``quality``; ``{}``: not measured yet) and the sides not measured (``skipped``: name -> why)."""
     for pb in per_batch.values():
         for name, c in pb["configs"].items():
             c["quality"] = quality.get(name) if name.startswith("q:") else "the reference's weights"
     first = per_batch[batches[0]]
     res, configs = first["stats"], first["configs"]
     raw = first["raw"]
-    out = {
-        **head,
-        "batch": batches[0], "workbench": res["reference"], "transformers_generate": res["transformers"],
-        "decode_speedup": res["reference"]["decode_tokens_per_s_p50"] / res["transformers"]["decode_tokens_per_s_p50"],
-        "ttft_ratio": res["reference"]["ttft_ms_p50"] / res["transformers"]["ttft_ms_p50"],
-        **first["reference_vs_hf"],
-        "greedy_token_agreement": first["reference_agreement"],
-        "configs": configs, "skipped": skipped,
-        "fastest": max(configs, key=lambda c: configs[c]["decode_tokens_per_s_p50"] if c not in LLAMACPP else -1),
-        **_fastest_within(configs, max_rel_ppl),
-        "backends": _backends_row(llm.model), "quality": quality,
-        "batches": {str(b): {k: v for k, v in pb.items() if k in ("configs", "fastest", "paged_vs_contiguous")}
-                    | {"transformers_generate": pb["stats"]["transformers"]} for b, pb in per_batch.items()},
-        "paged_vs_contiguous": {str(b): pb["paged_vs_contiguous"] for b, pb in per_batch.items()
-                                if pb["paged_vs_contiguous"]},
-        "raw": raw if len(batches) == 1 else {str(b): pb["raw"] for b, pb in per_batch.items()},
-    }
+    front_overhead = None
     if "loop" in configs:                # what the LLM front + engine add to each token, vs the bare loop
         from workbench.measure.compare import compare_samples
 
@@ -93,10 +78,26 @@ def _result(head: dict, batches: list[int], per_batch: dict, quality: dict, max_
                               names=("engine (reference)", "bare loop"), metric="ms per decode token", unit="ms")
         ms_ref = 1e3 / res["reference"]["decode_tokens_per_s_p50"]
         ms_loop = 1e3 / res["loop"]["decode_tokens_per_s_p50"]
-        out["front_overhead"] = {"engine_ms_per_token": ms_ref, "loop_ms_per_token": ms_loop,
-                                 "overhead_ms_per_token": ms_ref - ms_loop,
-                                 "overhead_pct": 100 * (ms_ref - ms_loop) / ms_loop, "verdict": cmp.verdict}
-    return out
+        front_overhead = {"engine_ms_per_token": ms_ref, "loop_ms_per_token": ms_loop,
+                          "overhead_ms_per_token": ms_ref - ms_loop,
+                          "overhead_pct": 100 * (ms_ref - ms_loop) / ms_loop, "verdict": cmp.verdict}
+    return BenchResult(
+        **head,
+        batch=batches[0], workbench=res["reference"], transformers_generate=res["transformers"],
+        decode_speedup=res["reference"]["decode_tokens_per_s_p50"] / res["transformers"]["decode_tokens_per_s_p50"],
+        ttft_ratio=res["reference"]["ttft_ms_p50"] / res["transformers"]["ttft_ms_p50"],
+        **first["reference_vs_hf"],
+        greedy_token_agreement=first["reference_agreement"],
+        configs=configs, skipped=skipped,
+        fastest=max(configs, key=lambda c: configs[c]["decode_tokens_per_s_p50"] if c not in LLAMACPP else -1),
+        **_fastest_within(configs, max_rel_ppl),
+        backends=_backends_row(llm.model), quality=quality,
+        batches={str(b): {k: v for k, v in pb.items() if k in ("configs", "fastest", "paged_vs_contiguous")}
+                 | {"transformers_generate": pb["stats"]["transformers"]} for b, pb in per_batch.items()},
+        paged_vs_contiguous={str(b): pb["paged_vs_contiguous"] for b, pb in per_batch.items()
+                             if pb["paged_vs_contiguous"]},
+        raw=raw if len(batches) == 1 else {str(b): pb["raw"] for b, pb in per_batch.items()},
+        front_overhead=front_overhead)
 
 
 def bench_quality(llm: LLM, models: dict, windows: int, length: int = 256) -> dict:

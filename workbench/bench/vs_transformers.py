@@ -12,8 +12,8 @@ is reported next to the speed: a faster engine that emits different tokens is no
 This module runs the bench (:func:`run_bench`, the interleaved repeats) and keeps every name callers
 use; the parts live in :mod:`.vs_configs` (:class:`BenchConfig`, the configurations and their
 parsing), :mod:`.vs_sides` (the prompts, each side built and run once), :mod:`.vs_results` (the
-rows, verdicts, perplexity of the quantized rows, the result a partial save writes) and
-:mod:`.vs_format` (:func:`format_bench`).
+rows, verdicts, perplexity of the quantized rows, the result a partial save writes), :mod:`.vs_types`
+(:class:`BenchResult`, what :func:`run_bench` returns) and :mod:`.vs_format` (:func:`format_bench`).
 """
 
 from __future__ import annotations
@@ -40,12 +40,13 @@ from workbench.bench.vs_configs import (
 from workbench.bench.vs_format import format_bench
 from workbench.bench.vs_results import PAGED_PAIRS, _batch_rows, _result, bench_quality
 from workbench.bench.vs_sides import _run_hf, _sides, bench_prompts, hf_model_like
+from workbench.bench.vs_types import BenchResult
 from workbench.engine.llm import LLM
 from workbench.errors import WorkbenchError
 
 __all__ = ["CONFIGS", "DEFAULT_PROMPT_TOKENS", "DEFAULT_QUANT", "ENGINE_OPTIONS", "LLAMACPP", "PAGED_PAIRS",
-           "SINGLE_STREAM", "BenchConfig", "bench_prompts", "bench_quality", "cpu_name", "device_name",
-           "format_bench", "hf_model_like", "parse_batches", "parse_configs", "parse_quant", "run_bench"]
+           "SINGLE_STREAM", "BenchConfig", "BenchResult", "bench_prompts", "bench_quality", "cpu_name",
+           "device_name", "format_bench", "hf_model_like", "parse_batches", "parse_configs", "parse_quant", "run_bench"]
 
 
 def cpu_name() -> str:
@@ -67,10 +68,11 @@ def device_name(device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
 
 
-def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
-    """Returns a JSON-ready dict: per configuration median TTFT (ms) and decode tokens/s, their
-    ratios to transformers with verdicts, greedy token agreement with the reference (and the
-    logit margin at the first divergence), the environment, and every raw measurement.
+def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
+    """Returns a :class:`BenchResult` (its JSON: :meth:`BenchResult.as_dict`; ``result["key"]`` reads
+    that too): per configuration median TTFT (ms) and decode tokens/s, their ratios to transformers
+    with verdicts, greedy token agreement with the reference (and the logit margin at the first
+    divergence), the environment, and every raw measurement.
 
     With several batch sizes (``cfg.batch``, e.g. ``"1,8"``) every side runs each size: that many
     prompts submitted together (transformers: one batched ``generate``; the reference
@@ -124,7 +126,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
             try:
                 part = {**per_batch, b: _batch_rows(llm, raw, tokens, groups[:done], info, ours)}
                 res = _result(head, batches, part, {}, cfg.max_rel_ppl, llm, info["skipped"])
-                save_partial({k: v for k, v in res.items() if k != "raw"})
+                save_partial({k: v for k, v in res.as_dict().items() if k != "raw"})
             except Exception as e:  # noqa: BLE001 - saving what there is must never stop the measuring
                 print(f"bench: could not save the partial result: {type(e).__name__}: {e}", file=sys.stderr)
 

@@ -18,9 +18,10 @@ def cmd_bench(args) -> int:
                       quality_windows=args.quality_windows)
     res = run_bench(cfg, progress=not args.json and not args.quiet)
     if args.json:
+        out = res.as_dict()
         if not args.raw:
-            res.pop("raw")
-        print(json.dumps(res, indent=2))
+            out.pop("raw")
+        print(json.dumps(out, indent=2))
     else:
         print(format_bench(res))
     return 0
