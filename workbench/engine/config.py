@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from workbench.errors import ConfigError
 from workbench.kv.paged import PagedKVConfig
 from workbench.sched.config import SchedulerConfig
+from workbench.engine.loaded import is_compressed
 
 if TYPE_CHECKING:
     from workbench.kv.tier_config import TierConfig
@@ -265,6 +266,4 @@ class EngineConfig:
 
 
 def _is_compressed(model) -> bool:
-    from workbench.engine.loaded import is_compressed
-
     return bool(is_compressed(model))

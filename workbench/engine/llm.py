@@ -31,7 +31,7 @@ from typing import Iterator, Sequence
 import torch
 
 from workbench.engine.types import RequestOutput, StreamEvent
-from workbench.errors import ConfigError
+from workbench.errors import ConfigError, DataError, WorkbenchError
 from workbench.engine.loaded import LoadedModel, Prompt, is_compressed
 from workbench.engine.metrics import requests_frame, summarize
 from workbench.model.decoder import CausalLM
@@ -39,6 +39,11 @@ from workbench.engine.sampling import SamplingParams, sample
 from workbench.sched.config import SchedulerConfig
 from workbench.engine.core import LLMEngine
 from workbench.engine.config import EngineConfig, LoadOptions, reference_scheduler
+from workbench.engine.sizing import check_before_loading
+from workbench.measure.allocation import parse_bytes
+from workbench.quant.apply import quantize_model, set_quant_backend
+from workbench.quant.recipe import resolve_recipe
+from workbench.data import heldout_split, windows_from_spec
 
 __all__ = ["LLM", "Prompt", "ReferenceLoop", "RequestOutput", "StreamEvent", "reference_generate",
            "reference_scheduler"]
@@ -81,8 +86,6 @@ class ReferenceLoop:
 
 def _raise_failed(engine: LLMEngine, request_id: str, error: str | None):
     """The offline front raises what the engine isolated (the engine itself went on)."""
-    from workbench.errors import WorkbenchError
-
     raise WorkbenchError(f"request {request_id} failed: {error}") from engine.last_step_error
 
 
@@ -149,9 +152,6 @@ class LLM:
     def __init__(self, model: str | CausalLM | None = None, config: EngineConfig | None = None, **options) -> None:
         config = EngineConfig.from_options(config, who="LLM", **options)
         config.check("LLM", model=model)           # before the load: a mistake costs no time or memory
-        from workbench.engine.sizing import check_before_loading
-        from workbench.measure.allocation import parse_bytes
-
         config.memory_budget = parse_bytes(config.memory_budget, "LLM(memory_budget=...)")
         # the engine's sizes from the config alone: a pool or cache that cannot fit is refused before the load
         load, q = config.load, config.quant
@@ -161,25 +161,16 @@ class LLM:
         if q.recipe is not None:     # weights quantized in place (a model object passed in is changed too)
             self._quantize(q.recipe, q.calibration, q.backend)
         elif is_compressed(model):   # loaded quantized: only where the layers compute is chosen here
-            from workbench.quant.apply import set_quant_backend
-
             self.quant_placement = set_quant_backend(self.loaded.model, q.backend)
         self.config = config
         self.engine = LLMEngine(self.loaded, replace(config, load=LoadOptions()))
         self._queues: dict[str, deque] = {}      # live stream id -> its events not yet yielded
 
     def _quantize(self, quant, calibration, backend: str) -> None:
-        from workbench.quant.apply import quantize_model, set_quant_backend
-        from workbench.quant.recipe import resolve_recipe
-
         recipe, doc = resolve_recipe(quant)          # a QuantRecipe, a scheme string or a recipe file
         if recipe.needs_calibration and calibration is None and (doc or {}).get("calibration"):
             if self.loaded.tokenizer is None:
                 raise ConfigError(f"LLM: the recipe file {quant} calibrates on text and this model has no tokenizer")
-            from workbench.data import windows_from_spec
-
-            from workbench.errors import DataError
-
             try:
                 calibration = windows_from_spec(doc["calibration"], self.loaded.tokenizer)   # the recipe's own text
             except DataError as e:
@@ -188,8 +179,6 @@ class LLM:
             if self.loaded.tokenizer is None:
                 raise ConfigError(f"LLM: {recipe.name} reads activations and this model has no tokenizer; "
                                   "pass quant_calibration=[token id lists]")
-            from workbench.data import heldout_split
-
             calibration = heldout_split(self.loaded.tokenizer, min(512, self.loaded.max_model_len))["calibration"][:8]
         try:
             quantize_model(self.loaded.model, recipe, calibration=calibration)

@@ -15,9 +15,11 @@ import torch
 
 from workbench.engine.sizing import context_length
 from workbench.errors import ConfigError, WorkbenchError
-from workbench.model.loader import BUNDLED_MODEL, load_model
+from workbench.model.loader import BUNDLED_MODEL, load_model, model_config
 from workbench.model.decoder import CausalLM
 from workbench.model.tokenizer import Tokenizer
+from workbench.quant.compressed import is_compressed_checkpoint, load_compressed
+from workbench.measure.threads import apply_thread_policy, usable_threads
 
 Prompt = str | Sequence[int]
 
@@ -26,8 +28,6 @@ def is_compressed(model) -> bool:
     """Whether ``model`` (an LLM / LoadedModel argument) names a compressed-tensors checkpoint folder."""
     if model is None or isinstance(model, CausalLM) or str(model) == "bundled" or str(model).startswith("preset:"):
         return False
-    from workbench.quant.compressed import is_compressed_checkpoint
-
     return is_compressed_checkpoint(model)
 
 
@@ -53,12 +53,8 @@ class LoadedModel:
         folder's (presets have none: prompts are token-id lists).  ``threads``: see
         :mod:`workbench.measure.threads` (measured on this model unless given).  ``check_finite``:
         refuse NaN / Inf weights (one pass over the tensors; False skips it)."""
-        from workbench.measure.threads import apply_thread_policy, usable_threads
-
         usable_threads(threads, where="LLM(threads=...)")   # bad input fails before a model loads
         if max_model_len is not None and not isinstance(model, CausalLM):     # ... a context too: from the config
-            from workbench.model.loader import model_config
-
             try:
                 cfg = model_config(model)
             except WorkbenchError:          # the loader says what is wrong with the folder
@@ -68,8 +64,6 @@ class LoadedModel:
         if isinstance(model, CausalLM):
             net, source = model, None
         elif is_compressed(model):     # a quantized checkpoint: its layers hold the stored integers
-            from workbench.quant.compressed import load_compressed
-
             net = load_compressed(model, device=device, dtype=dtype, check_finite=check_finite)
             source = model
         else:

@@ -25,9 +25,15 @@ is an error (it used to be clamped silently to ``max_position_embeddings``).
 
 from __future__ import annotations
 
-from workbench.errors import ConfigError
+from workbench.errors import ConfigError, WorkbenchError
 from workbench.kv.layout import KVLayout, dtype_bytes
 from workbench.measure.allocation import MemoryPlan, format_bytes, parse_bytes
+import os
+import tempfile
+from workbench.kv.paged import PagedKVConfig, pool_num_blocks
+from workbench.sched.config import SchedulerConfig
+from workbench.model.decoder import CausalLM
+from workbench.model.loader import default_dtype, model_config, parse_dtype, resolve_device
 
 # the API name and the flag of each setting a refusal names
 NUM_BLOCKS = "PagedKVConfig.num_blocks / --num-blocks"
@@ -91,9 +97,6 @@ def engine_memory_plan(cfg, device, dtype, kv=None, scheduler=None, max_model_le
     ``dtype`` (what ``LLMEngine`` would allocate for these arguments; see the module docstring).
     Checks the settings' ranges on the way (``block_size`` above the model's context); call
     :meth:`MemoryPlan.check` to compare it with the machine and ``memory_budget``."""
-    from workbench.kv.paged import PagedKVConfig, pool_num_blocks
-    from workbench.sched.config import SchedulerConfig
-
     config = scheduler or SchedulerConfig()
     ctx = context_length(cfg, max_model_len)
     budget = parse_bytes(memory_budget, "memory_budget (--memory-budget)")
@@ -197,9 +200,6 @@ def _tiered_token_bytes(cfg, tiers, e: int) -> int:
 
 
 def _disk_place(path) -> str:
-    import os
-    import tempfile
-
     if path is not None:
         folder = os.path.dirname(os.path.abspath(os.fspath(path)))
     else:
@@ -219,10 +219,6 @@ def check_before_loading(model=None, device=None, dtype=None, **kw) -> MemoryPla
     or None for the bundled model, on ``device`` in ``dtype`` as the loader resolves them (a
     loaded CausalLM: its own config, device and dtype).  ``kw``: :func:`engine_memory_plan`'s.
     None when the config cannot be read here: the loader then says what is wrong with it."""
-    from workbench.errors import WorkbenchError
-    from workbench.model.decoder import CausalLM
-    from workbench.model.loader import default_dtype, model_config, parse_dtype, resolve_device
-
     if isinstance(model, CausalLM):
         w = model.lm_head.weight
         return check_engine_memory(model.config, w.device, w.dtype, **kw)

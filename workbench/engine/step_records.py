@@ -33,6 +33,10 @@ class StepRecord:
     request_prefill: tuple = ()  # per request: True for a prefill chunk (it starts inside the prompt, as
                                  # prefill_tokens counts it), False for decode; the two sum to those columns
 
+    def as_dict(self) -> dict:
+        """The record as plain values (JSON, a DataFrame row)."""
+        return asdict(self)
+
 
 def step_record(out, scheduler, kv_used_blocks: int, t0: float, t1: float, t2: float, t3: float,
                 finished: int) -> StepRecord:
@@ -51,4 +55,4 @@ def steps_frame(records):
     """A pandas DataFrame, one row per :class:`StepRecord`."""
     import pandas as pd
 
-    return pd.DataFrame([asdict(r) for r in records])
+    return pd.DataFrame([r.as_dict() for r in records])
