@@ -291,25 +291,23 @@ class LLMEngine:
 
     # ---- one step --------------------------------------------------------------------------------
     def step(self) -> list[StreamEvent]:
+        """One step: schedule → carry out its decisions → execute → update from the output → its
+        record.  Returns the step's events (and those produced since the last step)."""
         events, self._events = self._events, []
         try:
-            return self._step(events)
+            t0 = self.clock()
+            out = self.scheduler.schedule(t0)
+            t1 = self.clock()
+            self._carry_out(out, t0)
+            result = self._execute(out, t1)
+            t2 = self.clock()
+            ended = self._update(out, result, t1, t2, events)
+            t3 = self.clock()
         except BaseException:
             # nothing taken is lost: rejections / aborts from before (and during) this step, and any
             # token events it produced, stay queued for drain_events() or the next step
             self._events = events + self._events
             raise
-
-    def _step(self, events: list[StreamEvent]) -> list[StreamEvent]:
-        """schedule → carry out its decisions → execute → update from the output → records."""
-        t0 = self.clock()
-        out = self.scheduler.schedule(t0)
-        t1 = self.clock()
-        self._carry_out(out, t0)
-        result = self._execute(out, t1)
-        t2 = self.clock()
-        ended = self._update(out, result, t1, t2, events)
-        t3 = self.clock()
         events += self._events          # rejections of this step
         self._events = []
         self.step_records.append(step_record(out, self.scheduler, self.pool.manager.num_used_blocks,
