@@ -162,46 +162,21 @@ def _copy_ceiling(dev: torch.device, dtype: torch.dtype, copy_mib: int, env: dic
                       f"{'CUDA events' if dev.type == 'cuda' else 'perf_counter'})") if gbs else None}
 
 
-def run_decode_stack(cfg: DecodeStackConfig, progress: Callable[[str], None] | None = None) -> dict:
-    """Run the benchmark; returns ``{"rows": [...] (columns ROW_FIELDS), "config", "ceiling",
-    "environment", "notes", "seconds"}``.  Refused and failed configurations are rows, not errors."""
+def _step_traffic(model, s: dict) -> dict:
+    """The minimum bytes of one batch-1 decode step: every weight once, plus K and V of the mean
+    context over the decode steps (each attends the prompt and the tokens so far)."""
     from workbench.bench.kernel_decode import step_bytes
-    from workbench.bench.kernel_timing import dtype_name, environment, error_text, prepare_device
-    from workbench.engine.sampling import SamplingParams
-    from workbench.model.loader import load_model, resolve_device
-    from workbench.transforms.backends import apply_backends, describe_backends
 
-    t_start = time.perf_counter()
-    say = progress or (lambda msg: None)
-    dev = resolve_device(cfg.device)
-    s = {**cfg.resolved(dev), "block_size": cfg.block_size}
-    if dev.type == "cpu" and (s["backend"] == "fused" or "triton" in s["backend"]):
-        dev = prepare_device(dev)            # Triton on a CPU: the interpreter, set before any kernel import
-    env = environment(dev)
-    torch.manual_seed(cfg.seed)
-    say(f"model {s['model']} on {dev}")
-    model = load_model(s["model"], device=dev, dtype=cfg.dtype)
-    dtype = model.lm_head.weight.dtype
-    spec = resolve_backends(s["backend"], dev)
-    if spec:
-        apply_backends(model, spec)
-    backends = describe_backends(model)
-    ceiling = {"gb_s": None, "status": "skipped", "label": None,
-               "error": "not measured (measure_ceiling=False): no bandwidth fraction is claimed"}
-    if cfg.measure_ceiling:
-        say("copy bandwidth")
-        ceiling = _copy_ceiling(dev, dtype, s["copy_mib"], env)
     weights, kv_pos = step_bytes(model, 0)                         # context 0: K/V of one position
     mean_keys = s["prompt_tokens"] + s["max_tokens"] / 2          # decode step j (2..N) attends prompt + j - 1 keys
-    bytes_b1 = weights + kv_pos * mean_keys
-    base = {"model": s["model"], "device": str(dev),
-            "device_name": env["device_name"], "dtype": dtype_name(dtype),
-            "backends": backends["backends"] if spec else "eager (static-step backend modules)",
-            "triton_interpreter": backends["triton_interpreter"],
-            "timing": ("triton-interpreter (not a speed figure)" if backends["triton_interpreter"]
-                       else ENGINE_TIMING if dev.type == "cuda" else "engine token timestamps (host clock)"),
-            "prompt_tokens": s["prompt_tokens"], "max_tokens": s["max_tokens"], "torch": env["torch"],
-            "triton": env["triton"]}
+    return {"weights": weights, "kv_pos": kv_pos, "mean_keys": mean_keys, "bytes_b1": weights + kv_pos * mean_keys}
+
+
+def _build_engines(model, s: dict, base: dict, say) -> tuple[dict, dict]:
+    """An LLM per configuration over the shared model, and a row per (configuration, batch): a
+    configuration the engine refuses or that fails to build is ``refused`` / ``error`` at every batch."""
+    from workbench.bench.kernel_timing import error_text
+
     rows: dict[tuple[str, int], dict] = {}
     engines = {}
     for name in s["configs"]:
@@ -225,50 +200,42 @@ def run_decode_stack(cfg: DecodeStackConfig, progress: Callable[[str], None] | N
         engines[name] = llm
         for b in s["batches"]:
             rows[name, b].update(description=llm.engine.describe(), build_s=round(time.perf_counter() - t0, 3))
+    return rows, engines
 
-    def fail(name, b, e):
-        rows[name, b].update(status="error", reason=error_text(e))
 
-    def summarize(rows, final=True):
-        """Each row's figures from the samples so far (a snapshot after every repeat, then final)."""
-        for (name, b), row in rows.items():
-            got = samples[name, b]
-            if row["status"] != "ok" or not got:
-                if row["status"] == "ok":
-                    row.update(status="error", reason="no timed run") if final else \
-                        row.update(reason="not timed yet (the run was stopped before its first repeat)")
-                continue
-            rates = [x[0] for x in got]
-            p50 = statistics.median(rates)
-            row.update(repeats=len(rates), decode_tok_s_p50=p50, decode_tok_s_min=min(rates), decode_tok_s_max=max(rates),
-                       ms_per_step_p50=1e3 * b / p50, ttft_ms_p50=1e3 * statistics.median(x[1] for x in got),
-                       first_token_spread_ms=1e3 * max(x[2] for x in got))
-            if b == 1:
-                row.update(step_bytes=bytes_b1, achieved_gb_s=bytes_b1 * p50 / 1e9,
-                           bytes_formula=f"weights {weights} B + K/V {kv_pos} B/position x {mean_keys:g} mean keys "
-                                         f"(prompt {s['prompt_tokens']} + max_tokens/2) per step")
-                if ceiling["gb_s"]:
-                    row.update(ceiling_gb_s=ceiling["gb_s"], ceiling=ceiling["label"],
-                               frac_of_ceiling=row["achieved_gb_s"] / ceiling["gb_s"])
-                else:
-                    row["ceiling"] = f"no fraction: the copy bandwidth was not measured ({ceiling.get('error')})"
+def _summarize(rows: dict, samples: dict, s: dict, traffic: dict, ceiling: dict, final: bool = True) -> None:
+    """Each row's figures from the samples so far (a snapshot after every repeat, then final)."""
+    for (name, b), row in rows.items():
+        got = samples[name, b]
+        if row["status"] != "ok" or not got:
+            if row["status"] == "ok":
+                row.update(status="error", reason="no timed run") if final else \
+                    row.update(reason="not timed yet (the run was stopped before its first repeat)")
+            continue
+        rates = [x[0] for x in got]
+        p50 = statistics.median(rates)
+        row.update(repeats=len(rates), decode_tok_s_p50=p50, decode_tok_s_min=min(rates), decode_tok_s_max=max(rates),
+                   ms_per_step_p50=1e3 * b / p50, ttft_ms_p50=1e3 * statistics.median(x[1] for x in got),
+                   first_token_spread_ms=1e3 * max(x[2] for x in got))
+        if b == 1:
+            bytes_b1 = traffic["bytes_b1"]
+            row.update(step_bytes=bytes_b1, achieved_gb_s=bytes_b1 * p50 / 1e9,
+                       bytes_formula=f"weights {traffic['weights']} B + K/V {traffic['kv_pos']} B/position x "
+                                     f"{traffic['mean_keys']:g} mean keys "
+                                     f"(prompt {s['prompt_tokens']} + max_tokens/2) per step")
+            if ceiling["gb_s"]:
+                row.update(ceiling_gb_s=ceiling["gb_s"], ceiling=ceiling["label"],
+                           frac_of_ceiling=row["achieved_gb_s"] / ceiling["gb_s"])
+            else:
+                row["ceiling"] = f"no fraction: the copy bandwidth was not measured ({ceiling.get('error')})"
 
-    def order():
-        return sorted(rows, key=lambda k: (k[1], s["configs"].index(k[0])))     # batch by batch, side by side
 
-    def save(repeats_done):
-        import copy
+def _warm_up(cfg: DecodeStackConfig, s: dict, engines: dict, rows: dict, vocab: int, say) -> None:
+    """Every configuration at every batch size (prefill shapes, Triton JIT, sampling), untimed; a
+    configuration that fails here is an ``error`` row at that batch."""
+    from workbench.bench.kernel_timing import error_text
+    from workbench.engine.sampling import SamplingParams
 
-        from workbench.measure.gpu_results import save_partial
-
-        snap = copy.deepcopy(rows)
-        summarize(snap, final=False)
-        save_partial({"rows": [snap[k] for k in order()], "config": {**asdict(cfg), **s, "repeats_done": repeats_done},
-                      "ceiling": ceiling, "environment": env, "notes": notes,
-                      "seconds": round(time.perf_counter() - t_start, 2)})
-
-    # warm-up: every configuration at every batch size (prefill shapes, Triton JIT, sampling), untimed
-    vocab = model.config.vocab_size
     warm = SamplingParams(temperature=0, max_tokens=cfg.warmup_tokens, ignore_eos=True)
     for b in s["batches"]:
         for name, llm in engines.items():
@@ -276,14 +243,22 @@ def run_decode_stack(cfg: DecodeStackConfig, progress: Callable[[str], None] | N
             try:
                 llm.generate(_prompts(cfg.seed + 10_000 + b, b, s["prompt_tokens"], vocab), warm)
             except Exception as e:  # noqa: BLE001
-                fail(name, b, e)
+                rows[name, b].update(status="error", reason=error_text(e))
+
+
+def _timed_repeats(cfg: DecodeStackConfig, s: dict, engines: dict, rows: dict, vocab: int, timed: dict,
+                   notes: list, t_start: float, say, save) -> int:
+    """The timed repeats, interleaved (every configuration at a batch size back to back, the order
+    rotated each round) on fresh prompts; they stop early when the next would pass ``cfg.budget_s``
+    (a note says so).  Fills ``timed``'s samples, tokens and prompts, calls ``save`` after each
+    repeat, and returns the number of repeats done."""
+    from workbench.bench.kernel_timing import error_text
+    from workbench.engine.sampling import SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=s["max_tokens"], ignore_eos=True)
-    samples = {k: [] for k in rows}                   # (config, batch) -> [(tok/s, ttft s, first spread s)]
-    tokens = {k: [] for k in rows}                    # (config, batch) -> token ids of every request, in order
-    prompts_used: dict[int, list] = {b: [] for b in s["batches"]}
-    done, last_round, notes = 0, 0.0, []
+    samples, tokens, prompts_used = timed["samples"], timed["tokens"], timed["prompts"]
+    done, last_round = 0, 0.0
     names = list(engines)
-    save(0)
     for r in range(s["repeats"]):
         elapsed = time.perf_counter() - t_start
         if r and cfg.budget_s is not None and elapsed + last_round > cfg.budget_s:
@@ -304,12 +279,75 @@ def run_decode_stack(cfg: DecodeStackConfig, progress: Callable[[str], None] | N
                     samples[name, b].append(decode_rate(outs))
                     tokens[name, b] += [list(o.token_ids) for o in outs]
                 except Exception as e:  # noqa: BLE001
-                    fail(name, b, e)
+                    rows[name, b].update(status="error", reason=error_text(e))
         done, last_round = r + 1, time.perf_counter() - t_round
         save(done)                                    # what a run stopped by its time cap keeps
+    return done
 
-    summarize(rows)
-    _compare(rows, samples, tokens, prompts_used, model, s, notes)
+
+def run_decode_stack(cfg: DecodeStackConfig, progress: Callable[[str], None] | None = None) -> dict:
+    """Run the benchmark; returns ``{"rows": [...] (columns ROW_FIELDS), "config", "ceiling",
+    "environment", "notes", "seconds"}``.  Refused and failed configurations are rows, not errors."""
+    from workbench.bench.kernel_timing import dtype_name, environment, prepare_device
+    from workbench.model.loader import load_model, resolve_device
+    from workbench.transforms.backends import apply_backends, describe_backends
+
+    t_start = time.perf_counter()
+    say = progress or (lambda msg: None)
+    dev = resolve_device(cfg.device)
+    s = {**cfg.resolved(dev), "block_size": cfg.block_size}
+    if dev.type == "cpu" and (s["backend"] == "fused" or "triton" in s["backend"]):
+        dev = prepare_device(dev)            # Triton on a CPU: the interpreter, set before any kernel import
+    env = environment(dev)
+    torch.manual_seed(cfg.seed)
+    say(f"model {s['model']} on {dev}")
+    model = load_model(s["model"], device=dev, dtype=cfg.dtype)
+    dtype = model.lm_head.weight.dtype
+    spec = resolve_backends(s["backend"], dev)
+    if spec:
+        apply_backends(model, spec)
+    backends = describe_backends(model)
+    ceiling = {"gb_s": None, "status": "skipped", "label": None,
+               "error": "not measured (measure_ceiling=False): no bandwidth fraction is claimed"}
+    if cfg.measure_ceiling:
+        say("copy bandwidth")
+        ceiling = _copy_ceiling(dev, dtype, s["copy_mib"], env)
+    traffic = _step_traffic(model, s)
+    base = {"model": s["model"], "device": str(dev),
+            "device_name": env["device_name"], "dtype": dtype_name(dtype),
+            "backends": backends["backends"] if spec else "eager (static-step backend modules)",
+            "triton_interpreter": backends["triton_interpreter"],
+            "timing": ("triton-interpreter (not a speed figure)" if backends["triton_interpreter"]
+                       else ENGINE_TIMING if dev.type == "cuda" else "engine token timestamps (host clock)"),
+            "prompt_tokens": s["prompt_tokens"], "max_tokens": s["max_tokens"], "torch": env["torch"],
+            "triton": env["triton"]}
+    rows, engines = _build_engines(model, s, base, say)
+
+    def order():
+        return sorted(rows, key=lambda k: (k[1], s["configs"].index(k[0])))     # batch by batch, side by side
+
+    def save(repeats_done):
+        import copy
+
+        from workbench.measure.gpu_results import save_partial
+
+        snap = copy.deepcopy(rows)
+        _summarize(snap, timed["samples"], s, traffic, ceiling, final=False)
+        save_partial({"rows": [snap[k] for k in order()], "config": {**asdict(cfg), **s, "repeats_done": repeats_done},
+                      "ceiling": ceiling, "environment": env, "notes": notes,
+                      "seconds": round(time.perf_counter() - t_start, 2)})
+
+    vocab = model.config.vocab_size
+    _warm_up(cfg, s, engines, rows, vocab, say)
+    timed = {"samples": {k: [] for k in rows},       # (config, batch) -> [(tok/s, ttft s, first spread s)]
+             "tokens": {k: [] for k in rows},        # (config, batch) -> token ids of every request, in order
+             "prompts": {b: [] for b in s["batches"]}}
+    notes: list[str] = []
+    save(0)
+    done = _timed_repeats(cfg, s, engines, rows, vocab, timed, notes, t_start, say, save)
+
+    _summarize(rows, timed["samples"], s, traffic, ceiling)
+    _compare(rows, timed["samples"], timed["tokens"], timed["prompts"], model, s, notes)
     return {"rows": [rows[k] for k in order()], "config": {**asdict(cfg), **s, "repeats_done": done},
             "ceiling": ceiling, "environment": env, "notes": notes,
             "seconds": round(time.perf_counter() - t_start, 2)}

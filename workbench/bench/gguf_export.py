@@ -173,6 +173,90 @@ def _to_numpy(t, dtype: str, gguf):
 
 # ---- export ----------------------------------------------------------------------------------
 
+def _add_model_metadata(writer, gguf, name: str, cfg, dtype: str) -> None:
+    """The GGUF header's model keys: name, file type, the shapes llama.cpp builds the graph from, RoPE
+    (with linear scaling) and the norm's epsilon."""
+    writer.add_name(name)
+    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                          "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_freq_base(float(cfg.rope_theta))
+    writer.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    writer.add_vocab_size(cfg.vocab_size)
+    if cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(cfg.rope_scaling["factor"]))
+
+
+def _add_tokenizer_metadata(writer, vocab: dict) -> None:
+    """The GGUF header's tokenizer keys (:func:`_vocab_metadata`): the model, its tokens, types,
+    scores and merges, the special token ids and the chat template."""
+    writer.add_tokenizer_model(vocab["model"])
+    if vocab["pre"]:
+        writer.add_tokenizer_pre(vocab["pre"])
+    writer.add_token_list(vocab["tokens"])
+    writer.add_token_types(vocab["types"])
+    if vocab["scores"] is not None:
+        writer.add_token_scores(vocab["scores"])
+    if vocab["merges"] is not None:
+        writer.add_token_merges(vocab["merges"])
+    for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
+                     ("pad", writer.add_pad_token_id), ("unk", writer.add_unk_token_id)):
+        if vocab.get(key) is not None:
+            add(vocab[key])
+    writer.add_add_bos_token(vocab["add_bos"])
+    writer.add_add_eos_token(vocab["add_eos"])
+    if "chat_template" in vocab:
+        writer.add_chat_template(vocab["chat_template"])
+
+
+def _add_tensors(writer, gguf, folder: Path, cfg, permute: bool, dtype: str) -> None:
+    """Every checkpoint tensor under its llama.cpp name (Q and K permuted for llama.cpp's RoPE where
+    the architecture needs it, matrices in ``dtype``), and Llama-3's ``rope_freqs``; a CheckpointError
+    names the tensors llama.cpp needs that the checkpoint lacks."""
+    from safetensors import safe_open
+
+    from workbench.model.loader import checkpoint_files
+
+    if cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "llama3":
+        writer.add_tensor("rope_freqs.weight", _rope_freq_factors(cfg))
+    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+    seen = set()
+    for file in checkpoint_files(folder):
+        with safe_open(str(file), framework="pt") as f:
+            for hf_name in f.keys():
+                name = gguf_tensor_name(hf_name)
+                if name is None:
+                    continue
+                if name == "output.weight" and cfg.tie_word_embeddings:
+                    continue            # llama.cpp falls back to token_embd
+                t = f.get_tensor(hf_name)
+                kind = name.split(".")[-2]
+                if permute and kind in heads:
+                    t = permute_qk(t, heads[kind])
+                arr, raw = _to_numpy(t, dtype, gguf)
+                if raw is None:
+                    writer.add_tensor(name, arr)
+                else:       # the bytes' shape (a Q8_0 row is blocks of 34 bytes); the writer derives the float one
+                    writer.add_tensor(name, arr, raw_shape=arr.shape, raw_dtype=raw)
+                seen.add(name)
+    expected = {"token_embd.weight", "output_norm.weight"}
+    for i in range(cfg.num_hidden_layers):
+        expected |= {f"blk.{i}.{n}.weight" for n in _LAYER_NAMES.values()}
+    missing = sorted(expected - seen, key=lambda s: (len(s), s))
+    if missing:
+        raise CheckpointError(f"{folder}: checkpoint lacks tensors llama.cpp needs: {', '.join(missing[:4])}"
+                              + (" ..." if len(missing) > 4 else ""))
+
+
 def export_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, dtype: str = "f32") -> Path:
     """Write ``model_dir`` (config.json + *.safetensors + tokenizer.json of a Llama, Mistral or
     Qwen2 model) as a GGUF file at ``out_path``; ``dtype`` is f32, f16, bf16 or q8_0 for the matrices.
@@ -180,9 +264,7 @@ def export_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, dtype
     The file is written next to ``out_path`` and renamed into place, so an interrupted export
     never leaves a truncated file behind.  Returns ``out_path``.
     """
-    from safetensors import safe_open
-
-    from workbench.model.loader import checkpoint_files, read_config
+    from workbench.model.loader import read_config
 
     if dtype not in _GGUF_DTYPES:
         raise ConfigError(f"export_gguf: dtype {dtype!r} is not supported; use one of {', '.join(_GGUF_DTYPES)}")
@@ -199,72 +281,9 @@ def export_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, dtype
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     writer = gguf.GGUFWriter(str(tmp), arch)
     try:
-        writer.add_name(folder.name)
-        writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                              "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
-        writer.add_context_length(cfg.max_position_embeddings)
-        writer.add_embedding_length(cfg.hidden_size)
-        writer.add_block_count(cfg.num_hidden_layers)
-        writer.add_feed_forward_length(cfg.intermediate_size)
-        writer.add_head_count(cfg.num_attention_heads)
-        writer.add_head_count_kv(cfg.num_key_value_heads)
-        writer.add_key_length(cfg.head_dim)
-        writer.add_value_length(cfg.head_dim)
-        writer.add_rope_dimension_count(cfg.head_dim)
-        writer.add_rope_freq_base(float(cfg.rope_theta))
-        writer.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
-        writer.add_vocab_size(cfg.vocab_size)
-        if cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "linear":
-            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-            writer.add_rope_scaling_factor(float(cfg.rope_scaling["factor"]))
-
-        writer.add_tokenizer_model(vocab["model"])
-        if vocab["pre"]:
-            writer.add_tokenizer_pre(vocab["pre"])
-        writer.add_token_list(vocab["tokens"])
-        writer.add_token_types(vocab["types"])
-        if vocab["scores"] is not None:
-            writer.add_token_scores(vocab["scores"])
-        if vocab["merges"] is not None:
-            writer.add_token_merges(vocab["merges"])
-        for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
-                         ("pad", writer.add_pad_token_id), ("unk", writer.add_unk_token_id)):
-            if vocab.get(key) is not None:
-                add(vocab[key])
-        writer.add_add_bos_token(vocab["add_bos"])
-        writer.add_add_eos_token(vocab["add_eos"])
-        if "chat_template" in vocab:
-            writer.add_chat_template(vocab["chat_template"])
-
-        if cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "llama3":
-            writer.add_tensor("rope_freqs.weight", _rope_freq_factors(cfg))
-        heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
-        seen = set()
-        for file in checkpoint_files(folder):
-            with safe_open(str(file), framework="pt") as f:
-                for hf_name in f.keys():
-                    name = gguf_tensor_name(hf_name)
-                    if name is None:
-                        continue
-                    if name == "output.weight" and cfg.tie_word_embeddings:
-                        continue            # llama.cpp falls back to token_embd
-                    t = f.get_tensor(hf_name)
-                    kind = name.split(".")[-2]
-                    if permute and kind in heads:
-                        t = permute_qk(t, heads[kind])
-                    arr, raw = _to_numpy(t, dtype, gguf)
-                    if raw is None:
-                        writer.add_tensor(name, arr)
-                    else:       # the bytes' shape (a Q8_0 row is blocks of 34 bytes); the writer derives the float one
-                        writer.add_tensor(name, arr, raw_shape=arr.shape, raw_dtype=raw)
-                    seen.add(name)
-        expected = {"token_embd.weight", "output_norm.weight"}
-        for i in range(cfg.num_hidden_layers):
-            expected |= {f"blk.{i}.{n}.weight" for n in _LAYER_NAMES.values()}
-        missing = sorted(expected - seen, key=lambda s: (len(s), s))
-        if missing:
-            raise CheckpointError(f"{folder}: checkpoint lacks tensors llama.cpp needs: {', '.join(missing[:4])}"
-                                  + (" ..." if len(missing) > 4 else ""))
+        _add_model_metadata(writer, gguf, folder.name, cfg, dtype)
+        _add_tokenizer_metadata(writer, vocab)
+        _add_tensors(writer, gguf, folder, cfg, permute, dtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

@@ -655,6 +655,109 @@ def recommendation_text(choice: dict, width: int = 120) -> str:
             + _wrap_plain(choice["reason"], width))
 
 
+def _slo_geometry(waterfalls: dict, metrics: list[str], n_configs: int) -> tuple:
+    """The explorer's pixel layout, top to bottom: title, slider, recommendation, key, dropdown |
+    waterfall, its labels | key, SLO panel.  Returns (top px, bottom px, the plots' px, the waterfall's
+    and the SLO panel's y domains)."""
+    longest = max((len(x) for m in metrics for x in _waterfall_parts(waterfalls[m], "", "", True)[2]), default=10)
+    wf_px, wf_labels_px, gap_px = 300, int(max(60, 3.6 * longest + 25)), 70     # tick labels at -30 degrees
+    slo_px = max(200, 24 * n_configs + 30)
+    top_px, bottom_px = 290, 60
+    plot_px = wf_px + wf_labels_px + gap_px + slo_px
+    return top_px, bottom_px, plot_px, (1 - wf_px / plot_px, 1.0), (0.0, slo_px / plot_px)
+
+
+def _slo_annotations(fig, recommendation: str, y_top: float, y_slo: float) -> None:
+    """The recommendation at the top (``layout.annotations[0]``, the slider rewrites it) and the SLO
+    panel's heading."""
+    fig.add_annotation(text=recommendation, xref="paper", yref="paper", x=0, y=y_top,
+                       xanchor="left", yanchor="top", showarrow=False, align="left", font={"size": 13})
+    fig.add_annotation(text="<b>the SLO</b>: each configuration's P95 TTFT in its slowest round (it must meet the "
+                            "bound in every round), the bound dotted", xref="paper", yref="paper", x=0, y=y_slo,
+                       xanchor="left", yanchor="bottom", showarrow=False, font={"size": 12})
+
+
+def _slo_waterfall_traces(fig, waterfalls: dict, metrics: list[str], metric: str) -> tuple[dict, dict, list]:
+    """The upper panel: each metric's waterfall (its noise bands a bar trace of their own, then its
+    bars and crosses), only ``metric``'s visible.  Returns each metric's bar trace index, each
+    metric's trace indices, and the steps' categories in order."""
+    import plotly.graph_objects as go
+
+    from workbench.bench.e2e_results import METRICS
+
+    wf_bars, wf_traces, categories = {}, {}, []
+    for m in metrics:
+        label, unit, lower = METRICS.get(m, (m, "", True))
+        traces, shapes, xs = _waterfall_parts(waterfalls[m], label, unit, lower)
+        categories += [x for x in xs if x not in categories]        # the steps' order (the bands' trace comes first)
+        first = len(fig.data)
+        bands = [(xs[i], sh["y0"], sh["y1"] - sh["y0"]) for i, sh in enumerate(shapes) if sh["type"] == "rect"
+                 for i in [round(sh["x0"] + 0.45)]]
+        fig.add_trace(go.Bar(x=[b[0] for b in bands], y=[b[2] for b in bands], base=[b[1] for b in bands], width=0.9,
+                             marker={"color": "rgba(128,128,128,0.18)", "line": {"width": 0}}, hoverinfo="skip",
+                             name="noise floor", showlegend=False, visible=m == metric))
+        for j, t in enumerate(traces):     # the visible metric's runs / crosses are in the legend
+            t.update(visible=m == metric, legend="legend", showlegend=j > 0)
+            fig.add_trace(t)
+        wf_bars[m] = first + 1
+        wf_traces[m] = list(range(first, len(fig.data)))
+    return wf_bars, wf_traces, categories
+
+
+def _slo_colors(choice: dict, names: list[str]) -> list[str]:
+    """The SLO panel's bar colours at one slider position: the pick, meets, misses quality, too slow."""
+    return [PICK if n == choice["pick"] else MEETS if choice["meets"].get(n)
+            else QUALITY if not choice["quality_ok"].get(n, True) else MISSES for n in names]
+
+
+def _slo_outline(choice: dict, names: list[str]) -> list[int]:
+    """The SLO panel's outline widths: the pick outlined."""
+    return [3 if n == choice["pick"] else 0 for n in names]
+
+
+def _waterfall_outline(steps: list[dict], choice: dict) -> list[int]:
+    """A waterfall's outline widths: the pick's bar outlined when it is a step of the stack."""
+    return [3 if s.get("config") == choice["pick"] and s["kind"] in ("step", "start", "total") else 0
+            for s in steps]
+
+
+def _slo_panel_traces(fig, names: list[str], worst: list[float], ys: list[str], choice: dict,
+                      max_rel_ppl: float | None) -> None:
+    """The lower panel: slowest-round P95 TTFT per configuration, coloured and outlined for ``choice``,
+    and its key (the bound line, recommended, meets, too slow, misses the quality bound)."""
+    import plotly.graph_objects as go
+
+    fig.add_trace(go.Bar(x=worst, y=ys, orientation="h", xaxis="x2", yaxis="y2",
+                         marker={"color": _slo_colors(choice, names),
+                                 "line": {"width": _slo_outline(choice, names), "color": "black"}},
+                         showlegend=False, name="slowest round", customdata=names,
+                         hovertemplate="%{customdata}: P95 TTFT %{x:,.1f} ms in its slowest round<extra></extra>"))
+    for t in (go.Scatter(x=[None], y=[None], mode="lines", line={"color": "black", "dash": "dot", "width": 2},
+                         name="the SLO bound"),
+              go.Bar(x=[None], y=[None], marker={"color": PICK, "line": {"width": 3, "color": "black"}},
+                     name="recommended (outlined)"),
+              go.Bar(x=[None], y=[None], marker_color=MEETS, name="meets the SLO"),
+              go.Bar(x=[None], y=[None], marker_color=MISSES, name="too slow"),
+              go.Bar(x=[None], y=[None], marker_color=QUALITY, name="misses the quality bound"
+                     + ("" if max_rel_ppl is None else f" (ppl +{100 * max_rel_ppl:g} %)"))):
+        t.update(xaxis="x2", yaxis="y2", legend="legend2")
+        fig.add_trace(t)
+
+
+def _metric_buttons(metrics: list[str], wf_traces: dict, n_wf: int, n_traces: int) -> list[dict]:
+    """The metric dropdown's buttons: each shows its metric's waterfall traces (and every trace after
+    the waterfalls) and retitles the upper axis."""
+    from workbench.bench.e2e_results import METRICS
+
+    buttons = []
+    for m in metrics:
+        label, unit, _ = METRICS.get(m, (m, "", True))
+        vis = [i in wf_traces[m] or i >= n_wf for i in range(n_traces)]
+        buttons.append({"method": "update", "label": f"{label} ({unit})",
+                        "args": [{"visible": vis}, {"yaxis.title.text": f"{label} ({unit})"}]})
+    return buttons
+
+
 def slo_explorer_figure(waterfalls: dict, choices: list[dict], candidates: list[dict], metric: str = "ttft_ms_p95",
                         max_rel_ppl: float | None = None, title: str | None = None):
     """One figure, two controls, no kernel needed (plotly's own slider and dropdown: they work in a
@@ -683,67 +786,17 @@ def slo_explorer_figure(waterfalls: dict, choices: list[dict], candidates: list[
     ys = [short_name(n) for n in names]
     active = next((i for i, c in enumerate(choices) if c["default"]), len(choices) - 1)
 
-    # pixel layout, top to bottom: title, slider, recommendation, key, dropdown | waterfall, its labels |
-    # key, SLO panel
-    longest = max((len(x) for m in metrics for x in _waterfall_parts(waterfalls[m], "", "", True)[2]), default=10)
-    wf_px, wf_labels_px, gap_px = 300, int(max(60, 3.6 * longest + 25)), 70     # tick labels at -30 degrees
-    slo_px = max(200, 24 * len(names) + 30)
-    top_px, bottom_px = 290, 60
-    plot_px = wf_px + wf_labels_px + gap_px + slo_px
+    top_px, bottom_px, plot_px, y_wf, y_slo = _slo_geometry(waterfalls, metrics, len(names))
     height = top_px + plot_px + bottom_px
-    y_wf = (1 - wf_px / plot_px, 1.0)
-    y_slo = (0.0, slo_px / plot_px)
 
     fig = go.Figure()
-    wf_bars, wf_traces, steps_by_metric, categories = {}, {}, {}, []
-    for m in metrics:
-        label, unit, lower = METRICS.get(m, (m, "", True))
-        steps = steps_by_metric[m] = waterfalls[m]
-        traces, shapes, xs = _waterfall_parts(steps, label, unit, lower)
-        categories += [x for x in xs if x not in categories]        # the steps' order (the bands' trace comes first)
-        first = len(fig.data)
-        bands = [(xs[i], sh["y0"], sh["y1"] - sh["y0"]) for i, sh in enumerate(shapes) if sh["type"] == "rect"
-                 for i in [round(sh["x0"] + 0.45)]]
-        fig.add_trace(go.Bar(x=[b[0] for b in bands], y=[b[2] for b in bands], base=[b[1] for b in bands], width=0.9,
-                             marker={"color": "rgba(128,128,128,0.18)", "line": {"width": 0}}, hoverinfo="skip",
-                             name="noise floor", showlegend=False, visible=m == metric))
-        for j, t in enumerate(traces):     # the visible metric's runs / crosses are in the legend
-            t.update(visible=m == metric, legend="legend", showlegend=j > 0)
-            fig.add_trace(t)
-        wf_bars[m] = first + 1
-        wf_traces[m] = list(range(first, len(fig.data)))
+    wf_bars, wf_traces, categories = _slo_waterfall_traces(fig, waterfalls, metrics, metric)
     n_wf = len(fig.data)
     for t in _verdict_key("legend"):
         fig.add_trace(t)
-
-    # the SLO panel: slowest-round P95 TTFT per configuration, coloured, the pick outlined
-    def colors(choice):
-        return [PICK if n == choice["pick"] else MEETS if choice["meets"].get(n)
-                else QUALITY if not choice["quality_ok"].get(n, True) else MISSES for n in names]
-
-    def panel_outline(choice):
-        return [3 if n == choice["pick"] else 0 for n in names]
-
-    def wf_outline(m, choice):
-        return [3 if s.get("config") == choice["pick"] and s["kind"] in ("step", "start", "total") else 0
-                for s in steps_by_metric[m]]
-
     ch = choices[active]
     slo_bar = len(fig.data)
-    fig.add_trace(go.Bar(x=[worst[n] for n in names], y=ys, orientation="h", xaxis="x2", yaxis="y2",
-                         marker={"color": colors(ch), "line": {"width": panel_outline(ch), "color": "black"}},
-                         showlegend=False, name="slowest round", customdata=names,
-                         hovertemplate="%{customdata}: P95 TTFT %{x:,.1f} ms in its slowest round<extra></extra>"))
-    for t in (go.Scatter(x=[None], y=[None], mode="lines", line={"color": "black", "dash": "dot", "width": 2},
-                         name="the SLO bound"),
-              go.Bar(x=[None], y=[None], marker={"color": PICK, "line": {"width": 3, "color": "black"}},
-                     name="recommended (outlined)"),
-              go.Bar(x=[None], y=[None], marker_color=MEETS, name="meets the SLO"),
-              go.Bar(x=[None], y=[None], marker_color=MISSES, name="too slow"),
-              go.Bar(x=[None], y=[None], marker_color=QUALITY, name="misses the quality bound"
-                     + ("" if max_rel_ppl is None else f" (ppl +{100 * max_rel_ppl:g} %)"))):
-        t.update(xaxis="x2", yaxis="y2", legend="legend2")
-        fig.add_trace(t)
+    _slo_panel_traces(fig, names, [worst[n] for n in names], ys, ch, max_rel_ppl)
     bound_line = dict(type="line", xref="x2", yref="y2 domain", x0=ch["bound"], x1=ch["bound"], y0=0, y1=1,
                       line={"color": "black", "dash": "dot", "width": 2})
 
@@ -751,25 +804,18 @@ def slo_explorer_figure(waterfalls: dict, choices: list[dict], candidates: list[
     idx = [wf_bars[m] for m in metrics] + [slo_bar]
 
     def step(choice):
-        data = {"marker.color": [list(fig.data[wf_bars[m]].marker.color) for m in metrics] + [colors(choice)],
-                "marker.line.width": [wf_outline(m, choice) for m in metrics] + [panel_outline(choice)]}
+        data = {"marker.color": [list(fig.data[wf_bars[m]].marker.color) for m in metrics]
+                + [_slo_colors(choice, names)],
+                "marker.line.width": [_waterfall_outline(waterfalls[m], choice) for m in metrics]
+                + [_slo_outline(choice, names)]}
         return {"method": "update", "label": f"{choice['bound']:,.1f} ms" + (" (stated)" if choice["default"] else ""),
                 "args": [data, {"annotations[0].text": recommendation_text(choice), "shapes[0].x0": choice["bound"],
                                 "shapes[0].x1": choice["bound"]}, idx]}
 
     px = lambda p: p / plot_px                                                # noqa: E731 - px -> paper
-    fig.add_annotation(text=recommendation_text(ch), xref="paper", yref="paper", x=0, y=1 + px(top_px - 130),
-                       xanchor="left", yanchor="top", showarrow=False, align="left", font={"size": 13})
+    _slo_annotations(fig, recommendation_text(ch), y_top=1 + px(top_px - 130), y_slo=y_slo[1] + px(6))
     label0, unit0, _ = METRICS.get(metric, (metric, "", True))
-    fig.add_annotation(text="<b>the SLO</b>: each configuration's P95 TTFT in its slowest round (it must meet the bound "
-                            "in every round), the bound dotted", xref="paper", yref="paper", x=0, y=y_slo[1] + px(6),
-                       xanchor="left", yanchor="bottom", showarrow=False, font={"size": 12})
-    buttons = []
-    for m in metrics:
-        label, unit, _ = METRICS.get(m, (m, "", True))
-        vis = [i in wf_traces[m] or i >= n_wf for i in range(len(fig.data))]
-        buttons.append({"method": "update", "label": f"{label} ({unit})",
-                        "args": [{"visible": vis}, {"yaxis.title.text": f"{label} ({unit})"}]})
+    buttons = _metric_buttons(metrics, wf_traces, n_wf, len(fig.data))
     fig.update_layout(
         meta=SLO_META, height=height, barmode="overlay", template="plotly_white",
         title={"text": title or "Pick a configuration for an SLO: move the bound, change the waterfall's metric",

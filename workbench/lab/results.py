@@ -634,6 +634,143 @@ def _up(*links) -> str:
     return "<p class='up'>" + " · ".join(f"<a href='#{i}'>↑ {_esc(t)}</a>" for i, t in links) + "</p>"
 
 
+def _report_nav(run_name: str, results: dict, nb_titles: dict, front_page: bool, screenshots) -> list[str]:
+    """The links of the report's top bar: the sections, then every notebook (by its number when
+    there are more than four)."""
+    shown = list(nb_titles)
+    nav = ["<b>Run " + _esc(run_name) + "</b>"]
+    if front_page:
+        nav += ["<a href='#summary'>summary</a>", "<a href='#claims'>claims</a>", "<a href='#gpu'>GPU results</a>"]
+    nav.append("<a href='#notebooks'>notebooks</a>")
+    if "sweep" in results:
+        nav.append("<a href='#sweep'>sweep</a>")
+    if screenshots:
+        nav.append("<a href='#browser'>browser</a>")
+    nav += [f"<a href='#{html_id('nb', name)}' title='{_esc(nb_titles[name])}'>{_esc(name.split('_')[0] if len(shown) > 4 else name)}</a>"
+            for name in shown]
+    nav.append("<a href='#metrics'>all metrics</a>")
+    return nav
+
+
+def _environment_section(parameters: dict | None, started, kernel: str | None, executor: str | None) -> list[str]:
+    """The report's environment table and the parameters, kernel, start time and executor of the run."""
+    return ["<h2>Environment</h2>", _kv_table(environment(parameters)),
+            "<p>Parameters given to every notebook: "
+            f"<code>{_esc(json.dumps(parameters or {}, default=str))}</code>; kernel <code>{_esc(kernel)}</code>"
+            + (f"; started {started:%Y-%m-%d %H:%M:%S} UTC" if started else "")
+            + (f"; executor: {_esc(executor)}" if executor else "") + ".</p>"]
+
+
+def _summary_table(records: list[dict], results: dict, nb_titles: dict) -> list[str]:
+    """The notebook summary: one row per record (status, seconds, worker, a link to its results, its error)."""
+    parts = ["<h2 id='notebooks'>Notebooks</h2><table><tr><th>notebook</th><th>status</th><th>seconds</th>"
+             "<th>worker</th><th>results</th><th>error</th></tr>"]
+    for rec in records:
+        name = _esc(rec["name"])
+        cell = (f"<a href='{_esc(_file_link(Path(rec['output']).name))}'>{name}</a>" if rec.get("output") else name)
+        has = (f"<a href='#{html_id('nb', rec['name'])}'>{_esc(nb_titles.get(rec['name'], 'yes'))}</a>"
+               if rec["name"] in results["notebooks"] else "no")
+        status = str(rec.get("status"))
+        parts.append(f"<tr><td>{cell}</td>"
+                     f"<td class='{'ok' if status == 'ok' else 'failed'}'>{_esc(status)}</td>"
+                     f"<td>{_seconds(rec.get('seconds'))}</td>"
+                     f"<td>{_esc(_worker_text(rec.get('worker')))}</td><td style='text-align:left'>{has}</td>"
+                     f"<td style='text-align:left'><pre>{_esc(rec.get('error') or '')}</pre></td></tr>")
+    parts.append("</table>")
+    return parts
+
+
+def _sweep_section(table, sweep: dict | None, figures: _Figures) -> list[str]:
+    """The sweep: its grid, one row per point, and the sweep figure when plotly is there."""
+    parts = [f"<h2>Sweep</h2><p id='sweep'>Grid <code>{_esc(json.dumps(sweep or {}, default=str))}</code>: one row per "
+             "point (a failed point keeps its row and its error).</p>",
+             _table_block(table)]
+    try:
+        fig = sweep_figure(table, list(sweep or {}))
+    except ImportError:
+        fig = None
+    if fig is not None:
+        parts.append(figures.div(fig, "fig-sweep"))
+    return parts
+
+
+def _screenshots_section(screenshots: dict, page_dir: Path) -> list[str]:
+    """A browser run's screenshots per notebook, linked relative to the page (a caption alone where
+    a screenshot is missing)."""
+    parts = ["<h2 id='browser'>In the browser</h2><p>Each notebook opened in JupyterLab in headless Chromium "
+             "and run with Run All, as a learner runs it (live widgets on); screenshots taken after the run.</p>"]
+    for name, shots in screenshots.items():
+        parts.append(f"<h3>{_esc(name)}</h3>")
+        for caption, shot in shots:
+            if not shot:
+                parts.append(f"<p>{_esc(caption)}</p>")
+                continue
+            rel = _relative(Path(shot), page_dir)
+            parts.append(f"<figure><a href='{_esc(rel)}'><img src='{_esc(rel)}' alt='{_esc(caption)}'></a>"
+                         f"<figcaption>{_esc(caption)}</figcaption></figure>")
+    parts.append(_up(("top", "top")))
+    return parts
+
+
+def _notebook_section(name: str, res: dict, rec: dict, nb_title: str, figures: _Figures) -> list[str]:
+    """One notebook's section: its title and run facts, a contents list, then its figures and tables
+    under headings in words, each with "back to" links."""
+    from workbench.lab.formats import title_of
+    from workbench.lab.replay import has_replay
+
+    nb_id = html_id("nb", name)
+    nb = rec.get("notebook") or name
+    parts = [f"<h2 id='{nb_id}'>{_esc(nb_title)}</h2>"]
+    meta = [f"<code>{_esc(name)}</code>", _esc(rec.get("status") or "")]
+    if rec.get("seconds") is not None:
+        meta.append(f"{_seconds(rec.get('seconds'))} s")
+    if rec.get("output"):
+        meta.append(f"executed notebook: <a href='{_esc(_file_link(Path(rec['output']).name))}'>"
+                    f"{_esc(Path(rec['output']).name)}</a>")
+    parts.append(f"<p class='meta'>{' · '.join(m for m in meta if m)}</p>")
+    items = [("f", k, v) for k, v in res["figures"].items()] + [("t", k, v) for k, v in res["tables"].items()]
+    ids = {(kind, key): html_id(f"{nb_id}-{kind}", key) for kind, key, _ in items}
+    contents = ["<div class='contents'><b>Contents</b>"]
+    for kind, key, value in items:
+        what = "figure" if kind == "f" else "table"
+        extra = ""
+        if kind == "f" and isinstance(value, dict) and value.get("frames"):
+            extra = " (replay)" if has_replay(value) else " (frames)"
+        contents.append(f"<p>{what}: <a href='#{ids[(kind, key)]}'>{_esc(title_of(key, nb))}</a>{extra}</p>")
+    if res["metrics"]:
+        contents.append(f"<p>metrics: <a href='#{html_id('metrics', name)}'>all {len(res['metrics'])}</a></p>")
+    contents.append("</div>")
+    parts.append("".join(contents))
+    parts.append("<div class='items'>")
+    for kind, key, value in items:       # figures full width; narrow tables side by side
+        parts.append(f"<section class='item {kind}'><h3 id='{ids[(kind, key)]}'>{_esc(title_of(key, nb))}"
+                     f"<span class='key'>{_esc(key)}</span></h3>")
+        if kind == "t":
+            parts.append(_table_block(value))
+        else:
+            parts.append(figures.div(value, f"fig-{len(figures) + 1}"))
+        parts.append(_up((nb_id, "contents"), ("top", "top")) + "</section>")
+    parts.append("</div>")
+    return parts
+
+
+def _metrics_section(results: dict, nb_titles: dict) -> list[str]:
+    """Every notebook's metrics, one folded table per notebook that wrote any."""
+    parts = ["<h2 id='metrics'>All metrics</h2>"]
+    if len(results["metrics"]):
+        parts.append("<p>Every metric each notebook wrote, with its unit (the key is the name in "
+                     "<code>results.csv</code> and the notebook's sidecar).</p>")
+        for name, res in results["notebooks"].items():
+            if not res["metrics"]:
+                continue
+            parts.append(f"<details id='{html_id('metrics', name)}'><summary><b>{_esc(nb_titles[name])}</b> "
+                         f"({len(res['metrics'])} metrics)</summary>{_metrics_table(res['metrics'])}</details>")
+    else:
+        parts.append("<p>No notebook wrote metrics.</p>")
+    parts.append(_up(("top", "top")))
+    return parts
+
+
 def write_report(path: str | Path, records: list[dict], results: dict, parameters: dict | None = None,
                  started=None, kernel: str | None = None, sweep: dict | None = None,
                  executor: str | None = None, screenshots: dict | None = None, front_page: bool = True,
@@ -659,9 +796,6 @@ def write_report(path: str | Path, records: list[dict], results: dict, parameter
     Content-Security-Policy allows no script but its own (the loader, its data blocks and
     plotly.js, by sha256): no inline script, event handler or ``javascript:`` link that reached
     it otherwise runs.  The page lands whole (a temporary file, then a rename)."""
-    from workbench.lab.formats import title_of
-    from workbench.lab.replay import has_replay
-
     path = Path(path)
     scripts, figures = _Scripts(), _Figures()
     title = f"Workbench notebook run {path.parent.name}"
@@ -669,117 +803,22 @@ def write_report(path: str | Path, records: list[dict], results: dict, parameter
     shown = [name for name in results["notebooks"]]
     nb_titles = {name: _notebook_title(by_name.get(name, {"name": name})) for name in shown}
 
-    nav = ["<b>Run " + _esc(path.parent.name) + "</b>"]
-    if front_page:
-        nav += ["<a href='#summary'>summary</a>", "<a href='#claims'>claims</a>", "<a href='#gpu'>GPU results</a>"]
-    nav.append("<a href='#notebooks'>notebooks</a>")
-    if "sweep" in results:
-        nav.append("<a href='#sweep'>sweep</a>")
-    if screenshots:
-        nav.append("<a href='#browser'>browser</a>")
-    nav += [f"<a href='#{html_id('nb', name)}' title='{_esc(nb_titles[name])}'>{_esc(name.split('_')[0] if len(shown) > 4 else name)}</a>"
-            for name in shown]
-    nav.append("<a href='#metrics'>all metrics</a>")
+    nav = _report_nav(path.parent.name, results, nb_titles, front_page, screenshots)
     parts = [f"<nav class='bar' id='top'>{' · '.join(nav)}</nav>", f"<h1>{_esc(title)}</h1>"]
     if front_page:
         from workbench.lab.front_page import front_page_html
 
         parts.append(front_page_html(results, gpu_root=gpu_root))
         parts.append(_up(("top", "top")))
-    parts += ["<h2>Environment</h2>", _kv_table(environment(parameters))]
-    parts.append("<p>Parameters given to every notebook: "
-                 f"<code>{_esc(json.dumps(parameters or {}, default=str))}</code>; kernel <code>{_esc(kernel)}</code>"
-                 + (f"; started {started:%Y-%m-%d %H:%M:%S} UTC" if started else "")
-                 + (f"; executor: {_esc(executor)}" if executor else "") + ".</p>")
-
-    parts.append("<h2 id='notebooks'>Notebooks</h2><table><tr><th>notebook</th><th>status</th><th>seconds</th>"
-                 "<th>worker</th><th>results</th><th>error</th></tr>")
-    for rec in records:
-        name = _esc(rec["name"])
-        cell = (f"<a href='{_esc(_file_link(Path(rec['output']).name))}'>{name}</a>" if rec.get("output") else name)
-        has = (f"<a href='#{html_id('nb', rec['name'])}'>{_esc(nb_titles.get(rec['name'], 'yes'))}</a>"
-               if rec["name"] in results["notebooks"] else "no")
-        status = str(rec.get("status"))
-        parts.append(f"<tr><td>{cell}</td>"
-                     f"<td class='{'ok' if status == 'ok' else 'failed'}'>{_esc(status)}</td>"
-                     f"<td>{_seconds(rec.get('seconds'))}</td>"
-                     f"<td>{_esc(_worker_text(rec.get('worker')))}</td><td style='text-align:left'>{has}</td>"
-                     f"<td style='text-align:left'><pre>{_esc(rec.get('error') or '')}</pre></td></tr>")
-    parts.append("</table>")
-
+    parts += _environment_section(parameters, started, kernel, executor)
+    parts += _summary_table(records, results, nb_titles)
     if "sweep" in results:
-        parts.append(f"<h2>Sweep</h2><p id='sweep'>Grid <code>{_esc(json.dumps(sweep or {}, default=str))}</code>: one row per "
-                     "point (a failed point keeps its row and its error).</p>")
-        parts.append(_table_block(results["sweep"]))
-        try:
-            fig = sweep_figure(results["sweep"], list(sweep or {}))
-        except ImportError:
-            fig = None
-        if fig is not None:
-            parts.append(figures.div(fig, "fig-sweep"))
-
+        parts += _sweep_section(results["sweep"], sweep, figures)
     if screenshots:
-        parts.append("<h2 id='browser'>In the browser</h2><p>Each notebook opened in JupyterLab in headless Chromium "
-                     "and run with Run All, as a learner runs it (live widgets on); screenshots taken after the run.</p>")
-        for name, shots in screenshots.items():
-            parts.append(f"<h3>{_esc(name)}</h3>")
-            for caption, shot in shots:
-                if not shot:
-                    parts.append(f"<p>{_esc(caption)}</p>")
-                    continue
-                rel = _relative(Path(shot), path.parent)
-                parts.append(f"<figure><a href='{_esc(rel)}'><img src='{_esc(rel)}' alt='{_esc(caption)}'></a>"
-                             f"<figcaption>{_esc(caption)}</figcaption></figure>")
-        parts.append(_up(("top", "top")))
-
+        parts += _screenshots_section(screenshots, path.parent)
     for name, res in results["notebooks"].items():
-        nb_id = html_id("nb", name)
-        rec = by_name.get(name, {})
-        nb = rec.get("notebook") or name
-        parts.append(f"<h2 id='{nb_id}'>{_esc(nb_titles[name])}</h2>")
-        meta = [f"<code>{_esc(name)}</code>", _esc(rec.get("status") or "")]
-        if rec.get("seconds") is not None:
-            meta.append(f"{_seconds(rec.get('seconds'))} s")
-        if rec.get("output"):
-            meta.append(f"executed notebook: <a href='{_esc(_file_link(Path(rec['output']).name))}'>"
-                        f"{_esc(Path(rec['output']).name)}</a>")
-        parts.append(f"<p class='meta'>{' · '.join(m for m in meta if m)}</p>")
-        items = [("f", k, v) for k, v in res["figures"].items()] + [("t", k, v) for k, v in res["tables"].items()]
-        ids = {(kind, key): html_id(f"{nb_id}-{kind}", key) for kind, key, _ in items}
-        contents = ["<div class='contents'><b>Contents</b>"]
-        for kind, key, value in items:
-            what = "figure" if kind == "f" else "table"
-            extra = ""
-            if kind == "f" and isinstance(value, dict) and value.get("frames"):
-                extra = " (replay)" if has_replay(value) else " (frames)"
-            contents.append(f"<p>{what}: <a href='#{ids[(kind, key)]}'>{_esc(title_of(key, nb))}</a>{extra}</p>")
-        if res["metrics"]:
-            contents.append(f"<p>metrics: <a href='#{html_id('metrics', name)}'>all {len(res['metrics'])}</a></p>")
-        contents.append("</div>")
-        parts.append("".join(contents))
-        parts.append("<div class='items'>")
-        for kind, key, value in items:       # figures full width; narrow tables side by side
-            parts.append(f"<section class='item {kind}'><h3 id='{ids[(kind, key)]}'>{_esc(title_of(key, nb))}"
-                         f"<span class='key'>{_esc(key)}</span></h3>")
-            if kind == "t":
-                parts.append(_table_block(value))
-            else:
-                parts.append(figures.div(value, f"fig-{len(figures) + 1}"))
-            parts.append(_up((nb_id, "contents"), ("top", "top")) + "</section>")
-        parts.append("</div>")
-
-    parts.append("<h2 id='metrics'>All metrics</h2>")
-    if len(results["metrics"]):
-        parts.append("<p>Every metric each notebook wrote, with its unit (the key is the name in "
-                     "<code>results.csv</code> and the notebook's sidecar).</p>")
-        for name, res in results["notebooks"].items():
-            if not res["metrics"]:
-                continue
-            parts.append(f"<details id='{html_id('metrics', name)}'><summary><b>{_esc(nb_titles[name])}</b> "
-                         f"({len(res['metrics'])} metrics)</summary>{_metrics_table(res['metrics'])}</details>")
-    else:
-        parts.append("<p>No notebook wrote metrics.</p>")
-    parts.append(_up(("top", "top")))
+        parts += _notebook_section(name, res, by_name.get(name, {}), nb_titles[name], figures)
+    parts += _metrics_section(results, nb_titles)
     parts.append("<a class='totop' href='#top'>↑ top</a>")
     parts.append(figures.scripts(scripts))
 

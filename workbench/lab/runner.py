@@ -350,9 +350,35 @@ def run_notebooks(notebooks=None, parameters: dict | None = None, out_dir=None, 
     KeyboardInterrupt (or SIGTERM's :class:`RunStopped`) is raised again after that, other
     errors end up in the rows.  A SIGKILL leaves the summary of the notebooks that had ended.
     """
-    from tqdm.auto import tqdm
-
     paths = resolve_notebooks(notebooks)
+    parameters, points = _checked_arguments(parameters, sweep, point_timeout)
+    ex = make_executor(executor, jobs=jobs, address=address, num_cpus=num_cpus, num_gpus=num_gpus, memory=memory,
+                       resources=resources, check_resources=check_resources)
+    folder = None
+    try:
+        # every refusal of the folder comes before the executor connects or starts anything
+        folder = open_run_folder(out_dir, resume=resume, overwrite=overwrite, sources=paths,
+                                 notebooks_dir=NOTEBOOKS, runs_dir=RUNS)
+        ex.prepare()              # e.g. Ray missing, no cluster, no node fits a point
+        run_dir = folder.path
+        kernel = ex.kernel(kernel_name)
+        tasks = _plan_tasks(paths, points, parameters, run_dir, timeout=timeout, kernel=kernel,
+                            point_timeout=point_timeout)
+    except BaseException:
+        ex.close()
+        if folder is not None:
+            folder.close()
+            if folder.created:
+                _remove_if_empty(folder.path)
+        raise
+    started = datetime.now(timezone.utc)
+    return _run_tasks(folder, ex, tasks, progress=progress, parameters=parameters, sweep=sweep, kernel=kernel,
+                      started=started)
+
+
+def _checked_arguments(parameters: dict | None, sweep: dict | None, point_timeout) -> tuple[dict, list[dict]]:
+    """The parameters (a copy) and the sweep's points, refused with a ConfigError when a name is not
+    a Python identifier, ``results_path`` is passed or swept, or ``point_timeout`` is not seconds > 0."""
     parameters = dict(parameters or {})
     for k in parameters:
         check_name(k, "parameter")
@@ -364,34 +390,32 @@ def run_notebooks(notebooks=None, parameters: dict | None = None, out_dir=None, 
     if point_timeout is not None and (isinstance(point_timeout, bool) or not isinstance(point_timeout, (int, float))
                                       or point_timeout <= 0):
         raise ConfigError(f"point_timeout (--point-timeout) = {point_timeout!r}: expected seconds > 0 (or None)")
-    ex = make_executor(executor, jobs=jobs, address=address, num_cpus=num_cpus, num_gpus=num_gpus, memory=memory,
-                       resources=resources, check_resources=check_resources)
-    folder = None
-    try:
-        # every refusal of the folder comes before the executor connects or starts anything
-        folder = open_run_folder(out_dir, resume=resume, overwrite=overwrite, sources=paths,
-                                 notebooks_dir=NOTEBOOKS, runs_dir=RUNS)
-        ex.prepare()              # e.g. Ray missing, no cluster, no node fits a point
-        run_dir = folder.path
-        kernel = ex.kernel(kernel_name)
-        tasks, seen = [], set()
-        for nb in paths:
-            for point in points:
-                stem = nb.stem + (f"__{point_label(point)}" if point else "")
-                stem = stem if stem not in seen else f"{stem}-{len(seen)}"
-                seen.add(stem)
-                tasks.append(Task(index=len(tasks), name=stem, notebook=nb,
-                                  parameters=batch_parameters(nb, {**parameters, **point}),
-                                  output=run_dir / f"{stem}.ipynb", results=run_dir / f"{stem}.results.json",
-                                  timeout=timeout, kernel=kernel, point=dict(point), point_timeout=point_timeout))
-    except BaseException:
-        ex.close()
-        if folder is not None:
-            folder.close()
-            if folder.created:
-                _remove_if_empty(folder.path)
-        raise
-    started = datetime.now(timezone.utc)
+    return parameters, points
+
+
+def _plan_tasks(paths: list[Path], points: list[dict], parameters: dict, run_dir: Path, *, timeout, kernel,
+                point_timeout) -> list[Task]:
+    """One task per notebook and sweep point, named after both (a repeated name gets a numbered suffix),
+    its files in ``run_dir``."""
+    tasks, seen = [], set()
+    for nb in paths:
+        for point in points:
+            stem = nb.stem + (f"__{point_label(point)}" if point else "")
+            stem = stem if stem not in seen else f"{stem}-{len(seen)}"
+            seen.add(stem)
+            tasks.append(Task(index=len(tasks), name=stem, notebook=nb,
+                              parameters=batch_parameters(nb, {**parameters, **point}),
+                              output=run_dir / f"{stem}.ipynb", results=run_dir / f"{stem}.results.json",
+                              timeout=timeout, kernel=kernel, point=dict(point), point_timeout=point_timeout))
+    return tasks
+
+
+def _run_tasks(folder, ex, tasks: list[Task], *, progress: bool, parameters: dict, sweep: dict | None, kernel,
+               started: datetime) -> dict:
+    """Run the tasks a resumed folder has not kept on the executor, record each as it ends, then write
+    the run's files (:func:`_write_run`) however the run stopped; Ctrl-C or SIGTERM is raised again
+    after that.  Closes the executor and the folder."""
+    from tqdm.auto import tqdm
 
     records: list = [None] * len(tasks)
     state: dict = {"defer": False, "pending": None}

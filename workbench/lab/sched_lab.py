@@ -99,6 +99,98 @@ def _point_title(p: dict) -> str:
             f"mean batch {p['mean_batch']:.2f}, {p['steps']} steps")
 
 
+def _sweep_traces(points: list[dict], rates: list[float], colour: dict) -> list[tuple]:
+    """Row 1 of :func:`sweep_picker_figure`, as (trace, row): TTFT P95 (solid) and queue wait P95
+    (dashed) against the window, one colour per rate."""
+    import plotly.graph_objects as go
+
+    out = []
+    for r in rates:
+        sub = sorted((p for p in points if float(p["rate"]) == r), key=lambda p: p["window_ms"])
+        ws = [p["window_ms"] for p in sub]
+        out.append((go.Scatter(x=ws, y=[p["ttft_ms_p95"] for p in sub], mode="lines+markers", name=f"TTFT · {r:g}/s",
+                               line=dict(color=colour[r]), legend="legend",
+                               hovertemplate=f"{r:g} req/s, window %{{x:g}} ms: TTFT P95 %{{y:,.1f}} ms"
+                                             "<extra></extra>"), 1))
+        out.append((go.Scatter(x=ws, y=[p["queue_ms_p95"] for p in sub], mode="lines+markers",
+                               name=f"queue wait · {r:g}/s", line=dict(color=colour[r], dash="dash"), legend="legend",
+                               hovertemplate=f"{r:g} req/s, window %{{x:g}} ms: queue wait P95 %{{y:,.1f}} ms"
+                                             "<extra></extra>"), 1))
+    return out
+
+
+def _key_traces() -> list[tuple]:
+    """The colour keys of rows 2-4, as (trace, row) (traces with a point: an empty trace has no legend entry)."""
+    import plotly.graph_objects as go
+
+    from workbench.lab.sched_timeline import DECODE, PREFILL, QUEUE, RUNNING
+
+    out = []
+    for name, color, row, kind in (("prefill tokens", PREFILL, 2, "bar"), ("decode tokens", DECODE, 2, "bar"),
+                                   ("waiting (queue)", QUEUE, 3, "line"), ("running", RUNNING, 3, "line"),
+                                   ("prefilling", PREFILL, 4, "square"), ("decoding", DECODE, 4, "square")):
+        style = (dict(mode="lines", line=dict(color=color)) if kind == "line" else
+                 dict(mode="markers", marker=dict(symbol="square", size=10, color=color)))
+        out.append((go.Scatter(x=[None], y=[None], name=name, hoverinfo="skip", legend=f"legend{row}", **style), row))
+    return out
+
+
+def _point_traces(p: dict, f, cells: list, visible: bool) -> list[tuple]:
+    """One point's traces, as (trace, row), on the time axis of its run (ms since its first step):
+    its ring on the sweep, tokens per step (each bar as wide as the step took), requests waiting
+    and running, and the batch's prefilling and decoding squares."""
+    import plotly.graph_objects as go
+
+    from workbench.lab.sched_timeline import DECODE, PREFILL, QUEUE, RUNNING
+
+    vis = visible
+    t0 = float(f["start"].iloc[0])
+    dur = ((f["schedule_s"] + f["model_s"] + f["post_s"]).to_numpy(dtype=float) * 1e3)
+    start = (f["start"].to_numpy(dtype=float) - t0) * 1e3
+    mid = [round(float(a + d / 2), 2) for a, d in zip(start, dur)]
+    at = [round(float(a), 2) for a in start]
+    width = [round(float(d), 2) for d in dur]
+    steps = f["step"].astype(int).tolist()
+    out = [(go.Scatter(x=[p["window_ms"]], y=[p["ttft_ms_p95"]], mode="markers", showlegend=False, visible=vis,
+                       marker=dict(size=20, color="rgba(0,0,0,0)", line=dict(width=3, color="#000")),
+                       hovertemplate=_point_title(p) + "<extra>picked</extra>"), 1)]
+    for col, color, name in (("prefill_tokens", PREFILL, "prefill tokens"), ("decode_tokens", DECODE, "decode tokens")):
+        out.append((go.Bar(x=mid, y=f[col].astype(int).tolist(), width=width, marker_color=color, showlegend=False,
+                           visible=vis, customdata=steps, name=name,
+                           hovertemplate="step %{customdata} at %{x:,.1f} ms: %{y} " + name + "<extra></extra>"), 2))
+    for col, color, name in (("waiting", QUEUE, "waiting"), ("running", RUNNING, "running")):
+        out.append((go.Scatter(x=at, y=f[col].astype(int).tolist(), mode="lines", line=dict(color=color, shape="hv"),
+                               showlegend=False, visible=vis, name=name,
+                               hovertemplate="%{x:,.1f} ms: %{y} " + name + "<extra></extra>"), 3))
+    for want, color, what in ((True, PREFILL, "prefill chunk of"), (False, DECODE, "decoding,")):
+        xs, ys, toks = [], [], []
+        for a, batch in zip(at, cells):
+            for rid, tok, pre in batch:
+                if bool(pre) == want:
+                    xs.append(a)
+                    ys.append(str(rid))
+                    toks.append(tok)
+        out.append((go.Scatter(x=xs, y=ys, customdata=toks, mode="markers", showlegend=False, visible=vis,
+                               marker=dict(symbol="square", size=6, color=color),
+                               hovertemplate="%{y} at %{x:,.1f} ms: " + what + " %{customdata} tokens<extra></extra>"),
+                    4))
+    return out
+
+
+def _picker_axes(fig, windows: list, requests: list) -> None:
+    """The picker's axes: rows 2-4 share the picked point's time axis; the sweep's ticks at the
+    measured windows; the batch row's requests in order of appearance, top down."""
+    for row in (3, 4):
+        fig.update_xaxes(matches="x2", row=row, col=1)
+    fig.update_xaxes(title_text="micro-batch window (ms)", tickvals=windows, row=1, col=1)
+    fig.update_xaxes(title_text="ms since the point's first step", row=4, col=1)
+    fig.update_yaxes(title_text="ms", rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(title_text="tokens", rangemode="tozero", row=2, col=1)
+    fig.update_yaxes(title_text="requests", rangemode="tozero", row=3, col=1)
+    fig.update_yaxes(type="category", categoryorder="array", categoryarray=requests, autorange="reversed",
+                     row=4, col=1)
+
+
 def sweep_picker_figure(points: list[dict], title: str = "micro-batch window x arrival rate: pick a point"):
     """Every measured point of a ``window_ms`` x rate sweep in one plain plotly figure, and a
     dropdown (plotly's own, so it works offline: in a saved notebook and the HTML report) that
@@ -112,10 +204,9 @@ def sweep_picker_figure(points: list[dict], title: str = "micro-batch window x a
     as the step took; (3) requests waiting and running after each step; (4) the batch, one
     square per request computed in a step (blue prefilling, orange decoding).  Every point's data
     is in the figure; the dropdown only switches which traces are visible."""
-    import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    from workbench.lab.sched_timeline import DECODE, PREFILL, QUEUE, RUNNING, busy_steps, row_legends, step_cells
+    from workbench.lab.sched_timeline import busy_steps, row_legends, step_cells
     from workbench.lab.viz import PALETTE
 
     if not points:
@@ -151,68 +242,16 @@ def sweep_picker_figure(points: list[dict], title: str = "micro-batch window x a
         always.append(point < 0)
         owner.append(point)
 
-    for r in rates:                              # row 1: the sweep, one colour per rate
-        sub = sorted((p for p in points if float(p["rate"]) == r), key=lambda p: p["window_ms"])
-        ws = [p["window_ms"] for p in sub]
-        add(go.Scatter(x=ws, y=[p["ttft_ms_p95"] for p in sub], mode="lines+markers", name=f"TTFT · {r:g}/s",
-                       line=dict(color=colour[r]), legend="legend",
-                       hovertemplate=f"{r:g} req/s, window %{{x:g}} ms: TTFT P95 %{{y:,.1f}} ms<extra></extra>"), 1)
-        add(go.Scatter(x=ws, y=[p["queue_ms_p95"] for p in sub], mode="lines+markers",
-                       name=f"queue wait · {r:g}/s", line=dict(color=colour[r], dash="dash"), legend="legend",
-                       hovertemplate=f"{r:g} req/s, window %{{x:g}} ms: queue wait P95 %{{y:,.1f}} ms<extra></extra>"), 1)
-    # colour keys of rows 2-4 (traces with a point: an empty trace has no legend entry)
-    for name, color, row, kind in (("prefill tokens", PREFILL, 2, "bar"), ("decode tokens", DECODE, 2, "bar"),
-                                   ("waiting (queue)", QUEUE, 3, "line"), ("running", RUNNING, 3, "line"),
-                                   ("prefilling", PREFILL, 4, "square"), ("decoding", DECODE, 4, "square")):
-        style = (dict(mode="lines", line=dict(color=color)) if kind == "line" else
-                 dict(mode="markers", marker=dict(symbol="square", size=10, color=color)))
-        add(go.Scatter(x=[None], y=[None], name=name, hoverinfo="skip", legend=f"legend{row}", **style), row)
+    for trace, row in _sweep_traces(points, rates, colour) + _key_traces():
+        add(trace, row)
     for i, (p, f, cells) in enumerate(prepared):
-        vis = i == 0
-        t0 = float(f["start"].iloc[0])
-        dur = ((f["schedule_s"] + f["model_s"] + f["post_s"]).to_numpy(dtype=float) * 1e3)
-        start = (f["start"].to_numpy(dtype=float) - t0) * 1e3
-        mid = [round(float(a + d / 2), 2) for a, d in zip(start, dur)]
-        at = [round(float(a), 2) for a in start]
-        width = [round(float(d), 2) for d in dur]
-        steps = f["step"].astype(int).tolist()
-        add(go.Scatter(x=[p["window_ms"]], y=[p["ttft_ms_p95"]], mode="markers", showlegend=False, visible=vis,
-                       marker=dict(size=20, color="rgba(0,0,0,0)", line=dict(width=3, color="#000")),
-                       hovertemplate=_point_title(p) + "<extra>picked</extra>"), 1, i)
-        for col, color, name in (("prefill_tokens", PREFILL, "prefill tokens"), ("decode_tokens", DECODE, "decode tokens")):
-            add(go.Bar(x=mid, y=f[col].astype(int).tolist(), width=width, marker_color=color, showlegend=False,
-                       visible=vis, customdata=steps, name=name,
-                       hovertemplate="step %{customdata} at %{x:,.1f} ms: %{y} " + name + "<extra></extra>"), 2, i)
-        for col, color, name in (("waiting", QUEUE, "waiting"), ("running", RUNNING, "running")):
-            add(go.Scatter(x=at, y=f[col].astype(int).tolist(), mode="lines", line=dict(color=color, shape="hv"),
-                           showlegend=False, visible=vis, name=name,
-                           hovertemplate="%{x:,.1f} ms: %{y} " + name + "<extra></extra>"), 3, i)
-        for want, color, what in ((True, PREFILL, "prefill chunk of"), (False, DECODE, "decoding,")):
-            xs, ys, toks = [], [], []
-            for a, batch in zip(at, cells):
-                for rid, tok, pre in batch:
-                    if bool(pre) == want:
-                        xs.append(a)
-                        ys.append(str(rid))
-                        toks.append(tok)
-            add(go.Scatter(x=xs, y=ys, customdata=toks, mode="markers", showlegend=False, visible=vis,
-                           marker=dict(symbol="square", size=6, color=color),
-                           hovertemplate="%{y} at %{x:,.1f} ms: " + what + " %{customdata} tokens<extra></extra>"), 4, i)
+        for trace, row in _point_traces(p, f, cells, visible=i == 0):
+            add(trace, row, i)
     buttons = [{"label": _point_name(p), "method": "update",
                 "args": [{"visible": [a or o == i for a, o in zip(always, owner)]},
                          {"title.text": f"{title}<br><sup>{_point_title(p)}</sup>"}]}
                for i, (p, _, _) in enumerate(prepared)]
-    for row in (3, 4):
-        fig.update_xaxes(matches="x2", row=row, col=1)
-    fig.update_xaxes(title_text="micro-batch window (ms)", tickvals=sorted({p["window_ms"] for p in points}),
-                     row=1, col=1)
-    fig.update_xaxes(title_text="ms since the point's first step", row=4, col=1)
-    fig.update_yaxes(title_text="ms", rangemode="tozero", row=1, col=1)
-    fig.update_yaxes(title_text="tokens", rangemode="tozero", row=2, col=1)
-    fig.update_yaxes(title_text="requests", rangemode="tozero", row=3, col=1)
-    fig.update_yaxes(type="category", categoryorder="array", categoryarray=sorted(requests, key=requests.get),
-                     autorange="reversed",
-                     row=4, col=1)
+    _picker_axes(fig, sorted({p["window_ms"] for p in points}), sorted(requests, key=requests.get))
     height = 230 + 150 + 140 + req_px + 120 + 170
     fig.update_layout(title=dict(text=f"{title}<br><sup>{_point_title(prepared[0][0])}</sup>", y=1, yref="container",
                                  yanchor="top", pad=dict(t=12)),

@@ -79,18 +79,7 @@ def scheduler_timeline(frame, x: str = "step", max_requests: int = 64, title: st
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    if x not in ("step", "time"):
-        raise ConfigError(f"scheduler_timeline: x={x!r} must be 'step' or 'time'")
-    if getattr(frame, "empty", False) and len(getattr(frame, "columns", ())) == 0:
-        raise ConfigError("scheduler_timeline: the frame has no steps (run some requests through the engine first)")
-    missing = [c for c in TIMELINE_COLUMNS if c not in getattr(frame, "columns", ())]
-    if missing:
-        raise ConfigError(f"scheduler_timeline: column(s) {missing} missing; pass LLMEngine.steps_frame() "
-                          f"(got columns {list(getattr(frame, 'columns', []))})")
-    if len(frame) == 0:
-        raise ConfigError("scheduler_timeline: the frame has no steps (run some requests through the engine first)")
-    if not (isinstance(max_requests, int) and max_requests >= 0):
-        raise ConfigError(f"scheduler_timeline: max_requests={max_requests!r} must be an integer >= 0")
+    _check_timeline_args(frame, x, max_requests)
     f = frame.reset_index(drop=True)
     dur = (f["schedule_s"] + f["model_s"] + f["post_s"]).to_numpy(dtype=float)
     if x == "time" and len(f):
@@ -128,27 +117,7 @@ def scheduler_timeline(frame, x: str = "step", max_requests: int = 64, title: st
     for col, name, color in (("schedule_s", "scheduler", "#d62728"), ("model_s", "model", "#2ca02c"),
                              ("post_s", "after sampling", "#9467bd")):
         fig.add_trace(bar(name, (f[col].to_numpy(dtype=float) * 1e3).tolist(), color, 2), row=2, col=1)
-    cells: dict[str, tuple[list, list, list]] = {"prefilling": ([], [], []), "decoding": ([], [], []),
-                                                 "in batch": ([], [], [])}
-    for xv, batch, sp in zip(xs, ids, split):
-        for i, rid in enumerate(batch):
-            if rid in shown:
-                kind = "in batch" if sp is None else ("prefilling" if sp[i][1] else "decoding")
-                px, py, pt = cells[kind]
-                px.append(xv)
-                py.append(str(rid))
-                pt.append(None if sp is None else sp[i][0])
-    kinds = (["prefilling", "decoding"] if "request_tokens" in f.columns else []) + (
-        ["in batch"] if "request_tokens" not in f.columns or cells["in batch"][0] else [])
-    for kind in kinds:
-        px, py, pt = cells[kind]
-        color, what = {"prefilling": ("#1f77b4", "prefill chunk of %{customdata} tokens"),
-                       "decoding": ("#ff7f0e", "decoding (%{customdata} tokens)"),
-                       "in batch": (None, "in the batch")}[kind]
-        marker = dict(size=5 if kind == "in batch" else 6, symbol="square", **({"color": color} if color else {}))
-        fig.add_trace(go.Scatter(x=px, y=py, mode="markers", name=kind, marker=marker, legend=legend_name(3),
-                                 customdata=pt if kind != "in batch" else None,
-                                 hovertemplate="%{y} at %{x}: " + what + "<extra></extra>"), row=3, col=1)
+    _batch_markers(fig, xs, ids, split, shown, per_request="request_tokens" in f.columns)
     fig.update_yaxes(categoryorder="array", categoryarray=sorted(shown, key=order.get), autorange="reversed",
                      row=3, col=1)
     fig.update_layout(barmode="stack", bargap=0.1 if x == "step" else 0, height=TOKEN_TIME_PX + req_px + 90 + 155,
@@ -163,6 +132,52 @@ def scheduler_timeline(frame, x: str = "step", max_requests: int = 64, title: st
         text=f"{len(f)} steps, {int(f['prefill_tokens'].sum())} prefill + {int(f['decode_tokens'].sum())} decode "
              f"tokens; the scheduler took {share:.1%} of the step time")))
     return fig
+
+
+def _check_timeline_args(frame, x: str, max_requests) -> None:
+    """:func:`scheduler_timeline`'s refusals: an ``x`` other than step / time, a frame without steps
+    or without the timeline's columns, a ``max_requests`` that is not an integer >= 0."""
+    if x not in ("step", "time"):
+        raise ConfigError(f"scheduler_timeline: x={x!r} must be 'step' or 'time'")
+    if getattr(frame, "empty", False) and len(getattr(frame, "columns", ())) == 0:
+        raise ConfigError("scheduler_timeline: the frame has no steps (run some requests through the engine first)")
+    missing = [c for c in TIMELINE_COLUMNS if c not in getattr(frame, "columns", ())]
+    if missing:
+        raise ConfigError(f"scheduler_timeline: column(s) {missing} missing; pass LLMEngine.steps_frame() "
+                          f"(got columns {list(getattr(frame, 'columns', []))})")
+    if len(frame) == 0:
+        raise ConfigError("scheduler_timeline: the frame has no steps (run some requests through the engine first)")
+    if not (isinstance(max_requests, int) and max_requests >= 0):
+        raise ConfigError(f"scheduler_timeline: max_requests={max_requests!r} must be an integer >= 0")
+
+
+def _batch_markers(fig, xs, ids: list[tuple], split: list, shown: set, per_request: bool) -> None:
+    """The timeline's third row: a marker per (step, shown request), as "prefilling" and "decoding"
+    traces with each request's tokens when the frame has them (``per_request``), else (and for
+    steps without them) one "in batch" trace."""
+    import plotly.graph_objects as go
+
+    cells: dict[str, tuple[list, list, list]] = {"prefilling": ([], [], []), "decoding": ([], [], []),
+                                                 "in batch": ([], [], [])}
+    for xv, batch, sp in zip(xs, ids, split):
+        for i, rid in enumerate(batch):
+            if rid in shown:
+                kind = "in batch" if sp is None else ("prefilling" if sp[i][1] else "decoding")
+                px, py, pt = cells[kind]
+                px.append(xv)
+                py.append(str(rid))
+                pt.append(None if sp is None else sp[i][0])
+    kinds = (["prefilling", "decoding"] if per_request else []) + (
+        ["in batch"] if not per_request or cells["in batch"][0] else [])
+    for kind in kinds:
+        px, py, pt = cells[kind]
+        color, what = {"prefilling": ("#1f77b4", "prefill chunk of %{customdata} tokens"),
+                       "decoding": ("#ff7f0e", "decoding (%{customdata} tokens)"),
+                       "in batch": (None, "in the batch")}[kind]
+        marker = dict(size=5 if kind == "in batch" else 6, symbol="square", **({"color": color} if color else {}))
+        fig.add_trace(go.Scatter(x=px, y=py, mode="markers", name=kind, marker=marker, legend=legend_name(3),
+                                 customdata=pt if kind != "in batch" else None,
+                                 hovertemplate="%{y} at %{x}: " + what + "<extra></extra>"), row=3, col=1)
 
 
 def _request_split(f, ids: list[tuple]) -> list:
@@ -245,10 +260,9 @@ def scheduler_replay(frame, title: str = "Scheduler replay", max_frames: int = R
     Each frame's title says the step: its batch, the queue and the preemptions so far.  Steps
     that computed nothing are left out, unless the queue changed (:func:`busy_steps`).  The
     figure is plain plotly (no kernel needed)."""
-    import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    from workbench.lab.replay import Recorder, replay_figure
+    from workbench.lab.replay import replay_figure
 
     _check_steps(frame, "scheduler_replay")
     f = busy_steps(frame)
@@ -271,15 +285,43 @@ def scheduler_replay(frame, title: str = "Scheduler replay", max_frames: int = R
                         row_heights=[170, 160, req_px],
                         subplot_titles=("tokens per step", "the queue after each step",
                                         "the batch of the step shown (faint: the whole run)"))
-    # animated traces first (each frame gives their new values), in this order
+    lines = [("waiting", "waiting (queue)", QUEUE), ("running", "running", RUNNING)]
+    if has_swap:
+        lines.append(("swapped", "swapped out", SWAPPED))
+    _replay_animated_traces(fig, steps, cols, lines)
+    _replay_whole_run_traces(fig, steps, cols, lines, cells, keep)
+    ymax = max(max(a + b for a, b in zip(cols["prefill_tokens"], cols["decode_tokens"])), 1)
+    qmax = max(max(cols["waiting"] + cols["running"] + cols["swapped"]), 1)
+    fig.update_yaxes(title_text="tokens", range=[0, ymax * 1.08], row=1, col=1)
+    fig.update_yaxes(title_text="requests", range=[0, qmax * 1.15], row=2, col=1)
+    fig.update_yaxes(type="category", categoryorder="array", categoryarray=shown, autorange="reversed", row=3, col=1)
+    fig.update_xaxes(range=[steps[0] - 0.5, steps[-1] + 0.5], row=3, col=1)
+    fig.update_xaxes(title_text="engine step", row=3, col=1)
+    fig.update_layout(barmode="overlay", bargap=0.1, height=330 + req_px + 90 + 90, margin=dict(l=70, r=20, t=60, b=50))
+    row_legends(fig, rows=3)
+    # frames: one per step
+    busy = (f["schedule_s"] + f["model_s"] + f["post_s"]).sum()
+    share = f"; the scheduler took {f['schedule_s'].sum() / busy:.1%} of the step time" if busy > 0 else ""
+    built = time.monotonic()
+    rec = _replay_frames(f, cells, steps, cols, lines, keep, title)
+    fig = replay_figure(fig, rec.frames, max_frames=max_frames, redraw=True, time_label="t",
+                        note=f"{n} steps, {sum(cols['prefill_tokens']):,} prefill + {sum(cols['decode_tokens']):,} decode "
+                             f"tokens{share}. The engine records every step anyway (StepRecord); these frames were built "
+                             f"from the records after the run, in {(time.monotonic() - built) * 1e3:.1f} ms")
+    return tidy_replay(fig)
+
+
+def _replay_animated_traces(fig, steps: list[int], cols: dict, lines: list[tuple]) -> None:
+    """The replay's traces that every frame gives new values, in the frames' order: the prefill and
+    decode bars, the queue's lines, the preemption marks, the batch's prefilling and decoding squares;
+    then row 3's colour key."""
+    import plotly.graph_objects as go
+
     fig.add_trace(go.Bar(x=steps, y=[], name="prefill tokens", marker_color=PREFILL, legend="legend",
                          hovertemplate="step %{x}: %{y} prefill tokens<extra></extra>"), row=1, col=1)
     # bars overlaid (the faint whole run sits under the played one): decode bars start on top of the prefill ones
     fig.add_trace(go.Bar(x=steps, y=[], base=cols["prefill_tokens"], name="decode tokens", marker_color=DECODE,
                          legend="legend", hovertemplate="step %{x}: %{y} decode tokens<extra></extra>"), row=1, col=1)
-    lines = [("waiting", "waiting (queue)", QUEUE), ("running", "running", RUNNING)]
-    if has_swap:
-        lines.append(("swapped", "swapped out", SWAPPED))
     for key, name, color in lines:
         fig.add_trace(go.Scatter(x=steps, y=[], name=name, mode="lines", line=dict(color=color, shape="hv"),
                                  legend="legend2", hovertemplate=f"step %{{x}}: %{{y}} {name}<extra></extra>"),
@@ -292,13 +334,18 @@ def scheduler_replay(frame, title: str = "Scheduler replay", max_frames: int = R
                                  marker=dict(symbol="square", size=10, color=color, line=dict(width=1, color="#000")),
                                  hovertemplate="%{y}: " + ("prefill chunk of" if kind == "prefilling" else "decoding,")
                                                + " %{customdata} tokens<extra></extra>"), row=3, col=1)
-    animated = len(fig.data)
     # the colour key of row 3 (a trace with no point has no legend entry: the animated ones are often empty)
     for kind, color in (("prefilling", PREFILL), ("decoding", DECODE)):
         fig.add_trace(go.Scatter(x=[None], y=[None], name=kind, mode="markers", legend="legend3", hoverinfo="skip",
                                  marker=dict(symbol="square", size=10, color=color, line=dict(width=1, color="#000"))),
                       row=3, col=1)
-    # the whole run, faint and fixed (not in the frames): the tokens and the queue too
+
+
+def _replay_whole_run_traces(fig, steps: list[int], cols: dict, lines: list[tuple], cells: list, keep: set) -> None:
+    """The whole run, faint and fixed behind the replay (not in the frames): the tokens, the queue and
+    the batches of the requests shown."""
+    import plotly.graph_objects as go
+
     fig.add_trace(go.Bar(x=steps, y=cols["prefill_tokens"], marker_color=PREFILL, opacity=FAINT, showlegend=False,
                          hoverinfo="skip"), row=1, col=1)
     fig.add_trace(go.Bar(x=steps, y=cols["decode_tokens"], base=cols["prefill_tokens"], marker_color=DECODE,
@@ -315,20 +362,15 @@ def scheduler_replay(frame, title: str = "Scheduler replay", max_frames: int = R
                     ys.append(str(rid))
         fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers", showlegend=False, hoverinfo="skip", opacity=FAINT,
                                  marker=dict(symbol="square", size=6, color=color)), row=3, col=1)
-    ymax = max(max(a + b for a, b in zip(cols["prefill_tokens"], cols["decode_tokens"])), 1)
-    qmax = max(max(cols["waiting"] + cols["running"] + cols["swapped"]), 1)
-    fig.update_yaxes(title_text="tokens", range=[0, ymax * 1.08], row=1, col=1)
-    fig.update_yaxes(title_text="requests", range=[0, qmax * 1.15], row=2, col=1)
-    fig.update_yaxes(type="category", categoryorder="array", categoryarray=shown, autorange="reversed", row=3, col=1)
-    fig.update_xaxes(range=[steps[0] - 0.5, steps[-1] + 0.5], row=3, col=1)
-    fig.update_xaxes(title_text="engine step", row=3, col=1)
-    fig.update_layout(barmode="overlay", bargap=0.1, height=330 + req_px + 90 + 90, margin=dict(l=70, r=20, t=60, b=50))
-    row_legends(fig, rows=3)
-    # frames: one per step
-    busy = (f["schedule_s"] + f["model_s"] + f["post_s"]).sum()
-    share = f"; the scheduler took {f['schedule_s'].sum() / busy:.1%} of the step time" if busy > 0 else ""
+
+
+def _replay_frames(f, cells: list, steps: list[int], cols: dict, lines: list[tuple], keep: set, title: str):
+    """A :class:`~workbench.lab.replay.Recorder` with one frame per step: the animated traces' values
+    up to the step (:func:`_replay_animated_traces`' order), its label (:func:`step_label`) in the
+    title, a dotted line at the step, stamped with the step's start in ms."""
+    from workbench.lab.replay import Recorder
+
     t0 = float(f["start"].iloc[0])
-    built = time.monotonic()
     rec = Recorder(max_frames=10_000)
     pre_so_far = 0
     pre_x: list = []
@@ -354,11 +396,7 @@ def scheduler_replay(frame, title: str = "Scheduler replay", max_frames: int = R
                 layout={"title": {"text": f"{title}<br><sup>{label}</sup>"},
                         "shapes": [dict(type="line", xref="x", yref="paper", x0=steps[i], x1=steps[i], y0=0, y1=1,
                                         line=dict(color="rgba(0,0,0,0.35)", width=1, dash="dot"))]})
-    fig = replay_figure(fig, rec.frames, max_frames=max_frames, redraw=True, time_label="t",
-                        note=f"{n} steps, {sum(cols['prefill_tokens']):,} prefill + {sum(cols['decode_tokens']):,} decode "
-                             f"tokens{share}. The engine records every step anyway (StepRecord); these frames were built "
-                             f"from the records after the run, in {(time.monotonic() - built) * 1e3:.1f} ms")
-    return tidy_replay(fig)
+    return rec
 
 
 def tidy_replay(fig, lift_px: int = 26):

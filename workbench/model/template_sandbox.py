@@ -16,6 +16,8 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Mapping
+from functools import update_wrapper
+from types import BuiltinMethodType, MethodType
 
 from workbench.model.template_budget import (
     _ACTIVE,
@@ -65,7 +67,7 @@ def _m_expandtabs(s, tabsize=8, *_, **__):
 
 
 def _m_replace(s, old, new, count=-1, *_, **__):
-    from markupsafe import Markup
+    from markupsafe import Markup  # lazy: markupsafe / jinja2 (~75 ms) only once a chat template is compiled
 
     n = s.count(old) if len(old) else len(s) + 1
     if _int(count, -1) >= 0:
@@ -142,18 +144,11 @@ def _formatters():
     return Bounded, BoundedEscape
 
 
-def _bounded_environment(**options):
-    """Jinja's immutable sandbox with every value-building operation bounded (see the module
-    docstring): the binary operators ``*``, ``**``, ``+``, ``%`` and ``~`` (concatenation), list,
-    tuple and dict literals, slices, every call of a global, a method or a filter, the text of a
-    block or macro (``concat``) and of an output (``finalize``)."""
-    from functools import update_wrapper
-    from types import BuiltinMethodType, MethodType
-
+def _code_generator():
+    """Jinja's code generator, writing the bounds into a template's code: ``a ~ b`` through the
+    environment's ``bounded_concat``, list, tuple and dict literals and slices through its ``checked``."""
     from jinja2 import nodes
     from jinja2.compiler import CodeGenerator, optimizeconst
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-    from markupsafe import Markup
 
     class Generator(CodeGenerator):
         @optimizeconst
@@ -192,12 +187,111 @@ def _bounded_environment(**options):
             else:
                 super().visit_Getitem(node, frame)
 
+    return Generator
+
+
+def _bounded_concat(values):
+    """``a ~ b``: each side's text (a value's text is within the limit), the total checked
+    before the join."""
+    m, parts, n = getattr(_ACTIVE, "meter", None) or _UNMETERED, [], 0
+    for v in values:
+        if not isinstance(v, str):
+            _need(m.size(v), "'~': a result")
+            v = str(v)
+        n += len(v)
+        if n > MAX_OUTPUT_CHARS:
+            raise _too_big("'~': a result", n)
+        parts.append(v)
+    out = "".join(parts)
+    if m.budget is not None:
+        m.built += sys.getsizeof(out)
+        if m.built > m.budget:
+            raise m._over("'~'")
+    return out
+
+
+def _concat(pieces):
+    """The text of a block, a macro, a ``{% set %}`` block, a filter block: the pieces it
+    wrote, counted before they are joined (they may be one long string many times)."""
+    m, parts, n = _meter(), [], 0
+    for s in pieces:
+        n += len(s)
+        _need(n, "a block's or macro's text")
+        parts.append(s)
+    out = "".join(parts)
+    m.charge(sys.getsizeof(out), "a block's or macro's text")
+    return out
+
+
+def _str_format_wrapper(env, value, formatter_class, escape_formatter_class):
+    """Jinja's sandboxed ``str.format`` / ``format_map`` of ``value``, its fields bounded by the
+    formatters of :func:`_formatters`; None for any other callable."""
+    from markupsafe import Markup
+
+    if not isinstance(value, (MethodType, BuiltinMethodType)) or value.__name__ not in ("format",
+                                                                                        "format_map"):
+        return None
+    f_self = value.__self__
+    if not isinstance(f_self, str):
+        return None
+    what = f"{value.__name__}()"
+    if isinstance(f_self, Markup):
+        formatter = escape_formatter_class(env, what, escape=f_self.escape)
+    else:
+        formatter = formatter_class(env, what)
+    str_type, is_format_map = type(f_self), value.__name__ == "format_map"
+
+    def wrapper(*args, **kwargs):
+        if is_format_map:
+            if kwargs:
+                raise TypeError("format_map() takes no keyword arguments")
+            if len(args) != 1:
+                raise TypeError(f"format_map() takes exactly one argument ({len(args)} given)")
+            kwargs, args = args[0], ()
+        return str_type(formatter.vformat(f_self, args, kwargs))
+
+    return update_wrapper(wrapper, value)       # a function: call() sees no str owner, the formatter bounds it
+
+
+def _check_method_call(name: str, owner, args, kwargs):
+    """A call of a str / bytes method or of ``int.to_bytes``: its arguments checked and its result
+    bounded before it is built.  Returns the arguments to call it with (``join``'s items, read once)."""
+    if isinstance(owner, (str, bytes, bytearray)):
+        what = f"{name}()"                        # 'x'.ljust(10**9), .center, .zfill, .expandtabs ...
+        _check_args(args, kwargs, what)
+        if name == "join":
+            args = _method_join(owner, args, kwargs, what)
+        elif name in _METHOD_BOUNDS:
+            try:
+                est = _METHOD_BOUNDS[name](owner, *args, **kwargs)
+            except (TypeError, ValueError, AttributeError):
+                est = 0                           # arguments the method itself refuses
+            _need(est, f"{what}: a result")
+    elif isinstance(owner, int) and name == "to_bytes":         # (1).to_bytes(10**9)
+        _check_args(args, kwargs, f"{name}()")
+        try:
+            est = _m_to_bytes(owner, *args, **kwargs)
+        except TypeError:
+            est = 0
+        _need(est, f"{name}(): a result")
+    return args
+
+
+def _bounded_environment(**options):
+    """Jinja's immutable sandbox with every value-building operation bounded (see the module
+    docstring): the binary operators ``*``, ``**``, ``+``, ``%`` and ``~`` (concatenation), list,
+    tuple and dict literals, slices, every call of a global, a method or a filter, the text of a
+    block or macro (``concat``) and of an output (``finalize``)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
     depth = threading.local()
     Formatter, EscapeFormatter = _formatters()
 
     class Bounded(ImmutableSandboxedEnvironment):
-        code_generator_class = Generator
+        code_generator_class = _code_generator()
         intercepted_binops = frozenset({"*", "**", "+", "%"})
+        bounded_concat = staticmethod(_bounded_concat)
+        concat = staticmethod(_concat)
 
         def call_binop(self, context, operator, left, right):
             if type(left) is str:                        # the common cases, kept short
@@ -215,86 +309,13 @@ def _bounded_environment(**options):
         def checked(value, what: str):
             return _meter().checked(value, what)
 
-        @staticmethod
-        def bounded_concat(values):
-            """``a ~ b``: each side's text (a value's text is within the limit), the total checked
-            before the join."""
-            m, parts, n = getattr(_ACTIVE, "meter", None) or _UNMETERED, [], 0
-            for v in values:
-                if not isinstance(v, str):
-                    _need(m.size(v), "'~': a result")
-                    v = str(v)
-                n += len(v)
-                if n > MAX_OUTPUT_CHARS:
-                    raise _too_big("'~': a result", n)
-                parts.append(v)
-            out = "".join(parts)
-            if m.budget is not None:
-                m.built += sys.getsizeof(out)
-                if m.built > m.budget:
-                    raise m._over("'~'")
-            return out
-
-        @staticmethod
-        def concat(pieces):
-            """The text of a block, a macro, a ``{% set %}`` block, a filter block: the pieces it
-            wrote, counted before they are joined (they may be one long string many times)."""
-            m, parts, n = _meter(), [], 0
-            for s in pieces:
-                n += len(s)
-                _need(n, "a block's or macro's text")
-                parts.append(s)
-            out = "".join(parts)
-            m.charge(sys.getsizeof(out), "a block's or macro's text")
-            return out
-
         def wrap_str_format(self, value):
             """Jinja's sandboxed ``str.format`` / ``format_map``, its fields bounded."""
-            if not isinstance(value, (MethodType, BuiltinMethodType)) or value.__name__ not in ("format",
-                                                                                                "format_map"):
-                return None
-            f_self = value.__self__
-            if not isinstance(f_self, str):
-                return None
-            what = f"{value.__name__}()"
-            if isinstance(f_self, Markup):
-                formatter = EscapeFormatter(self, what, escape=f_self.escape)
-            else:
-                formatter = Formatter(self, what)
-            str_type, is_format_map = type(f_self), value.__name__ == "format_map"
-
-            def wrapper(*args, **kwargs):
-                if is_format_map:
-                    if kwargs:
-                        raise TypeError("format_map() takes no keyword arguments")
-                    if len(args) != 1:
-                        raise TypeError(f"format_map() takes exactly one argument ({len(args)} given)")
-                    kwargs, args = args[0], ()
-                return str_type(formatter.vformat(f_self, args, kwargs))
-
-            return update_wrapper(wrapper, value)       # a function: call() sees no str owner, the formatter bounds it
+            return _str_format_wrapper(self, value, Formatter, EscapeFormatter)
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - Jinja's own signature
             name = getattr(__obj, "__name__", type(__obj).__name__)
-            owner = getattr(__obj, "__self__", None)
-            if isinstance(owner, (str, bytes, bytearray)):
-                what = f"{name}()"                        # 'x'.ljust(10**9), .center, .zfill, .expandtabs ...
-                _check_args(args, kwargs, what)
-                if name == "join":
-                    args = _method_join(owner, args, kwargs, what)
-                elif name in _METHOD_BOUNDS:
-                    try:
-                        est = _METHOD_BOUNDS[name](owner, *args, **kwargs)
-                    except (TypeError, ValueError, AttributeError):
-                        est = 0                           # arguments the method itself refuses
-                    _need(est, f"{what}: a result")
-            elif isinstance(owner, int) and name == "to_bytes":         # (1).to_bytes(10**9)
-                _check_args(args, kwargs, f"{name}()")
-                try:
-                    est = _m_to_bytes(owner, *args, **kwargs)
-                except TypeError:
-                    est = 0
-                _need(est, f"{name}(): a result")
+            args = _check_method_call(name, getattr(__obj, "__self__", None), args, kwargs)
             level = getattr(depth, "level", 0)
             if level >= MAX_CALL_DEPTH:
                 raise _TooDeep(f"nests calls more than {MAX_CALL_DEPTH} deep (a macro calling itself?)")
