@@ -90,8 +90,7 @@ def make_engine(random_llm, sched: SchedulerConfig, block_size: int, num_blocks:
     clock = FakeClock()
     eng = LLMEngine(random_llm, scheduler=sched, clock=clock,
                     kv=PagedKVConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching),
-                    runner=object())   # replaced below, once the pool exists
-    eng.runner = FakeRunner(eng.pool.manager)
+                    runner=lambda pool: FakeRunner(pool.manager))   # made for the engine's pool
     return eng, clock
 
 
@@ -223,6 +222,19 @@ def test_higher_priority_arrival_preempts_when_the_pool_is_full(random_llm):
         clock.t += 1
     for rid, prompt in ((low, list(range(1, 8))), (high, list(range(1, 6)))):
         assert eng.get_output(rid).token_ids == alone_output(prompt, 4)
+
+
+def test_custom_runner_is_a_runner_or_a_callable_taking_the_pool(random_llm):
+    from workbench.errors import ConfigError
+
+    kv = PagedKVConfig(block_size=2, num_blocks=8)
+    fake = FakeRunner(None)
+    assert LLMEngine(random_llm, kv=kv, runner=fake).runner is fake
+    eng = LLMEngine(random_llm, kv=kv, runner=lambda pool: FakeRunner(pool.manager))
+    assert isinstance(eng.runner, FakeRunner) and eng.runner.m is eng.pool.manager
+    for bad in (object(), lambda pool: None):
+        with pytest.raises(ConfigError, match="runner= must be a runner"):
+            LLMEngine(random_llm, kv=kv, runner=bad)
 
 
 def test_queue_limit_and_never_fitting_prompts_are_rejected_with_reasons(random_llm):

@@ -32,13 +32,20 @@ speed studies; on a GPU in bf16 it is off by default.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
 import torch
 
+from workbench.engine.sizing import _buckets
 from workbench.errors import ConfigError
 from workbench.kv.batch import PagedBatchCache, SequenceBatchCache
 from workbench.kv.paged import PagedKVPool, PagedSequenceCache
 from workbench.model.decoder import CausalLM
 from workbench.sched.scheduler import ScheduledSeq, SwapIn, SwapOut
+
+if TYPE_CHECKING:
+    from workbench.engine.caches import CacheFactory
 
 MIN_ROWS = 16
 
@@ -81,7 +88,91 @@ def _direct(model: CausalLM, s: ScheduledSeq, cache, device) -> torch.Tensor:
     return logits[logits.shape[0] - k:]
 
 
-class ModelRunner:
+def custom_runner(runner, pool: PagedKVPool):
+    """What ``LLMEngine(..., runner=...)`` runs on: ``runner`` itself when it is a runner (it has
+    ``execute``), else ``runner(pool)`` - a runner made for the engine's paged pool (a fake one
+    that reads the block tables: ``runner=lambda pool: FakeRunner(pool.manager)``)."""
+    if hasattr(runner, "execute") and not isinstance(runner, type):
+        return runner
+    made = runner(pool) if callable(runner) else None
+    if not hasattr(made, "execute"):
+        got = type(runner).__name__ if made is None else f"a callable returning {type(made).__name__}"
+        raise ConfigError(f"LLMEngine: runner= must be a runner (with execute) or a callable taking the pool "
+                          f"and returning one, got {got}")
+    return made
+
+
+class Runner(ABC):
+    """A runner: the step's forward (``execute``: logits [k, vocab] for the sequences that sample,
+    in order), and the KV copies of preemption by swapping (``swap_out`` / ``swap_in``, and
+    ``drop_swap`` when a request ends).  This base runs a step the two ways every runner shares -
+    ``direct`` (one sequence per step: the reference call ``model(ids, start, cache,
+    logits_to_keep=k)``) or packed (all tokens in one row, padded for batch invariance) - over
+    the cache a subclass hands it; its KV is not swappable (per-sequence caches)."""
+
+    def __init__(self, model: CausalLM, pool: PagedKVPool, direct: bool, batch_invariant: bool | None) -> None:
+        self.model, self.pool, self.direct = model, pool, direct
+        self.device = model.device
+        self.batch_invariant = default_batch_invariant(model, batch_invariant)
+
+    @abstractmethod
+    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """Run the step; returns logits [k, vocab] for the sequences that sample (in order)."""
+
+    def swap_out(self, s: SwapOut) -> None:
+        raise ConfigError("per-sequence KV caches are not swapped; use preemption_mode='recompute'")
+
+    def swap_in(self, s: SwapIn) -> None:
+        self.swap_out(s)
+
+    def drop_swap(self, request_id: str) -> None:
+        """``request_id`` ended: whatever was kept for it while swapped out goes (here: nothing)."""
+        return
+
+    def _forward(self, scheduled: list[ScheduledSeq], direct_cache, batch_cache) -> torch.Tensor:
+        """The step over the runner's caches: ``direct_cache()`` for the reference call (``direct``,
+        one sequence), else one packed forward over ``batch_cache(packed)``."""
+        if self.direct and len(scheduled) == 1:
+            return _direct(self.model, scheduled[0], direct_cache(), self.device)
+        p = _Packed(scheduled, MIN_ROWS if self.batch_invariant else 0, self.device)
+        logits = self.model(p.ids, cache=batch_cache(p), positions=p.positions, logits_rows=p.logits_rows,
+                            max_position=p.max_position)
+        return logits[:p.num_logits]
+
+
+class StaticSteps:
+    """Static decode steps for a runner (mixed in before it): ``decoder`` (a static decoder made
+    for the batch-size buckets 1, 2, 4, ... up to ``max_seqs``, ``torch.compile``'d with
+    ``compile``, captured per bucket with ``cuda_graphs``) runs a step whose rows are all one
+    token; a step with a longer prompt chunk runs as the runner underneath runs it, in one eager
+    forward (``static_steps`` / ``eager_steps`` count them)."""
+
+    def _build_static(self, make_decoder, max_seqs: int, compile: bool, cuda_graphs: bool) -> None:
+        """``make_decoder(buckets)`` -> the static decoder; compiled and captured here."""
+        self.max_seqs = max_seqs
+        self.decoder = make_decoder(tuple(_buckets(max_seqs)))
+        self.static_steps = self.eager_steps = 0       # how the steps ran (the engine's breakdown reads them)
+        if compile:
+            self.decoder.compile()
+        if cuda_graphs:
+            self.decoder.capture(strict=True)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        if any(s.num_tokens > 1 for s in scheduled):
+            # a prompt chunk: the whole step, decode rows included, in one eager forward (one read of the
+            # weights, not one forward per prompt and a static call for the decode rows)
+            self.eager_steps += 1
+            return super().execute(scheduled)
+        self.static_steps += 1
+        return self._static_step(scheduled)
+
+    def _static_step(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """One static call for a step of one-token rows."""
+        raise NotImplementedError
+
+
+class ModelRunner(Runner):
     """Packed steps over the paged pool (and swap copies for preemption by swapping).  ``direct``
     (one sequence per step, the LLM front's default): a step is ``model(ids, start,
     PagedSequenceCache, logits_to_keep=1)``, the reference call over the sequence's blocks -
@@ -89,12 +180,10 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, pool: PagedKVPool, batch_invariant: bool | None = None,
                  direct: bool = False) -> None:
-        self.model, self.pool, self.direct = model, pool, direct
+        super().__init__(model, pool, direct, batch_invariant)
         cfg = model.config
         self.nkv, self.hd = cfg.num_key_value_heads, cfg.head_dim
         self.window = cfg.sliding_window
-        self.device = model.device
-        self.batch_invariant = default_batch_invariant(model, batch_invariant)
         self.swap_space: dict[str, torch.Tensor] = {}   # seq id -> KV [L, 2, n, nkv, hd] on the host
 
     # ---- preemption by swapping ------------------------------------------------------------
@@ -153,18 +242,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Run the step; returns logits [k, vocab] for the sequences that sample (in order)."""
-        if self.direct and len(scheduled) == 1:
-            s = scheduled[0]
-            return _direct(self.model, s, PagedSequenceCache(self.pool, s.seq.request_id, s.start), self.device)
-        p = _Packed(scheduled, MIN_ROWS if self.batch_invariant else 0, self.device)
-        cache = PagedBatchCache(self.pool, [(s.seq.request_id, s.start, s.num_tokens) for s in scheduled],
-                                p.rows, self.batch_invariant, self.window)
-        logits = self.model(p.ids, cache=cache, positions=p.positions, logits_rows=p.logits_rows,
-                            max_position=p.max_position)
-        return logits[:p.num_logits]
+        return self._forward(
+            scheduled, lambda: PagedSequenceCache(self.pool, scheduled[0].seq.request_id, scheduled[0].start),
+            lambda p: PagedBatchCache(self.pool, [(s.seq.request_id, s.start, s.num_tokens) for s in scheduled],
+                                      p.rows, self.batch_invariant, self.window))
 
 
-class PagedStaticRunner(ModelRunner):
+class PagedStaticRunner(StaticSteps, ModelRunner):
     """The paged pool with static decode steps (:class:`~workbench.transforms.paged_graphs.PagedDecoder`):
     a step whose rows are all one token (decode tokens, and one-token prompt chunks) is one static
     call over the pool, ``torch.compile``'d (``compile``) and/or replayed from a CUDA graph per
@@ -186,21 +270,10 @@ class PagedStaticRunner(ModelRunner):
         from workbench.transforms.paged_graphs import PagedDecoder
 
         super().__init__(model, pool, batch_invariant=False, direct=max_seqs == 1)
-        buckets = sorted({min(1 << i, max_seqs) for i in range(max_seqs.bit_length() + 1)})
-        self.max_seqs = max_seqs
-        self.decoder = PagedDecoder(model, pool, -(-max_len // pool.block_size), tuple(buckets))
-        self.static_steps = self.eager_steps = 0       # how the steps ran (the engine's breakdown reads them)
-        if compile:
-            self.decoder.compile()
-        if cuda_graphs:
-            self.decoder.capture(strict=True)
+        self._build_static(lambda buckets: PagedDecoder(model, pool, -(-max_len // pool.block_size), buckets),
+                           max_seqs, compile, cuda_graphs)
 
-    @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        if any(s.num_tokens > 1 for s in scheduled):   # a prompt chunk: the whole step in one eager forward
-            self.eager_steps += 1
-            return super().execute(scheduled)
-        self.static_steps += 1
+    def _static_step(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         m = self.pool.manager
         step = self.decoder.decode([s.seq.tokens[s.start] for s in scheduled], [s.start for s in scheduled],
                                    [m.block_table(s.seq.request_id) for s in scheduled])
@@ -210,64 +283,51 @@ class PagedStaticRunner(ModelRunner):
         return step[keep] if keep else step[:0]
 
 
-class ContiguousRunner:
-    """Steps over one cache per sequence, made by ``make_cache(max_len)`` when a sequence is
+class ContiguousRunner(Runner):
+    """Steps over one cache per sequence, made by ``caches`` (a
+    :class:`~workbench.engine.caches.CacheFactory`: ``caches.make(max_len)``) when a sequence is
     first scheduled and dropped when its blocks are freed (it finished, was aborted or was
     preempted by recompute).  ``pool``: the engine's block accounting (no tensors), whose
     listeners tell this runner when a sequence ends.  ``direct``: one sequence per step runs
     the reference call ``model(ids, start, cache, logits_to_keep=1)`` (the reference
     configuration); otherwise steps are packed (padded for batch invariance)."""
 
-    def __init__(self, model: CausalLM, pool: PagedKVPool, make_cache, direct: bool = True,
-                 batch_invariant: bool | None = None, keep_last: bool = False) -> None:
-        self.model, self.pool, self.make_cache, self.direct = model, pool, make_cache, direct
-        self.device = model.device
-        self.batch_invariant = default_batch_invariant(model, batch_invariant)
+    def __init__(self, model: CausalLM, pool: PagedKVPool, caches: CacheFactory | None, direct: bool = True,
+                 batch_invariant: bool | None = None) -> None:
+        super().__init__(model, pool, direct, batch_invariant)
+        self.cache_factory = caches
         self.caches: dict[str, object] = {}   # live sequence id -> its cache
-        self.keep_last = keep_last            # keep the last ended sequence's cache (tiered: inspectors read it)
-        self.last_cache = None
+        self.last_cache = None                # the last ended sequence's cache, when the factory keeps it
         pool.listeners.append(self._on_pool_event)
 
     def _on_pool_event(self, event: str, seq_id: str) -> None:
         if event == "end" and seq_id in self.caches:
-            cache = self.caches.pop(seq_id)
-            if self.keep_last:          # the previous last cache is done with (inspectors read the newest)
-                if hasattr(cache, "finish"):
-                    cache.finish()      # a physical tiered cache: predicted copies cancelled, staging freed
+            cache, factory = self.caches.pop(seq_id), self.cache_factory
+            if factory.keep_last:       # the previous last cache is done with (inspectors read the newest)
+                factory.finish(cache)
                 cache, self.last_cache = self.last_cache, cache
-            if cache is not None and hasattr(cache, "release"):
-                cache.release()         # a physical tiered cache: its offload records and staging go
-
-    def swap_out(self, s: SwapOut) -> None:
-        raise ConfigError("per-sequence KV caches are not swapped; use preemption_mode='recompute'")
-
-    swap_in = swap_out
-
-    def drop_swap(self, request_id: str) -> None:
-        pass
+            if cache is not None:
+                factory.release(cache)
 
     def _cache(self, s: ScheduledSeq):
         rid = s.seq.request_id
         cache = self.caches.get(rid)
         if cache is None:
-            cache = self.caches[rid] = self.make_cache(s.seq.prompt_len + s.seq.max_new)
+            cache = self.caches[rid] = self.cache_factory.make(s.seq.prompt_len + s.seq.max_new)
         return cache
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         caches = [self._cache(s) for s in scheduled]
-        if self.direct and len(scheduled) == 1:
-            return _direct(self.model, scheduled[0], caches[0], self.device)
-        p = _Packed(scheduled, MIN_ROWS if self.batch_invariant else 0, self.device)
-        batch = SequenceBatchCache([(c, s.start, s.num_tokens) for c, s in zip(caches, scheduled)])
-        logits = self.model(p.ids, cache=batch, positions=p.positions, logits_rows=p.logits_rows,
-                            max_position=p.max_position)
-        for c, s in zip(caches, scheduled):
-            c.length = s.start + s.num_tokens
-        return logits[:p.num_logits]
+        logits = self._forward(scheduled, lambda: caches[0], lambda p: SequenceBatchCache(
+            [(c, s.start, s.num_tokens) for c, s in zip(caches, scheduled)]))
+        if not (self.direct and len(scheduled) == 1):
+            for c, s in zip(caches, scheduled):
+                c.length = s.start + s.num_tokens
+        return logits
 
 
-class StaticRunner(ContiguousRunner):
+class StaticRunner(StaticSteps, ContiguousRunner):
     """Decode steps on static buffers (:class:`~workbench.transforms.cuda_graphs.GraphedDecoder`): one
     contiguous cache row per running sequence, rows kept packed (a sequence that ends hands its
     row to the last one).  ``compile``: the static step is ``torch.compile``'d (on a CPU,
@@ -287,14 +347,8 @@ class StaticRunner(ContiguousRunner):
                  compile: bool = False, cuda_graphs: bool = False) -> None:
         from workbench.transforms.cuda_graphs import GraphedDecoder
 
-        buckets = sorted({min(1 << i, max_seqs) for i in range(max_seqs.bit_length() + 1)})
-        self.max_seqs = max_seqs
-        self.decoder = GraphedDecoder(model, max_len, tuple(buckets))
-        if compile:
-            self.decoder.compile()
-        if cuda_graphs:
-            self.decoder.capture(strict=True)
-        super().__init__(model, pool, make_cache=None, direct=True, batch_invariant=False)
+        self._build_static(lambda buckets: GraphedDecoder(model, max_len, buckets), max_seqs, compile, cuda_graphs)
+        super().__init__(model, pool, caches=None, direct=True, batch_invariant=False)
         self.rows: dict[str, int] = {}        # live sequence id -> its cache row (0..n-1)
 
     def _on_pool_event(self, event: str, seq_id: str) -> None:
@@ -317,10 +371,9 @@ class StaticRunner(ContiguousRunner):
         for s in scheduled:
             if s.seq.request_id not in self.rows:
                 self.rows[s.seq.request_id] = len(self.rows)
-        if any(s.num_tokens > 1 for s in scheduled):
-            # a prompt chunk: the whole step in one eager forward over the rows (one read of the weights,
-            # not one forward per prompt and a static call for the decode rows)
-            return super().execute(scheduled)
+        return super().execute(scheduled)
+
+    def _static_step(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         tokens: list = [None] * len(self.rows)          # row i decodes tokens[i]; None: row i sits this step out
         positions = [0] * len(self.rows)
         for s in scheduled:
