@@ -79,15 +79,6 @@ class _Packed:
         self.logits_rows = torch.tensor(last, dtype=torch.long, device=device)
 
 
-def _direct(model: CausalLM, s: ScheduledSeq, cache, device) -> torch.Tensor:
-    """One sequence's chunk as the reference call ``model(ids, start, cache, logits_to_keep=k)``:
-    logits of its last ``s.logit_rows`` positions."""
-    ids = torch.tensor([s.seq.tokens[s.start:s.start + s.num_tokens]], device=device)
-    k = s.logit_rows
-    logits = model(ids, s.start, cache, logits_to_keep=max(k, 1))[0]
-    return logits[logits.shape[0] - k:]
-
-
 def custom_runner(runner, pool: PagedKVPool):
     """What ``LLMEngine(..., runner=...)`` runs on: ``runner`` itself when it is a runner (it has
     ``execute``), else ``runner(pool)`` - a runner made for the engine's paged pool (a fake one
@@ -133,7 +124,13 @@ class Runner(ABC):
         """The step over the runner's caches: ``direct_cache()`` for the reference call (``direct``,
         one sequence), else one packed forward over ``batch_cache(packed)``."""
         if self.direct and len(scheduled) == 1:
-            return _direct(self.model, scheduled[0], direct_cache(), self.device)
+            # one sequence's chunk as the reference call model(ids, start, cache, logits_to_keep=k): logits of
+            # its last s.logit_rows positions
+            s = scheduled[0]
+            ids = torch.tensor([s.seq.tokens[s.start:s.start + s.num_tokens]], device=self.device)
+            k = s.logit_rows
+            logits = self.model(ids, s.start, direct_cache(), logits_to_keep=max(k, 1))[0]
+            return logits[logits.shape[0] - k:]
         p = _Packed(scheduled, MIN_ROWS if self.batch_invariant else 0, self.device)
         logits = self.model(p.ids, cache=batch_cache(p), positions=p.positions, logits_rows=p.logits_rows,
                             max_position=p.max_position)
