@@ -92,6 +92,7 @@ _EXPORTS = _exports({
     "workbench.engine.llm": "LLM",
     "workbench.engine.types": "RequestOutput StreamEvent",
     "workbench.engine.core": "LLMEngine",
+    "workbench.engine.config": "EngineConfig",
     "workbench.engine.async_engine": "AsyncEngine",
     "workbench.engine.metrics": "RequestMetrics summarize",
     "workbench.sched.config": "SchedulerConfig",

@@ -1,5 +1,7 @@
 """The engine: one core that every layer plugs into, and its fronts.
 
+* ``config``: :class:`EngineConfig` - one configuration (KV, scheduler, fast paths, tiers,
+  quantization, weight streaming, memory, loading), every refused combination decided in one place;
 * ``core``: :class:`LLMEngine` - scheduler + block accounting + runner + outputs, per-step records,
   fault isolation, parallel sampling (forks);
 * ``runners``: one batched forward per step - over the paged pool, over a cache per sequence
@@ -23,7 +25,8 @@ _EXPORTS = exports({
     "workbench.engine.sampling": "SamplingParams",
     "workbench.engine.types": "RequestOutput StreamEvent",
     "workbench.engine.metrics": "RequestMetrics summarize",
-    "workbench.engine.runners": "ModelRunner ContiguousRunner StaticRunner",
+    "workbench.engine.config": "EngineConfig FastPathConfig LoadOptions QuantConfig TierSetup",
+    "workbench.engine.runners": "Runner ModelRunner ContiguousRunner StaticRunner PagedStaticRunner",
     "workbench.engine.traces": "Trace TraceRequest ReplayResult replay",
 })
 __all__ = list(_EXPORTS)

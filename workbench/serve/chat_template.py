@@ -9,7 +9,7 @@ on ``messages``).  This module re-exports its names for the server (``state``, `
 from __future__ import annotations
 
 from workbench.model import chat_template as _model
-from workbench.model.chat_template import (
+from workbench.model.chat_template import (  # noqa: F401 - re-exported for the server (__all__ below)
     GROWING_FILTERS,
     GROWING_METHODS,
     LINEAR_FILTERS,
