@@ -49,16 +49,19 @@ def format_result(res: CalibrationResult) -> str:
            f"evaluation), {d['tokens']:,} tokens; tokens per row {rt['min']}..{rt['max']} (p10 {rt['p10']}, median "
            f"{rt['median']}, p90 {rt['p90']}); split by {repr(d['group_field']) if d['group_field'] else 'row'}; "
            f"windows of {d['context']} tokens spread over each part: search {d['search_windows']} "
-           f"({d['search_scored_tokens']:,} scored tokens from {d['search_rows_used']} of its {d['search_rows']} rows), "
+           f"({d['search_scored_tokens']:,} scored tokens from {d['search_rows_used']} of its {d['search_rows']} "
+           f"rows), "
            f"confirmation {d['confirmation_windows']} ({d['confirmation_scored_tokens']:,} from "
            f"{d['confirmation_rows_used']} of {d['confirmation_rows']} rows), calibration {d['calibration_windows']}",
-           f"overlap (8-token n-grams): calibration part vs evaluation part {100 * d['overlap_calibration_vs_evaluation_8gram']:.2f}%, "
+           f"overlap (8-token n-grams): calibration part vs evaluation part "
+           f"{100 * d['overlap_calibration_vs_evaluation_8gram']:.2f}%, "
            f"with the bundled held-out perplexity split {100 * d['overlap_with_heldout_perplexity_split_8gram']:.2f}%; "
            f"rows found verbatim there: {d['rows_verbatim_in_heldout']}"]
     out += [f"warning: {w}" for w in res.warnings]
     r = res.reference["search"]
     out.append(f"unquantized model on the search text: ppl {r['ppl']:.3f}, top-1 {100 * r['top1']:.1f}%"
-               + (f", exact match {100 * r['exact_match']:.1f}% of {r['prompts']} prompts" if r["exact_match"] is not None else "")
+               + (f", exact match {100 * r['exact_match']:.1f}% of {r['prompts']} prompts"
+                  if r["exact_match"] is not None else "")
                + f"; target: {metric} degradation <= {describe_degradation(metric, res.max_degradation)} "
                f"({res.degradation_units}); objective: {res.objective}; backend {res.backend}, "
                f"{res.threads} thread(s)")
@@ -136,7 +139,8 @@ def cmd_calibrate_quant(args) -> int:
     except ImportError:                     # plotly is optional for the core package
         pass
     if args.json:
-        print(json.dumps({"result": res.as_dict(), "files": {k: str(v) for k, v in paths.items()}}, indent=2, default=str))
+        print(json.dumps({"result": res.as_dict(), "files": {k: str(v) for k, v in paths.items()}}, indent=2,
+                         default=str))
         return 0
     print(format_result(res))
     if "recipe" not in paths:
@@ -202,8 +206,8 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--text-field", default="text", help="the field holding each row's text")
     p.add_argument("--max-dataset-tokens", type=count, default=DATASET_TOKENS_LIMIT,
                    help="most tokens the dataset's rows may hold (default %(default)s; the file is also limited to "
-                        f"{DATASET_BYTES_LIMIT >> 20} MiB and a row to {ROW_BYTES_LIMIT >> 20} MiB): past it, refused at "
-                        "its line before the rest is read or tokenized")
+                        f"{DATASET_BYTES_LIMIT >> 20} MiB and a row to {ROW_BYTES_LIMIT >> 20} MiB): past it, "
+                        "refused at its line before the rest is read or tokenized")
     p.add_argument("--memory-budget", default=None, metavar="BYTES",
                    help="most host memory the tokenized dataset may take, e.g. 2G or 512M (default: what the machine "
                         "has available, MemAvailable)")
@@ -216,7 +220,8 @@ def add_calibrate_parser(sub) -> None:
                         f"(defaults {', '.join(f'{k} {v}' for k, v in DEFAULT_LIMITS.items())})")
     p.add_argument("--search-space", default=None,
                    help="comma-separated schemes (each layer may also stay dense); default: "
-                        f"{DEFAULT_SPACES['cpu']} on a CPU (W8A8 runs torch._int_mm there), {DEFAULT_SPACES['cuda']} on a GPU")
+                        f"{DEFAULT_SPACES['cpu']} on a CPU (W8A8 runs torch._int_mm there), "
+                        f"{DEFAULT_SPACES['cuda']} on a GPU")
     p.add_argument("--objective", choices=OBJECTIVES, default="memory",
                    help="minimise measured resident bytes or measured decode-step latency")
     p.add_argument("--memory", choices=("stored", "resident"), default="stored",
@@ -238,7 +243,8 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--em-prompt", type=int, default=64, help="exact_match: prompt tokens")
     p.add_argument("--em-tokens", type=int, default=4, help="exact_match: continuation tokens to match")
     p.add_argument("--em-prompts", type=int, default=32, help="exact_match: prompts")
-    p.add_argument("--max-measured", type=int, default=10, help="mixes quantized and measured for real (at least the uniform ones: one per scheme)")
+    p.add_argument("--max-measured", type=int, default=10,
+                   help="mixes quantized and measured for real (at least the uniform ones: one per scheme)")
     p.add_argument("--decode-steps", type=int, default=16, help="latency: decode steps per round")
     p.add_argument("--rounds", type=int, default=5, help="latency: interleaved rounds per mix")
     p.add_argument("--threads", default=None, help="torch threads: N or auto (default min(2, CPUs))")

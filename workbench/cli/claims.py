@@ -38,7 +38,8 @@ def cmd_claims(args) -> int:
 
 def add_claims_parser(sub) -> None:
     p = sub.add_parser("claims", help="the claims lab: each claim of the source articles measured here, with a verdict")
-    p.add_argument("--json", action="store_true", help="print the claims as JSON (meta, one object per claim, problems)")
+    p.add_argument("--json", action="store_true",
+                   help="print the claims as JSON (meta, one object per claim, problems)")
     p.add_argument("--mode", default="full", choices=("smoke", "full"),
                    help="smoke: the smallest sizes that still give a verdict (about a minute on 2 cores); "
                         "full: the sizes the closing figures use (default)")
@@ -46,7 +47,8 @@ def add_claims_parser(sub) -> None:
     p.add_argument("--list", action="store_true", help="list the claims and exit")
     p.add_argument("--out", default=None, help="also write the JSON document to this file")
     p.add_argument("--progress", action="store_true", help="print each claim as it is measured (to stdout)")
-    p.add_argument("--model", default=None, help="Hugging Face-format folder or preset:<name> (default: the bundled model)")
+    p.add_argument("--model", default=None,
+                   help="Hugging Face-format folder or preset:<name> (default: the bundled model)")
     p.add_argument("--device", default=None, help="cpu (default) or cuda")
     p.add_argument("--threads", default=None, help="torch threads on a CPU (default: measured at load)")
     p.set_defaults(func=cmd_claims)

@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--device", default=None)
     st.add_argument("--workers", type=int, default=0, help="warmup: compile processes (0: none, compile on first run)")
     st.add_argument("--no-inductor", action="store_true", help="warmup: skip torch.compile of the kernel bench's ops")
-    st.add_argument("--budget-s", type=float, default=None, help="warmup / prefetch-stream: stop starting work past this")
+    st.add_argument("--budget-s", type=float, default=None,
+                    help="warmup / prefetch-stream: stop starting work past this")
     st.add_argument("--shard", type=int, default=0)
     st.add_argument("--shards", type=int, default=1)
     st.add_argument("--kernel-ms", default="1,4,16,64", help="quant-kernels: rows m")

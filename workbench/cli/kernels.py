@@ -128,7 +128,7 @@ def cmd_kernels_aot(args: argparse.Namespace) -> int:
     try:
         targets = tuple(int(t.removeprefix("sm_").removeprefix("sm")) for t in _split(args.targets))
     except ValueError:
-        raise WorkbenchError(f"--targets {args.targets!r}: expected capabilities such as 90,80")
+        raise WorkbenchError(f"--targets {args.targets!r}: expected capabilities such as 90,80") from None
     dtypes = DTYPES if args.dtypes.strip() == "all" else _split(args.dtypes)
     from workbench.bench.kernel_cases import bench_launch_cases
 

@@ -111,7 +111,8 @@ def discover_model_card(url: str, api_key: str | None = None, timeout: float = 1
     try:
         r = httpx.get(base + "/models", headers=headers, timeout=timeout)
     except httpx.HTTPError as e:
-        raise WorkbenchError(f"--url {url}: cannot reach the server ({type(e).__name__}: {e}); is it running?") from None
+        raise WorkbenchError(f"--url {url}: cannot reach the server ({type(e).__name__}: {e}); "
+                             "is it running?") from None
     if r.status_code != 200:
         raise WorkbenchError(f"--url {url}: GET /v1/models answered HTTP {r.status_code}; pass --served-model-name")
     try:
@@ -285,7 +286,8 @@ def run_load_command(url: str | None = None, model: str | None = None, device: s
         if mode != "closed" and not rate:
             raise ConfigError(f"--mode {mode} needs --stages or --rate R (requests/s)")
         if max_requests is None and max_seconds is None:
-            raise ConfigError("without --stages the load never ends by itself: give --max-requests and/or --max-seconds")
+            raise ConfigError("without --stages the load never ends by itself: "
+                              "give --max-requests and/or --max-seconds")
     sampling = {} if temperature is None else {"temperature": temperature}
     cfg = LoadConfig(mode=mode, stages=stages or None, rate=rate, concurrency=concurrency, max_requests=max_requests,
                      max_duration_s=max_seconds, max_tokens=max_tokens,
@@ -351,7 +353,8 @@ def _run(cfg, url, model, device, dtype, served_model_name, api_key, chat, slo_f
         from workbench.load.engine_target import EngineTarget
 
         if chat:
-            raise ConfigError("--chat applies to --url (the server's chat template); in process the prompt is sent as is")
+            raise ConfigError("--chat applies to --url (the server's chat template); "
+                              "in process the prompt is sent as is")
         sched = SchedulerConfig(max_num_seqs=max_num_seqs) if max_num_seqs else None
         engine_target = target = EngineTarget.from_model(model, device=device, dtype=dtype, scheduler=sched)
         info = {"target": "in-process", "model": model or "bundled", "device": str(engine_target.engine.device)}

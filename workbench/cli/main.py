@@ -8,7 +8,8 @@ This module builds the parser from the subcommands' modules (in the order ``--he
 :mod:`~workbench.cli.model` (generate, info, kv-inspect), :mod:`~workbench.cli.bench` (bench,
 prefix-bench, sched-bench), :mod:`~workbench.cli.notebooks` (run-notebooks),
 :mod:`~workbench.cli.serve`, :mod:`~workbench.cli.kernels` (kernels-bench, kernels-aot),
-:mod:`~workbench.cli.load`, :mod:`~workbench.cli.tune` (tune: notebook 06 on your own trace), :mod:`~workbench.cli.prefetch` (prefetch-bench), :mod:`~workbench.cli.tiers`
+:mod:`~workbench.cli.load`, :mod:`~workbench.cli.tune` (tune: notebook 06 on your own trace),
+:mod:`~workbench.cli.prefetch` (prefetch-bench), :mod:`~workbench.cli.tiers`
 (tier-bench), :mod:`~workbench.cli.quant` (quant-bench), :mod:`~workbench.cli.quantize` (quantize: a
 compressed-tensors checkpoint), :mod:`~workbench.cli.calibrate` (calibrate-quant), :mod:`~workbench.cli.claims`
 (the claims lab), :mod:`~workbench.cli.decode_stack` (decode-stack: the paged decode stack against the

@@ -152,7 +152,8 @@ def add_generate_parser(sub) -> None:
 
 def add_info_parser(sub) -> None:
     i = sub.add_parser("info", help="describe a model from its config: shapes, parameters, KV bytes per token")
-    i.add_argument("--model", default=None, help="Hugging Face–format folder, preset:<name>, or omit for the bundled model")
+    i.add_argument("--model", default=None,
+                   help="Hugging Face–format folder, preset:<name>, or omit for the bundled model")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_info)
 

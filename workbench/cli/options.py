@@ -61,13 +61,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_quant_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", default=None,
-                   help="quantize the linear layers: w8a16 | w4a16 | w4a8 | w8a8, options joined by ':' - gN (group), "
-                        "pc (per channel), pt (per tensor), asym, fallback=pow2|per-channel, awq | gptq (calibrated on "
-                        "the bundled held-out calibration documents), smooth[=ALPHA] (SmoothQuant) - e.g. w4a16:g128:awq; "
-                        "A16 = the model's activation dtype (fp32 on a CPU), A8 = int8 per token")
+                   help="quantize the linear layers: w8a16 | w4a16 | w4a8 | w8a8, options joined by ':' - gN "
+                        "(group), pc (per channel), pt (per tensor), asym, fallback=pow2|per-channel, awq | gptq "
+                        "(calibrated on the bundled held-out calibration documents), smooth[=ALPHA] (SmoothQuant) - "
+                        "e.g. w4a16:g128:awq; A16 = the model's activation dtype (fp32 on a CPU), A8 = int8 per token")
     p.add_argument("--quant-backend", default="auto", choices=("auto", "reference", "cpu", "triton"),
-                   help="how quantized layers compute: auto (torch's packed CPU ops on a CPU, Triton kernels on a GPU), "
-                        "reference (dequantize, then matmul), cpu, triton; layers a backend cannot run keep the reference")
+                   help="how quantized layers compute: auto (torch's packed CPU ops on a CPU, Triton kernels on a "
+                        "GPU), reference (dequantize, then matmul), cpu, triton; layers a backend cannot run keep the "
+                        "reference")
 
 
 def add_backend_arg(p: argparse.ArgumentParser) -> None:
@@ -135,9 +136,11 @@ def add_tier_args(t) -> None:
     t.add_argument("--window", type=int, default=128, help="recent tokens kept hot")
     t.add_argument("--sink", type=int, default=4, help="first tokens kept hot")
     t.add_argument("--rank", type=int, default=8, help="PCA rank of warm keys")
-    t.add_argument("--warm-tokens", type=int, default=None, help="warm tokens before chunks turn cold (default: no cold zone)")
+    t.add_argument("--warm-tokens", type=int, default=None,
+                   help="warm tokens before chunks turn cold (default: no cold zone)")
     t.add_argument("--chunk", type=int, default=16, help="tokens per cold chunk")
-    t.add_argument("--block", type=int, default=None, help="routing block, a multiple of --chunk (default 16 rounded up)")
+    t.add_argument("--block", type=int, default=None,
+                   help="routing block, a multiple of --chunk (default 16 rounded up)")
     t.add_argument("--budget", type=int, default=None, help="tokens fetched exactly per step, layer and KV head")
     t.add_argument("--value-format", choices=["full", "int8"], default="full")
     t.add_argument("--key-space", choices=["post_rope", "pre_rope"], default="post_rope")

@@ -70,7 +70,8 @@ def format_ops(ops: list[dict]) -> str:
         dense = next(r for r in o["rows"] if r["side"] == "dense fp32")["ms_median"]
         for r in o["rows"]:
             rows.append([f"{o['shape'][0]}x{o['shape'][1]}", o["m"], r["side"],
-                         f"{r['ms_median']:.3f} [{r['ms_min']:.3f}..{r['ms_max']:.3f}]", f"{dense / r['ms_median']:.2f}x",
+                         f"{r['ms_median']:.3f} [{r['ms_min']:.3f}..{r['ms_max']:.3f}]",
+                         f"{dense / r['ms_median']:.2f}x",
                          _size(r["weight_bytes"]), f"{r['rel_error_vs_dense']:.2g}"])
     out.append(_table(["out x in", "m", "side", "ms", "vs dense", "weight bytes", "rel err vs dense"], rows))
     return "\n".join(out)
@@ -108,7 +109,8 @@ def cmd_quant_bench(args) -> int:
         try:
             shapes = tuple(tuple(int(v) for v in s.lower().split("x")) for s in args.kernel_shapes.split(","))
         except ValueError:
-            raise ConfigError(f"--kernel-shapes: expected OUTxIN,... (e.g. 4096x4096), got {args.kernel_shapes!r}") from None
+            raise ConfigError(f"--kernel-shapes: expected OUTxIN,... (e.g. 4096x4096), "
+                              f"got {args.kernel_shapes!r}") from None
         res["kernels"] = quant_kernel_rows(ms=ms, shapes=shapes)
         res["kernels_table"] = format_table(res["kernels"])
         bad = [f"{r['N']}x{r['K']} m={r['m']} {k}={r[k]:.2g}" for r in res["kernels"] for k in r
@@ -135,7 +137,8 @@ def cmd_quant_bench(args) -> int:
         parts.append(format_preset(res["preset"]))
     if "ops" in res:
         parts.append(format_ops(res["ops"]))
-    parts.append("\n".join(["verdicts on the source articles' claims (MEASURED in this run; GPU: the latest committed table)"]
+    parts.append("\n".join(["verdicts on the source articles' claims "
+                            "(MEASURED in this run; GPU: the latest committed table)"]
                            + [f"- {c['claim']}\n    {c['verdict'].upper()}: {c['measured']}" for c in res["claims"]]))
     if "kernels" in res:
         parts.append(res["kernels_table"])
@@ -157,7 +160,8 @@ def add_quant_bench_parser(sub) -> None:
     p.add_argument("--preset", default="llama-3.2-1b",
                    help="shape preset for memory and decode speed (random weights), or 'none'")
     p.add_argument("--decode-steps", type=int, default=None)
-    p.add_argument("--ops", action="store_true", help="also time one 8192x2048 layer through torch's CPU ops (m=1, 8, 64)")
+    p.add_argument("--ops", action="store_true",
+                   help="also time one 8192x2048 layer through torch's CPU ops (m=1, 8, 64)")
     p.add_argument("--kernels", action="store_true", help="also time the Triton kernels against dense bf16 (GPU only)")
     p.add_argument("--kernel-ms", default="1,2,4,8,16,32,64", help="rows m of the kernel table")
     p.add_argument("--kernel-shapes", default="4096x4096,11008x4096,4096x11008",

@@ -68,7 +68,8 @@ def add_quantize_parser(sub) -> None:
     q.add_argument("--scheme", default=None,
                    help="w8a16 | w4a16 | w4a8 | w8a8 with options joined by ':' (gN, pc, pt, asym, fallback=..., "
                         "smooth[=A]), e.g. w4a16:g128")
-    q.add_argument("--method", default=None, choices=("rtn", "awq", "gptq"), help="how weights are rounded (default rtn)")
+    q.add_argument("--method", default=None, choices=("rtn", "awq", "gptq"),
+                   help="how weights are rounded (default rtn)")
     q.add_argument("--recipe", default=None, help="a recipe file (workbench calibrate-quant writes them) instead of "
                                                   "--scheme / --method; calibrates on the text it names")
     q.add_argument("--dataset", default=None, help="JSONL text file to calibrate AWQ / GPTQ / SmoothQuant on "

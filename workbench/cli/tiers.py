@@ -95,7 +95,8 @@ def cmd_tier_bench(args) -> int:
     configs = [named_config(c) for c in args.config] if args.config else None
     docs = args.docs if args.docs is not None else (8 if args.full else 2)
     eval_tokens = args.eval_tokens if args.eval_tokens is not None else (256 if args.full else 64)
-    for flag, value in (("--docs", docs), ("--eval-tokens", eval_tokens), ("--calibration-docs", args.calibration_docs)):
+    for flag, value in (("--docs", docs), ("--eval-tokens", eval_tokens),
+                        ("--calibration-docs", args.calibration_docs)):
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
     if args.device and not str(args.device).startswith(("cpu", "cuda")):
@@ -145,7 +146,8 @@ def add_tier_bench_parser(sub) -> None:
     p.add_argument("--context", type=int, default=None, help="tokens per evaluation window (default: the model's)")
     p.add_argument("--calibration-docs", type=int, default=2, help="held-out documents the PCA basis is fitted on")
     p.add_argument("--offload", default="host", choices=list(OFFLOADS), help="the offload tier of the main rows")
-    p.add_argument("--predict", default="step", choices=list(PREDICTORS), help="the prefetch predictor of the main rows")
+    p.add_argument("--predict", default="step", choices=list(PREDICTORS),
+                   help="the prefetch predictor of the main rows")
     p.add_argument("--config", nargs="+", default=None, metavar="NAME",
                    help="default, no-routing, int8, or field=value,... over default (e.g. window=64,budget=None); "
                         "default: all three")

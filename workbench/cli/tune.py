@@ -21,7 +21,6 @@ tuning measured in process (the same noise rule as every verdict).
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -97,7 +96,8 @@ def verify(options: dict, trace: str, trace_options, tuned_p95: list[float], rou
         runs, at_capacity = [], []
         for r in range(1, rounds + 1):
             runs.append({"round": r, **replay(1.0)})
-            say(f"verify: round {r}: {runs[-1]['ok']}/{runs[-1]['requests']} ok, P95 TTFT {runs[-1]['ttft_p95_ms']:.1f} ms")
+            say(f"verify: round {r}: {runs[-1]['ok']}/{runs[-1]['requests']} ok, "
+                f"P95 TTFT {runs[-1]['ttft_p95_ms']:.1f} ms")
         if capacity and capacity != 1:
             for r in range(1, rounds + 1):
                 at_capacity.append({"round": r, **replay(capacity)})
@@ -112,7 +112,8 @@ def verify(options: dict, trace: str, trace_options, tuned_p95: list[float], rou
     import numpy as np
 
     ratio = float(np.median(p95s) / np.median(tuned_p95))
-    return {"announce": srv.announce, "rounds": runs, "server_ttft_ms_p95": p95s, "tuned_ttft_ms_p95": list(tuned_p95), "ratio": ratio,
+    return {"announce": srv.announce, "rounds": runs, "server_ttft_ms_p95": p95s,
+            "tuned_ttft_ms_p95": list(tuned_p95), "ratio": ratio,
             "within_noise": cmp.winner is None, "verdict": cmp.verdict if hasattr(cmp, "verdict") else str(cmp),
             "at_capacity": at_capacity,
             "meets_slo_at_capacity": (all(x["ttft_p95_ms"] <= slo_ms for x in at_capacity)
@@ -161,7 +162,8 @@ def cmd_tune(args) -> int:
                "tuned_ttft_ms_p95_runs": json.loads(m.get("tuned_ttft_ms_p95_runs") or "[]")}
     if "capacity" in tables:
         summary["capacity_table"] = tables["capacity"].to_dict(orient="records")
-    print(f"\nat the recorded rate, section 6's rule for {slo.describe()}: {summary['recommended']}\n  {summary['reason']}")
+    print(f"\nat the recorded rate, section 6's rule for {slo.describe()}: {summary['recommended']}\n"
+          f"  {summary['reason']}")
     if summary["tuned"]:
         print(f"the tuned configuration (the most headroom, or the nearest when nothing met): {summary['tuned']}")
     code = 0

@@ -26,7 +26,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 from workbench.engine.types import StreamEvent
 from workbench.errors import ConfigError
@@ -53,7 +53,7 @@ class AsyncEngine:
         self._seen_step_error: BaseException | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> "AsyncEngine":
+    def start(self) -> AsyncEngine:
         if self._thread is None:
             self._stop = False
             self._started = True
@@ -88,7 +88,7 @@ class AsyncEngine:
         why = "the engine was stopped" if self._stop else "the engine thread is not running"
         return why + (f" (last error: {self.last_error})" if self.last_error else "")
 
-    def __enter__(self) -> "AsyncEngine":
+    def __enter__(self) -> AsyncEngine:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -138,7 +138,7 @@ class AsyncEngine:
             while True:
                 try:
                     ev = await asyncio.wait_for(queue.get(), timeout=self.liveness_check_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if not self._dead():
                         continue
                     with self._cv:

@@ -23,6 +23,8 @@ import torch
 
 from workbench.model.config import ModelConfig
 from workbench.model.kv_cache import KVCache
+from workbench.kv.tiers import TieredKVCache
+from workbench.kv.tiers_physical import PhysicalTieredKVCache
 
 if TYPE_CHECKING:
     from workbench.kv.pca import PCABasis
@@ -76,8 +78,6 @@ class TieredCaches(CacheFactory):
         return self._new(max_len, device=self.device, dtype=self.dtype)
 
     def _new(self, max_len: int, **where):
-        from workbench.kv.tiers import TieredKVCache
-
         return TieredKVCache(self.config, self.tiers, self.basis, max_len=max_len, **where)
 
 
@@ -93,8 +93,6 @@ class PhysicalTieredCaches(TieredCaches):
         self._new(1).release()                           # validate now; the probe's records go
 
     def _new(self, max_len: int, **where):
-        from workbench.kv.tiers_physical import PhysicalTieredKVCache
-
         return PhysicalTieredKVCache(self.config, self.tiers, self.basis, store=self.store,
                                      prefetcher=self.prefetcher, max_len=max_len, **where)
 

@@ -103,7 +103,7 @@ class TierSetup:
     """A hot / warm / cold cache per request: the policy (:class:`~workbench.kv.tier_config.TierConfig`),
     its fitted PCA ``basis`` (:class:`~workbench.kv.pca.PCABasis`) and, for the physical cache, the
     ``store`` (:class:`~workbench.kv.tiers_physical.TierStore`) whose offload tier holds the full K/V."""
-    config: "TierConfig"
+    config: TierConfig
     basis: Any = None
     store: Any = None
 
@@ -149,7 +149,7 @@ class EngineConfig:
     fast: FastPathConfig = field(default_factory=FastPathConfig)
     tiers: TierSetup | None = None
     quant: QuantConfig = field(default_factory=QuantConfig)
-    stream_weights: "WeightStreamConfig | None" = None
+    stream_weights: WeightStreamConfig | None = None
     memory_budget: int | str | None = None
     load: LoadOptions = field(default_factory=LoadOptions)
 

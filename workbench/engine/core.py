@@ -49,8 +49,6 @@ from workbench.engine.step_records import StepRecord, step_record, steps_frame
 from workbench.engine.step_sampling import sample_batch, split_logits, take_token
 from workbench.engine.types import RequestOutput, StreamEvent
 from workbench.errors import ConfigError
-from workbench.kv.paged import PagedKVConfig
-from workbench.sched.config import SchedulerConfig
 from workbench.sched.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from workbench.sched.sequence import Sequence, SeqStatus
 
@@ -82,7 +80,8 @@ class LLMEngine:
     :meth:`~workbench.engine.config.EngineConfig.check`).  Or keywords, the config's parts by name
     (:meth:`~workbench.engine.config.EngineConfig.from_options`), whose defaults here are the
     serving set-up: the default paged pool and ``SchedulerConfig()``.  ``runner``: a custom runner
-    on the paged pool (a fake one drives the property tests).
+    on the paged pool, or a callable taking the pool and returning one (a fake one drives the
+    property tests).
 
     ``kv``: where KV lives - a :class:`~workbench.kv.paged.PagedKVConfig` (None: the default
     paged pool, with prefix caching) or ``"contiguous"`` (one contiguous cache per sequence,

@@ -8,8 +8,8 @@ one).  Whenever that cannot happen (no room in ``max_num_seqs``, the parent ends
 preempted first, the fork wants prompt logprobs the parent does not compute) it is released
 into the waiting queue and computes its prompt itself - a released fork that wants the
 parent's prompt logprobs gets a copy of them and rebuilds only KV (a prefix-cache hit), so
-``n`` samples of a prompt with prompt logprobs cost one prompt's logits, not ``n``.  Per-sequence KV (contiguous, tiered)
-has nothing to share: forks queue as any request.
+``n`` samples of a prompt with prompt logprobs cost one prompt's logits, not ``n``.  Per-sequence
+KV (contiguous, tiered) has nothing to share: forks queue as any request.
 
 One :class:`Forks` per engine holds them; it calls the scheduler's public methods and three
 callables the engine gives it (sample rows, end a request with a reason, finish a request that
@@ -18,7 +18,7 @@ ended on its token) - it reads nothing else of the engine.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

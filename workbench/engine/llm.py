@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -121,8 +121,9 @@ class LLM:
     within 15 % of the fastest (:mod:`workbench.measure.threads`; ``WORKBENCH_THREADS`` in the
     environment overrides the measurement).  The choice is in :attr:`thread_choice` and in
     every request's metrics.  It is process-wide, as torch's setting is.
-    ``static_decode`` / ``compile`` / ``cuda_graphs``: decode steps on static buffers (eager), ``torch.compile``'d (on a CPU,
-    inductor's C++ for the whole step) and/or captured as CUDA graphs per batch-size bucket
+    ``static_decode`` / ``compile`` / ``cuda_graphs``: decode steps on static buffers (eager),
+    ``torch.compile``'d (on a CPU, inductor's C++ for the whole step) and/or captured as CUDA
+    graphs per batch-size bucket
     (:class:`~workbench.engine.runners.StaticRunner` on contiguous rows, or
     :class:`~workbench.engine.runners.PagedStaticRunner` over the paged pool's blocks with ``kv=``).
     ``check_finite``: the loader refuses NaN / Inf weights unless this is False.
@@ -266,7 +267,8 @@ class LLM:
                 self._route(eng.drain_events())
             eng.release(rid)
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Add every prompt (all arrive now), step until all are done.  One at a time in the
         reference configuration, so a later request's TTFT includes the time it waited."""

@@ -9,7 +9,7 @@ thread choice, and prompt checking.  Loading happens once; engines and fronts sh
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -45,7 +45,7 @@ class LoadedModel:
     @classmethod
     def load(cls, model: str | CausalLM | None = None, tokenizer=None, device=None, dtype=None,
              max_model_len: int | None = None, threads: int | str | None = None,
-             check_finite: bool = True) -> "LoadedModel":
+             check_finite: bool = True) -> LoadedModel:
         """``model``: a path (a compressed-tensors checkpoint loads through
         :func:`workbench.quant.compressed.load_compressed`), ``"preset:<name>"``, None for the
         bundled model, or a loaded CausalLM;

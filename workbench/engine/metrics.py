@@ -99,7 +99,7 @@ def _stats(values: list[float]) -> dict:
             "jitter": jitter(a)}
 
 
-def summarize(outputs) -> "pandas.DataFrame":  # noqa: F821
+def summarize(outputs) -> pandas.DataFrame:  # noqa: F821
     """One row per metric (TTFT, TPOT, ITL, E2E in ms; tokens/s) with n, mean, P50/P95/P99,
     min, max and jitter (std).  Accepts RequestOutputs or RequestMetrics."""
     import pandas as pd
@@ -119,7 +119,7 @@ def summarize(outputs) -> "pandas.DataFrame":  # noqa: F821
     return df
 
 
-def requests_frame(outputs) -> "pandas.DataFrame":  # noqa: F821
+def requests_frame(outputs) -> pandas.DataFrame:  # noqa: F821
     """One row per request with its metrics (ms) and finish reason."""
     import pandas as pd
 

@@ -19,6 +19,11 @@ from workbench.engine.runners import ContiguousRunner, ModelRunner, PagedStaticR
 from workbench.errors import ConfigError
 from workbench.kv.paged import PagedKVConfig, PagedKVPool
 from workbench.sched.config import SchedulerConfig
+from workbench.engine.sizing import default_pool_tokens
+from workbench.kv.tiers import apply_tiered_attention
+from workbench.transforms.backends import current_backends
+from workbench.quant.apply import QuantLinear
+from workbench.prefetch.weights import stream_weights, weight_streamer, WeightStreamConfig
 
 if TYPE_CHECKING:
     from workbench.engine.core import LLMEngine
@@ -40,8 +45,6 @@ def make_pool(model, kv_mode: str, kv: PagedKVConfig | None, config: SchedulerCo
     """The paged pool (``kv`` or the default config), sized by default for ``config``'s batch
     (:func:`~workbench.engine.sizing.default_pool_tokens`); with a cache per sequence a pool
     without tensors that only counts blocks (admission, preemption, inspectors)."""
-    from workbench.engine.sizing import default_pool_tokens
-
     w = model.lm_head.weight
     default_tokens = default_pool_tokens(kv_mode, config, max_model_len)
     if kv_mode == "paged":
@@ -70,8 +73,6 @@ def make_runner(engine: LLMEngine, batch_invariant, custom=None):
     if engine.kv_mode != "tiered":
         caches = ContiguousCaches(**where)
     else:
-        from workbench.kv.tiers import apply_tiered_attention
-
         tiers = {"tiers": engine.tiers, "basis": engine.tier_basis}
         if engine.tier_store is None:
             caches = TieredCaches(**where, **tiers)
@@ -84,8 +85,6 @@ def make_runner(engine: LLMEngine, batch_invariant, custom=None):
 
 def describe(engine: LLMEngine) -> str:
     """One line: the configuration that serves requests (metrics rows, /metrics, x-model-info)."""
-    from workbench.transforms.backends import current_backends
-
     cfg = engine.scheduler.config
     parts = [describe_kv(engine), f"seqs={cfg.max_num_seqs}"]
     if cfg.max_num_seqs > 1 or cfg.chunked_prefill and cfg.max_num_batched_tokens < engine.max_model_len:
@@ -106,8 +105,6 @@ def describe(engine: LLMEngine) -> str:
 
 def describe_quant(model) -> str:
     """``quant <recipe>``, the layers whose group fell back, where the layers compute."""
-    from workbench.quant.apply import QuantLinear
-
     out = f"quant {model.recipe.name}"
     falls: dict[str, int] = {}
     for mod in model.modules():
@@ -138,8 +135,6 @@ def describe_kv(engine: LLMEngine) -> str:
 
 def describe_values(engine: LLMEngine) -> dict:
     """The configuration as plain values (``/metrics`` labels, ``x-model-info``)."""
-    from workbench.transforms.backends import current_backends
-
     st = engine.weight_streamer
     fast = engine.config.fast
     return {"config": engine.describe(), "kv": engine.config.kv_mode, "static_decode": fast.static,
@@ -153,8 +148,6 @@ def install_weight_streaming(model, config):
     """The model's :class:`~workbench.prefetch.weights.WeightStreamer` for ``config`` (None: none
     is installed, and a model that already streams keeps streaming).  A model that already streams
     with other settings is a ConfigError (its weights are shared with another engine)."""
-    from workbench.prefetch.weights import WeightStreamConfig, stream_weights, weight_streamer
-
     current = weight_streamer(model)
     if config is None:
         return current

@@ -43,6 +43,8 @@ from workbench.kv.batch import PagedBatchCache, SequenceBatchCache
 from workbench.kv.paged import PagedKVPool, PagedSequenceCache
 from workbench.model.decoder import CausalLM
 from workbench.sched.scheduler import ScheduledSeq, SwapIn, SwapOut
+from workbench.transforms.paged_graphs import PagedDecoder
+from workbench.transforms.cuda_graphs import GraphedDecoder
 
 if TYPE_CHECKING:
     from workbench.engine.caches import CacheFactory
@@ -264,8 +266,6 @@ class PagedStaticRunner(StaticSteps, ModelRunner):
 
     def __init__(self, model: CausalLM, pool: PagedKVPool, max_len: int, max_seqs: int,
                  compile: bool = False, cuda_graphs: bool = False) -> None:
-        from workbench.transforms.paged_graphs import PagedDecoder
-
         super().__init__(model, pool, batch_invariant=False, direct=max_seqs == 1)
         self._build_static(lambda buckets: PagedDecoder(model, pool, -(-max_len // pool.block_size), buckets),
                            max_seqs, compile, cuda_graphs)
@@ -342,8 +342,6 @@ class StaticRunner(StaticSteps, ContiguousRunner):
 
     def __init__(self, model: CausalLM, pool: PagedKVPool, max_len: int, max_seqs: int,
                  compile: bool = False, cuda_graphs: bool = False) -> None:
-        from workbench.transforms.cuda_graphs import GraphedDecoder
-
         self._build_static(lambda buckets: GraphedDecoder(model, max_len, buckets), max_seqs, compile, cuda_graphs)
         super().__init__(model, pool, caches=None, direct=True, batch_invariant=False)
         self.rows: dict[str, int] = {}        # live sequence id -> its cache row (0..n-1)

@@ -9,7 +9,7 @@ those requests alone.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -38,7 +38,7 @@ class Trace:
 
     @classmethod
     def poisson(cls, prompts: list, rate: float, n: int, params: SamplingParams, seed: int = 0,
-                priorities: list[int] | None = None) -> "Trace":
+                priorities: list[int] | None = None) -> Trace:
         """``n`` requests with exponential gaps (mean 1/rate), prompts cycled, seeded."""
         rng = random.Random(seed)
         t, reqs = 0.0, []
@@ -49,7 +49,7 @@ class Trace:
         return cls(reqs)
 
     @classmethod
-    def burst(cls, prompts: list, params: SamplingParams) -> "Trace":
+    def burst(cls, prompts: list, params: SamplingParams) -> Trace:
         """Everything at once (an offline batch)."""
         return cls([TraceRequest(0.0, p, params) for p in prompts])
 
@@ -57,7 +57,7 @@ class Trace:
 @dataclass
 class ReplayResult:
     outputs: list[RequestOutput]
-    steps: "object"              # pandas DataFrame of StepRecords
+    steps: object              # pandas DataFrame of StepRecords
     wall_s: float
 
     @property

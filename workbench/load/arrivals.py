@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from workbench.errors import ConfigError
 
@@ -38,7 +38,7 @@ class Stage:
     name: str | None = None
 
     @classmethod
-    def coerce(cls, s, index: int, field_name: str = "stages") -> "Stage":
+    def coerce(cls, s, index: int, field_name: str = "stages") -> Stage:
         if isinstance(s, Stage):
             st = s
         elif isinstance(s, (tuple, list)) and len(s) in (2, 3):
@@ -75,11 +75,11 @@ class Schedule:
             self._cum.append(self._cum[-1] + (s.v0 + s.v1) / 2 * (s.t1 - s.t0))
 
     @classmethod
-    def constant(cls, value: float, name: str = "run") -> "Schedule":
+    def constant(cls, value: float, name: str = "run") -> Schedule:
         return cls([Segment(0.0, math.inf, float(value), float(value), 0, name)])
 
     @classmethod
-    def from_stages(cls, stages: Sequence, start: float = 0.0) -> "Schedule":
+    def from_stages(cls, stages: Sequence, start: float = 0.0) -> Schedule:
         segs, t, prev = [], 0.0, float(start)
         for i, raw in enumerate(stages):
             st = Stage.coerce(raw, i)

@@ -31,7 +31,7 @@ and the engine's counters (preemptions, rejected, prefix_hit_rate, ...).
 from __future__ import annotations
 
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from workbench.errors import ConfigError, WorkbenchError
 from workbench.load.target import Prompt, TokenEvent
@@ -61,7 +61,7 @@ class EngineTarget:
 
     @classmethod
     def from_model(cls, model=None, device=None, dtype=None, scheduler=None, kv=None,
-                   max_model_len: int | None = None, **sampling) -> "EngineTarget":
+                   max_model_len: int | None = None, **sampling) -> EngineTarget:
         """Load ``model`` (a folder, ``preset:<name>``, or None for the bundled model) into a new
         batched engine; ``scheduler``: a SchedulerConfig, ``kv``: a PagedKVConfig.  The target owns
         the engine: :meth:`close` stops it."""
@@ -138,7 +138,7 @@ class EngineTarget:
         if self._owned:
             self.aengine.stop()
 
-    def __enter__(self) -> "EngineTarget":
+    def __enter__(self) -> EngineTarget:
         return self
 
     def __exit__(self, *exc) -> None:

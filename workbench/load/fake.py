@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 from workbench.errors import ConfigError
 from workbench.load.target import Prompt, TokenEvent

@@ -44,8 +44,8 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Callable, Sequence
+from datetime import datetime, UTC
+from collections.abc import Callable, Sequence
 
 from workbench.errors import ConfigError
 from workbench.load.arrivals import Schedule, Segment, Stage, arrival_offsets
@@ -176,7 +176,8 @@ class LoadConfig:
         p = self.prompts
         d["prompts"] = (f"held-out x{self.num_prompts}" if p is None else
                         f"fn {getattr(p, '__name__', '?')}" if callable(p) else f"list of {len(p)}")
-        d["priority"] = self.priority if isinstance(self.priority, int) else f"fn {getattr(self.priority, '__name__', '?')}"
+        d["priority"] = (self.priority if isinstance(self.priority, int) else
+                         f"fn {getattr(self.priority, '__name__', '?')}")
         return d
 
 
@@ -239,7 +240,7 @@ class LoadRun:
         self._end_why = "max_duration_s"
         self._ending = False               # set when the run's time is up: no user takes another ticket
 
-    def add_observer(self, fn: Observer) -> "LoadRun":
+    def add_observer(self, fn: Observer) -> LoadRun:
         self.observers.append(fn)
         return self
 
@@ -441,7 +442,7 @@ class LoadRun:
     async def arun(self) -> LoadResult:
         if self.t_start is not None:
             raise ConfigError("this LoadRun has already run; make a new one (or call run_load again)")
-        started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        started_at = datetime.now(UTC).isoformat(timespec="seconds")
         self._loop, self._stop_event = asyncio.get_running_loop(), asyncio.Event()
         if self._stop_requested:
             self._stop_event.set()

@@ -129,20 +129,21 @@ class LoadResult:
     config: dict = field(default_factory=dict)
     started_at: str = ""
 
-    def frame(self) -> "pandas.DataFrame":  # noqa: F821
+    def frame(self) -> pandas.DataFrame:  # noqa: F821
         """One row per request (times in s from the start, latencies in ms, ``itl_ms`` a list)."""
         import pandas as pd
 
         cols = list(RequestRecord(0, 0, "", 0, 0.0, 0.0).row())
         return pd.DataFrame([r.row() for r in self.records], columns=cols)
 
-    def summary(self) -> "pandas.DataFrame":  # noqa: F821
+    def summary(self) -> pandas.DataFrame:  # noqa: F821
         """One row per stage and an ``all`` row: requests, ok, errors, rejected, cancelled,
         target (rate or users), offered_qps (sent/s), goodput_qps (ok/s), TTFT / ITL / TPOT /
-        E2E P50/P95/P99 and jitter (:func:`workbench.engine.metrics.jitter`) in ms over ok requests, tokens_per_s (tokens streamed
-        in the window / its length, whenever the request was sent).  A stage is credited with the
-        requests *sent* in it (counts, rates, percentiles, output_tokens); its tokens_per_s counts
-        every token streamed in its window, so under sustained load the stages add up to ``all``."""
+        E2E P50/P95/P99 and jitter (:func:`workbench.engine.metrics.jitter`) in ms over ok requests,
+        tokens_per_s (tokens streamed in the window / its length, whenever the request was sent).
+        A stage is credited with the requests *sent* in it (counts, rates, percentiles,
+        output_tokens); its tokens_per_s counts every token streamed in its window, so under
+        sustained load the stages add up to ``all``."""
         import pandas as pd
 
         rows, index = [], []
@@ -156,7 +157,7 @@ class LoadResult:
         df = pd.DataFrame(rows, index=pd.Index(index, name="stage_name"))
         return df
 
-    def reasons(self) -> "pandas.DataFrame":  # noqa: F821
+    def reasons(self) -> pandas.DataFrame:  # noqa: F821
         """How many requests ended with each (status, reason) - rejections and errors explained."""
         import pandas as pd
 
@@ -183,7 +184,7 @@ class LoadResult:
         return text
 
     @classmethod
-    def from_json(cls, text_or_path: str | Path) -> "LoadResult":
+    def from_json(cls, text_or_path: str | Path) -> LoadResult:
         from workbench.errors import WorkbenchError
 
         src = str(text_or_path)

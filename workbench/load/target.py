@@ -27,7 +27,8 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
+from collections.abc import AsyncIterator, Callable
 
 from workbench.errors import ConfigError
 

@@ -94,7 +94,7 @@ def write_sample(format: str, path, requests: int = 240, rate: float = 20.0, con
     elif format == "workbench":
         convs: dict[str, int] = {}
         with open(p, "w") as f:
-            for i, t in enumerate(times):
+            for t in times:
                 r = rng.random()
                 row = {"at": round(t, 4)}
                 if r < 0.4:

@@ -39,7 +39,7 @@ from pathlib import Path
 from workbench.engine.sampling import SamplingParams
 from workbench.engine.traces import Trace, TraceRequest
 from workbench.errors import ConfigError
-from workbench.load.traces import MOONCAKE_BLOCK, ReadStats, TraceRow, read_trace
+from workbench.load.traces import MOONCAKE_BLOCK, ReadStats, read_trace
 
 KINDS = ("chat", "doc", "short")       # a conversation's turn; a prompt of half the context or more; the rest
 

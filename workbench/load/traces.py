@@ -40,9 +40,9 @@ import math
 import random
 import re
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 from workbench.errors import DataError
 
@@ -253,7 +253,7 @@ def _azure_time(path, n, text: str) -> float:
         raise TraceError(path, n, "TIMESTAMP", f"expected a time like 2023-11-16 18:15:46.680590 or seconds, "
                                                f"got {text.strip()[:40]!r}") from None
     if when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
+        when = when.replace(tzinfo=UTC)
     return when.timestamp()
 
 

@@ -117,7 +117,7 @@ def plan_choices(req: CompletionRequest, plans: list[PromptPlan], sampling: dict
     """The request's choices, prompt by prompt, ``n`` each; sample j of a prompt seeded ``seed + j``."""
     out = []
     lp = req.logprobs
-    for i, plan in enumerate(plans):
+    for plan in plans:
         for j in range(req.n):
             kw = dict(sampling, seed=sample_seed(sampling.get("seed"), j))
             params = SamplingParams(max_tokens=plan.max_tokens, logprobs=lp,
@@ -217,7 +217,7 @@ class Completion:
         while True:
             try:
                 item = await asyncio.wait_for(q.get(), timeout=1.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if not engine_alive(self.srv.aengine):
                     return _DEAD, None
                 continue

@@ -63,7 +63,8 @@ def check_request(req: CompletionRequest, plans: list[PromptPlan], max_tokens: i
     tokens = request_tokens(req, plans)
     if tokens > max_tokens:
         how = (f"{len(plans)} prompt{'s' if len(plans) > 1 else ''} x n={req.n}: "
-               f"({sum(len(p.ids) for p in plans):,} prompt + {sum(p.max_tokens for p in plans):,} max_tokens) x {req.n}")
+               f"({sum(len(p.ids) for p in plans):,} prompt + {sum(p.max_tokens for p in plans):,} max_tokens) "
+               f"x {req.n}")
         raise _refuse("tokens", f"{tokens:,} ({how})", max_tokens, "--max-request-tokens",
                       "send fewer prompts, a smaller n or max_tokens, or several requests")
     entries = logprob_entries(req, plans)

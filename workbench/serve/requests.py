@@ -10,11 +10,12 @@ Supported: ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature``
 ``top_p`` (0, 1], ``top_k`` (extension; 0 or -1 = off), ``seed``, ``stop`` (a string or a
 list), ``ignore_eos`` (vLLM's extension), ``n`` (1 to :data:`MAX_N` samples of each prompt; they
 share the prompt's KV blocks), ``stream`` + ``stream_options`` (``include_usage``, and vLLM's
-``continuous_usage_stats``, which with ``include_usage`` puts usage on every chunk).  Completions: ``prompt`` as text, token ids, or
-a batch of either (choices are numbered prompt by prompt, ``n`` per prompt), ``echo`` (the prompt
-before the completion; with ``max_tokens: 0``, the prompt alone), ``logprobs`` (0 to
-:data:`MAX_LOGPROBS`: each token's log-probability and the top-k, for the echoed prompt tokens
-too), ``best_of`` equal to ``n``.  Chat: ``messages``, ``logprobs`` + ``top_logprobs``.
+``continuous_usage_stats``, which with ``include_usage`` puts usage on every chunk).
+Completions: ``prompt`` as text, token ids, or a batch of either (choices are numbered prompt by
+prompt, ``n`` per prompt), ``echo`` (the prompt before the completion; with ``max_tokens: 0``,
+the prompt alone), ``logprobs`` (0 to :data:`MAX_LOGPROBS`: each token's log-probability and the
+top-k, for the echoed prompt tokens too), ``best_of`` equal to ``n``.  Chat: ``messages``,
+``logprobs`` + ``top_logprobs``.
 ``user``, ``metadata``, ``store`` and ``service_tier`` are accepted and ignored.  Features we do
 not have (suffix, penalties, logit_bias, tools, JSON response formats) are refused with a 400
 when set to anything but their neutral value - never silently ignored - and so is any field we

@@ -161,7 +161,7 @@ class ServerHandle:
         if self._owned:
             self.engine.stop()
 
-    def __enter__(self) -> "ServerHandle":
+    def __enter__(self) -> ServerHandle:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -34,7 +34,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 
