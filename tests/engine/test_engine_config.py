@@ -75,7 +75,7 @@ def test_refusals_that_need_a_fact_of_the_call():
         graphs.check("LLMEngine", device=torch.device("cpu"))
     with pytest.raises(ConfigError, match="a custom runner needs the paged pool"):
         EngineConfig().check(runner=object())
-    with pytest.raises(ConfigError, match="threads=2 cannot be applied to an already loaded LLM"):
+    with pytest.raises(ConfigError, match="threads=2 cannot be applied to a model that is already loaded"):
         EngineConfig(load=LoadOptions(threads=2)).check(loaded=True)
     EngineConfig(load=LoadOptions(threads=2)).check(loaded=False)
 
@@ -99,3 +99,24 @@ def test_a_config_and_its_keywords_build_the_same_engine():
     assert by_config.max_model_len == 128 and by_config.engine.config.kv_mode == "paged"
     with pytest.raises(ConfigError, match="LLM: unknown argument num_blocks"):
         LLM(num_blocks=64)
+
+
+def test_refusals_the_review_found_silent():
+    from workbench.engine.core import LLMEngine
+    from workbench.engine.llm import LLM
+    from workbench.model.loader import load_model
+
+    llm = LLM()
+    with pytest.raises(ConfigError, match=r"LLMEngine: quant='w8a8' quantizes weights as a model is loaded; give it "
+                                          r"to LLM\(\.\.\.\)"):
+        LLMEngine(llm, quant="w8a8")
+    model = load_model(None)
+    with pytest.raises(ConfigError, match=r"LLM: dtype='float16' for a model object in torch.float32; convert it"):
+        LLM(model, dtype="float16")
+    with pytest.raises(ConfigError, match=r"LLM: stream_weights must be a WeightStreamConfig, got str"):
+        LLM(stream_weights="x")
+    with pytest.raises(ConfigError, match=r"LLM: cuda_graphs=True needs a CUDA device; the model is on cpu"):
+        LLM(device="cpu", cuda_graphs=True)                       # before the load, named by the front used
+    with pytest.raises(ConfigError, match=r"cannot be applied to a model that is already loaded \(an LLM or "):
+        LLMEngine(llm.loaded, threads=1)
+    assert LLM(model, dtype="float32", device="cpu").model is model     # its own device and dtype: accepted

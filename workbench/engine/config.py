@@ -43,12 +43,14 @@ from typing import TYPE_CHECKING, Any
 
 from workbench.errors import ConfigError
 from workbench.kv.paged import PagedKVConfig
+from workbench.model.decoder import CausalLM
+from workbench.model.loader import parse_dtype, resolve_device
+from workbench.prefetch.weights import WeightStreamConfig
 from workbench.sched.config import SchedulerConfig
 from workbench.engine.loaded import is_compressed
 
 if TYPE_CHECKING:
     from workbench.kv.tier_config import TierConfig
-    from workbench.prefetch.weights import WeightStreamConfig
 
 __all__ = ["EngineConfig", "FastPathConfig", "LoadOptions", "QuantConfig", "TierSetup", "TIERS_WITH_POOL",
            "reference_scheduler"]
@@ -215,13 +217,18 @@ class EngineConfig:
                     static_decode=self.fast.static, memory_budget=self.memory_budget)
 
     # ---- every refusal, once -------------------------------------------------------------------
-    def check(self, who: str = "LLMEngine", model=None, device=None, runner=None, loaded: bool = False) -> None:
+    def check(self, who: str = "LLMEngine", model=None, device=None, runner=None, loaded: bool = False,
+              quantized: bool | None = None) -> None:
         """Refuse a combination that cannot work, with its reason (a ConfigError).  Each argument
         is a fact known at the call: ``model`` as given (a folder, preset, None or a loaded one),
-        ``device`` the loaded model's, ``runner`` a custom runner, ``loaded`` whether the model was
-        loaded before this engine (so loading options cannot apply to it).  Rules whose facts are
+        ``device`` the model's (loaded, or where the loader will put it), ``runner`` a custom runner,
+        ``loaded`` whether the model was loaded before this engine (so loading options cannot apply
+        to it), ``quantized`` whether the loaded model's layers are quantized.  Rules whose facts are
         not given are skipped (``LLM`` checks before the load, the engine after it)."""
         kv, fast, tiers = self.kv, self.fast, self.tiers
+        if self.stream_weights is not None and not isinstance(self.stream_weights, WeightStreamConfig):
+            raise ConfigError(f"{who}: stream_weights must be a WeightStreamConfig, got "
+                              f"{type(self.stream_weights).__name__}")
         if tiers is not None and isinstance(kv, PagedKVConfig):
             raise ConfigError(TIERS_WITH_POOL.format(who=who))
         if tiers is None and not (kv == "contiguous" or isinstance(kv, PagedKVConfig)):
@@ -237,14 +244,33 @@ class EngineConfig:
         if model is not None and self.quant.recipe is not None and _is_compressed(model):
             raise ConfigError(f"{who}: {model} is a quantized checkpoint (compressed-tensors) already; drop quant= "
                               "(its layers run as stored; quant_backend= chooses where they compute)")
+        if quantized is False and self.quant.recipe is not None:
+            raise ConfigError(f"{who}: quant={self.quant.recipe!r} quantizes weights as a model is loaded; give it "
+                              "to LLM(...) (LLMEngine serves a model as it is: quantize it first, or pass the LLM)")
         if loaded:
             given = self.load.given()
             if given:
                 got = ", ".join(f"{k}={v!r}" for k, v in given.items())
-                raise ConfigError(f"{who}: {got} cannot be applied to an already loaded LLM; pass "
-                                  f"{'/'.join(given)} to LLM(...) instead, or pass a model folder, preset or None")
+                raise ConfigError(f"{who}: {got} cannot be applied to a model that is already loaded (an LLM or "
+                                  f"LoadedModel); pass {'/'.join(given)} to LLM(...) instead, or pass a model "
+                                  "folder, preset or None")
+        if isinstance(model, CausalLM):
+            self._check_model_object(who, model)
         if fast.static:
             self._check_fast_paths(who, device, runner)
+
+    def _check_model_object(self, who: str, model: CausalLM) -> None:
+        """A CausalLM object is served where it is and as it is: a device or dtype other than its own is
+        refused (it was silently kept before)."""
+        w = model.lm_head.weight
+        want_dev = None if self.load.device is None else resolve_device(self.load.device)
+        want_dtype = parse_dtype(self.load.dtype)
+        if want_dev is not None and (want_dev.type, want_dev.index or 0) != (w.device.type, w.device.index or 0):
+            raise ConfigError(f"{who}: device={self.load.device!r} for a model object that is on {w.device}; move it "
+                              "first (model.to(...)) or pass a model folder, preset or None")
+        if want_dtype is not None and want_dtype != w.dtype:
+            raise ConfigError(f"{who}: dtype={self.load.dtype!r} for a model object in {w.dtype}; convert it first "
+                              "(model.to(dtype)) or pass a model folder, preset or None")
 
     def _check_fast_paths(self, who: str, device, runner) -> None:
         """static decode / compile / CUDA graphs run decode steps on static buffers: contiguous rows

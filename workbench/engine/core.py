@@ -108,7 +108,8 @@ class LLMEngine:
         config = EngineConfig.from_options(config, who="LLMEngine", serving_defaults=config is None, **options)
         preloaded = isinstance(getattr(model, "loaded", model), LoadedModel)   # an LLM's or a LoadedModel
         base, loaded = resolve_model(model, config.load)
-        config.check("LLMEngine", device=loaded.model.device, runner=runner, loaded=preloaded)
+        config.check("LLMEngine", model=model, device=loaded.model.device, runner=runner, loaded=preloaded,
+                     quantized=getattr(loaded.model, "recipe", None) is not None)
         self.config = config
         self.llm, self.loaded, self.model, self.tokenizer = base, loaded, loaded.model, loaded.tokenizer
         self.weight_streamer = install_weight_streaming(self.model, config.stream_weights)

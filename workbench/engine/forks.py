@@ -1,7 +1,7 @@
 """Forks (``LLMEngine.add_request(..., fork_of=parent)``, parallel sampling): more samples of
 one prompt, the prompt computed once.
 
-On the paged pool a fork is held (``engine._held``: parent id -> its held forks) until the step
+On the paged pool a fork is held (:attr:`Forks.held`: parent id -> its held forks) until the step
 that samples its parent's first token; it samples its own first token from the same logits row
 and then runs on the parent's prompt blocks (shared; copy-on-write on the partly filled last
 one).  Whenever that cannot happen (no room in ``max_num_seqs``, the parent ends or is

@@ -35,6 +35,7 @@ from workbench.errors import ConfigError, DataError, WorkbenchError
 from workbench.engine.loaded import LoadedModel, Prompt, is_compressed
 from workbench.engine.metrics import requests_frame, summarize
 from workbench.model.decoder import CausalLM
+from workbench.model.loader import resolve_device
 from workbench.engine.sampling import SamplingParams, sample
 from workbench.sched.config import SchedulerConfig
 from workbench.engine.core import LLMEngine
@@ -152,7 +153,9 @@ class LLM:
 
     def __init__(self, model: str | CausalLM | None = None, config: EngineConfig | None = None, **options) -> None:
         config = EngineConfig.from_options(config, who="LLM", **options)
-        config.check("LLM", model=model)           # before the load: a mistake costs no time or memory
+        # before the load (a mistake costs no time or memory), with the device the loader will choose
+        device = None if isinstance(model, CausalLM) else resolve_device(config.load.device)
+        config.check("LLM", model=model, device=device)
         config.memory_budget = parse_bytes(config.memory_budget, "LLM(memory_budget=...)")
         # the engine's sizes from the config alone: a pool or cache that cannot fit is refused before the load
         load, q = config.load, config.quant

@@ -23,7 +23,7 @@ from workbench.engine.sizing import default_pool_tokens
 from workbench.kv.tiers import apply_tiered_attention
 from workbench.transforms.backends import current_backends
 from workbench.quant.apply import QuantLinear
-from workbench.prefetch.weights import stream_weights, weight_streamer, WeightStreamConfig
+from workbench.prefetch.weights import stream_weights, weight_streamer
 
 if TYPE_CHECKING:
     from workbench.engine.core import LLMEngine
@@ -151,8 +151,6 @@ def install_weight_streaming(model, config):
     current = weight_streamer(model)
     if config is None:
         return current
-    if not isinstance(config, WeightStreamConfig):
-        raise ConfigError(f"LLMEngine: stream_weights must be a WeightStreamConfig, got {type(config).__name__}")
     if current is not None:
         if current.config != config:
             raise ConfigError(f"LLMEngine: this model already streams its weights ({current.describe()}); "

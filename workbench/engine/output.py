@@ -1,7 +1,7 @@
 """Turning sampled token ids into a request's output: text deltas, stop conditions, metrics.
 
-Shared by the reference engine and the batched engine, so both stop, detokenize and time tokens
-the same way.  Per generated token, :meth:`OutputProcessor.push` decides whether the request is
+One per request in the engine, whatever its configuration, so every mode stops, detokenizes and
+times tokens the same way.  Per generated token, :meth:`OutputProcessor.push` decides whether the request is
 finished (EOS, a stop string, max_tokens, the context limit), and which text can be released
 now: text that might be the start of a stop string is held back until that is decided.
 """

@@ -17,7 +17,7 @@ class StreamEvent:
     time: float             # perf_counter() when the token id reached the host
     since_arrival: float    # seconds since the request arrived
     finished: bool = False
-    finish_reason: str | None = None   # "stop", "length"; batched engine also "abort", "rejected", "error"
+    finish_reason: str | None = None   # "stop", "length", "abort", "rejected", "error"
     error: str | None = None           # why, for "rejected" / "error" / "abort"
     logprobs: dict | None = None       # with SamplingParams.logprobs: {"logprob", "top": {token id: logprob}}
     # with SamplingParams.prompt_logprobs, on the first token's event: the request's prompt_logprobs

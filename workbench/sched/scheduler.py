@@ -24,8 +24,10 @@ out again by the younger requests it overtook.  The aged priority is a whole num
 requests of one priority that waited about as long tie, and the tie goes to the longest
 cached prefix (prefix-aware), then to arrival order.
 
-The block manager (pure Python) is the only state shared with the model side; tensor work
-the decisions imply (swap copies) is listed in the :class:`SchedulerOutput` for the runner.
+The scheduler reaches KV only through the :class:`~workbench.kv.interface.KVManager` protocol (the
+plain block manager, or the pool's ``PoolBlocks``, which does the pool's own copies around its
+calls); tensor work the decisions imply (swap copies) is listed in the :class:`SchedulerOutput`
+for the runner.
 Deterministic: the same calls with the same clock values give the same schedule.
 """
 

@@ -1,4 +1,4 @@
-"""A request as the batched engine tracks it.
+"""A request as the engine's scheduler tracks it.
 
 ``tokens`` holds every known token (prompt, then generated); ``num_computed`` counts those
 whose KV is in the pool.  The next step computes ``tokens[num_computed:]`` (a whole prompt, a
