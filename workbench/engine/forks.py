@@ -18,6 +18,8 @@ ended on its token) - it reads nothing else of the engine.
 
 from __future__ import annotations
 
+import inspect
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -37,8 +39,22 @@ class Forks:
     ``done(seq)``: a request ended on the token it just took (stop, length)."""
 
     def __init__(self, scheduler: Scheduler, sample: Callable, end: Callable, done: Callable) -> None:
-        self.scheduler, self._sample, self._end, self._done = scheduler, sample, end, done
+        # the engine's bound methods, held weakly: the engine owns this object, and strong references back
+        # would make a cycle that keeps the engine and its KV pool alive after it is dropped, until Python's
+        # cyclic collector runs (on a GPU: the pool's memory held between engines)
+        self.scheduler = scheduler
+        self._calls = tuple(weakref.WeakMethod(f) if inspect.ismethod(f) else (lambda f=f: f)
+                            for f in (sample, end, done))
         self.held: dict[str, list[Sequence]] = {}
+
+    def _sample(self, seqs, rows):
+        return self._calls[0]()(seqs, rows)
+
+    def _end(self, seq: Sequence, finish: str, error: str | None) -> None:
+        self._calls[1]()(seq, finish, error)
+
+    def _done(self, seq: Sequence) -> None:
+        self._calls[2]()(seq)
 
     def __contains__(self, parent_id: str) -> bool:
         """Are forks held for ``parent_id``?"""
