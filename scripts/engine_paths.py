@@ -37,7 +37,8 @@ def main() -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--skip-triton", action="store_true", help="leave out the Triton backends (slow under the interpreter)")
+    ap.add_argument("--skip-triton", action="store_true",
+                    help="leave out the Triton backends (slow under the interpreter)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     llm = workbench.LLM(args.model, device=args.device)
@@ -60,7 +61,8 @@ def main() -> int:
                                                                                         max_num_batched_tokens=16)),
         "paged + prefix cache (LLM front)": lambda: front(kv=PagedKVConfig(block_size=8)),
         "host offload restores (batched)": lambda: batched(scheduler=SchedulerConfig(max_num_seqs=4),
-                                                           kv=PagedKVConfig(block_size=4, num_blocks=48, offload="host")),
+                                                           kv=PagedKVConfig(block_size=4, num_blocks=48,
+                                                                            offload="host")),
         "static decode (eager)": lambda: front(max_model_len=ctx, static_decode=True),
     }
     nonexact = {"compile (static decode)": lambda: front(max_model_len=ctx, compile=True),
@@ -88,8 +90,9 @@ def main() -> int:
         extra = {}
         if "offload" in name:
             extra["restored_blocks"] = eng.pool.manager.stats.restored_blocks
-        rows.append({"path": name, "kind": kind, "agreement": a["rate"], "identical_sequences": a["identical_sequences"],
-                     "sequences": a["sequences"], "first_divergence": [m for m in margins if m],
+        rows.append({"path": name, "kind": kind, "agreement": a["rate"],
+                     "identical_sequences": a["identical_sequences"], "sequences": a["sequences"],
+                     "first_divergence": [m for m in margins if m],
                      "seconds": time.perf_counter() - t0, **extra})
 
     for name, make in exact.items():

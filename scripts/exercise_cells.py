@@ -96,7 +96,8 @@ def write(notebook: Path, insert: str | None = None, after: int | None = None) -
         tag = cell_tag(cell)
         if tag in want and (cell.cell_type, cell.source) != want[tag]:
             if cell.cell_type != want[tag][0]:
-                raise SystemExit(f"{notebook.name}: {tag} is a {cell.cell_type} cell; the registry makes it {want[tag][0]}")
+                raise SystemExit(f"{notebook.name}: {tag} is a {cell.cell_type} cell; "
+                                 f"the registry makes it {want[tag][0]}")
             cell.source = want[tag][1]
             if cell.cell_type == "code":
                 cell.outputs, cell.execution_count = [], None

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 
 import torch
@@ -116,7 +116,7 @@ def main(device: str = DEVICE, threads: int = THREADS, n_eval_docs: int = N_EVAL
     t_total = time.perf_counter() - t_start
     print(f"\nrun time: {t_total:.0f} s (sweep {t_sweep:.0f} s)")
 
-    out = Path(out_dir or ROOT / "runs" / "kv_tiers" / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
+    out = Path(out_dir or ROOT / "runs" / "kv_tiers" / datetime.now(UTC).strftime("%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / "sweep.csv", index=False)
     ev.to_csv(out / "explained_variance.csv", index=False)

@@ -376,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--explain", action="store_true", help="human-readable report (to stderr with --shell)")
-    ap.add_argument("--shell", action="store_true", help="TORCH_SPEC= / TORCH_INDEX_URL= / TORCH_FLAVOUR= lines to eval")
+    ap.add_argument("--shell", action="store_true",
+                    help="TORCH_SPEC= / TORCH_INDEX_URL= / TORCH_FLAVOUR= lines to eval")
     ap.add_argument("--json", action="store_true", help="the detection and the choice as JSON")
     ap.add_argument("--nvidia-smi-output", metavar="FILE",
                     help="read nvidia-smi's output from FILE ('-': stdin) instead of running it")

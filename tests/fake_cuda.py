@@ -33,7 +33,7 @@ class FakeEvent:
     def synchronize(self) -> None:
         FakeEvent.calls.append(("event_sync", self))
 
-    def elapsed_time(self, end: "FakeEvent") -> float:
+    def elapsed_time(self, end: FakeEvent) -> float:
         return ((end.t or 0.0) - (self.t or 0.0)) * 1e3
 
 

@@ -47,7 +47,8 @@ def test_generate_streams_text_with_the_bundled_tokenizer(capsys):
 def test_info_json(capsys):
     assert main(["info", "--model", "preset:tiny", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["vocab_size"] == 512 and info["kv_bytes_per_token_fp32"] == 2 * 2 * 2 * 16 * 4  # (k, v) x layers x kv heads x head dim x fp32
+    # (k, v) x layers x kv heads x head dim x fp32
+    assert info["vocab_size"] == 512 and info["kv_bytes_per_token_fp32"] == 2 * 2 * 2 * 16 * 4
 
 
 def test_bench_json_reports_both_sides_and_their_ratio(capsys):
@@ -117,7 +118,8 @@ def _needs_bundled():
         pytest.skip("bundled model weights not present")
 
 
-@pytest.mark.parametrize("sub", ["kv-inspect", "prefix-bench", "sched-bench", "serve", "load", "kernels-bench", "kernels-aot"])
+@pytest.mark.parametrize("sub", ["kv-inspect", "prefix-bench", "sched-bench", "serve", "load", "kernels-bench",
+                                 "kernels-aot"])
 def test_help_kv_subcommands(sub, capsys):
     with pytest.raises(SystemExit) as e:
         main([sub, "--help"])
@@ -132,9 +134,9 @@ def test_subcommands_keep_their_order():
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     assert list(sub.choices) == ["generate", "bench", "run-notebooks", "info", "kv-inspect", "prefix-bench",
-                                 "sched-bench", "serve", "kernels-bench", "kernels-aot", "load", "tune", "prefetch-bench",
-                                 "tier-bench", "quant-bench", "quantize", "calibrate-quant", "claims", "decode-stack", "import-gguf",
-                                 "exercises"]
+                                 "sched-bench", "serve", "kernels-bench", "kernels-aot", "load", "tune",
+                                 "prefetch-bench", "tier-bench", "quant-bench", "quantize", "calibrate-quant", "claims",
+                                 "decode-stack", "import-gguf", "exercises"]
 
 
 def test_argparse_lives_only_in_the_cli():

@@ -62,7 +62,8 @@ def assert_one_line_refusal(r: dict, command: str, pattern: str) -> str:
 @pytest.mark.parametrize("flags, pattern", [
     # reached 7 GB in 26 s, still growing
     (["--num-blocks", "2000000"], r"KV pool: 2,000,000 blocks \(num_blocks\) x 96\.0 KiB a block .* = 183\.1 GiB, "
-                                  r"more than the .* available .*; set PagedKVConfig\.num_blocks / --num-blocks lower$"),
+                                  r"more than the .* available .*; "
+                                  r"set PagedKVConfig\.num_blocks / --num-blocks lower$"),
     # a raw allocator traceback; 1e9 was an argparse error
     (["--num-blocks", "1e9"], r"KV pool: 1,000,000,000 blocks .* = 89\.4 TiB"),
     (["--max-num-seqs", "1e6"], r"KV pool: 64,000,000 blocks \(max_num_seqs 1,000,000 x 1,024 tokens"),
@@ -70,8 +71,8 @@ def assert_one_line_refusal(r: dict, command: str, pattern: str) -> str:
     (["--block-size", "1000000"], r"PagedKVConfig\.block_size=1,000,000 \(--block-size\) is more than the model's "
                                   r"context \(max_position_embeddings 1,024\)"),
     # was clamped to 1,024 without a word (and the server started)
-    (["--max-model-len", "1000000000"], r"max_model_len=1,000,000,000 \(--max-model-len\) is more than the model's context: "
-                                 r"max_position_embeddings 1,024"),
+    (["--max-model-len", "1000000000"], r"max_model_len=1,000,000,000 \(--max-model-len\) is more than the model's "
+                                        r"context: max_position_embeddings 1,024"),
     (["--kv", "contiguous", "--max-num-seqs", "100000"], r"contiguous KV caches: max_num_seqs 100,000 x max_model_len "
                                                          r"1,024 tokens x 6\.0 KiB a token .* = 585\.9 GiB"),
     (["--offload", "host", "--offload-blocks", "1e9"], r"KV offload tier \(host\): 1,000,000,000 blocks"),

@@ -28,8 +28,8 @@ def test_transformers_does_not_see_our_kernels_folder():
     # once made it import our folder instead and fail.
     out = _run("import importlib.util as u, transformers, transformers.integrations.hub_kernels, workbench_kernels, "
                "workbench; s = u.find_spec('kernels'); "
-               "print(s is not None and s.origin is not None and s.origin.startswith(%r), workbench_kernels.__name__)"
-               % str(ROOT / "kernels"))
+               f"print(s is not None and s.origin is not None and s.origin.startswith({str(ROOT / 'kernels')!r}), "
+               "workbench_kernels.__name__)")
     assert out == "False workbench_kernels"
 
 
@@ -44,8 +44,8 @@ def test_an_installed_kernels_package_wins_over_our_folder(tmp_path):
 
 def test_plain_checkout_import_of_kernels_package(tmp_path):
     # PYTHONPATH=<repo> without an install (as on a bare GPU machine): workbench registers the name.
-    code = ("import sys; sys.path.insert(0, %r); import workbench, workbench_kernels; "
-            "print(workbench_kernels.__file__)" % str(ROOT))
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); import workbench, workbench_kernels; "
+            "print(workbench_kernels.__file__)")
     assert _run(code, cwd=tmp_path).endswith("kernels/workbench_kernels/__init__.py")
 
 

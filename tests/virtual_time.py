@@ -66,7 +66,7 @@ class VirtualTime:
     def __init__(self, start: float = 0.0) -> None:
         self._runner = asyncio.Runner(loop_factory=lambda: VirtualTimeLoop(start))
 
-    def __enter__(self) -> "VirtualTime":
+    def __enter__(self) -> VirtualTime:
         self._runner.__enter__()
         self.loop = self._runner.get_loop()
         self.clock = self.loop.time

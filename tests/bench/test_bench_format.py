@@ -12,8 +12,9 @@ def _row(rate, rel_ppl=None):
 
 def _result(q_ppl):
     configs = {"reference": _row(100.0), "q:w8a8:head": _row(500.0, q_ppl)}
-    return {"transformers_generate": _row(100.0), "model": "m", "device": "cpu", "device_name": "cpu", "dtype": "float32",
-            "threads": 1, "config": {"prompt_tokens": 8, "max_tokens": 8, "num_prompts": 1, "repeats": 1},
+    return {"transformers_generate": _row(100.0), "model": "m", "device": "cpu", "device_name": "cpu",
+            "dtype": "float32", "threads": 1,
+            "config": {"prompt_tokens": 8, "max_tokens": 8, "num_prompts": 1, "repeats": 1},
             "backends": {"backends": "eager"}, "configs": configs, "decode_speedup": 1.0, "decode_verdict": "v",
             "ttft_ratio": 1.0, "ttft_verdict": "v", "greedy_token_agreement": 1.0, "fastest": "q:w8a8:head",
             "fastest_within_quality": "q:w8a8:head" if q_ppl <= 0.01 else "reference", "max_rel_ppl": 0.01,

@@ -28,7 +28,8 @@ def test_not_measured_without_results(tmp_path):
     assert "engine_bench.csv" in by["full_stack_4x"].reason and "step engine_bench" in by["full_stack_4x"].reason
     assert "kernel_bench.csv" in by["fused_launches"].reason and "kernels_bench" in by["fused_launches"].reason
     assert "prefetch_bench.csv" in by["prefetch_bandwidth"].reason
-    assert "quant_bench.csv" in by["w4a16_speed"].reason and "Not written by the device check" in by["w4a16_speed"].reason
+    assert "quant_bench.csv" in by["w4a16_speed"].reason
+    assert "Not written by the device check" in by["w4a16_speed"].reason
     assert lab.problems(res) == []                    # a GPU claim may be "not measured"
 
 
@@ -37,12 +38,13 @@ def _kernel_rows():
 
     base = {"device": "cuda", "device_name": "NVIDIA H200", "dtype": "bfloat16", "status": "ok"}
     rows = [{**base, "section": "ceilings", "op": "copy", "provider": "torch", "metric": "GB/s", "achieved": 4000.0},
-            {**base, "section": "ceilings", "op": "matmul", "provider": "torch", "metric": "TFLOP/s", "achieved": 800.0}]
+            {**base, "section": "ceilings", "op": "matmul", "provider": "torch", "metric": "TFLOP/s",
+             "achieved": 800.0}]
     sizes = "batch=1 context=512 layers=16 hidden=2048"
     for prov, ms, lo, hi, launches, frac in (("eager", 10.0, 9.8, 10.2, 600, 0.30), ("fused", 4.0, 3.9, 4.1, 120, 0.75),
                                              ("fused+graphs", 2.0, 1.98, 2.02, 40, 0.95)):
-        rows.append({**base, "section": "decode", "op": "decode_step", "provider": prov, "sizes": sizes, "ms_median": ms,
-                     "ms_min": lo, "ms_max": hi, "launches_per_step": launches, "metric": "GB/s",
+        rows.append({**base, "section": "decode", "op": "decode_step", "provider": prov, "sizes": sizes,
+                     "ms_median": ms, "ms_min": lo, "ms_max": hi, "launches_per_step": launches, "metric": "GB/s",
                      "frac_of_ceiling": frac, "ceiling_name": "copy bandwidth", "ceiling": 4000.0})
     return rows, ROW_FIELDS
 
@@ -122,8 +124,8 @@ def test_rules_on_synthetic_numbers():
     assert r["verdict"] == lab.FAILS and "straddles it" in r["why"]          # decode 3.6..4.8x straddles 4x
     # the low end decides, not the medians: 4.4x medians, TTFT range 3.6..5.5x -> within noise
     ref_t = {**ref, "ttft_ms_p50_min": 18.0, "ttft_ms_p50_max": 22.0}
-    fast_t = {**fast, "ttft_ms_p50": 4.5, "ttft_ms_p50_min": 4.0, "ttft_ms_p50_max": 5.0, "decode_tokens_per_s_p50": 500.0,
-              "decode_tokens_per_s_min": 480.0, "decode_tokens_per_s_max": 520.0}
+    fast_t = {**fast, "ttft_ms_p50": 4.5, "ttft_ms_p50_min": 4.0, "ttft_ms_p50_max": 5.0,
+              "decode_tokens_per_s_p50": 500.0, "decode_tokens_per_s_min": 480.0, "decode_tokens_per_s_max": 520.0}
     r = gpu_stack.full_stack_rule([ref_t, fast_t])
     assert r["ttft_ratio"] == pytest.approx(20 / 4.5) and r["ttft_range"] == pytest.approx([3.6, 5.5])
     assert r["verdict"] == lab.FAILS and "TTFT 4.44x (range 3.60..5.50x) straddles" in r["why"]
@@ -133,9 +135,9 @@ def test_rules_on_synthetic_numbers():
     assert gpu_tables.at_least(4.1, 4.5, 4.0) == lab.HOLDS and gpu_tables.at_least(3.9, 4.5, 4.0) == lab.FAILS
     rows = [{"N": 4096, "K": 4096, "dense_ms": 0.02, "dense_ms_min": 0.019, "dense_ms_max": 0.021,
              "w4a16_ms": 0.012, "w4a16_ms_min": 0.011, "w4a16_ms_max": 0.013}]
-    assert gpu_bandwidth.w4a16_rule(rows)["verdict"] == lab.FAILS                            # even the bound: 1.46..1.91x < 2.1x
+    assert gpu_bandwidth.w4a16_rule(rows)["verdict"] == lab.FAILS                # even the bound: 1.46..1.91x < 2.1x
     fast_rows = [{**rows[0], "w4a16_ms": 0.008, "w4a16_ms_min": 0.0078, "w4a16_ms_max": 0.0082}]
-    assert gpu_bandwidth.w4a16_rule(fast_rows)["verdict"] == lab.NOT_MEASURED             # a bound above 2.1x confirms nothing
+    assert gpu_bandwidth.w4a16_rule(fast_rows)["verdict"] == lab.NOT_MEASURED    # a bound above 2.1x confirms nothing
     # one m whose bound reaches 2.1x: the rule cannot refute the claim
     assert gpu_bandwidth.w4a16_rule(rows + [{**fast_rows[0], "m": 16}])["verdict"] == lab.NOT_MEASURED
     krows, _ = _kernel_rows()

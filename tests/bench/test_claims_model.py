@@ -121,7 +121,8 @@ def test_slope_rule_needs_the_rounds_separated():
     assert model_compute.slope_rule(_slopes(1.8, 2.1), _slopes(0.9, 1.2))[0] == lab.HOLDS
     v, why = model_compute.slope_rule(_slopes(1.2, 1.3), _slopes(1.05, 1.1))
     assert v == lab.FAILS and "eager's lowest round (1.20)" in why
-    v, why = model_compute.slope_rule(_slopes(1.8, 2.1), _slopes(0.54, 1.53))     # the smoke run's straddling fused rounds
+    # the smoke run's straddling fused rounds
+    v, why = model_compute.slope_rule(_slopes(1.8, 2.1), _slopes(0.54, 1.53))
     assert v == lab.FAILS and "fused's highest round (1.53)" in why and "within noise" in why
     v, why = model_compute.slope_rule(_slopes(1.45, 2.1), _slopes(0.9, 1.2))      # median 1.78 > 1.5, one round below
     assert v == lab.FAILS and "eager" in why
@@ -155,9 +156,10 @@ def test_release_rule_both_ways():
     assert v == lab.FAILS and "no delayed release" in parts[-1]
     v, parts = model_memory.release_rule([1e-4] * 3, [1.2] * 3, 2100 * mib, 2100 * mib, noise=0.1)     # no byte saving
     assert v == lab.FAILS and "1.00x" in parts[0]
-    v, parts = model_memory.release_rule([1e-4] * 3, [1.2] * 3, 1024 * mib, 4096 * mib, noise=0.1)     # 4x: a saving, not 2.6x
+    # 4x: a saving, not 2.6x
+    v, parts = model_memory.release_rule([1e-4] * 3, [1.2] * 3, 1024 * mib, 4096 * mib, noise=0.1)
     assert v == lab.FAILS and "+52%" in parts[0] and "beyond 15%" in parts[0]
-    v, parts = model_memory.release_rule([0.02] * 3, [1.2] * 3, 800 * mib, 2100 * mib, noise=0.1)      # paged not instant
+    v, parts = model_memory.release_rule([0.02] * 3, [1.2] * 3, 800 * mib, 2100 * mib, noise=0.1)  # paged not instant
     assert v == lab.FAILS and "not < 5 ms" in parts[1]
 
 

@@ -46,7 +46,7 @@ def test_every_row_has_the_tables_columns(res, tmp_path):
 
 
 def test_a_refused_configuration_is_a_row_with_the_engines_reason(res):
-    for b, r in _rows(res, "paged+graphs").items():
+    for _, r in _rows(res, "paged+graphs").items():
         assert r["status"] == "refused" and "cuda_graphs=True needs a CUDA device" in r["reason"]
         assert r["decode_tok_s_p50"] is None and r["vs_baseline"] is None
     assert "REFUSED: LLMEngine: cuda_graphs=True" in format_decode_stack(res)

@@ -72,7 +72,7 @@ def test_workload_is_deterministic_and_has_its_mix(tok):
             assert p[:len(prev)] == prev and len(p) > len(prev)
             assert a.info[a.prompts.index(p)]["at"] > a.info[a.prompts.index(prev)]["at"]
     systems = {}
-    for c, t, s, p in chat:                          # conversations on one system prompt share its tokens
+    for _, t, s, p in chat:                          # conversations on one system prompt share its tokens
         if t == 0:
             systems.setdefault(s, []).append(p[:cfg.system_tokens + 1])
     assert all(len(set(map(tuple, v))) == 1 for v in systems.values()) and len(systems) == 2

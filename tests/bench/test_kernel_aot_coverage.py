@@ -75,7 +75,8 @@ def test_every_quant_table_row_is_a_case_and_the_device_check_uses_table_rows():
     script = (ROOT / "scripts" / "device_check.sh").read_text()
     line = re.search(r"^\s*QUANT=\((.*)\)", script, re.M).group(1)
     ms = [int(m) for m in re.search(r"--kernel-ms (\S+)", line).group(1).split(",")]
-    shapes = [tuple(int(v) for v in s.split("x")) for s in re.search(r"--kernel-shapes (\S+)", line).group(1).split(",")]
+    shapes = [tuple(int(v) for v in s.split("x"))
+              for s in re.search(r"--kernel-shapes (\S+)", line).group(1).split(",")]
     assert {(s, m) for s in shapes for m in ms} <= got
 
 

@@ -49,7 +49,8 @@ def test_scale_trace_divides_arrival_times_and_keeps_the_requests():
     t = Trace([TraceRequest(0.0, [1, 2], sp, 1), TraceRequest(1.0, [3], sp, 0), TraceRequest(3.0, [4], sp, 2)])
     s = scale_trace(t, 4.0)
     assert [r.at for r in s.requests] == [0.0, 0.25, 0.75]
-    assert [(r.prompt, r.priority, r.params) for r in s.requests] == [(r.prompt, r.priority, r.params) for r in t.requests]
+    assert ([(r.prompt, r.priority, r.params) for r in s.requests]
+            == [(r.prompt, r.priority, r.params) for r in t.requests])
     with pytest.raises(ConfigError):
         scale_trace(t, 0)
 
@@ -64,7 +65,8 @@ def test_the_crossing_interpolates_between_the_last_met_and_the_first_missed():
 
 
 def test_pick_by_capacity_ties_go_to_the_simpler_configuration():
-    table = [{"config": "baseline", "layers": 0, "memory_bytes": 10}, {"config": "stack", "layers": 5, "memory_bytes": 5},
+    table = [{"config": "baseline", "layers": 0, "memory_bytes": 10},
+             {"config": "stack", "layers": 5, "memory_bytes": 5},
              {"config": "mid", "layers": 2, "memory_bytes": 20}]
     screen = [{"config": "baseline", "estimate": 2.0}, {"config": "stack", "estimate": 6.0},
               {"config": "mid", "estimate": 5.6}]

@@ -26,7 +26,8 @@ def test_prompt_and_output_logprobs_equal_a_plain_forward(random_llm, mode):
            "paged-chunked": lambda: LLMEngine(random_llm, kv=PagedKVConfig(block_size=4),
                                               scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8)),
            "tiny-budget": lambda: LLMEngine(random_llm, kv=PagedKVConfig(block_size=4),
-                                            scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=3))}[mode]()
+                                            scheduler=SchedulerConfig(max_num_seqs=2,
+                                                                      max_num_batched_tokens=3))}[mode]()
     params = SamplingParams(temperature=0, max_tokens=5, logprobs=3, prompt_logprobs=2, ignore_eos=True)
     warm, out = eng.generate([ids, ids], [params, params])       # the second would hit the first's blocks
     assert out.num_cached_tokens == 0 and (out.prefix_miss_reason in ("full_prompt", "disabled"))

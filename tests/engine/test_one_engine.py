@@ -39,7 +39,8 @@ def test_reference_configuration_is_the_bare_decode_loop(bundled_llm, reference)
     """The default LLM is the engine configured as the reference (one sequence at a time, no
     chunking, a contiguous cache): its tokens are the bare loop's, and every row says so."""
     eng = bundled_llm.engine
-    assert eng.kv_mode == "contiguous" and eng.scheduler.config.max_num_seqs == 1 and not eng.scheduler.config.chunked_prefill
+    assert eng.kv_mode == "contiguous" and eng.scheduler.config.max_num_seqs == 1
+    assert not eng.scheduler.config.chunked_prefill
     for prompt, want in zip(PROMPTS, reference):
         ids = bundled_llm.encode(prompt)[1]
         assert reference_generate(bundled_llm.model, ids, GREEDY.max_tokens) == want

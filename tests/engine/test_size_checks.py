@@ -217,7 +217,8 @@ def test_static_decode_buffers_are_planned_at_max_model_len(random_llm, monkeypa
 def test_the_accounted_tiered_cache_is_planned_with_its_copies(random_llm):
     cfg = random_llm.model.config
     tiers = TierConfig(window=32, rank=4, value_format="int8")
-    plan = engine_memory_plan(cfg, "cpu", torch.float32, kv=None, tiers=tiers, scheduler=SchedulerConfig(max_num_seqs=2))
+    plan = engine_memory_plan(cfg, "cpu", torch.float32, kv=None, tiers=tiers,
+                              scheduler=SchedulerConfig(max_num_seqs=2))
     (item,) = plan.items
     contiguous = 2 * 256 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
     assert item.what == "tiered KV caches" and item.nbytes > 2 * contiguous

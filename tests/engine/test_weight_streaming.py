@@ -8,7 +8,6 @@ from __future__ import annotations
 import types
 
 import pytest
-import torch
 
 from workbench.engine.core import LLMEngine
 from workbench.engine.llm import LLM

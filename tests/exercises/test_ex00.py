@@ -61,7 +61,8 @@ def test_e2e_at_the_last_token_instead_of_the_finish_is_named():
 
 def test_a_list_instead_of_a_dict_is_a_type_message():
     r = check_fn(get("00.latencies"), lambda arrival, token_times, finished: [0.5, 0.15, 0.8])
-    assert r.case == 'edge case "three tokens"' and r.rule == "expected a dict with keys 'ttft', 'tpot', 'e2e', got list"
+    assert r.case == 'edge case "three tokens"'
+    assert r.rule == "expected a dict with keys 'ttft', 'tpot', 'e2e', got list"
 
 
 # ---- 00.percentile ---------------------------------------------------------------------------------------

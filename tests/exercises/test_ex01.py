@@ -108,8 +108,8 @@ def test_rmsnorm_mean_over_the_padded_block_is_rejected():
 def test_rmsnorm_squares_in_float16_are_rejected():
     def rmsnorm(x, weight, eps):
         return _norm(x, weight, eps, SQUARE_IN_X_DTYPE=True)
-    r = rejected("01.rmsnorm", rmsnorm, "x² overflows float16", "overflowed float16", "float16's largest value is 65504",
-                 "x.to(tl.float32)")
+    r = rejected("01.rmsnorm", rmsnorm, "x² overflows float16", "overflowed float16",
+                 "float16's largest value is 65504", "x.to(tl.float32)")
     assert "of 128 elements differ" in r.rule
 
 
@@ -160,7 +160,7 @@ def test_rmsnorm_that_returns_nothing_is_rejected():
 
 def test_rmsnorm_learner_exception_names_the_learner_line():
     def rmsnorm(x, weight, eps):
-        return _norm(x, weight)                      # noqa: the missing eps is the mistake
+        return _norm(x, weight)                      # the missing eps is the mistake
     r = rejected("01.rmsnorm", rmsnorm, "one row of 8", "your function raised TypeError")
     assert "return _norm(x, weight)" in r.rule
 
@@ -325,7 +325,8 @@ def test_bad_replacements_raise_config_error_and_change_nothing(tiny):
         replace_entry_points(model, rmsnorm=lambda x, weight, eps: x)
     apply_backends(model, {"rmsnorm": "eager"})
     before = model.ops
-    with pytest.raises(ConfigError, match="'rope' cannot be replaced; entry points that can: rmsnorm, add_rmsnorm, swiglu"):
+    with pytest.raises(ConfigError, match="'rope' cannot be replaced; "
+                                          "entry points that can: rmsnorm, add_rmsnorm, swiglu"):
         replace_entry_points(model, rope=lambda *a: a)
     with pytest.raises(ConfigError, match="rmsnorm must be a function, got int"):
         replace_entry_points(model, rmsnorm=3)

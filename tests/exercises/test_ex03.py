@@ -81,7 +81,7 @@ def _execs(compute, streamed):
 def test_ideal_times_counting_each_layer_once_is_named():
     def ideal_times(t_resident, compute, copy, streamed):
         first = {}
-        for (s, layer), c in _execs(compute, streamed):
+        for (_, layer), c in _execs(compute, streamed):
             first.setdefault(layer, c)
         return {"t_ideal": t_resident + sum(max(copy[i], c) - c for i, c in first.items()),
                 "t_lane": max(t_resident, sum(copy[i] for i in first))}

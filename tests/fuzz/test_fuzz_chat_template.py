@@ -22,7 +22,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fuzzkit import MiB, Shown, check_refusal, fuzz, note, outcome
+from fuzzkit import MiB, check_refusal, fuzz, note, outcome
 
 from workbench.model import chat_template as ct
 from workbench.model.chat_template import MAX_OUTPUT_CHARS, RENDER_SECONDS, ChatTemplate, TemplateError

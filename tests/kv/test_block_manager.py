@@ -68,7 +68,8 @@ def test_fork_and_copy_on_write():
     assert bm.append_slot("p", 9) == last * 4 + 2   # now the parent's own: written in place
     assert bm.take_copies() == []
     bm.check_invariants()
-    bm.free("p"); bm.free("c")
+    bm.free("p")
+    bm.free("c")
     assert bm.num_free_blocks == 6
     bm.check_invariants()
 

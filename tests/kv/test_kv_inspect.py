@@ -76,7 +76,8 @@ def test_live_sequence_history_bound_and_pool_reset(random_llm):
     rep = insp.report()
     (live,) = rep["sequences"]
     assert live["cached_tokens"] == 32 and live["miss_reason"] is None       # a full hit: 8 blocks of 4
-    assert rep["blocks"]["owned"] == live["num_blocks"] and set(rep["block_owners"]) == {str(b) for b in live["block_table"]}
+    assert rep["blocks"]["owned"] == live["num_blocks"]
+    assert set(rep["block_owners"]) == {str(b) for b in live["block_table"]}
     assert pool_report(llm.kv_pool)["sequences"][0]["cached_tokens"] is None  # without the inspector: unknown
     it.close()
     llm.kv_pool.reset()                                                        # a new manager: counters from zero
@@ -138,7 +139,8 @@ def test_static_block_map_has_one_cell_per_block(random_llm):
 def test_interleaved_run_shares_blocks_and_keeps_greedy_tokens(random_llm):
     pytest.importorskip("anywidget")
     llm = _paged(random_llm, num_blocks=40)
-    ref = [o.token_ids for o in _paged(random_llm, num_blocks=40, enable_prefix_caching=False).generate(PROMPTS[:3], GREEDY)]
+    ref = [o.token_ids
+           for o in _paged(random_llm, num_blocks=40, enable_prefix_caching=False).generate(PROMPTS[:3], GREEDY)]
     insp = KVInspector(llm)
     view = KVBlockMapView(max_hz=60)
     view.attach(llm)

@@ -37,7 +37,8 @@ def test_the_pool_dies_with_its_engine(llm, kw):
     gc.disable()
     try:
         del eng
-        assert pool() is None, f"the pool outlived its engine: referrers {[type(r).__name__ for r in gc.get_referrers(pool())]}"
+        assert pool() is None, ("the pool outlived its engine: "
+                                f"referrers {[type(r).__name__ for r in gc.get_referrers(pool())]}")
         assert tensor() is None
     finally:
         gc.enable()

@@ -18,7 +18,7 @@ import os
 import platform
 import time
 from dataclasses import asdict
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 
 import pytest
@@ -57,7 +57,7 @@ def browser_unavailable() -> str | None:
 def _run_id() -> str:
     """xdist's run id (the same in every worker of one run), else this process's start time."""
     uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    return f"xdist-{uid[:12]}" if uid else datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return f"xdist-{uid[:12]}" if uid else datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
 
 
 RUN_ID = _run_id()          # once per process: every test file of a run writes into one folder

@@ -29,9 +29,11 @@ def test_problems_name_a_reopened_widget_error_and_a_replay_that_does_not_change
     ok = LabRun(**base, replays=[{"changed": True}, {"changed": True}], reopened={"widget_errors": []})
     assert ok.problems(replays=True) == []
     one = LabRun(**base, replays=[{"index": 0, "changed": True}, {"index": 1, "title": "ramp", "changed": False}])
-    assert one.problems(replays=True) == ["replay 1 ('ramp') did not change when scrubbed from its first frame to its last"]
+    assert one.problems(replays=True) == ["replay 1 ('ramp') did not change when scrubbed from its first frame "
+                                          "to its last"]
     assert LabRun(**base).problems(replays=True) == ["no replay found (a plotly figure with frames and a slider)"]
-    bad = LabRun(**base, replays=[{"index": 0, "changed": False}], reopened={"widget_errors": ["Error displaying widget: model not found"]})
+    bad = LabRun(**base, replays=[{"index": 0, "changed": False}],
+                 reopened={"widget_errors": ["Error displaying widget: model not found"]})
     got = " | ".join(bad.problems(replays=True))
     assert "reopened: Error displaying widget" in got and "replay 0 ('') did not change" in got
     assert bad.problems(replays=False) == ["reopened: Error displaying widget: model not found"]

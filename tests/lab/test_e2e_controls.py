@@ -88,7 +88,8 @@ def test_slo_choices_are_the_rule_at_every_bound_where_its_answer_changes():
     loose = slo_choices(CANDIDATES, max_rel_ppl=0.10, noise=0.05)
     assert next(c for c in loose if c["bound"] == 310.0)["pick"] == "stack: paged + prefix_cache + quant"
     # a stated SLO within 0.1 ms of a computed bound replaces it
-    assert [c["bound"] for c in slo_choices(CANDIDATES, 0.02, noise=0.05, default=419.95)] == [279.0, 310.0, 419.95, 1000.0]
+    assert ([c["bound"] for c in slo_choices(CANDIDATES, 0.02, noise=0.05, default=419.95)]
+            == [279.0, 310.0, 419.95, 1000.0])
 
 
 def test_slo_explorer_slider_moves_the_recommendation_and_dropdown_swaps_the_waterfall():
@@ -177,7 +178,8 @@ def test_live_view_records_every_run_and_replays_the_rounds():
     assert last[0]["x"] == [100.5, 200.5, 300.5]                               # medians of 2 runs each
     assert last[1]["x"] == [100.0, 101.0, 200.0, 201.0, 300.0, 301.0]          # every run, as dots
     assert last[2] == {"type": "scatter", "x": [101.0], "y": ["baseline"]}    # the run just finished
-    assert [d["type"] for d in last] == ["bar", "scatter", "scatter"]         # (a frame's trace without a type is a scatter)
+    # (a frame's trace without a type is a scatter)
+    assert [d["type"] for d in last] == ["bar", "scatter", "scatter"]
     assert [f.t_ms for f in frames] == sorted(f.t_ms for f in frames)
     assert "µs a run" in live.cost_text() and "never inside a timed replay" in live.cost_text()
     fig = live.replay()

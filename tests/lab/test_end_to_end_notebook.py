@@ -94,7 +94,7 @@ PROGRESS_CELLS = ["ab = Ablation(llm, wl, E2E", "live = AblationLive(ab"]   # th
 
 @pytest.mark.notebook
 @pytest.mark.slow
-def test_the_long_cells_show_progress_within_10_s_in_jupyterlab(lab_session):
+def test_the_long_cells_show_progress_within_10_s_in_jupyterlab(lab_session):  # noqa: F811 - the imported fixture
     """In JupyterLab: 06's long cells (the build, the rounds: 84 s and 234 s of [*] alone before)
     show a progress bar within 10 s of their start; the run stops once both have."""
     if lab_session is None:

@@ -9,14 +9,14 @@ import pytest
 
 pd = pytest.importorskip("pandas")
 
-from workbench.lab.front_page import (
+from workbench.lab.front_page import (  # noqa: E402 - after the importorskip
     Headline,
     claims_html,
     front_page_html,
     gpu_html,
     headline_rows,
 )
-from workbench.lab.results import collect_results, save_results, write_report
+from workbench.lab.results import collect_results, save_results, write_report  # noqa: E402
 
 
 def _metrics(rows):
@@ -41,7 +41,8 @@ def test_threshold_verdict_and_noise_give_yes_no_within_noise():
 
 
 def test_verdict_alone_decides_without_a_threshold_and_missing_metric_is_not_run():
-    hs = (Headline("nb", "hit", "hit", ">= 89 %", verdict="v"), Headline("nb", "absent", "absent", "= 1", lambda v: v == 1))
+    hs = (Headline("nb", "hit", "hit", ">= 89 %", verdict="v"),
+          Headline("nb", "absent", "absent", "= 1", lambda v: v == 1))
     m = _metrics([("nb", "hit", 0.95), ("nb", "v", "holds")])
     df = headline_rows(m, hs)
     assert _row(df, "hit")["meets"] == "yes"
@@ -74,8 +75,8 @@ def test_a_sweeps_points_each_get_their_rows():
 
 
 def test_claims_and_gpu_sections(tmp_path):
-    claims = pd.DataFrame([{"id": "x", "layer": "kv", "source": "A §2", "claim": "c", "measured": "m", "verdict": "holds",
-                            "why": "w"}])
+    claims = pd.DataFrame([{"id": "x", "layer": "kv", "source": "A §2", "claim": "c", "measured": "m",
+                            "verdict": "holds", "why": "w"}])
     html = claims_html({"notebooks": {"06_end_to_end": {"tables": {"claims": claims}}}})
     assert "'>holds</td>" in html and "06_end_to_end" in html
     assert "'>m</td>" in html and "'>w</td>" in html              # the measured figure and the reason

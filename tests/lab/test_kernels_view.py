@@ -33,7 +33,8 @@ def _table() -> pd.DataFrame:
 def test_max_errors_are_never_rounded_to_zero():
     assert kl.fmt_err(4.77e-7) == "4.77e-07" and kl.fmt_err(0.0) == "0" and kl.fmt_err(float("nan")) == "-"
     frame = kl.results_frame({"max_err_rope": 4.8e-7, "decode_max_logit_err_fused": 2.1e-6, "copy_gbps": 2.756983,
-                              "cuda_graph_error": None, "launches": 252, "interpreter": True, "decode_ms_graphed": float("nan")})
+                              "cuda_graph_error": None, "launches": 252, "interpreter": True,
+                              "decode_ms_graphed": float("nan")})
     v = frame["value"]
     assert v["max_err_rope"] == "4.80e-07" and v["decode_max_logit_err_fused"] == "2.10e-06"
     assert v["copy_gbps"] == "2.757" and v["cuda_graph_error"] == "—" and v["launches"] == "252"
@@ -125,7 +126,8 @@ def test_si_tick_labels():
 def test_roofline_figure():
     kdf = pd.DataFrame({"op": ["rmsnorm", "swiglu", "rmsnorm"], "provider": ["eager", "eager", "triton"],
                         "intensity": [0.5, 0.5, 0.5], "flop_per_s": [1e9, 1e9, 1e6],
-                        "timing": ["perf_counter", "perf_counter", "triton-interpreter"], "ms_median": [0.1, 0.1, 50.0]})
+                        "timing": ["perf_counter", "perf_counter", "triton-interpreter"],
+                        "ms_median": [0.1, 0.1, 50.0]})
     roof = kl.roofline_figure(kdf, {"GB/s": 10.0, "TFLOP/s": 0.1}, title="r")
     line = roof.data[0]
     assert all(y == pytest.approx(min(0.1e12, x * 10e9)) for x, y in zip(line.x, line.y))
@@ -323,8 +325,9 @@ def test_with_progress_moves_the_bar_between_items():
             calls.append(("advance",))
 
     seen = []
-    for name, spec in kl.with_progress({"eager": {}, "rope": {"rope": "triton"}}, Bar()).items():
+    for name, _ in kl.with_progress({"eager": {}, "rope": {"rope": "triton"}}, Bar()).items():
         seen.append(name)
         calls.append(("run", name))
     assert seen == ["eager", "rope"]
-    assert calls == [("start", "eager"), ("run", "eager"), ("advance",), ("start", "rope"), ("run", "rope"), ("advance",)]
+    assert calls == [("start", "eager"), ("run", "eager"), ("advance",),
+                     ("start", "rope"), ("run", "rope"), ("advance",)]

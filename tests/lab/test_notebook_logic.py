@@ -69,13 +69,16 @@ def test_kernel_flops_and_bytes_and_roofline_frame():
     from workbench_kernels.flash_prefill import prefill_cost
 
     rows = [
-        {"op": "rmsnorm", "provider": "eager", "metric": "GB/s", "bytes": 1000, "flops": None, "ms_median": 1.0, "status": "ok"},
-        {"op": "swiglu", "provider": "triton", "metric": "GB/s", "bytes": 500, "flops": None, "ms_median": 2.0, "status": "ok"},
+        {"op": "rmsnorm", "provider": "eager", "metric": "GB/s", "bytes": 1000, "flops": None, "ms_median": 1.0,
+         "status": "ok"},
+        {"op": "swiglu", "provider": "triton", "metric": "GB/s", "bytes": 500, "flops": None, "ms_median": 2.0,
+         "status": "ok"},
         {"op": "paged_decode", "provider": "eager", "metric": "GB/s", "bytes": 800, "flops": None, "ms_median": 1.0,
          "status": "ok"},
-        {"op": "flash_prefill", "provider": "eager", "metric": "TFLOP/s", "bytes": None, "flops": 12345, "ms_median": 0.5,
-         "status": "ok"},
-        {"op": "rope", "provider": "triton", "metric": "GB/s", "bytes": 10, "flops": None, "ms_median": 1.0, "status": "error"},
+        {"op": "flash_prefill", "provider": "eager", "metric": "TFLOP/s", "bytes": None, "flops": 12345,
+         "ms_median": 0.5, "status": "ok"},
+        {"op": "rope", "provider": "triton", "metric": "GB/s", "bytes": 10, "flops": None, "ms_median": 1.0,
+         "status": "error"},
     ]
     kdf = km.roofline_frame(rows, SMALL, torch.float32).set_index("op")
     assert "rope" not in kdf.index                                       # failed rows are left out
@@ -188,8 +191,10 @@ def test_control_verdict(control, se_c, tiered, se_t, expected):
 
 def test_control_table_pairs_each_control_with_its_mean_cold_twin():
     sweep_df = pd.DataFrame([
-        {"name": "a", "cold_mode": "mean", "reduction": 2.0, "rel_ppl": 0.010, "rel_ppl_se": 0.001, "kl": 0.02, "top1": 0.9},
-        {"name": "b", "cold_mode": "mean", "reduction": 3.0, "rel_ppl": 0.020, "rel_ppl_se": 0.001, "kl": 0.04, "top1": 0.8},
+        {"name": "a", "cold_mode": "mean", "reduction": 2.0, "rel_ppl": 0.010, "rel_ppl_se": 0.001, "kl": 0.02,
+         "top1": 0.9},
+        {"name": "b", "cold_mode": "mean", "reduction": 3.0, "rel_ppl": 0.020, "rel_ppl_se": 0.001, "kl": 0.04,
+         "top1": 0.8},
         {"name": "a-drop", "cold_mode": "drop", "reduction": 2.5, "rel_ppl": 0.011, "rel_ppl_se": 0.001, "kl": 0.04,
          "top1": 0.85},
         {"name": "b-drop", "cold_mode": "drop", "reduction": 3.5, "rel_ppl": 0.050, "rel_ppl_se": 0.001, "kl": 0.2,
@@ -198,7 +203,8 @@ def test_control_table_pairs_each_control_with_its_mean_cold_twin():
     t = kx.control_table(sweep_df)
     assert list(t.index) == ["a-drop", "b-drop"]
     assert t.loc["a-drop", "mean-cold reduction"] == 2.0 and t.loc["b-drop", "mean-cold kl"] == 0.04
-    assert t.loc["a-drop", "perplexity: control is"] == "within noise" and t.loc["b-drop", "perplexity: control is"] == "higher"
+    assert t.loc["a-drop", "perplexity: control is"] == "within noise"
+    assert t.loc["b-drop", "perplexity: control is"] == "higher"
     assert t["KL: control / mean-cold"].tolist() == pytest.approx([2.0, 5.0])
     with pytest.raises(KeyError):
         kx.control_table(sweep_df[sweep_df["name"] != "b"])
@@ -255,7 +261,8 @@ def test_summary_row_percentiles_and_busy_steps():
     row = sx.summary_row(SimpleNamespace(outputs=outs, steps=steps, tokens_per_s=42.0), window_ms=5.0, rate=2.0)
     assert list(row)[:2] == ["window_ms", "rate"] and set(sx.SUMMARY_COLUMNS) <= set(row)
     assert row["TTFT p50 ms"] == pytest.approx(20) and row["TTFT p95 ms"] == pytest.approx(29)
-    assert row["queue p95 ms"] == pytest.approx(2.9) and row["ITL p95 ms"] == pytest.approx(np.percentile([5, 7, 6], 95))
+    assert row["queue p95 ms"] == pytest.approx(2.9)
+    assert row["ITL p95 ms"] == pytest.approx(np.percentile([5, 7, 6], 95))
     assert row["steps"] == 3 and row["mean batch"] == pytest.approx(2.0) and row["tokens/s"] == 42.0
     with pytest.raises(ValueError):
         sx.summary_row(SimpleNamespace(outputs=[], steps=steps, tokens_per_s=0.0))

@@ -78,7 +78,7 @@ EXPECTED_KEYS = {
 @pytest.mark.notebook
 @pytest.mark.slow
 @pytest.mark.parametrize("path", RUN_HERE, ids=[p.stem for p in RUN_HERE])
-def test_notebook_runs(path, tmp_path, lab_session):
+def test_notebook_runs(path, tmp_path, lab_session):  # noqa: F811 - the imported fixture
     if not BUNDLED_WEIGHTS.is_file():
         pytest.fail(f"{BUNDLED_WEIGHTS} is missing: the bundled model is part of the repository")
     run_and_check(path, tmp_path, lab_session, EXPECTED_KEYS.get(path.stem, set()),
@@ -87,7 +87,7 @@ def test_notebook_runs(path, tmp_path, lab_session):
 
 @pytest.mark.notebook
 @pytest.mark.slow
-def test_browser_report(lab_session):
+def test_browser_report(lab_session):  # noqa: F811 - the imported fixture
     """After this file's notebooks (pytest keeps a file's order): the run folder's report, front
     page first, renders in Chromium with every figure drawn and every screenshot loaded."""
     if lab_session is None:
@@ -122,7 +122,8 @@ def test_notebook_is_committed_clean(path):
         assert '"tiny"' in src, f"{path.name}: the parameters cell should describe its tiny mode"
     first = nb.cells[0].source.lower() if nb.cells and nb.cells[0].cell_type == "markdown" else ""
     assert any(w in first for w in ("tutorial", "how-to", "explanation", "purpose")), \
-        f"{path.name}: the first cell should be markdown stating the notebook's purpose (tutorial / how-to / explanation)"
+        f"{path.name}: the first cell should be markdown stating the notebook's purpose " \
+        "(tutorial / how-to / explanation)"
 
 
 def test_there_are_notebooks():

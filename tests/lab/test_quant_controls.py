@@ -40,7 +40,8 @@ def _row(key, degradation, cost, se=0.002, samples=None, assignment=None):
 
 def _memory():
     rows = [_row("unquantized", 0.0, 25 * MIB), _row("uniform w8a16", 0.001, 14 * MIB),
-            _row("front 3", 0.012, 11 * MIB), _row("uniform w4a16:g128", 0.021, 9 * MIB), _row("front 5", -0.001, 16 * MIB)]
+            _row("front 3", 0.012, 11 * MIB), _row("uniform w4a16:g128", 0.021, 9 * MIB),
+            _row("front 5", -0.001, 16 * MIB)]
     for r in rows:
         r["cost_vs_unquantized"] = r["cost"] / (25 * MIB)
     return {"target_metric": "ppl", "objective": "memory", "candidates": rows, "max_degradation": 0.02,
@@ -62,9 +63,10 @@ def _latency():
 def test_memory_picks_the_smallest_measured_mix_within_each_bound():
     res = _memory()
     choices = quality_bound_choices(res)
-    assert [c["bound"] for c in choices] == [0.0, 0.001, 0.012, 0.02, 0.021]     # where the pick can change, and the limit
+    assert [c["bound"] for c in choices] == [0.0, 0.001, 0.012, 0.02, 0.021]  # where the pick can change, and the limit
     assert [c["limit"] for c in choices] == [False, False, False, True, False]
-    assert [c["pick"]["key"] for c in choices] == ["front 5", "uniform w8a16", "front 3", "front 3", "uniform w4a16:g128"]
+    assert [c["pick"]["key"] for c in choices] == ["front 5", "uniform w8a16", "front 3", "front 3",
+                                                   "uniform w4a16:g128"]
     assert choices[1]["within"] == {"unquantized": True, "uniform w8a16": True, "front 3": False,
                                     "uniform w4a16:g128": False, "front 5": True}
 

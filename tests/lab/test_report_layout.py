@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import math
 import re
 import shutil
 import subprocess
@@ -22,11 +21,11 @@ pd = pytest.importorskip("pandas")
 go = pytest.importorskip("plotly.graph_objects")
 nbformat = pytest.importorskip("nbformat")
 
-from lab_browser import chromium  # noqa: F401  (the fixture)
-from workbench.lab.formats import format_value, humanize, readable_table, table_html, title_of, unit_kind
-from workbench.lab.replay import Recorder, replay_figure
-from workbench.lab.results import _INFLATE_JS, collect_results, save_results, write_report
-from workbench.lab.viz import replay_at_end
+from lab_browser import chromium  # noqa: E402,F401 - the fixture, after the importorskip
+from workbench.lab.formats import format_value, humanize, readable_table, table_html, title_of, unit_kind  # noqa: E402
+from workbench.lab.replay import Recorder, replay_figure  # noqa: E402
+from workbench.lab.results import _INFLATE_JS, collect_results, save_results, write_report  # noqa: E402
+from workbench.lab.viz import replay_at_end  # noqa: E402
 
 
 def replay(n: int = 12):
@@ -83,12 +82,15 @@ def test_keys_become_headings_in_words():
 
 
 def test_values_get_units_and_rounding():
-    assert unit_kind("ttft_ms_p50") == "ms" and unit_kind("kv_bytes") == "bytes" and unit_kind("share") == "fraction"
-    assert unit_kind("tokens_per_s") == "number" and unit_kind("rel ppl %") == "percent" and unit_kind("vs_eager") == "ratio"
+    assert unit_kind("ttft_ms_p50") == "ms" and unit_kind("kv_bytes") == "bytes"
+    assert unit_kind("share") == "fraction" and unit_kind("tokens_per_s") == "number"
+    assert unit_kind("rel ppl %") == "percent" and unit_kind("vs_eager") == "ratio"
     assert format_value(4691.855592, "ms") == "4,691.9" and format_value(0.02983, "ms") == "0.03"
-    assert format_value(19709952.0, "bytes") == "18.8 MiB" and format_value(0.2884621917, "fraction", unit=True) == "28.8 %"
+    assert format_value(19709952.0, "bytes") == "18.8 MiB"
+    assert format_value(0.2884621917, "fraction", unit=True) == "28.8 %"
     assert format_value(float("nan")) == "—" and format_value(None) == "—" and format_value(0.0) == "0"
-    assert format_value(3.0) == "3" and format_value(4691.855592) == "4,692" and format_value(9.537e-07, "err") == "9.54e-07"
+    assert format_value(3.0) == "3" and format_value(4691.855592) == "4,692"
+    assert format_value(9.537e-07, "err") == "9.54e-07"
     assert format_value(1.1234, "ratio") == "1.12×" and format_value(True) == "yes"
 
 
@@ -121,15 +123,15 @@ def test_report_has_headings_contents_and_back_links(tmp_path):
                                           ("Some new key (ms)", "some_new_key_ms"),
                                           ("All kernels on one roofline", "roofline")}
     contents = re.findall(r"<div class='contents'>(.*?)</div>", page, re.DOTALL)
-    assert len(contents) == 2                                                          # one per notebook
+    assert len(contents) == 2                                                   # one per notebook
     targets = set(re.findall(r"href='#([^']+)'", "".join(contents)))
     ids = set(re.findall(r"\bid='([^']+)'", page))
-    assert {i for i, _, _ in h3} <= targets and targets <= ids                         # every item listed, every link lands
-    assert page.count("href='#top'") >= len(h3) + 1 and "id='top'" in page            # back to top from every item
-    assert "class='bar' id='top'" in page and "position:sticky" in page               # links that stay on screen
+    assert {i for i, _, _ in h3} <= targets and targets <= ids                  # every item listed, every link lands
+    assert page.count("href='#top'") >= len(h3) + 1 and "id='top'" in page      # back to top from every item
+    assert "class='bar' id='top'" in page and "position:sticky" in page         # links that stay on screen
     assert "<a href='#nb-00_tour' title='00 · A tour of the workbench'>00_tour</a>" in page
-    assert "(replay)" in page                                                          # the contents say which figure replays
-    assert "10.1 ms" in page and "18.8 MiB" in page and "28.8 %" in page               # metrics with their units
+    assert "(replay)" in page                                                   # the contents say which figure replays
+    assert "10.1 ms" in page and "18.8 MiB" in page and "28.8 %" in page        # metrics with their units
     assert "10.121311" not in page
 
 
@@ -147,7 +149,7 @@ def test_plotly_js_once_compressed_and_figures_keep_their_frames(tmp_path):
     divs = re.findall(r"<div id='([^']+)' class='plotly-graph-div wb-figure'", page)
     assert sorted(divs) == sorted(doc["figures"])
     stream = next(f for f in doc["figures"].values() if f.get("frames"))
-    assert len(stream["frames"]) == 12 and stream["layout"]["sliders"][0]["active"] == 11    # shows the end, waits for ▶
+    assert len(stream["frames"]) == 12 and stream["layout"]["sliders"][0]["active"] == 11  # shows the end, waits for ▶
     assert [b["method"] for b in stream["layout"]["updatemenus"][0]["buttons"]] == ["animate", "animate"]
     assert "autoplay" not in page.lower() and "Plotly.animate" not in page
 
@@ -190,16 +192,18 @@ for (const name of process.argv.slice(2)) {
 # ---- in Chromium ----------------------------------------------------------------------------------
 
 STATE = """(id) => { const gd = document.getElementById(id);
-  const label = [...gd.querySelectorAll('.slider-container text')].map((t) => t.textContent).find((t) => t.includes(' = '));
+  const label = [...gd.querySelectorAll('.slider-container text')].map((t) => t.textContent)
+    .find((t) => t.includes(' = '));
   const line = gd.querySelector('.scatterlayer .trace path.js-line');
   return {label: label || null, active: gd._fullLayout.sliders[0].active,
-          points: gd.querySelectorAll('.scatterlayer .trace .point').length, line: line ? line.getAttribute('d') : null}; }"""
+          points: gd.querySelectorAll('.scatterlayer .trace .point').length,
+          line: line ? line.getAttribute('d') : null}; }"""
 
 
 
 
 @pytest.mark.slow
-def test_a_replay_in_the_report_waits_scrubs_and_plays_offline(chromium, tmp_path):
+def test_a_replay_in_the_report_waits_scrubs_and_plays_offline(chromium, tmp_path):  # noqa: F811 - the imported fixture
     report = make_report(tmp_path / "r")
     page = chromium.new_page()
     errors, requests = [], []

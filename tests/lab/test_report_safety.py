@@ -19,10 +19,10 @@ pytest.importorskip("papermill")
 pd = pytest.importorskip("pandas")
 go = pytest.importorskip("plotly.graph_objects")
 
-from lab_browser import chromium  # noqa: F401  (the fixture)
-from workbench.lab import runner
-from workbench.lab.executors import Executor
-from workbench.lab.results import collect_results, html_id, save_results, write_report
+from lab_browser import chromium  # noqa: E402,F401 - the fixture, after the importorskip
+from workbench.lab import runner  # noqa: E402
+from workbench.lab.executors import Executor  # noqa: E402
+from workbench.lab.results import collect_results, html_id, save_results, write_report  # noqa: E402
 
 from test_runner import write_notebook  # noqa: E402 - the runner tests' tiny notebooks
 
@@ -72,7 +72,8 @@ def payload_report(tmp_path: Path) -> Path:
     (the runner refuses those, the report must not depend on it)."""
     tmp_path.mkdir(exist_ok=True)
     side = tmp_path / "00_tour.results.json"
-    table = pd.DataFrame({bad("col"): [bad("cell"), "x"], "n": [1, 2]}, index=pd.Index([bad("idx"), "b"], name=bad("ixn")))
+    table = pd.DataFrame({bad("col"): [bad("cell"), "x"], "n": [1, 2]},
+                         index=pd.Index([bad("idx"), "b"], name=bad("ixn")))
     claims = pd.DataFrame({"claim": [bad("claim")], "verdict": [bad("claim-verdict")], "why": [bad("why")]})
     save_results(side, {"greedy_token_agreement": 1.0, "bench_decode_speedup": 1.2,
                         "bench_decode_verdict": bad("verdict"), bad("metric-name"): bad("metric-value")},
@@ -86,16 +87,19 @@ def payload_report(tmp_path: Path) -> Path:
     key, key2 = bad("sweep-key"), bad("sweep-key2")
     recs = [{"name": "00_tour", "notebook": "00_tour", "status": "ok", "seconds": 1.0, "error": None,
              "output": str(tmp_path / f"{bad('output')}.ipynb".replace("/", "_")), "results": str(side),
-             "point": {key2: bad("sweep-value"), key: 1}, "worker": {"executor": bad("executor"), "host": bad("host"), "pid": 1}},
+             "point": {key2: bad("sweep-value"), key: 1},
+             "worker": {"executor": bad("executor"), "host": bad("host"), "pid": 1}},
             {"name": NB_NAME, "notebook": NB_NAME, "status": bad("status"), "seconds": bad("seconds"),
-             "error": bad("error"), "output": None, "results": None, "point": {key2: bad("sweep-value"), key: 2}, "worker": None},
+             "error": bad("error"), "output": None, "results": None, "point": {key2: bad("sweep-value"), key: 2},
+             "worker": None},
             {"name": "nb2", "notebook": "nb2", "status": "ok", "seconds": 2.0, "error": None, "output": None,
              "results": str(side2), "point": {key2: "v", key: 3}, "worker": None}]
     res = collect_results(recs)
     res["sweep"]["product"] = [1.0, None, 3.0]
     return write_report(tmp_path / "report.html", recs, res, parameters={bad("param-name"): bad("param-value"),
                                                                          "device": bad("device")},
-                        kernel=bad("kernel"), sweep={key2: [bad("sweep-value"), "v"], key: [1, 2, 3]}, executor=bad("describe"),
+                        kernel=bad("kernel"), sweep={key2: [bad("sweep-value"), "v"], key: [1, 2, 3]},
+                        executor=bad("describe"),
                         screenshots={bad("shots"): [(bad("caption"), str(shot)), (bad("no-shot"), "")]},
                         gpu_root=tmp_path / "none")
 
@@ -173,7 +177,8 @@ def open_page(browser, report: Path) -> dict:
         info = page.evaluate("""() => ({
           pwned: window.__pwned || null,
           divs: document.querySelectorAll('div.plotly-graph-div').length,
-          drawn: [...document.querySelectorAll('div.plotly-graph-div')].filter((d) => d.querySelector('.main-svg')).length,
+          drawn: [...document.querySelectorAll('div.plotly-graph-div')]
+            .filter((d) => d.querySelector('.main-svg')).length,
           images: [...document.images].map((i) => i.complete && i.naturalWidth > 0),
         })""")
         return {**info, "dialogs": dialogs, "errors": errors}
@@ -182,7 +187,7 @@ def open_page(browser, report: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_no_payload_runs_in_chromium_and_the_figures_render(chromium, tmp_path):
+def test_no_payload_runs_in_chromium_and_the_figures_render(chromium, tmp_path):  # noqa: F811 - the imported fixture
     for report in (payload_report(tmp_path / "direct"), payload_run(tmp_path)):
         got = open_page(chromium, report)
         assert got["dialogs"] == [] and got["pwned"] is None, got
@@ -193,7 +198,7 @@ def test_no_payload_runs_in_chromium_and_the_figures_render(chromium, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_policy_stops_a_script_that_got_into_the_page(chromium, tmp_path):
+def test_the_policy_stops_a_script_that_got_into_the_page(chromium, tmp_path):  # noqa: F811 - the imported fixture
     """Escaping aside: a report with markup planted unescaped (as a bug would let through) runs
     none of it, and its own figures still render."""
     report = payload_report(tmp_path / "direct")

@@ -25,11 +25,11 @@ nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("papermill")
 pd = pytest.importorskip("pandas")
 
-from workbench.cli.main import main
-from workbench.errors import ConfigError
-from workbench.lab import run_folder, runner
-from workbench.lab.executors import Executor
-from workbench.lab.results import save_results
+from workbench.cli.main import main  # noqa: E402 - after the importorskip
+from workbench.errors import ConfigError  # noqa: E402
+from workbench.lab import run_folder, runner  # noqa: E402
+from workbench.lab.executors import Executor  # noqa: E402
+from workbench.lab.results import save_results  # noqa: E402
 
 from test_runner import write_notebook  # noqa: E402 - the runner tests' tiny notebooks
 
@@ -225,7 +225,8 @@ def test_overwrite_deletes_only_what_the_run_before_wrote(nb, tmp_path):
 def test_the_summary_is_written_first_updated_per_notebook_and_last(nb, tmp_path, monkeypatch):
     out, order, seen = tmp_path / "run", [], []
     write = run_folder.atomic_write
-    monkeypatch.setattr(run_folder, "atomic_write", lambda path, data: order.append(Path(path).name) or write(path, data))
+    monkeypatch.setattr(run_folder, "atomic_write",
+                        lambda path, data: order.append(Path(path).name) or write(path, data))
 
     def check(task):                       # before each point: the summary names only what is there
         doc = json.loads((out / "summary.json").read_text())

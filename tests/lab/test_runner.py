@@ -11,11 +11,11 @@ nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("papermill")
 pd = pytest.importorskip("pandas")
 
-from workbench.errors import ConfigError, WorkbenchError
-from workbench.lab import runner
-from workbench.lab import stacks as kernel_stacks
-from workbench.lab.executors import Executor
-from workbench.lab.results import load_results, save_results
+from workbench.errors import ConfigError, WorkbenchError  # noqa: E402 - after the importorskip
+from workbench.lab import runner  # noqa: E402
+from workbench.lab import stacks as kernel_stacks  # noqa: E402
+from workbench.lab.executors import Executor  # noqa: E402
+from workbench.lab.results import load_results, save_results  # noqa: E402
 
 
 def write_notebook(path, *sources, parameters="results_path = None"):
@@ -248,8 +248,10 @@ def test_sweep_columns_of_the_runner_and_worker_are_never_overwritten():
                                 "tps": 2.0}}}
     t = sweep_frame(recs, loaded)
     row = t.iloc[0]
-    assert (row["status"], row["seconds"], row["error"], row["executor"], row["worker_pid"]) == ("ok", 1.5, "", "local", 7)
-    assert (row["param:seconds"], row["metric:status"], row["metric:error"], row["metric:worker_pid"]) == (9, "warm", 0.1, 3)
+    assert ((row["status"], row["seconds"], row["error"], row["executor"], row["worker_pid"])
+            == ("ok", 1.5, "", "local", 7))
+    assert ((row["param:seconds"], row["metric:status"], row["metric:error"], row["metric:worker_pid"])
+            == (9, "warm", 0.1, 3))
     assert list(t.columns[:6]) == ["notebook", "param:seconds", "rate", "status", "seconds", "error"]
 
 

@@ -180,7 +180,7 @@ def test_busy_steps_keep_work_and_queue_changes_only():
     busy = sx.busy_steps(f)
     assert (busy["num_seqs"] > 0).sum() == (f["num_seqs"] > 0).sum()
     idle = busy[busy["num_seqs"] == 0]
-    assert len(idle) == (f["num_seqs"] > 0).sum()                # per busy step, the one idle step that changed the queue
+    assert len(idle) == (f["num_seqs"] > 0).sum()        # per busy step, the one idle step that changed the queue
     assert (idle["waiting"] == 7).all() and list(busy.index) == list(range(len(busy)))
     assert len(sx.busy_steps(f.iloc[:0])) == 0
 

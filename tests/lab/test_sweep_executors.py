@@ -26,9 +26,9 @@ nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("papermill")
 pd = pytest.importorskip("pandas")
 
-from workbench.cli.main import main
-from workbench.errors import ConfigError
-from workbench.lab import executors, runner
+from workbench.cli.main import main  # noqa: E402 - after the importorskip
+from workbench.errors import ConfigError  # noqa: E402
+from workbench.lab import executors, runner  # noqa: E402
 
 from test_runner import write_notebook  # noqa: E402 - the same tiny notebooks as the runner's tests
 
@@ -172,7 +172,8 @@ def test_a_worker_that_cannot_start_fails_its_point_only(tmp_path, monkeypatch):
     got = []
     executors.LocalExecutor(jobs=2).run(tasks, lambda task, rec: got.append((task.index, rec)))
     assert [i for i, _ in got] == [0, 1, 2]
-    assert all(r["status"] == "failed" and "could not start a worker process: BlockingIOError" in r["error"] for _, r in got)
+    assert all(r["status"] == "failed" and "could not start a worker process: BlockingIOError" in r["error"]
+               for _, r in got)
 
 
 def test_ray_files_that_cannot_be_written_fail_the_point(tmp_path):

@@ -90,7 +90,8 @@ def test_closed_loop_user_activation_follows_the_ramp():
     ({"mode": "burst"}, "mode"), ({"mode": "poisson"}, "rate"), ({"mode": "closed"}, "concurrency"),
     ({"rate": 5}, "max_requests"), ({"rate": 5, "max_requests": 0}, "max_requests"),
     ({"stages": [(0, 5)]}, "stages[0].duration_s"), ({"stages": [(1, -1)]}, "stages[0].target"),
-    ({"mode": "closed", "stages": [(1, 2.5)]}, "stages"), ({"rate": 1, "max_requests": 1, "max_tokens": 0}, "max_tokens"),
+    ({"mode": "closed", "stages": [(1, 2.5)]}, "stages"),
+    ({"rate": 1, "max_requests": 1, "max_tokens": 0}, "max_tokens"),
     ({"rate": 1, "max_requests": 1, "prompts": "one string"}, "prompts"),
 ])
 def test_config_errors_name_the_field(kw, field):

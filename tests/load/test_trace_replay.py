@@ -8,7 +8,6 @@ import json
 import math
 import os
 import random
-import re
 import sys
 import time
 from pathlib import Path

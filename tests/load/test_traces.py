@@ -9,7 +9,7 @@ import json
 import os
 import time
 import tracemalloc
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 
 import pytest
 
@@ -78,7 +78,7 @@ def test_azure_rows_times_lengths_and_left_out(tmp_path):
     assert all(r.prompt is None and r.conversation is None for r in rows)
     assert st.format == "azure" and st.rows_read == 3 and st.kept == 3
     assert st.left_out == {"0 generated tokens": 1}
-    assert st.first_time == pytest.approx(datetime(2023, 11, 16, 18, 15, 46, 680590, tzinfo=timezone.utc).timestamp())
+    assert st.first_time == pytest.approx(datetime(2023, 11, 16, 18, 15, 46, 680590, tzinfo=UTC).timestamp())
 
 
 def test_azure_times_are_utc_across_a_daylight_saving_change(tmp_path, monkeypatch):

@@ -83,11 +83,13 @@ def _kernel_csv(work: Path, providers=("eager", "fused", "fused+graphs")) -> Non
 
     base = {"device": "cuda", "device_name": "NVIDIA H200", "dtype": "bfloat16", "status": "ok"}
     rows = [{**base, "section": "ceilings", "op": "copy", "provider": "torch", "metric": "GB/s", "achieved": 4000.0},
-            {**base, "section": "ceilings", "op": "matmul", "provider": "torch", "metric": "TFLOP/s", "achieved": 800.0}]
+            {**base, "section": "ceilings", "op": "matmul", "provider": "torch", "metric": "TFLOP/s",
+             "achieved": 800.0}]
     for prov, ms, launches in zip(providers, (10.0, 4.0, 2.0), (600, 120, 40)):
         rows.append({**base, "section": "decode", "op": "decode_step", "provider": prov, "ms_median": ms,
-                     "ms_min": 0.98 * ms, "ms_max": 1.02 * ms, "launches_per_step": launches, "frac_of_ceiling": 1.9 / ms,
-                     "sizes": "batch=1 context=1024 layers=16 hidden=2048", "ceiling": 4000.0, "bytes": 2.5e9})
+                     "ms_min": 0.98 * ms, "ms_max": 1.02 * ms, "launches_per_step": launches,
+                     "frac_of_ceiling": 1.9 / ms, "sizes": "batch=1 context=1024 layers=16 hidden=2048",
+                     "ceiling": 4000.0, "bytes": 2.5e9})
     gr.write_csv(rows, work / "kernel_bench.csv", ROW_FIELDS)
 
 
@@ -193,7 +195,8 @@ def test_notebook_selections_find_rows(results):
     gf = gr.latest("prefetch_bench", root=root).frame
     keys = {"rows.tokens_per_s.median": "tokens/s", "rows.prefetch_hit_rate.median": "hit rate",
             "rows.prefetch_efficiency.median": "efficiency", "rows.link_busy.median": "link busy"}
-    g = gf[(gf["section"] == "streaming") & gf["config"].astype(str).str.startswith("config=") & gf["metric"].isin(keys)]
+    g = gf[(gf["section"] == "streaming") & gf["config"].astype(str).str.startswith("config=")
+           & gf["metric"].isin(keys)]
     g = g.pivot_table(index="config", columns="metric", values="value", aggfunc="first").rename(columns=keys)
     assert set(g.columns) == set(keys.values()) and {"config=d=0", "config=resident"} <= set(g.index)
     gv = gf[(gf["section"] == "verdict") & gf["metric"].astype(str).str.endswith((".claim", ".verdict",
@@ -229,15 +232,18 @@ def test_a_stopped_step_leaves_a_partial_table(tmp_path, monkeypatch):
 
     with open(out / "decode_stack.csv", newline="") as f:
         got = list(csv.DictReader(f))
-    assert len(got) == 2 and got[0]["decode_tok_s_p50"] == "250.0" and "nested" not in got[0] and "partial" not in got[0]
+    assert len(got) == 2 and got[0]["decode_tok_s_p50"] == "250.0"
+    assert "nested" not in got[0] and "partial" not in got[0]
     assert (out / "kernel_bench.csv").is_file()
 
 
 def test_two_steps_write_one_table(tmp_path):
     work, out = tmp_path / "raw", tmp_path / "out"
     work.mkdir()
-    (work / "prefetch_link.out").write_text(json.dumps({"link": {"ceiling_gbps": {"cuda": 50.0}}, "ceiling_gbps": 50.0}))
-    (work / "prefetch_bench.partial.json").write_text(json.dumps({"ceiling_gbps": 50.0, "pick": {"chosen": {"ratio": 1.1}},
+    (work / "prefetch_link.out").write_text(json.dumps({"link": {"ceiling_gbps": {"cuda": 50.0}},
+                                                        "ceiling_gbps": 50.0}))
+    (work / "prefetch_bench.partial.json").write_text(json.dumps({"ceiling_gbps": 50.0,
+                                                                  "pick": {"chosen": {"ratio": 1.1}},
                                                                   "partial": True}))
     (work / "steps.tsv").write_text("prefetch_link\tok\t5\t15\nprefetch_bench\ttimeout\t25\t25\n")
     done = gr.write_tables(out, work)

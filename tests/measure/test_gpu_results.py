@@ -8,7 +8,7 @@ import csv
 import json
 import subprocess
 import sys
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 
 import pytest
@@ -236,7 +236,8 @@ def test_quant_bench_is_one_row_per_kernel_measurement(tmp_path):
 
 def test_calibrate_is_one_row_per_measured_mix(tmp_path):
     work = _work(tmp_path, [("calibrate", "ok")])
-    cands = [{"key": "unquantized", "label": "42 dense", "degradation": 0.0, "cost": 3.1, "ms": 3.1, "samples": [3, 3.2]},
+    cands = [{"key": "unquantized", "label": "42 dense", "degradation": 0.0, "cost": 3.1, "ms": 3.1,
+              "samples": [3, 3.2]},
              {"key": "uniform w4a16:g128", "label": "42 w4a16:g128", "degradation": 0.012, "cost": 1.9, "ms": 1.9,
               "assignment": {"a": "w4a16:g128"}}]
     res = {"candidates": cands, "recommendation": {"key": "uniform w4a16:g128"}}
@@ -245,7 +246,8 @@ def test_calibrate_is_one_row_per_measured_mix(tmp_path):
     assert gr.write_tables(out, work)["calibrate"] == "ok"
     got = _read(out / "calibrate.csv")
     assert [r["key"] for r in got] == ["unquantized", "uniform w4a16:g128"]
-    assert [r["recommended"] for r in got] == ["False", "True"] and "samples" not in got[0] and "assignment" not in got[1]
+    assert [r["recommended"] for r in got] == ["False", "True"]
+    assert "samples" not in got[0] and "assignment" not in got[1]
 
 
 def test_read_json_output_skips_a_line_before_the_object(tmp_path):
@@ -282,7 +284,7 @@ def _work(tmp_path: Path, steps: list[tuple[str, str]]) -> Path:
 def test_start_and_write_tables_on_a_gpu(tmp_path):
     probe = {"cuda_available": True, "device_name": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0",
              "cuda": "13.0", "python": "3.12.3"}
-    now = datetime(2026, 12, 1, 9, 30, tzinfo=timezone.utc)
+    now = datetime(2026, 12, 1, 9, 30, tzinfo=UTC)
     root = tmp_path / "results" / "gpu"
     cuda, out = gr.start(probe, root=root, now=now)
     assert cuda and out == root / "nvidia-h200-2026-12-01"
@@ -351,7 +353,8 @@ def test_module_imports_only_the_standard_library():
     # are stand-ins here: the package itself imports torch)
     code = ("import sys, types; "
             f"[setattr(sys.modules.setdefault(n, types.ModuleType(n)), '__path__', [p]) for n, p in "
-            f"(('workbench', {str(ROOT / 'workbench')!r}), ('workbench.measure', {str(ROOT / 'workbench/measure')!r}))]; "
+            f"(('workbench', {str(ROOT / 'workbench')!r}), "
+            f"('workbench.measure', {str(ROOT / 'workbench/measure')!r}))]; "
             "import workbench.measure.gpu_results as m; "
             "assert m.latest and m.write_tables and m.CompileLog and m.start; "
             "print(sorted(n for n in ('pandas', 'torch', 'numpy') if n in sys.modules))")

@@ -169,7 +169,8 @@ def test_lagrangian_front_matches_brute_force():
         score = lambda a: sum(cost[(l, o)] + lam * delta[(l, o)] for l, o in a.items())  # noqa: E731
         best = min(score(a) for a in allmix)
         assert any(abs(score(dict(k)) - best) < 1e-9 for k in keys), lam
-    assert front[0].assignment == {"a": "y", "b": "y", "c": "y"} and front[-1].assignment == dict.fromkeys(layers, "dense")
+    assert front[0].assignment == {"a": "y", "b": "y", "c": "y"}
+    assert front[-1].assignment == dict.fromkeys(layers, "dense")
 
 
 def test_mix_recipe_and_search_space():
@@ -246,8 +247,8 @@ def test_recommend_confirms_the_pick_once_and_falls_back_beyond_noise():
     # a fallback that passes on the confirmation text only by its point estimate is not enough at
     # the second look: the next fallback (here the unquantized model) is taken
     seen.clear()
-    best, tries = recommend([dict(r) for r in rows], lambda r: (0.025, 0.004) if r["key"] == "cheap" else (0.019, 0.004),
-                            0.02, "memory")
+    best, tries = recommend([dict(r) for r in rows],
+                            lambda r: (0.025, 0.004) if r["key"] == "cheap" else (0.019, 0.004), 0.02, "memory")
     assert best["key"] == "unquantized" and [r["key"] for r in tries] == ["cheap", "safe"]
     seen.clear()
     best, tries = recommend([dict(r) for r in rows], lambda r: confirm(r, fails=()), 0.02, "memory")

@@ -258,7 +258,8 @@ def test_unsupported_configs_are_refused_by_field(exports, tmp_path, edit, needl
      [f"'{DOWN}.weight_packed' has shape (256, 40)", "(256, 88)"]),
     (lambda s: s.update({f"{DOWN}.weight_packed": s[f"{DOWN}.weight_packed"].to(torch.int16)}),
      [f"'{DOWN}.weight_packed' has dtype I16", "I32"]),
-    (lambda s: s.update({f"{DOWN}.weight_shape": torch.tensor([256, 700])}), [f"'{DOWN}.weight_shape' holds [256, 700]"]),
+    (lambda s: s.update({f"{DOWN}.weight_shape": torch.tensor([256, 700])}),
+     [f"'{DOWN}.weight_shape' holds [256, 700]"]),
     (lambda s: s.update({f"{DOWN}.weight_g_idx": torch.zeros(704, dtype=torch.int32)}),
      [f"'{DOWN}.weight_g_idx'", "actorder"]),
     (lambda s: s.update({f"{DOWN}.weight": torch.zeros(256, 704)}), [f"'{DOWN}.weight' is stored dense, and also"]),
@@ -348,7 +349,8 @@ def test_round_trip_is_bit_exact_for_a_per_layer_mix(tmp_path):
     save_compressed(derived, tmp_path / "again")
     from safetensors.torch import load_file
 
-    a, b = load_file(str(tmp_path / "mix" / "model.safetensors")), load_file(str(tmp_path / "again" / "model.safetensors"))
+    a = load_file(str(tmp_path / "mix" / "model.safetensors"))
+    b = load_file(str(tmp_path / "again" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if "weight_" in k)
 
 

@@ -161,5 +161,5 @@ def test_bundled_model_activation_maps(bundled_llm):
         rows = range_setters(stats, top=8, kinds=[kind])
         assert all(r["max_median"] >= 1 and r["range_share"] >= 1 for r in rows)
         print(f"{kind:9s} max/median per layer: " + " ".join(f"{r['max_median']:.2f}" for r in rows)
-              + f"; range share of the top 8: " + " ".join(f"{r['range_share']:.2f}" for r in rows)
+              + "; range share of the top 8: " + " ".join(f"{r['range_share']:.2f}" for r in rows)
               + f"; recurring (channel, layers): {recurring_channels(stats, kind, 8)[:4]}")

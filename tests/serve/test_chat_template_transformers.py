@@ -102,7 +102,7 @@ LLAMA31 = """{{- bos_token }}
 {%- if add_generation_prompt %}
     {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
 {%- endif %}
-"""
+"""  # noqa: E501 - template lines kept as published
 
 QWEN25 = """{%- if tools %}
     {{- '<|im_start|>system\\n' }}
@@ -158,7 +158,7 @@ QWEN25 = """{%- if tools %}
 {%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\\n' }}
 {%- endif %}
-"""
+"""  # noqa: E501 - template lines kept as published
 
 MISTRAL = (
     "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"

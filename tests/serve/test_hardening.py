@@ -262,7 +262,7 @@ def _closed_by_server(s: socket.socket, within: float) -> bool:
         return s.recv(1024) == b""
     except (ConnectionResetError, BrokenPipeError):
         return True
-    except socket.timeout:
+    except TimeoutError:
         return False
 
 

@@ -34,7 +34,7 @@ from workbench.kv.block_manager import BlockManager  # noqa: E402
 from workbench.kv.inspect import KV_POOL_PATH, fetch_pool_report, pool_report_from_thread  # noqa: E402
 from workbench.kv.layout import KVLayout  # noqa: E402
 from workbench.kv.paged import PagedKVConfig  # noqa: E402
-from workbench.sched import SchedulerConfig
+from workbench.sched import SchedulerConfig  # noqa: E402
 from workbench.engine import LLMEngine  # noqa: E402
 from workbench.serve import ServerConfig, start_server  # noqa: E402
 

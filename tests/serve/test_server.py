@@ -32,7 +32,7 @@ openai = pytest.importorskip("openai")
 from workbench import SamplingParams  # noqa: E402
 from workbench.kv.paged import PagedKVConfig  # noqa: E402
 from workbench.serve.slo import SLOConfig, SLOGuard  # noqa: E402
-from workbench.sched import SchedulerConfig
+from workbench.sched import SchedulerConfig  # noqa: E402
 from workbench.engine import LLMEngine  # noqa: E402
 from workbench.serve import ServerConfig, start_server  # noqa: E402
 from workbench.serve.requests import render_chat  # noqa: E402
@@ -157,7 +157,7 @@ class HoldUntilAborted:
             self.reached.set()
             self.aborted.wait(60)
 
-    def __enter__(self) -> "HoldUntilAborted":
+    def __enter__(self) -> HoldUntilAborted:
         abort = self.aengine.abort
 
         def spy(request_id):

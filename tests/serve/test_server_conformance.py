@@ -20,7 +20,7 @@ openai = pytest.importorskip("openai")
 
 from workbench import SamplingParams  # noqa: E402
 from workbench.kv.paged import PagedKVConfig  # noqa: E402
-from workbench.sched import SchedulerConfig
+from workbench.sched import SchedulerConfig  # noqa: E402
 from workbench.engine import LLMEngine  # noqa: E402
 from workbench.serve import ServerConfig, start_server  # noqa: E402
 from workbench.serve.chat_template import ChatTemplate, TemplateError  # noqa: E402
@@ -273,7 +273,8 @@ def test_openai_client_reads_batches_n_echo_logprobs(client, bundled_llm):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
                               "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True,
-                              "stream_options": {"continuous_usage_stats": "yes"}}, "stream_options.continuous_usage_stats"),
+                              "stream_options": {"continuous_usage_stats": "yes"}},
+     "stream_options.continuous_usage_stats"),
 ])
 def test_refused_with_the_field_named(http, path, body, param):
     r = http.post(path, json=body)

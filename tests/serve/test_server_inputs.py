@@ -30,7 +30,7 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from workbench.kv.paged import PagedKVConfig  # noqa: E402
-from workbench.sched import SchedulerConfig
+from workbench.sched import SchedulerConfig  # noqa: E402
 from workbench.engine import LLMEngine  # noqa: E402
 from workbench.serve import ServerConfig, start_server  # noqa: E402
 
@@ -327,7 +327,7 @@ class _Probe:
             self.times.append(time.perf_counter() - t)
             time.sleep(0.01)
 
-    def __enter__(self) -> "_Probe":
+    def __enter__(self) -> _Probe:
         self.thread.start()
         return self
 

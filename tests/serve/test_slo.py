@@ -287,7 +287,8 @@ def test_guard_opens_sheds_and_recovers_under_a_scripted_overload_ramp():
     sheds with reasons, probes after each cool-down and ends closed; the admitted requests'
     P95 TTFT stays far below the unguarded run's."""
     cfg = LoadConfig(mode="constant", stages=[(0.8, 10, "warm"), (0.5, 120, "ramp"), (0.6, 120, "peak"),
-                                              (0.05, 5, "drop"), (1.0, 5, "quiet")], max_tokens=8, prompts=["p"], max_duration_s=30)
+                                              (0.05, 5, "drop"), (1.0, 5, "quiet")],
+                     max_tokens=8, prompts=["p"], max_duration_s=30)
 
     fake = dict(ttft_s=0.01, token_delay_s=0.003, capacity=2, slowdown=0.3)
     bare, _, _ = run_virtual(cfg, **fake)

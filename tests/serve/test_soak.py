@@ -21,7 +21,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
 from workbench.kv.paged import PagedKVConfig  # noqa: E402
-from workbench.sched import SchedulerConfig
+from workbench.sched import SchedulerConfig  # noqa: E402
 from workbench.engine import LLMEngine  # noqa: E402
 from workbench.serve import ServerConfig, start_server  # noqa: E402
 
@@ -51,7 +51,8 @@ async def one_client(url: str, seed: int, stop_at: float, counts: dict) -> None:
         while time.monotonic() < stop_at:
             kind = rng.choice(["complete", "stream", "disconnect", "bad", "chat", "cancel", "huge_temp"])
             counts["sent"] += 1
-            body = {"model": "bundled", "prompt": "The list type " * rng.randint(1, 20), "max_tokens": rng.randint(1, 24)}
+            body = {"model": "bundled", "prompt": "The list type " * rng.randint(1, 20),
+                    "max_tokens": rng.randint(1, 24)}
             try:
                 if kind in ("complete", "huge_temp"):
                     if kind == "huge_temp":
@@ -89,7 +90,7 @@ async def one_client(url: str, seed: int, stop_at: float, counts: dict) -> None:
                         await asyncio.wait_for(c.post("/v1/completions", json={**body, "max_tokens": 64}),
                                                timeout=rng.uniform(0.005, 0.05))
                         counts["finished"] += 1
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         counts["aborted"] += 1
             except httpx.HTTPError as e:
                 counts["lost"] += 1

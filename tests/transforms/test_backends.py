@@ -303,5 +303,6 @@ def test_batched_engine_with_all_triton_ops_gives_the_eager_greedy_tokens(bundle
         engine = LLMEngine(workbench.LLM(llm.model, tokenizer=llm.tokenizer))
         got = []
         used = launches_during(lambda: got.extend(o.token_ids for o in engine.generate(PROMPTS, params)))
-    assert used == {"rmsnorm", "add_rmsnorm", "swiglu", "rope_kv_write", "paged_decode", "flash_prefill", "greedy_tokens"}
+    assert used == {"rmsnorm", "add_rmsnorm", "swiglu", "rope_kv_write", "paged_decode", "flash_prefill",
+                    "greedy_tokens"}
     assert got == eager
