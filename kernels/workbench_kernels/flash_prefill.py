@@ -366,14 +366,16 @@ def attention_prefill_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 def attention_prefill_ref(q, k, v, causal: bool = True):
     """The reference of :func:`attention_prefill` (the eager backend): exactly the reference
     model's SDPA call."""
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                            enable_gqa=q.shape[1] != k.shape[1])
 
 
 def attention_prefill_paged_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q: int,
                       sliding_window: int | None = None):
-    """The reference of :func:`attention_prefill_paged` (the eager backend): each sequence's queries padded to [B, max_seqlen_q], its
-    blocks gathered, the causal (bottom-right) and window mask, SDPA; then back to the packed
-    rows.  q [n, nh, hd] -> [n, nh, hd].  Vectorised (no host sync), so it compiles."""
+    """The reference of :func:`attention_prefill_paged` (the eager backend): each sequence's queries
+    padded to [B, max_seqlen_q], its blocks gathered, the causal (bottom-right) and window mask, SDPA;
+    then back to the packed rows.  q [n, nh, hd] -> [n, nh, hd].  Vectorised (no host sync), so it
+    compiles."""
     n, nh, hd = q.shape
     B, nkv, dev = block_tables.shape[0], k_cache.shape[2], q.device
     if n == 0 or B == 0:

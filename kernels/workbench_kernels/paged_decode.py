@@ -295,9 +295,9 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, sliding_window: int | None = None):
-    """The reference of :func:`attention_decode` (the eager backend): gather each sequence's blocks, mask slots past its length (and
-    before its window), SDPA.  q [B, nh, hd] -> [B, nh, hd].  Vectorised (no host sync), so it
-    compiles and captures."""
+    """The reference of :func:`attention_decode` (the eager backend): gather each sequence's blocks,
+    mask slots past its length (and before its window), SDPA.  q [B, nh, hd] -> [B, nh, hd].
+    Vectorised (no host sync), so it compiles and captures."""
     B, nh, hd = q.shape
     nkv = k_cache.shape[2]
     k = k_cache[block_tables.long()].reshape(B, -1, nkv, hd).transpose(1, 2)     # [B, nkv, S_max, hd]

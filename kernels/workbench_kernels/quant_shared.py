@@ -95,10 +95,11 @@ def _in_features(op: str, bits: int, qweight: torch.Tensor) -> tuple[int, int]:
     want = torch.uint8 if bits == 4 else torch.int8
     if not isinstance(qweight, torch.Tensor) or qweight.dtype != want:
         got = qweight.dtype if isinstance(qweight, torch.Tensor) else type(qweight).__name__
-        raise TypeError(f"{op}: qweight must be {want} ({'two int4 values per byte, [N, K // 2]' if bits == 4 else '[N, K]'}), "
-                        f"got {got}")
+        raise TypeError(f"{op}: qweight must be {want} "
+                        f"({'two int4 values per byte, [N, K // 2]' if bits == 4 else '[N, K]'}), got {got}")
     if qweight.dim() != 2:
-        raise ValueError(f"{op}: qweight must be 2-D [N, {'K // 2' if bits == 4 else 'K'}], got shape {tuple(qweight.shape)}")
+        raise ValueError(f"{op}: qweight must be 2-D [N, {'K // 2' if bits == 4 else 'K'}], "
+                         f"got shape {tuple(qweight.shape)}")
     if qweight.shape[1] and qweight.stride(1) != 1:
         raise ValueError(f"{op}: qweight's last dimension must be contiguous (stride 1)")
     N, kq = qweight.shape
@@ -114,11 +115,13 @@ def _check(op: str, bits: int, x: torch.Tensor, qweight: torch.Tensor, scales: t
     N, K = _in_features(op, bits, qweight)
     if x.dim() < 1 or x.shape[-1] != K:
         raise ValueError(f"{op}: x's last dimension ({x.shape[-1] if x.dim() else 'none'}) must equal the weight's "
-                         f"in-features K = {K} (qweight {tuple(qweight.shape)}{', two int4 per byte' if bits == 4 else ''})")
+                         f"in-features K = {K} (qweight "
+                         f"{tuple(qweight.shape)}{', two int4 per byte' if bits == 4 else ''})")
     if K < 1 or N < 1:
         raise ValueError(f"{op}: qweight {tuple(qweight.shape)} is empty")
     if isinstance(group, bool) or not isinstance(group, int) or group < 1:
-        raise ValueError(f"{op}: group must be a positive int (input columns per scale; K for per-channel), got {group!r}")
+        raise ValueError(f"{op}: group must be a positive int (input columns per scale; K for per-channel), "
+                         f"got {group!r}")
     if group > K:
         raise ValueError(f"{op}: group {group} > K = {K} (per-channel scales: group = K)")
     n_groups = -(-K // group)

@@ -61,12 +61,14 @@ def _dequant(q, cols, offs_n, n_ok, c0, k_end, S, Z, group, stride_sn, stride_sg
 @triton.jit(do_not_specialize=["M", "stride_sn"])     # fewer compiles: every m of a BLOCK_M, any groups per row
 def _wxa16_gemv_kernel(
     X,                  # *in  x [M, K] float32 / bfloat16 / float16 (strides stride_xm, stride_xk)
-    WQ,                 # *in  qweight: int4 uint8 [N, K // 2] (BITS=4) or int8 [N, K]; row stride stride_wn, K contiguous
+    WQ,                 # *in  qweight: int4 uint8 [N, K // 2] (BITS=4) or int8 [N, K]; row stride stride_wn,
+                        #      K contiguous
     S,                  # *in  scales float32 [N, n_groups] (stride_sn may be 0: a per-tensor scale expanded)
     Z,                  # *in  zeros int8 [N, n_groups] (read only when HAS_ZEROS)
     BIAS,               # *in  bias [N] (read only when HAS_BIAS)
     OUT,                # *out y [M, N] contiguous (split_k = 1) or fp32 partials [split_k, M, N]
-    M, N, KS, group,    # rows, out features, storage columns of a weight row (K // 2 int4, K int8), input columns per scale
+    M, N, KS, group,    # rows, out features, storage columns of a weight row (K // 2 int4, K int8),
+                        # input columns per scale
     cs_per_split,       # storage columns per split (a multiple of the step)
     stride_xm, stride_xk, stride_wn, stride_sn, stride_sg, stride_zn, stride_zg,
     BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_ALIGNED: tl.constexpr,
@@ -100,7 +102,8 @@ def _wxa16_gemv_kernel(
         xb_ptr = X + cols_b.to(tl.int64) * stride_xk
         for r in tl.static_range(BLOCK_M):      # the dequantized tile stays in registers for every row
             row = (tl.program_id(1) * BLOCK_M + r).to(tl.int64)
-            row_ok = (cols_a * 0 + row) < M    # a tensor (3.9 interpreter: no scalar & tensor masks); not zeros_like: a jit call
+            # a tensor (3.9 interpreter: no scalar & tensor masks); not zeros_like: a jit call
+            row_ok = (cols_a * 0 + row) < M
             xa = tl.load(xa_ptr + row * stride_xm, mask=row_ok & (cols_a < k_end), other=0).to(tl.float32)
             xb = tl.load(xb_ptr + row * stride_xm, mask=row_ok & (cols_b < k_end), other=0).to(tl.float32)
             part = tl.sum(wa * xa[None, :] + wb * xb[None, :], axis=1)            # [BLOCK_N]
@@ -111,7 +114,8 @@ def _wxa16_gemv_kernel(
 @triton.jit(do_not_specialize=["M", "stride_sn"])     # fewer compiles: every m of a BLOCK_M, any groups per row
 def _wxa16_gemm_kernel(
     X,                  # *in  x [M, K] float32 / bfloat16 / float16 (strides stride_xm, stride_xk)
-    WQ,                 # *in  qweight: int4 uint8 [N, K // 2] (BITS=4) or int8 [N, K]; row stride stride_wn, K contiguous
+    WQ,                 # *in  qweight: int4 uint8 [N, K // 2] (BITS=4) or int8 [N, K]; row stride stride_wn,
+                        #      K contiguous
     S,                  # *in  scales float32 [N, n_groups] (stride_sn may be 0)
     Z,                  # *in  zeros int8 [N, n_groups] (read only when HAS_ZEROS)
     BIAS,               # *in  bias [N] (read only when HAS_BIAS)

@@ -85,7 +85,8 @@ def _wxa8_matmul_fwd_kernel(
     cs_per_split,       # storage columns per split (a multiple of group_s)
     stride_wn, stride_sn, stride_sg,
     BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_DOT: tl.constexpr,      # int8 x int8 -> int32 tl.dot (BLOCK_M, BLOCK_N >= 16, BLOCK_K // 2 >= 32); else int32 tl.sum
+    USE_DOT: tl.constexpr,      # int8 x int8 -> int32 tl.dot (BLOCK_M, BLOCK_N >= 16, BLOCK_K // 2 >= 32);
+                                # else int32 tl.sum
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Grid (N / BLOCK_N, M / BLOCK_M, split_k); split covers whole groups.  Per group::
@@ -118,7 +119,8 @@ def _wxa8_matmul_fwd_kernel(
             else:
                 for r in tl.static_range(BLOCK_M):
                     row = (tl.program_id(1) * BLOCK_M + r).to(tl.int64)
-                    row_ok = (cols_a * 0 + row) < M    # a tensor (3.9 interpreter: no scalar & tensor masks); not zeros_like: a jit call
+                    # a tensor (3.9 interpreter: no scalar & tensor masks); not zeros_like: a jit call
+                    row_ok = (cols_a * 0 + row) < M
                     xa = tl.load(XQ + row * K + cols_a, mask=row_ok & (cols_a < k_end), other=0).to(tl.int32)
                     xb = tl.load(XQ + row * K + cols_b, mask=row_ok & (cols_b < k_end), other=0).to(tl.int32)
                     part = tl.sum(qa * xa[None, :] + qb * xb[None, :], axis=1)

@@ -53,7 +53,7 @@ generation cost more than the pass itself at large V.
 from __future__ import annotations
 
 import math
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -61,7 +61,7 @@ import triton.language as tl
 
 from . import check_device, count_launch, interpreter_active, rows_per_program
 
-PerRow = Union[float, int, Sequence, torch.Tensor]
+PerRow = float | int | Sequence | torch.Tensor
 
 
 @triton.jit

@@ -149,7 +149,7 @@ def profiled_replay(engine, trace, per_op_ms: float | None = None) -> dict:
     return row
 
 
-def breakdown(ab, names, progress=None) -> "pandas.DataFrame":  # noqa: F821
+def breakdown(ab, names, progress=None) -> pandas.DataFrame:  # noqa: F821
     """:func:`profiled_replay` of each named configuration of the ablation ``ab`` (measured ones only;
     a configuration that fails here gets its error in the ``error`` column), one row each.
     ``progress(k, n, name)`` (optional): called before the k-th of n replays, and with k == n at the end."""

@@ -81,8 +81,8 @@ class WorkloadConfig:
                  "smoke": {"conversations": 8, "turns": 3, "documents": 4, "short": 12, "chat_max_tokens": 6,
                            "doc_max_tokens": 6, "short_max_tokens": 6, "rate": 40.0, "reply_s": 0.1, "think_s": 0.05},
                  "full": {"conversations": 12, "turns": 4, "system_prompts": 3, "system_tokens": 320, "documents": 8,
-                          "short": 24, "chat_max_tokens": 24, "doc_max_tokens": 16, "short_max_tokens": 16, "rate": 16.0,
-                          "reply_s": 0.3, "think_s": 0.2}}
+                          "short": 24, "chat_max_tokens": 24, "doc_max_tokens": 16, "short_max_tokens": 16,
+                          "rate": 16.0, "reply_s": 0.3, "think_s": 0.2}}
         if mode not in sizes:
             raise ConfigError(f"WorkloadConfig.preset: mode must be one of {', '.join(sizes)}, got {mode!r}")
         return cls(**{**sizes[mode], **over})

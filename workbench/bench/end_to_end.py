@@ -83,10 +83,10 @@ from workbench.engine.traces import Trace, replay
 from workbench.errors import ConfigError
 from workbench.measure.agreement import agreement
 
-__all__ = ["ALONE_ONLY", "KINDS", "LAYERS", "METRICS", "REQUIRES", "SLO", "TRITON_OPS", "Ablation", "Config", "E2EConfig", "Spec",
-           "Workload", "WorkloadConfig", "add_layer", "build_workload", "device_layers", "device_quant", "layer_label",
-           "numerics_quality", "recommend", "report_rows", "run_ablation", "run_end_to_end", "run_row",
-           "scored_logprobs", "weights_bytes"]
+__all__ = ["ALONE_ONLY", "KINDS", "LAYERS", "METRICS", "REQUIRES", "SLO", "TRITON_OPS", "Ablation", "Config",
+           "E2EConfig", "Spec", "Workload", "WorkloadConfig", "add_layer", "build_workload", "device_layers",
+           "device_quant", "layer_label", "numerics_quality", "recommend", "report_rows", "run_ablation",
+           "run_end_to_end", "run_row", "scored_logprobs", "weights_bytes"]
 
 
 class Ablation(AblationResults):
@@ -113,7 +113,8 @@ class Ablation(AblationResults):
         self.stack_order = list(self.cfg.stack) if self.cfg.stack else stack
         self.configs: list[Config] = []
         self.stack: list[dict] = []         # step -> layer, config name (or None when skipped), reason
-        self.skipped: list[dict] = []       # stage, layer, reason, kind ("cannot combine" | "not here" | "left out" | "failed")
+        # stage, layer, reason, kind ("cannot combine" | "not here" | "left out" | "failed")
+        self.skipped: list[dict] = []
         self._basis = self._split = None
         longest = max(len(p) + sp.max_tokens for p, sp in zip(workload.prompts, workload.params))
         self.ctx = {"layers": llm.model.config.num_hidden_layers,
@@ -279,7 +280,8 @@ class Ablation(AblationResults):
     def _run_once(self, c: Config, trace: Trace) -> tuple[dict, list]:
         engine = c.front.engine if c.spec.persistent else self._llm(c.spec, net=c.front.model).engine
         if c.spec.persistent and engine.kv_pool is not None:
-            engine.kv_pool.reset()        # a kept engine starts each run cold, as a fresh one does (no earlier run's prefixes)
+            # a kept engine starts each run cold, as a fresh one does (no earlier run's prefixes)
+            engine.kv_pool.reset()
         cuda = engine.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(engine.device)

@@ -8,7 +8,7 @@ replayed as a CUDA graph) and states its fraction of the roofline: (weight bytes
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

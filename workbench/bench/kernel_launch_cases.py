@@ -193,8 +193,9 @@ def _decode_stack_cases() -> list[LaunchCase]:
     ctx = d["prompt_tokens"] + d["max_tokens"] + 1              # decode_stack._build's max_model_len
     out = []
     for kv in ("paged", "contiguous"):
-        for c in _model_cases("decode-stack", cfg, batches=_buckets(max(d["batches"])), prompt_tokens=d["prompt_tokens"],
-                              max_len=ctx, kv=kv, block_size=DecodeStackConfig.block_size):
+        for c in _model_cases("decode-stack", cfg, batches=_buckets(max(d["batches"])),
+                              prompt_tokens=d["prompt_tokens"], max_len=ctx, kv=kv,
+                              block_size=DecodeStackConfig.block_size):
             out.append(LaunchCase(c.file, c.source, c.name, c.call, {**c.config, "model": d["model"]}))
     return out
 

@@ -27,7 +27,7 @@ FLOPS_PER_ELEMENT = {"rmsnorm": (4, "x², sum, ×rstd, ×w per element"), "add_r
 STATS_BYTES = 4        # the statistics of RMSNorm are computed in float32
 
 
-def add_rmsnorm_traffic(M: int, N: int, e: int) -> "pandas.DataFrame":  # noqa: F821
+def add_rmsnorm_traffic(M: int, N: int, e: int) -> pandas.DataFrame:  # noqa: F821
     """Bytes read and written by each eager op of ``add_rmsnorm_ref`` on ``M`` rows of ``N``
     elements of ``e`` bytes (statistics in float32): one row per op, columns ``eager op``,
     ``bytes read``, ``bytes written``.  The casts to and from float32 are no-ops (and are not
@@ -101,7 +101,7 @@ def kernel_bytes(row, sizes: dict, dtype: torch.dtype) -> float:
     return prefill_cost([T] * B, [T] * B, nh, nkv, hd, torch.finfo(dtype).bits // 8)[1]
 
 
-def roofline_frame(kernel_rows: list[dict], sizes: dict, dtype: torch.dtype) -> "pandas.DataFrame":  # noqa: F821
+def roofline_frame(kernel_rows: list[dict], sizes: dict, dtype: torch.dtype) -> pandas.DataFrame:  # noqa: F821
     """The ``ok`` rows of a kernel bench with their roofline coordinates: ``flops``, ``bytes``
     (:func:`kernel_flops`, :func:`kernel_bytes`), ``intensity`` (FLOP / byte) and
     ``flop_per_s`` (FLOPs over the median time)."""

@@ -13,7 +13,7 @@ import os
 import statistics
 import sys
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import torch
 
@@ -61,7 +61,7 @@ def environment(dev: torch.device) -> dict:
 
 def new_row(env: dict, section: str, op: str, provider: str, **values) -> dict:
     row = dict.fromkeys(ROW_FIELDS)
-    row.update(env, time=datetime.now(timezone.utc).isoformat(timespec="seconds"), section=section, op=op,
+    row.update(env, time=datetime.now(UTC).isoformat(timespec="seconds"), section=section, op=op,
                provider=provider, status="ok")
     row.update(values)
     return row

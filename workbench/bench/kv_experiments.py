@@ -105,7 +105,7 @@ def control_verdict(control_rel_ppl: float, control_se: float, tiered_rel_ppl: f
     return "within noise" if abs(diff) < noise else ("lower" if diff < 0 else "higher")
 
 
-def control_table(sweep_df) -> "pandas.DataFrame":  # noqa: F821
+def control_table(sweep_df) -> pandas.DataFrame:  # noqa: F821
     """Each sliding-window control of a tier sweep (rows with ``cold_mode == "drop"``) next to the
     same shape with mean cold chunks (the row named as the control without its ``-drop``
     suffix): both sides' reduction, perplexity change, KL and top-1, the perplexity verdict of
@@ -120,7 +120,8 @@ def control_table(sweep_df) -> "pandas.DataFrame":  # noqa: F821
         rows.append({"control (drop)": d["name"], "reduction": d["reduction"], "rel_ppl": d["rel_ppl"], "kl": d["kl"],
                      "top1": d["top1"], "mean-cold reduction": t["reduction"], "mean-cold rel_ppl": t["rel_ppl"],
                      "mean-cold kl": t["kl"], "mean-cold top1": t["top1"],
-                     "perplexity: control is": control_verdict(d["rel_ppl"], d["rel_ppl_se"], t["rel_ppl"], t["rel_ppl_se"]),
+                     "perplexity: control is": control_verdict(d["rel_ppl"], d["rel_ppl_se"], t["rel_ppl"],
+                                                               t["rel_ppl_se"]),
                      "KL: control / mean-cold": d["kl"] / t["kl"]})
     columns = ["control (drop)", "reduction", "rel_ppl", "kl", "top1", "mean-cold reduction", "mean-cold rel_ppl",
                "mean-cold kl", "mean-cold top1", "perplexity: control is", "KL: control / mean-cold"]
@@ -138,7 +139,7 @@ def tier_config_of(row) -> TierConfig:
     return TierConfig(**{f.name: plain(row[f.name]) for f in dataclasses.fields(TierConfig)})
 
 
-def explained_variance_frame(bases: dict) -> "pandas.DataFrame":  # noqa: F821
+def explained_variance_frame(bases: dict) -> pandas.DataFrame:  # noqa: F821
     """The explained-variance tables (``PCABasis.explained_variance_table``) of ``bases``
     (key space -> basis) stacked, with a ``key_space`` column."""
     import pandas as pd

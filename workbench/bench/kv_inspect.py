@@ -95,7 +95,8 @@ def inspect_tiered_workload(tier, model=None, prompt=None, prompt_tokens: int = 
 
     base = LLM(model, device=device, dtype=dtype)
     if base.tokenizer is None:
-        raise ConfigError("kv-inspect --tiers: calibration and the default prompt are text; this model has no tokenizer")
+        raise ConfigError("kv-inspect --tiers: calibration and the default prompt are text; "
+                          "this model has no tokenizer")
     with _bar(3, "kv-inspect --tiers", progress) as bar:
         split = heldout_split(base.tokenizer, context=min(1024, base.max_model_len))
         try:

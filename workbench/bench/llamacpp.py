@@ -22,8 +22,8 @@ import hashlib
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from workbench.bench.gguf_export import (_GGUF_HINT, EXPORT_FORMAT_VERSION, export_gguf,  # noqa: F401  (re-exported)
                                         gguf_tensor_name, permute_qk)  # noqa: F401  (re-exported)

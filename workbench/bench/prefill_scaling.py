@@ -29,9 +29,10 @@ on a small model the linear layers (O(T)) dominate a prefill and hide how attent
 
 The slope of log(time) against log(length) is fitted over ``fit_lengths`` (least squares) per round
 -- its spread over rounds is the measurement's uncertainty -- and through each length's fastest and
-median round (:func:`slope_summary`), which one slow round on a shared machine cannot move much.  Lengths beyond the model's trained
-context (``max_position_embeddings``) are allowed for timing (RoPE tables grow on demand; the cost
-of a step does not depend on the values) and are listed in ``beyond_context``.
+median round (:func:`slope_summary`), which one slow round on a shared machine cannot move much.
+Lengths beyond the model's trained context (``max_position_embeddings``) are allowed for timing
+(RoPE tables grow on demand; the cost of a step does not depend on the values) and are listed in
+``beyond_context``.
 """
 
 from __future__ import annotations

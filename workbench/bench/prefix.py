@@ -60,7 +60,8 @@ def shared_prefix_prompts(tokenizer, cfg: PrefixBenchConfig) -> tuple[str, list[
     doc = max(heldout_documents(), key=lambda d: len(d["text"]))["text"]
     ids = tokenizer.encode(doc, add_special_tokens=False)[: cfg.system_tokens]
     system = tokenizer.decode(ids)
-    prompts = [f"{system}\n\nQuestion {i + 1}: {QUESTIONS[i % len(QUESTIONS)]}\nAnswer:" for i in range(cfg.num_requests)]
+    prompts = [f"{system}\n\nQuestion {i + 1}: "
+               f"{QUESTIONS[i % len(QUESTIONS)]}\nAnswer:" for i in range(cfg.num_requests)]
     return system, prompts
 
 
@@ -92,7 +93,8 @@ def _summarize(r: dict) -> dict:
     outs, wall = r["outs"], sum(r["seconds"])
     n_out = sum(len(o.token_ids) for o in outs)
     return {"outs": outs, "ttft_ms": [o.metrics.ttft * 1e3 for o in outs], "wall_s": wall,
-            "tokens_per_s": n_out / wall, "request_tokens_per_s": [len(o.token_ids) / t for o, t in zip(outs, r["seconds"])],
+            "tokens_per_s": n_out / wall,
+            "request_tokens_per_s": [len(o.token_ids) / t for o, t in zip(outs, r["seconds"])],
             "manager_share": r["manager_s"] / wall,
             "cached_tokens": [o.num_cached_tokens for o in outs],
             "miss_reasons": [o.prefix_miss_reason for o in outs]}

@@ -131,7 +131,7 @@ def _prefill(llm, prompt, extra_tokens: int, params: SamplingParams):
 
 @torch.inference_mode()
 def profile_decode_step(llm, prompt, steps: int = 16, warmup: int = 3,
-                        params: SamplingParams | None = None) -> "pandas.DataFrame":  # noqa: F821
+                        params: SamplingParams | None = None) -> pandas.DataFrame:  # noqa: F821
     """Time each component of a decode step; one row per component of :data:`COMPONENTS`.
 
     ``prompt``: text or a list of token ids (prefilled once).  ``steps`` hooked steps and
@@ -217,7 +217,7 @@ def describe_overhead(df) -> str:
 
 @torch.inference_mode()
 def op_profile(llm, prompt, steps: int = 8, top: int = 15,
-               params: SamplingParams | None = None) -> "pandas.DataFrame":  # noqa: F821
+               params: SamplingParams | None = None) -> pandas.DataFrame:  # noqa: F821
     """The ``top`` ATen ops by self CPU time over ``steps`` decode steps (torch.profiler).
 
     Columns: ``calls_per_step``, ``self_cpu_ms_per_step``, ``cpu_total_ms_per_step`` and

@@ -196,7 +196,8 @@ def claim_verdicts(quality: dict | None = None, preset: dict | None = None, gpu_
     if pt and pc:
         # in perplexity units: the loss per-tensor adds (vs fp32) and the part per-channel takes back
         # (paired pc / pt over the same tokens); "most" = over half, beyond 2 se on both ends
-        c = next((c for c in (quality or {}).get("comparisons", []) if (c["recipe"], c["baseline"]) == ("w4a16:pc", "w4a16:pt")), None)
+        c = next((c for c in (quality or {}).get("comparisons", [])
+                  if (c["recipe"], c["baseline"]) == ("w4a16:pc", "w4a16:pt")), None)
         ppl_fp = pt["ppl"] / (1 + pt["rel_ppl"])
         loss, loss_se = pt["ppl"] - ppl_fp, pt["rel_ppl_se"] * ppl_fp
         if c:
@@ -225,9 +226,10 @@ def claim_verdicts(quality: dict | None = None, preset: dict | None = None, gpu_
         out.append({"claim": f"{label} beats round-to-nearest at W4 g128 ({anchor} perplexity)",
                     "verdict": "within noise" if not _beyond(c["rel_ppl"], c["rel_ppl_se"]) else
                                "supported" if c["rel_ppl"] < 0 else "not supported",
-                    "measured": f"perplexity {label} / RTN - 1 = {100 * c['rel_ppl']:+.2f}% +-{100 * c['rel_ppl_se']:.2f} "
-                                f"(paired over the same tokens; rel ppl vs fp32: {label} "
-                                f"{100 * rows[spec]['rel_ppl']:+.2f}%, RTN {100 * rows['w4a16:g128']['rel_ppl']:+.2f}%)"})
+                    "measured": f"perplexity {label} / RTN - 1 = {100 * c['rel_ppl']:+.2f}% "
+                                f"+-{100 * c['rel_ppl_se']:.2f} (paired over the same tokens; rel ppl vs fp32: {label} "
+                                f"{100 * rows[spec]['rel_ppl']:+.2f}%, RTN "
+                                f"{100 * rows['w4a16:g128']['rel_ppl']:+.2f}%)"})
     prows = {r["variant"]: r for r in (preset or {}).get("rows", []) if not r.get("error")}
     claim = "INT4 weights decode faster than 16-bit (article, A100 at 1K tokens: FP16 320 ms, AWQ 185 ms, INT4 152 ms)"
     w4, b16 = prows.get("w4a16:g128"), prows.get("bf16")
@@ -248,7 +250,8 @@ def claim_verdicts(quality: dict | None = None, preset: dict | None = None, gpu_
     if gm:
         per = []
         for r in gm:         # per shape: the slower side's best run beyond the faster side's worst
-            w_lo, w_hi, d_lo, d_hi = (float(r[k]) for k in ("w4a16_ms_min", "w4a16_ms_max", "dense_ms_min", "dense_ms_max"))
+            w_lo, w_hi, d_lo, d_hi = (float(r[k])
+                                      for k in ("w4a16_ms_min", "w4a16_ms_max", "dense_ms_min", "dense_ms_max"))
             per.append(("faster" if w_hi < d_lo else "slower" if w_lo > d_hi else "within noise",
                         f"{r.get('N')}x{r.get('K')}: {float(r['dense_ms']) / float(r['w4a16_ms']):.2f}x"))
         kinds = {k for k, _ in per}

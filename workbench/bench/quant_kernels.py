@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -148,8 +148,10 @@ def shape_rows(N: int, K: int, ms, group: int, dtype: torch.dtype, dev: torch.de
     copies = {p: max(1, min(reps, math.ceil(2 * l2_bytes / nbytes[p]))) for p in PROVIDERS}
     stores = {
         "dense": [dense] + [dense.clone() for _ in range(copies["dense"] - 1)],
-        "w4a16": [(q4.qweight, q4.scales)] + [(q4.qweight.clone(), q4.scales.clone()) for _ in range(copies["w4a16"] - 1)],
-        "w8a16": [(q8.qweight, q8.scales)] + [(q8.qweight.clone(), q8.scales.clone()) for _ in range(copies["w8a16"] - 1)],
+        "w4a16": [(q4.qweight, q4.scales)]
+        + [(q4.qweight.clone(), q4.scales.clone()) for _ in range(copies["w4a16"] - 1)],
+        "w8a16": [(q8.qweight, q8.scales)]
+        + [(q8.qweight.clone(), q8.scales.clone()) for _ in range(copies["w8a16"] - 1)],
     }
     stores["w4a8"] = stores["w4a16"]
     ops = {
@@ -176,8 +178,10 @@ def shape_rows(N: int, K: int, ms, group: int, dtype: torch.dtype, dev: torch.de
         for p in PROVIDERS:
             try:
                 y = ops[p](x, stores[p][0])
-                row[f"{p}_max_rel_err"] = float((y.float() - refs[p]).abs().max() / refs[p].abs().max().clamp_min(1e-30))
-                calls = [(lambda c=stores[p][i % len(stores[p])], op=ops[p]: op(x, c)) for i in range(row["calls"])]
+                row[f"{p}_max_rel_err"] = float((y.float() - refs[p]).abs().max()
+                                                / refs[p].abs().max().clamp_min(1e-30))
+                n_copies = len(stores[p])
+                calls = [(lambda c=stores[p][i % n_copies], op=ops[p]: op(x, c)) for i in range(row["calls"])]
                 samplers[p], label = timer(calls, warmup)
                 labels.add(label)
                 row[f"{p}_weight_bytes"] = nbytes[p]
@@ -199,7 +203,8 @@ def shape_rows(N: int, K: int, ms, group: int, dtype: torch.dtype, dev: torch.de
         if on_row is not None:
             on_row(row)
         if progress:
-            progress(f"{N}x{K} m={m}: " + ", ".join(f"{p} {row.get(f'{p}_ms', float('nan')):.4f} ms" for p in PROVIDERS))
+            progress(f"{N}x{K} m={m}: "
+                     + ", ".join(f"{p} {row.get(f'{p}_ms', float('nan')):.4f} ms" for p in PROVIDERS))
     return rows
 
 
@@ -305,7 +310,8 @@ def format_table(rows: list[dict]) -> str:
         line = [f"{r['N']}x{r['K']}", str(r["m"]), str(r.get("path", "-")), _ms(r, "dense")]
         for p in KERNEL_PROVIDERS:
             sp, gb = r.get(f"{p}_speedup"), r.get(f"{p}_gbps")
-            line += [_ms(r, p), "-" if sp is None else f"{sp:.2f}x", "-" if gb is None else f"{gb:.0f}" if gb >= 10 else f"{gb:.2g}"]
+            line += [_ms(r, p), "-" if sp is None else f"{sp:.2f}x",
+                     "-" if gb is None else f"{gb:.0f}" if gb >= 10 else f"{gb:.2g}"]
         errs = [r.get(f"{p}_max_rel_err") for p in KERNEL_PROVIDERS]
         line.append("/".join("-" if e is None else f"{e:.1e}" for e in errs))
         table.append(line)
@@ -314,9 +320,10 @@ def format_table(rows: list[dict]) -> str:
     out.insert(1, "  ".join("-" * w for w in widths))
     first = rows[0]
     out.append("")
-    out.append(f"{first.get('device_name')} ({first.get('dtype')}, group {first.get('group')}; torch {first.get('torch')}, "
-               f"triton {first.get('triton')}): {first.get('timing')}; median of {first.get('repeats')} interleaved "
-               f"rounds, weights L2-cold ({first.get('copies')} copies); GB/s = weight bytes / time")
+    out.append(f"{first.get('device_name')} ({first.get('dtype')}, group {first.get('group')}; torch "
+               f"{first.get('torch')}, triton {first.get('triton')}): {first.get('timing')}; median of "
+               f"{first.get('repeats')} interleaved rounds, weights L2-cold ({first.get('copies')} copies); GB/s = "
+               "weight bytes / time")
     for r in rows:
         for p in PROVIDERS:
             if r.get(f"{p}_error"):

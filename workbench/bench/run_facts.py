@@ -38,8 +38,8 @@ def describe_run(llm, probe: NoiseProbe | None = None) -> str:
     if probe is not None:
         lines.append(probe.describe())
         lines.append("every A/B comparison below runs both sides interleaved and states a verdict only when, with "
-                     "3+ runs a side, the sides' ranges do not overlap (or one side won 6+ neighbouring rounds) and the "
-                     "ratio exceeds that noise floor; otherwise 'within noise'")
+                     "3+ runs a side, the sides' ranges do not overlap (or one side won 6+ neighbouring rounds) and "
+                     "the ratio exceeds that noise floor; otherwise 'within noise'")
     return "\n".join(lines)
 
 

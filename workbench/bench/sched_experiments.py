@@ -75,7 +75,8 @@ def preemption_experiment(llm, prompts, params, modes=("recompute", "swap"), low
         if progress is not None:
             progress.start(f"preemption_mode={mode!r}")
         eng = LLMEngine(llm, kv=PagedKVConfig(block_size=block_size, num_blocks=num_blocks),
-                        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                                  max_num_batched_tokens=max_num_batched_tokens,
                                                   preemption_mode=mode))
         ids = [eng.add_request(p, params, priority=0) for p in prompts[:low]]
         for _ in range(warm_steps):
@@ -148,7 +149,8 @@ def ramp_stages(capacity: float, warm_frac: float = 0.3, peak_frac: float = 2.5,
         raise ValueError(f"ramp_stages: capacity must be > 0 requests/s, got {capacity!r}")
     warm, peak = round(warm_frac * capacity, 1), round(min(peak_frac * capacity, peak_cap), 1)
     d_warm, d_ramp, d_peak, d_cool = durations
-    return warm, peak, [(d_warm, warm, "warm"), (d_ramp, peak, "ramp"), (d_peak, peak, "peak"), (d_cool, 0.0, "cool-down")]
+    return warm, peak, [(d_warm, warm, "warm"), (d_ramp, peak, "ramp"), (d_peak, peak, "peak"),
+                        (d_cool, 0.0, "cool-down")]
 
 
 def load_ramp(llm, stages, warm: float, max_tokens: int = 16, window_ms: float = 0.0, seed: int = 3,

@@ -130,7 +130,8 @@ def evaluate_config(model: CausalLM, cfg: TierConfig, basis: PCABasis | None, se
             "ppl": ppl, "ppl_full": ppl_full, "rel_ppl": ppl / ppl_full - 1,
             "rel_ppl_se": (ppl / ppl_full) * se, "kl": kl / n, "top1": agree / n,
             "fetched_per_step": mean(fetched), "fetched_frac": mean(fetched_frac),
-            "hot_end": z.hot, "warm_end": z.warm, "cold_tokens_end": z.cold_tokens, "scored_tokens": int(n), "seconds": time.perf_counter() - t0}
+            "hot_end": z.hot, "warm_end": z.warm, "cold_tokens_end": z.cold_tokens, "scored_tokens": int(n),
+            "seconds": time.perf_counter() - t0}
 
 
 def grid_configs(base: TierConfig | None = None, **grid) -> list[dict]:

@@ -53,7 +53,7 @@ def pooled_tiered_attention(q, k_cache, v_cache, hot_tables, warm_tables, coef, 
     approximately.  Every hot and warm slot is valid (the caller pads with blocks of zeros, which only
     dilute: a cost model).  -> [B, nh, hd]."""
     B, nh, hd = q.shape
-    nkv, bs, r = k_cache.shape[2], k_cache.shape[1], U.shape[-1]
+    nkv, bs = k_cache.shape[2], k_cache.shape[1]
     g, Wb, Nw = nh // nkv, hot_tables.shape[1], warm_tables.shape[1]
     qg = q.view(B, nkv, g, hd).float() * (1.0 / math.sqrt(hd))
     hot = hot_tables.long()

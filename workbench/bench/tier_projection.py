@@ -171,7 +171,8 @@ def long_context_projection(mem_or_eval, cfg: TierConfig | None = None, presets=
             total, full = sum(z.values()), n * full_pt
             zc = zone_counts(n, cfg)
             rows.append({"kind": "projection", "preset": name, "length": n, "layers": L, "kv_heads": nkv,
-                         "head_dim": hd, "rank": cfg.rank, "hot_tokens": zc.hot, "warm_tokens": zc.warm, "cold_chunks": zc.cold_chunks,
+                         "head_dim": hd, "rank": cfg.rank, "hot_tokens": zc.hot, "warm_tokens": zc.warm,
+                         "cold_chunks": zc.cold_chunks,
                          **{f"{k}_bytes": v for k, v in z.items()}, "tiered_bytes": total, "full_bytes": full,
                          "reduction": full / total, "matches_formula": z == formula,
                          # transient, not resident: this implementation's dense views of ONE layer while it
@@ -249,8 +250,8 @@ def claim_8k_64k(projection: dict, measured: dict | None = None, preset: str = "
     ]
     reasons.append(f"at {long} tokens the cold floor is {100 * numbers['cold_floor_share_of_tiered']:.1f}% of the "
                    f"tiered bytes: the hot window, the warm zone and the PCA rank (the article's 4096 -> 512 is rank "
-                   f"{512 // nkv if nkv else 0} per KV head; projected here: rank {row.get('rank', '?')}) move the total "
-                   f"by the remaining {100 * (1 - numbers['cold_floor_share_of_tiered']):.1f}%")
+                   f"{512 // nkv if nkv else 0} per KV head; projected here: rank {row.get('rank', '?')}) move the "
+                   f"total by the remaining {100 * (1 - numbers['cold_floor_share_of_tiered']):.1f}%")
     acc = {"verdict": "cannot be tested here"}
     if measured:
         acc["measured_on_bundled_model"] = {k: measured.get(k) for k in
@@ -266,7 +267,8 @@ def claim_8k_64k(projection: dict, measured: dict | None = None, preset: str = "
         m = comp["model"]
         where = (f"the bundled model ({m['layers']} layers, {m['kv_heads']} KV heads, head_dim {m['head_dim']}, "
                  f"{comp['length'] + 1}-token windows)")
-    return {"claim": CLAIM, "verdict": verdict, "memory": memory, "memory_literal": "holds" if lit_holds else "does not hold",
+    return {"claim": CLAIM, "verdict": verdict, "memory": memory,
+            "memory_literal": "holds" if lit_holds else "does not hold",
             "memory_64k": "holds" if long_holds else "does not hold", "accuracy": acc, "numbers": numbers,
             "literal": literal, "reading_64k": long_reading, "reasons": reasons,
             "measured": f"on {where}: logits, perplexity, KL, top-1, resident bytes per zone (storage bytes) "

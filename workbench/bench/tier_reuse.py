@@ -116,8 +116,8 @@ def reuse_sweep(model, basis, sequences, configs, eval_tokens: int = 256, segmen
         se = ratio * float(d.std() / math.sqrt(d.numel())) if d.numel() > 1 else float("nan")
         valid = [x for x in reuse if x is not None]
         valid_now = [x for x in now if x is not None]
-        rows.append({"name": cfg.name, **{k: getattr(cfg, k) for k in ("window", "warm_tokens", "budget", "rank", "chunk",
-                                                                         "block", "key_space")},
+        rows.append({"name": cfg.name, **{k: getattr(cfg, k) for k in ("window", "warm_tokens", "budget", "rank",
+                                                                         "chunk", "block", "key_space")},
                      "cold_tokens_at_end": sum(cold_tokens) / len(cold_tokens),
                      "cold_reuse": sum(valid) / len(valid) if valid else None,
                      "cold_reuse_now": sum(valid_now) / len(valid_now) if valid_now else None,

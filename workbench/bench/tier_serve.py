@@ -32,7 +32,8 @@ from workbench.serve.spawn import stop_process
 # the TierConfig fields `workbench serve --tiers` takes as flags (element_bytes is accounting only)
 SERVE_FIELDS = ("window", "sink", "rank", "warm_tokens", "chunk", "block", "budget", "value_format", "key_space",
                 "cold_mode")
-_GAUGE = re.compile(r'^(workbench_kv_(?:resident|formula)_bytes)\{zone="(\w+)"\} (\S+)$|^(workbench_kv_full_cache_bytes) (\S+)$')
+_GAUGE = re.compile(r'^(workbench_kv_(?:resident|formula)_bytes)\{zone="(\w+)"\} (\S+)$'
+                    r'|^(workbench_kv_full_cache_bytes) (\S+)$')
 
 
 def _tier_args(tier: dict) -> list[str]:
@@ -155,8 +156,8 @@ def served_tier_run(stores=("accounted", "host"), tier: dict | None = None, requ
     same = all(r["texts"] == runs[0]["texts"] for r in runs)
     for r in runs:
         r.pop("texts")
-    return {"kind": "measurement", "tier": tier, "requests": requests, "concurrency": concurrency, "prompt_tokens": prompt_tokens,
-            "max_tokens": max_tokens, "runs": runs, "identical_texts": same}
+    return {"kind": "measurement", "tier": tier, "requests": requests, "concurrency": concurrency,
+            "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "runs": runs, "identical_texts": same}
 
 
 def format_served_run(res: dict) -> str:

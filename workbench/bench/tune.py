@@ -98,7 +98,8 @@ def capacity_search(ab, name: str, slo: SLO, rounds: int = 2, max_multiple: floa
         rows = [ab.replay_at(name, m) for _ in range(rounds)]
         ok = _meets(rows, slo)
         table.append({"multiple": round(m, 4), "time_scale": round(1 / m, 4),
-                      "ttft_ms_p95": [r["ttft_ms_p95"] for r in rows], "ttft_ms_p95_worst": max(r["ttft_ms_p95"] for r in rows),
+                      "ttft_ms_p95": [r["ttft_ms_p95"] for r in rows],
+                      "ttft_ms_p95_worst": max(r["ttft_ms_p95"] for r in rows),
                       "tokens_per_s": [r["tokens_per_s"] for r in rows], "finished": min(r["finished"] for r in rows),
                       "meets": ok})
         return ok

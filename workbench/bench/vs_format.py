@@ -57,8 +57,9 @@ def format_bench(res: Mapping) -> str:
     best = res.get("fastest_within_quality")
     if best and (best != res["fastest"] or res.get("vs_llamacpp")):
         c = res["configs"][best]
-        lines.append(f"fastest within +{100 * res['max_rel_ppl']:g} % perplexity: {best} ({c['decode_vs_transformers']:.2f}x "
-                     "transformers" + "".join(f"; {r:.2f}x {n}" for n, r in res["vs_llamacpp"].items()) + ")")
+        lines.append(f"fastest within +{100 * res['max_rel_ppl']:g} % perplexity: {best} "
+                     f"({c['decode_vs_transformers']:.2f}x transformers"
+                     + "".join(f"; {r:.2f}x {n}" for n, r in res["vs_llamacpp"].items()) + ")")
     for b, pb in res.get("batches", {}).items():
         if int(b) == res.get("batch", 1):
             continue

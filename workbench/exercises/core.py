@@ -31,7 +31,8 @@ import math
 import os
 import sys
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from workbench.errors import WorkbenchError
 
@@ -207,7 +208,8 @@ def compare_values(got: Any, expected: Any, *, rel: float = 1e-6, abs_: float = 
         return None if got == expected else f"{where}: expected {expected!r}, got {show(got)}"
     if isinstance(expected, (list, tuple)):
         if not isinstance(got, (list, tuple)):
-            return f"{where}: expected a {type(expected).__name__} of {len(expected)}, got {type(got).__name__} {show(got)}"
+            return (f"{where}: expected a {type(expected).__name__} of {len(expected)}, "
+                    f"got {type(got).__name__} {show(got)}")
         if len(got) != len(expected):
             return f"{where}: expected {len(expected)} items, got {len(got)}"
         for i, (g, e) in enumerate(zip(got, expected)):
@@ -229,7 +231,8 @@ def compare_values(got: Any, expected: Any, *, rel: float = 1e-6, abs_: float = 
     return None if got == expected else f"{where}: expected {show(expected)}, got {show(got)}"
 
 
-def compare_tensors(got: Any, expected, *, rtol: float = 1e-5, atol: float = 1e-6, what: str = "the result") -> str | None:
+def compare_tensors(got: Any, expected, *, rtol: float = 1e-5, atol: float = 1e-6,
+                    what: str = "the result") -> str | None:
     """Type, then dtype, then shape, then values: the first that differs, in one line."""
     import torch
 
@@ -274,7 +277,8 @@ def _learner_frame(tb, fn) -> str:
         fname = frame.f_code.co_filename
         if fname == code_file or not fname.startswith(ours):
             src = linecache.getline(fname, lineno).strip()
-            best = f"line {lineno} of {frame.f_code.co_name}: {src}" if src else f"line {lineno} of {frame.f_code.co_name}"
+            best = (f"line {lineno} of {frame.f_code.co_name}: {src}" if src
+                    else f"line {lineno} of {frame.f_code.co_name}")
     return best
 
 

@@ -35,7 +35,8 @@ def _device() -> str:
     if not workbench_kernels.interpreter_active():
         raise WorkbenchError("the Triton exercises run on a CPU under the Triton interpreter: set TRITON_INTERPRET=1 "
                              "before triton is first imported (the notebook's first code cells do, and so does "
-                             "workbench exercises check where there is no GPU; in Python: TRITON_INTERPRET=1 python ...)")
+                             "workbench exercises check where there is no GPU; in Python: "
+                             "TRITON_INTERPRET=1 python ...)")
     return "cpu"
 
 
@@ -86,7 +87,8 @@ def _tol(t) -> tuple[float, float]:
 def _close(a, b, rtol: float, atol: float) -> bool:
     import torch
 
-    return a.shape == b.shape and bool(torch.isclose(a.double(), b.double(), rtol=rtol, atol=atol, equal_nan=True).all())
+    return a.shape == b.shape and bool(torch.isclose(a.double(), b.double(), rtol=rtol, atol=atol,
+                                                     equal_nan=True).all())
 
 
 def _span(idx: list[int]) -> str:
@@ -197,8 +199,8 @@ def _rmsnorm_rule(kw: dict, got, expected) -> str | None:
     if not isinstance(got, torch.Tensor):
         return f"{msg}\nrmsnorm returns y: allocate it (torch.empty_like), launch the kernel to fill it, return it"
     if got.dtype != expected.dtype:
-        return (f"{msg}\ny has x's dtype ({str(x.dtype).removeprefix('torch.')}): compute in float32 inside the kernel, "
-                f"allocate y with x's dtype and store y.to(Y.dtype.element_ty)")
+        return (f"{msg}\ny has x's dtype ({str(x.dtype).removeprefix('torch.')}): compute in float32 inside the "
+                "kernel, allocate y with x's dtype and store y.to(Y.dtype.element_ty)")
     if tuple(got.shape) != tuple(expected.shape):
         return (f"{msg}\ny has x's shape {tuple(x.shape)}: normalise each row of the last dimension "
                 f"(x.reshape(-1, N)) and return y.view(x.shape)")
@@ -244,9 +246,12 @@ def _swiglu_cases() -> list[Case]:
     big = torch.tensor([[100.0, -100.0, 90.0, -90.0, 0.0, 1.0, -1.0, 20.0]], device=_device())
     return [
         Case("one element", dict(gate=_tensor((1, 1), 10), up=_tensor((1, 1), 11))),
-        Case("23 rows of 177 columns (not a power of two)", dict(gate=_tensor((23, 177), 12), up=_tensor((23, 177), 13))),
-        Case("2 rows of 704, the bundled model's MLP width", dict(gate=_tensor((2, 704), 14), up=_tensor((2, 704), 15))),
-        Case("float16 in, float16 out", dict(gate=_tensor((3, 64), 16, "float16", 3.0), up=_tensor((3, 64), 17, "float16"))),
+        Case("23 rows of 177 columns (not a power of two)",
+             dict(gate=_tensor((23, 177), 12), up=_tensor((23, 177), 13))),
+        Case("2 rows of 704, the bundled model's MLP width",
+             dict(gate=_tensor((2, 704), 14), up=_tensor((2, 704), 15))),
+        Case("float16 in, float16 out",
+             dict(gate=_tensor((3, 64), 16, "float16", 3.0), up=_tensor((3, 64), 17, "float16"))),
         Case("gates of ±100: exp(100) overflows float32 (largest 3.4e38)", dict(gate=big, up=_tensor((1, 8), 18))),
         Case("3-D input [2, 3, 48], as the model passes it (batch, tokens, intermediate)",
              dict(gate=_tensor((2, 3, 48), 19), up=_tensor((2, 3, 48), 20))),
@@ -320,9 +325,10 @@ EXERCISES = [
             "`y = weight * x / sqrt(mean(x²) + eps)`, the mean of squares in float32 and the normalised row rounded "
             "to `x`'s dtype before the weight multiply, as the model's `RMSNorm` (`rmsnorm_ref`, printed above). "
             "`y` has `x`'s shape and dtype. It is compared with `rmsnorm_ref` within rtol 1e-5, atol 1e-5 in float32 "
-            "and rtol 2e-3 (about two ulp), atol 1e-3 in float16, on one row, widths that are not a power of two (576, SmolLM2's hidden "
-            "size, and 96), float16 values whose squares overflow float16, a row of zeros and a 3-D input. On a CPU "
-            "the kernel runs in the Triton interpreter (`TRITON_INTERPRET=1`, set at the top of this notebook)."),
+            "and rtol 2e-3 (about two ulp), atol 1e-3 in float16, on one row, widths that are not a power of two (576, "
+            "SmolLM2's hidden size, and 96), float16 values whose squares overflow float16, a row of zeros and a 3-D "
+            "input. On a CPU the kernel runs in the Triton interpreter (`TRITON_INTERPRET=1`, set at the top of this "
+            "notebook)."),
         hints=["Flatten `x` to rows: `x2 = x.reshape(-1, N)`, `M = x2.shape[0]`, and launch one program per row: "
                "`_rmsnorm_kernel[(M,)](...)`; in the kernel `row = tl.program_id(0)`. A block's length must be a "
                "power of two: `BLOCK_N = triton.next_power_of_2(N)`, and the mask `cols < N` keeps the padding out.",

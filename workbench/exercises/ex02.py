@@ -102,7 +102,8 @@ def _hash_cases() -> list[Case]:
             Case("two full blocks and a partial tail of 3 tokens",
                  dict(token_ids=[7, 3, 9, 1, 4, 4, 2, 8, 6, 5, 0], block_size=4, hash_block=HASH_BLOCK)),
             Case("the same tokens twice in a row", dict(token_ids=[1, 2, 1, 2], block_size=2, hash_block=HASH_BLOCK)),
-            Case("block size 1: every token is a block", dict(token_ids=[5, 5, 6], block_size=1, hash_block=HASH_BLOCK))]
+            Case("block size 1: every token is a block",
+                 dict(token_ids=[5, 5, 6], block_size=1, hash_block=HASH_BLOCK))]
 
 
 def _hash_strategy():
@@ -123,12 +124,13 @@ def _hash_compare(kw: dict, got, expected) -> str | None:
             return "an empty prompt has no block: return []"
         if len(got) > len(expected) and tail:
             return (f"the partial tail ({tail} token{'s' if tail > 1 else ''}) is never hashed: {n} tokens in blocks "
-                    f"of {B} make {full} full block{'s' if full != 1 else ''}, so {full} hash{'es' if full != 1 else ''}"
-                    f" (a block is reusable only when it is full)")
+                    f"of {B} make {full} full block{'s' if full != 1 else ''}, so {full} "
+                    f"hash{'es' if full != 1 else ''} (a block is reusable only when it is full)")
         if len(got) < len(expected) and not tail:
             return (f"{n} tokens are exactly {full} blocks of {B}: there is no partial tail, the last block is full "
                     f"and gets its hash too")
-        return f"one hash per FULL block: {n} tokens in blocks of {B} make n // block_size = {full}, got {len(got)} hashes"
+        return (f"one hash per FULL block: {n} tokens in blocks of {B} make n // block_size = {full}, "
+                f"got {len(got)} hashes")
     for i, (g, e) in enumerate(zip(got, expected)):
         if isinstance(g, bool) or not isinstance(g, numbers.Integral):
             return f"item {i}: a hash is the int hash_block returns, got {type(g).__name__} {show(g, 40)}"

@@ -137,7 +137,7 @@ def _ideal_variants(kw: dict) -> dict[str, dict]:
     t, comp, copy, streamed = kw["t_resident"], kw["compute"], kw["copy"], kw["streamed"]
     mine = [(k, c) for k, c in comp.items() if k[1] in streamed]
     first = {}
-    for (step, layer), c in mine:
+    for (_, layer), c in mine:
         first.setdefault(layer, c)
     return {
         "each streamed layer counted once, not once per step": {

@@ -112,8 +112,8 @@ def _admit_compare(kw: dict, got, expected) -> str | None:
                 f" Its {r['tokens']} tokens are more than the {left} left, so it computes {e[1]} this step"
                 + (" (chunked prefill off: it waits for a step of its own, holding its slot and blocks)" if e[1] == 0
                    else " (chunked prefill: the rest in later steps)") + ".")
-            return (f"{e[0]} must be admitted: {state}, and it needs {r['blocks']} blocks.{how} Admission goes on until "
-                    "the budget, the slots or the blocks run out")
+            return (f"{e[0]} must be admitted: {state}, and it needs {r['blocks']} blocks.{how} Admission goes on "
+                    "until the budget, the slots or the blocks run out")
         if g[0] != e[0]:
             return f"{g[0]} is admitted where {e[0]} should be: {_order_rule(by_id[e[0]], by_id[g[0]])}"
         r = by_id[e[0]]

@@ -303,16 +303,17 @@ EXERCISES = [
         teaches="how int4 weights are stored: nibble order and the packed dimension that every int4 kernel reads",
         statement=(
             "An int4 weight is stored two codes per byte. Given `codes` `[out, in]` (whole numbers 0..15, any "
-            "integer dtype; `in` even), return the packed weight `[out, in // 2]` as uint8, in the package's layout: byte `b` of a "
-            "row holds the row's codes `2b` (low nibble, bits 0-3) and `2b + 1` (high nibble, bits 4-7). (The "
-            "package refuses an odd `in` with a ConfigError: a row must fill whole bytes.)"),
+            "integer dtype; `in` even), return the packed weight `[out, in // 2]` as uint8, in the package's layout: "
+            "byte `b` of a row holds the row's codes `2b` (low nibble, bits 0-3) and `2b + 1` (high nibble, bits 4-7). "
+            "(The package refuses an odd `in` with a ConfigError: a row must fill whole bytes.)"),
         hints=["Convert to uint8 first: the shift and the OR then stay in one byte, and the result has the "
                "packed weight's dtype.",
                "Even columns are `codes[:, 0::2]`, odd ones `codes[:, 1::2]`: the odd one is shifted up by 4 bits.",
                "`c = codes.to(torch.uint8); return c[:, 0::2] | (c[:, 1::2] << 4)`"],
         stub=('import torch\n\n\n'
               'def pack_int4(codes: torch.Tensor) -> torch.Tensor:\n'
-              '    """codes [out, in] in 0..15 (in even) -> uint8 [out, in // 2]: byte b = codes[2b] | codes[2b + 1] << 4."""\n'
+              '    """codes [out, in] in 0..15 (in even) -> uint8 [out, in // 2]: '
+              'byte b = codes[2b] | codes[2b + 1] << 4."""\n'
               '    # your code here\n'
               '    raise NotImplementedError'),
         reference=_pack, cases=_pack_cases, strategy=_pack_strategy, compare=_pack_compare,
@@ -333,7 +334,8 @@ EXERCISES = [
                "`codes = torch.stack([packed & 15, packed >> 4], -1).reshape(out, -1).float()`, then "
                "`(codes - z) * s` with `z`, `s` repeated along the columns."],
         stub=('import torch\n\n\n'
-              'def dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor:\n'
+              'def dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) '
+              '-> torch.Tensor:\n'
               '    """uint8 [out, in // 2] + float32 scales / int8 zeros [out, in // group] -> float32 [out, in]."""\n'
               '    # your code here\n'
               '    raise NotImplementedError'),

@@ -92,9 +92,9 @@ def _compare(kw: dict, got, expected) -> str | None:
     lead = max((t for t in rec["table"] if t["meets"]), key=lambda t: t["tokens_per_s_median"])
     if got not in rec["tied"]:
         return (head + f"{got}'s throughput ({g['tokens_per_s_median']:g} tokens/s, median) is lower than "
-                f"{lead['config']}'s ({lead['tokens_per_s_median']:g}) beyond noise (compare_samples: a winner): of the "
-                "configurations that meet the SLO, the highest median throughput leads, and only those within noise "
-                "of it tie")
+                f"{lead['config']}'s ({lead['tokens_per_s_median']:g}) beyond noise (compare_samples: a winner): of "
+                "the configurations that meet the SLO, the highest median throughput leads, and only those within "
+                "noise of it tie")
     return (head + f"{got} and {expected} tie within noise of the highest throughput ({lead['config']}): of the tied, "
             f"the fewest layers win ({got}: {g['layers']}, {expected}: {e['layers']}), then the least memory "
             f"({got}: {g['memory_bytes']}, {expected}: {e['memory_bytes']}; None counts as 0), then the higher median "

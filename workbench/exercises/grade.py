@@ -67,7 +67,8 @@ def grade_notebook(notebook: str | Path, *, timeout: float = 300.0, examples: in
         try:
             done = subprocess.run([sys.executable, "-m", "workbench.exercises.grade"], input=payload,
                                   capture_output=True, text=True, timeout=timeout)
-            rows = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 and done.stdout.strip() else None
+            rows = (json.loads(done.stdout.strip().splitlines()[-1])
+                    if done.returncode == 0 and done.stdout.strip() else None)
             if rows is None:
                 tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
                 rows = [dataclasses.asdict(Result(eid, "failed", case="grading", rule=f"the grading process ended "

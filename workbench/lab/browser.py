@@ -43,7 +43,9 @@ from workbench.lab.browser_session import (  # noqa: F401
 
 # JS: one sample per live view, keyed "<name>#<index among views of that name>"
 _SAMPLE_JS = """() => {
-  const hash = (s) => { let h = 5381; for (let i = 0; i < s.length; i++) h = ((h << 5) + h + s.charCodeAt(i)) | 0; return h; };
+  const hash = (s) => {
+    let h = 5381; for (let i = 0; i < s.length; i++) h = ((h << 5) + h + s.charCodeAt(i)) | 0; return h;
+  };
   const out = {}; const seen = {};
   document.querySelectorAll('.wb-live').forEach((el) => {
     const cls = [...el.classList].find((c) => c.startsWith('wb-live-')) || 'wb-live-unnamed';
@@ -122,9 +124,12 @@ class LabRun:
     samples: int = 0
     screenshots: list = field(default_factory=list)     # (caption, path)
     note: str = ""
-    stacks: str = ""                   # after a timeout: the kernel's last stack dump (JupyterLab(notebook_timeout=))
-    phases: dict = field(default_factory=dict)   # seconds per step: open, run, after_run, read, save, screenshots, shutdown
-    replays: list = field(default_factory=list)  # per replay figure: its first and last frame drawn, whether they differ
+    # after a timeout: the kernel's last stack dump (JupyterLab(notebook_timeout=))
+    stacks: str = ""
+    # seconds per step: open, run, after_run, read, save, screenshots, shutdown
+    phases: dict = field(default_factory=dict)
+    # per replay figure: its first and last frame drawn, whether they differ
+    replays: list = field(default_factory=list)
     reopened: dict = field(default_factory=dict)  # the saved notebook opened again: widget errors, outputs shown
 
     def problems(self, live_views=(), replays: bool = False) -> list[str]:
@@ -189,7 +194,8 @@ def run_in_lab(browser: Browser, lab: JupyterLab, rel_path: str, shots_dir=None,
         page.evaluate(_OBSERVE_JS)
         phase("open")
         page.evaluate("() => { window.__wb_done = null; window.jupyterapp.commands.execute('notebook:run-all-cells')"
-                      ".then((r) => { window.__wb_done = {ok: r}; }, (e) => { window.__wb_done = {err: String(e)}; }); }")
+                      ".then((r) => { window.__wb_done = {ok: r}; }, "
+                      "(e) => { window.__wb_done = {err: String(e)}; }); }")
         seen: dict[str, set] = {}
         run_t0 = time.monotonic()
         deadline = time.monotonic() + timeout
@@ -254,7 +260,9 @@ def run_in_lab(browser: Browser, lab: JupyterLab, rel_path: str, shots_dir=None,
 
 # JS: a figure's drawing without its controls (slider, buttons), as a hash: what a frame shows
 _FIGURE_SIG_JS = """(gd) => {
-  const hash = (s) => { let h = 5381; for (let i = 0; i < s.length; i++) h = ((h << 5) + h + s.charCodeAt(i)) | 0; return h; };
+  const hash = (s) => {
+    let h = 5381; for (let i = 0; i < s.length; i++) h = ((h << 5) + h + s.charCodeAt(i)) | 0; return h;
+  };
   const parts = [...gd.querySelectorAll('.main-svg')].map((svg) => { const c = svg.cloneNode(true);
     c.querySelectorAll('.slider-container, .menulayer, .updatemenu-container').forEach((e) => e.remove());
     return c.innerHTML; });
@@ -470,7 +478,9 @@ def check_report(browser: Browser, report: Path, shot: Path | None = None) -> di
         info = page.evaluate("""() => ({
           divs: document.querySelectorAll('div.plotly-graph-div').length,
           drawn: document.querySelectorAll('div.plotly-graph-div.js-plotly-plot .main-svg').length > 0
-                 ? [...document.querySelectorAll('div.plotly-graph-div')].filter((d) => d.querySelector('.main-svg')).length : 0,
+                 ? [...document.querySelectorAll('div.plotly-graph-div')]
+                     .filter((d) => d.querySelector('.main-svg')).length
+                 : 0,
           sections: [...document.querySelectorAll('h2')].map((h) => h.innerText),
           images: [...document.images].map((i) => ({src: i.getAttribute('src'), ok: i.complete && i.naturalWidth > 0})),
         })""")

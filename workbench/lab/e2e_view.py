@@ -239,7 +239,8 @@ def memory_figure(summary, height: int = 480):
     return fig
 
 
-BREAKDOWN = (("static_step_ms", "static decode step (compiled)", "#72b7b2"), ("matmul_ms", "matmul", "#4c78a8"), ("attention_ms", "attention", "#f58518"),
+BREAKDOWN = (("static_step_ms", "static decode step (compiled)", "#72b7b2"), ("matmul_ms", "matmul", "#4c78a8"),
+             ("attention_ms", "attention", "#f58518"),
              ("gather_ms", "gather / scatter of KV", "#e45756"), ("other_model_ms", "other model time", "#bab0ac"),
              ("scheduling_ms", "scheduling", "#54a24b"), ("output_ms", "output", "#b279a2"))
 
@@ -273,7 +274,8 @@ def waterfall_html(steps: list[dict], unit: str = "ms", lower_is_better: bool = 
     top = 1.05 * max(vals) if vals and max(vals) > 0 else 1.0
     key = "".join(f'<span style="display:inline-block;width:11px;height:11px;background:{bg};margin:0 4px 0 12px;'
                   f'vertical-align:middle"></span>{html.escape(name)}'
-                  for bg, name in ((BASE, "baseline"), (BETTER, "better (beyond noise)"), (WORSE, "worse (beyond noise)"),
+                  for bg, name in ((BASE, "baseline"), (BETTER, "better (beyond noise)"),
+                                   (WORSE, "worse (beyond noise)"),
                                    (f"repeating-linear-gradient(45deg,{NOISE},{NOISE} 3px,#fff 3px,#fff 5px)",
                                     "within noise")))
     rows = []
@@ -296,7 +298,8 @@ def waterfall_html(steps: list[dict], unit: str = "ms", lower_is_better: bool = 
         rows.append(f'<tr><td style="text-align:right;padding:1px 8px;white-space:nowrap">{html.escape(label)}</td>'
                     f'<td style="padding:1px 0"><div style="position:relative;width:{width_px}px;height:18px;'
                     f'background:#f3f3f3">{bar}</div></td>'
-                    f'<td style="text-align:left;padding:1px 8px;white-space:nowrap;color:#333">{html.escape(text)}</td></tr>')
+                    f'<td style="text-align:left;padding:1px 8px;white-space:nowrap;color:#333">{html.escape(text)}'
+                    '</td></tr>')
     return (f'<div class="wb-waterfall-html" style="font:12px sans-serif;margin:4px 0">'
             f'<div style="margin:2px 0 4px 0">{key}</div><table style="border-collapse:collapse">{"".join(rows)}'
             f'</table><div style="color:#555;margin-top:2px">each bar spans the previous step\'s median to this one\'s '
@@ -308,8 +311,9 @@ def waterfall_html(steps: list[dict], unit: str = "ms", lower_is_better: bool = 
 HEADINGS = {   # column -> heading with its unit (the saved tables keep the raw columns)
     "ttft_ms_p50": "TTFT p50 (ms)", "ttft_ms_p95": "TTFT p95 (ms)", "tpot_ms_p50": "TPOT p50 (ms)",
     "tpot_ms_p95": "TPOT p95 (ms)", "e2e_ms_p50": "E2E p50 (ms)", "e2e_ms_p95": "E2E p95 (ms)",
-    "ttft_jitter_ms": "TTFT jitter (ms)", "tpot_jitter_ms": "TPOT jitter (ms)", "ttft_ms_p95_chat": "TTFT p95 chat (ms)",
-    "ttft_ms_p95_doc": "TTFT p95 doc (ms)", "ttft_ms_p95_short": "TTFT p95 short (ms)", "tokens_per_s": "tokens/s",
+    "ttft_jitter_ms": "TTFT jitter (ms)", "tpot_jitter_ms": "TPOT jitter (ms)",
+    "ttft_ms_p95_chat": "TTFT p95 chat (ms)", "ttft_ms_p95_doc": "TTFT p95 doc (ms)",
+    "ttft_ms_p95_short": "TTFT p95 short (ms)", "tokens_per_s": "tokens/s",
     "prefix_hit_rate": "prefix hits", "preemptions": "preemptions", "kv_bytes": "KV held", "kv_used_bytes": "KV in use",
     "weights_bytes": "weights", "rss_bytes": "process RSS", "device_peak_bytes": "device peak",
     "memory_bytes": "memory (KV + weights)", "agreement": "greedy agreement", "identical": "identical tokens",
@@ -492,7 +496,8 @@ class AblationLive:
             if not c.runs:
                 continue
             med = {k: float(np.median([r[k] for r in c.runs if r.get(k) is not None]))
-                   for k in ("ttft_ms_p95", "tpot_ms_p50", "e2e_ms_p95", "tokens_per_s") if c.runs[0].get(k) is not None}
+                   for k in ("ttft_ms_p95", "tpot_ms_p50", "e2e_ms_p95", "tokens_per_s")
+                   if c.runs[0].get(k) is not None}
             rows.append({"config": c.name, "runs": len(c.runs), **med,
                          f"last run: {self.label} ({self.unit})": c.runs[-1].get(self.metric)})
         # (a column in ms gets one decimal from readable(); other units are formatted as numbers)
@@ -550,13 +555,16 @@ class AblationLive:
         fig = go.Figure()
         fig.add_bar(x=[None] * len(self.names), y=[short_name(n) for n in self.names], orientation="h",
                     name="median so far", marker={"color": BASE}, hovertemplate="%{y}: median %{x:,.1f}<extra></extra>")
-        fig.add_scatter(x=[], y=[], mode="markers", name="each run", marker={"color": "black", "size": 6, "opacity": 0.6},
+        fig.add_scatter(x=[], y=[], mode="markers", name="each run",
+                        marker={"color": "black", "size": 6, "opacity": 0.6},
                         hovertemplate="%{y}: %{x:,.1f}<extra>run</extra>")
         fig.add_scatter(x=[], y=[], mode="markers", name="the run just finished",
-                        marker={"color": "#E69F00", "size": 13, "symbol": "diamond", "line": {"width": 1, "color": "black"}},
+                        marker={"color": "#E69F00", "size": 13, "symbol": "diamond",
+                                "line": {"width": 1, "color": "black"}},
                         hovertemplate="%{y}: %{x:,.1f}<extra>this run</extra>")
-        fig.update_layout(title=f"The rounds as they ran: {self.label} per configuration<br><sup>bar: the median so far · "
-                                f"dots: each run · diamond: the run that just finished</sup>", showlegend=False,
+        fig.update_layout(title=f"The rounds as they ran: {self.label} per configuration<br><sup>bar: the median "
+                                "so far · dots: each run · diamond: the run that just finished</sup>",
+                          showlegend=False,
                           xaxis={"title": f"{self.label} ({self.unit})", "range": [0, 1.08 * top]},
                           yaxis={"autorange": "reversed", "type": "category", "automargin": True},
                           height=height or 140 + 22 * len(self.names), margin={"l": 20, "r": 20, "t": 80, "b": 60},
@@ -607,7 +615,8 @@ def slo_choices(candidates: list[dict], max_rel_ppl: float, noise: float | None 
             rec = _their_pick(pick, candidates, b, max_rel_ppl, noise, rec)
         out.append({"bound": b, "pick": rec["pick"], "reason": rec["reason"], "tied": rec["tied"],
                     "meets": {t["config"]: t["meets"] for t in rec["table"]},
-                    "quality_ok": {t["config"]: t["rel_ppl"] is None or t["rel_ppl"] <= max_rel_ppl for t in rec["table"]},
+                    "quality_ok": {t["config"]: t["rel_ppl"] is None or t["rel_ppl"] <= max_rel_ppl
+                                   for t in rec["table"]},
                     "default": default is not None and b == float(default)})
     return out
 
@@ -821,8 +830,8 @@ def slo_explorer_figure(waterfalls: dict, choices: list[dict], candidates: list[
         title={"text": title or "Pick a configuration for an SLO: move the bound, change the waterfall's metric",
                "x": 0, "xanchor": "left", "y": 1 - 8 / height, "yanchor": "top"},
         margin={"l": 20, "r": 20, "t": top_px, "b": bottom_px},
-        xaxis={"domain": [0, 1], "anchor": "y", "type": "category", "categoryorder": "array", "categoryarray": categories,
-               "automargin": False, "tickangle": -30},
+        xaxis={"domain": [0, 1], "anchor": "y", "type": "category", "categoryorder": "array",
+               "categoryarray": categories, "automargin": False, "tickangle": -30},
         yaxis={"domain": list(y_wf), "anchor": "x", "title": {"text": f"{label0} ({unit0})"}, "automargin": True},
         xaxis2={"domain": [0.36, 1], "anchor": "y2", "title": {"text": "P95 TTFT in the slowest round (ms)"},
                 "rangemode": "tozero"},
@@ -833,8 +842,9 @@ def slo_explorer_figure(waterfalls: dict, choices: list[dict], candidates: list[
                 "font": {"size": 11}, "bgcolor": "rgba(0,0,0,0)"},                 # above the dropdown's row
         legend2={"orientation": "h", "x": 1, "xanchor": "right", "y": y_slo[1] + px(26), "yanchor": "bottom",
                  "font": {"size": 11}, "bgcolor": "rgba(0,0,0,0)"},
-        updatemenus=[{"type": "dropdown", "buttons": buttons, "active": metrics.index(metric), "x": 0, "xanchor": "left",
-                      "y": 1 + px(6), "yanchor": "bottom", "showactive": True, "pad": {"r": 4, "t": 0}}],
+        updatemenus=[{"type": "dropdown", "buttons": buttons, "active": metrics.index(metric), "x": 0,
+                      "xanchor": "left", "y": 1 + px(6), "yanchor": "bottom", "showactive": True,
+                      "pad": {"r": 4, "t": 0}}],
         sliders=[{"active": active, "steps": [step(c) for c in choices], "x": 0, "len": 1.0, "y": 1 + px(top_px - 62),
                   "yanchor": "top", "pad": {"t": 0, "b": 0}, "font": {"color": "rgba(0,0,0,0)"},
                   "currentvalue": {"prefix": "SLO bound: P95 TTFT ≤ ", "visible": True, "xanchor": "left",

@@ -37,7 +37,8 @@ class CheckView:
             body = (f"<div>{r.cases_run} edge cases and {r.examples_run} property-based inputs agree with the "
                     f"reference.</div>")
         elif r.status == "not written":
-            body = "<div>The stub still raises NotImplementedError. Write it above and run the stub and this cell again.</div>"
+            body = ("<div>The stub still raises NotImplementedError. Write it above and run the stub and this cell "
+                    "again.</div>")
         else:
             body = f"<pre style='white-space:pre-wrap;margin:4px 0'>{html.escape(str(r))}</pre>"
         note = f"<div><i>{html.escape(self.note)}</i></div>" if self.note else ""
@@ -73,6 +74,6 @@ def who(exercise_id: str) -> str:
         return f"the solution's {ex.function}"
     if status == "passed":
         return f"your {ex.function}"
-    why = {"not written": "yours is not written yet", "failed": "yours does not pass yet"}.get(status,
-                                                                                               "yours is not checked yet")
+    why = {"not written": "yours is not written yet",
+           "failed": "yours does not pass yet"}.get(status, "yours is not checked yet")
     return f"the package's {ex.function} ({why})"

@@ -10,9 +10,10 @@ import numbers
 import re
 
 # How the notebook formats kernel-bench rows, and the columns it shows.
-FORMATS = {"ms_median": "{:.4f}", "ms_min": "{:.4f}", "ms_max": "{:.4f}", "achieved": "{:.3g}", "frac_of_ceiling": "{:.2%}",
-           "vs_eager": "{:.3g}", "max_err": "{:.2e}"}
-SHOW = ["timing", "ms_median", "ms_min", "ms_max", "achieved", "metric", "frac_of_ceiling", "vs_eager", "max_err", "status", "note"]
+FORMATS = {"ms_median": "{:.4f}", "ms_min": "{:.4f}", "ms_max": "{:.4f}", "achieved": "{:.3g}",
+           "frac_of_ceiling": "{:.2%}", "vs_eager": "{:.3g}", "max_err": "{:.2e}"}
+SHOW = ["timing", "ms_median", "ms_min", "ms_max", "achieved", "metric", "frac_of_ceiling", "vs_eager", "max_err",
+        "status", "note"]
 
 
 def fmt_ms(v: float) -> str:

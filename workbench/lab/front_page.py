@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 # GPU tables shown on the front page, in order (workbench.measure.gpu_results lists them all)
-GPU_TABLES = ("summary", "warmup", "kernel_bench", "decode_stack", "quant_bench", "prefetch_bench", "e2e", "engine_bench",
-              "engine_fast_bench", "sched_bench", "tier_bench", "prefix_bench", "calibrate")
+GPU_TABLES = ("summary", "warmup", "kernel_bench", "decode_stack", "quant_bench", "prefetch_bench", "e2e",
+              "engine_bench", "engine_fast_bench", "sched_bench", "tier_bench", "prefix_bench", "calibrate")
 
 
 @dataclass(frozen=True)
@@ -98,8 +98,8 @@ HEADLINES: tuple[Headline, ...] = (
              ref="launches_per_step_eager", ref_label="eager"),
     Headline("01_fused_kernels", "greedy_token_agreement", "greedy tokens, fused vs eager", "= 1 (correctness)", _eq1,
              fmt="{:.3f}"),
-    Headline("02_kv_tiers", "hit_rate", "prefix-cache hit rate, shared system prompt", "> 92 % (A §2, layer 2)", _gt(0.92),
-             fmt="{:.1%}"),
+    Headline("02_kv_tiers", "hit_rate", "prefix-cache hit rate, shared system prompt", "> 92 % (A §2, layer 2)",
+             _gt(0.92), fmt="{:.1%}"),
     Headline("02_kv_tiers", "ttft_p50_reduction", "TTFT P50, prefix cache off / on", "> 1 beyond noise", _gt(1.0),
              verdict="prefix_ttft_verdict", fmt="{:.2f}x"),
     Headline("02_kv_tiers", "identical_greedy_tokens", "greedy tokens, prefix cache on vs off", "True (correctness)",
@@ -299,12 +299,13 @@ def front_page_html(results: dict, gpu_root=None) -> str:
         parts.append("<p>No notebook of this run wrote a headline metric.</p>")
     else:
         count = rows["meets"].value_counts()
-        parts.append(f"<p>{len(rows)} headlines from {rows['notebook'].nunique()} notebooks: {count.get('yes', 0)} meet "
-                     f"their target, {count.get('no', 0)} do not, {count.get('within noise', 0)} within noise of it, "
-                     f"{count.get('unverified', 0)} unverified (too few samples for a verdict), "
-                     f"{count.get('not run', 0) + count.get('not measured', 0)} not run or not measured; the rest inform. <i>meets</i> compares the "
-                     "measured value with the target; the verdict is the notebook's own comparison against the noise it "
-                     "measured (a difference within the noise is never called better or worse).</p>")
+        parts.append(f"<p>{len(rows)} headlines from {rows['notebook'].nunique()} notebooks: {count.get('yes', 0)} "
+                     f"meet their target, {count.get('no', 0)} do not, {count.get('within noise', 0)} within noise of "
+                     f"it, {count.get('unverified', 0)} unverified (too few samples for a verdict), "
+                     f"{count.get('not run', 0) + count.get('not measured', 0)} not run or not measured; the rest "
+                     "inform. <i>meets</i> compares the measured value with the target; the verdict is the notebook's "
+                     "own comparison against the noise it measured (a difference within the noise is never called "
+                     "better or worse).</p>")
         parts.append(_rows_html(rows))
     parts.append("<h2 id='claims'>Claims of the source articles</h2>")
     parts.append(claims_html(results))

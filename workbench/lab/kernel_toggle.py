@@ -177,7 +177,8 @@ class KernelToggleView:
         scientific notation, the launches and whether the top token agrees; a scroll container
         keeps it inside the widget if it still does not fit."""
         ref = self.rows[self.reference]
-        head = ["choice (triton ops)", "median ms", "min..max ms", "vs eager", "max |logit err|", "launches", "top token"]
+        head = ["choice (triton ops)", "median ms", "min..max ms", "vs eager", "max |logit err|", "launches",
+                "top token"]
         cell = "padding:2px 8px;border-bottom:1px solid #ddd;"
         out = ["<div style='overflow-x:auto;max-width:100%'><table style='border-collapse:collapse;font-size:12px'>",
                "<tr>" + "".join(f"<th style='{cell}text-align:{'left' if i == 0 else 'right'}'>{h}</th>"
@@ -200,7 +201,8 @@ class KernelToggleView:
                                         for i, v in enumerate(vals)) + "</tr>")
         out.append("</table></div>")
         repeats = ref.get("repeats")
-        over = f" ({repeats:.0f} timed steps per row)" if isinstance(repeats, (int, float)) and math.isfinite(repeats) else ""
+        over = (f" ({repeats:.0f} timed steps per row)"
+                if isinstance(repeats, (int, float)) and math.isfinite(repeats) else "")
         notes = [f"vs eager: <i>within noise</i> when the min..max ranges{over} overlap, else the ratio of the medians"]
         if any_interp:
             notes.append("&dagger; Triton interpreter timing (the kernel's Python run in NumPy): not a speed")

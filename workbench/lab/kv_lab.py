@@ -74,7 +74,8 @@ def pca_figure(bases: dict, ev, rank: int = 8):
         raise KeyError(f"pca_figure: bases lack key space(s) {missing}")
     mean_ev = ev.groupby(["key_space", "rank"])["explained"].mean().unstack(0)
     fig = make_subplots(rows=1, cols=3, column_widths=[0.4, 0.3, 0.3], horizontal_spacing=0.08,
-                        subplot_titles=["mean over layers and heads", f"post-RoPE, rank {rank}", f"pre-RoPE, rank {rank}"])
+                        subplot_titles=["mean over layers and heads", f"post-RoPE, rank {rank}",
+                                        f"pre-RoPE, rank {rank}"])
     for ks, dash in KEY_SPACE_DASH:
         fig.add_trace(go.Scatter(x=mean_ev.index, y=mean_ev[ks], name=KEY_SPACE_LABEL[ks], line_dash=dash,
                                  hovertemplate="rank %{x}: %{y:.1%}<extra>" + ks + "</extra>"), row=1, col=1)
@@ -138,7 +139,8 @@ def pareto_figure(df, x: str = "reduction", y: str = "rel_ppl", max_rel_ppl: flo
             fig.add_trace(go.Scatter(x=part[x], y=100 * part[y], mode="markers", name=name, text=part["name"],
                                      marker=marker, hovertemplate=hover + name + "</extra>"))
     short = dict(zip(ok["name"], short_labels(list(ok["name"]))))
-    fig.add_trace(go.Scatter(x=front[x], y=100 * front[y], mode="lines+markers+text", name="Pareto front (every config)",
+    fig.add_trace(go.Scatter(x=front[x], y=100 * front[y], mode="lines+markers+text",
+                             name="Pareto front (every config)",
                              text=front["name"], customdata=[short.get(n, n) for n in front["name"]],
                              texttemplate="%{customdata}", textfont={"size": 10, "color": "#333"},
                              textposition=["top left" if i == len(front) - 1 else "top center" if i % 2 == 0

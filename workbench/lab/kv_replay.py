@@ -104,7 +104,8 @@ def _pool_traces(state: dict, order: list[str], cols: int) -> list[dict]:
 
     names = [NAME_OF[c] for c in state["states"]]
     owners = _owners(state["tables"])
-    hover = [f"block {i}: {s}" + (f"<br>used by {', '.join(owners[i])}" if i in owners else "") for i, s in enumerate(names)]
+    hover = [f"block {i}: {s}" + (f"<br>used by {', '.join(owners[i])}" if i in owners else "")
+             for i, s in enumerate(names)]
     z, text = block_map_grid(names, list(PAGED_STATES), cols, hover)
     heat = {"z": z, "text": text}           # the rows' labels do not change: the first frame's stay
     got = dict(state["requests"])
@@ -151,7 +152,8 @@ def pool_replay_figure(frames: list[Frame], cols: int = 32, note: str | None = N
     first[0]["y"] = wrapped_row_labels(len(frames[0].data[0]["states"]), cols)
     fig = make_subplots(rows=2, cols=1, row_heights=[0.62, 0.38], vertical_spacing=0.2,
                         subplot_titles=("",      # above the map: the replay's buttons
-                                        "prefix cache, per request: prompt tokens reused (hit) or computed (miss: reason)"))
+                                        "prefix cache, per request: prompt tokens reused (hit) or computed "
+                                        "(miss: reason)"))
     heat = _heatmap_kwargs(list(PAGED_STATES), first[0]["z"], first[0]["text"], first[0]["y"])
     heat["colorbar"].update(len=0.55, y=1.0, yanchor="top", x=1.01, title="block state<br><sub>(hover: users)</sub>")
     fig.add_trace(go.Heatmap(**heat), row=1, col=1)
@@ -160,18 +162,20 @@ def pool_replay_figure(frames: list[Frame], cols: int = 32, note: str | None = N
     fig.add_trace(go.Bar(x=order, y=first[2]["y"], name="computed (miss)", marker_color=MISS_COLOR,
                          text=first[2]["text"], customdata=first[2]["customdata"], textposition="outside",
                          cliponaxis=False, textfont={"color": "#333", "size": 11},
-                         hovertemplate="%{x}: %{y} prompt tokens computed<br>miss reason: %{customdata}<extra></extra>"),
+                         hovertemplate="%{x}: %{y} prompt tokens computed<br>miss reason: "
+                                       "%{customdata}<extra></extra>"),
                   row=2, col=1)
     fig.update_yaxes(autorange="reversed", type="category", row=1, col=1)
     fig.update_xaxes(showgrid=False, zeroline=False, title_text="block (column within the row)",
                      dtick=1 if cols <= 16 else 2, row=1, col=1)
-    fig.update_xaxes(type="category", categoryorder="array", categoryarray=order, title_text="request (admission order)",
-                     row=2, col=1)
+    fig.update_xaxes(type="category", categoryorder="array", categoryarray=order,
+                     title_text="request (admission order)", row=2, col=1)
     most = max((p for f in frames for _, (p, _, _) in f.data[0]["requests"]), default=1)
     fig.update_yaxes(title_text="prompt tokens", range=[0, most * 1.2], row=2, col=1)
     fig.update_layout(barmode="stack", plot_bgcolor="white", height=260 + 22 * n_rows + 220,
                       margin={"l": 90, "r": 150, "t": 90, "b": 60},
-                      legend={"x": 1.01, "y": 0.0, "yanchor": "bottom", "xanchor": "left", "title": {"text": "prompt tokens"}},
+                      legend={"x": 1.01, "y": 0.0, "yanchor": "bottom", "xanchor": "left",
+                              "title": {"text": "prompt tokens"}},
                       title=built[0].layout["title"])
     return readable_current(replay_figure(fig, built, max_frames=max_frames, redraw=True, note=note))
 
@@ -235,8 +239,9 @@ def zone_replay_figure(frames: list[Frame], title: str = "Tiered KV cache, token
         head = (f"{s['length']} tokens: hot {counts.get('hot', 0)}, warm {counts.get('warm', 0)}, "
                 f"cold {counts.get('cold', 0)}" + (f", dropped {counts['dropped']}" if counts.get("dropped") else ""))
         built.append(Frame(f.t_ms, [{"type": "heatmap", "z": z, "x": list(range(0, s["length"], k))}],
-                           f.label, {"title": {"text": f"{title}: {head}<br><sup>cells of {k} positions (a cell shows its "
-                                                       "most frequent zone, or fetched when routing fetched any of it)</sup>",
+                           f.label, {"title": {"text": f"{title}: {head}<br><sup>cells of {k} positions "
+                                                       "(a cell shows its most frequent zone, or fetched when routing "
+                                                       "fetched any of it)</sup>",
                                                "x": 0.01, "xanchor": "left"}}))
     first = built[0].data[0]
     key = ", ".join(f"{i} {z}" for i, z in enumerate(names))        # no text per cell and frame: frames stay small

@@ -55,8 +55,9 @@ def format_pool_report(rep: dict, width: int = 64, max_rows: int = 20) -> str:
     if off:
         s = off["stats"]
         lines.append(f"offload tier ({off['kind']}): {off['blocks_held']} / {off['capacity_blocks']} blocks held, "
-                     f"{off['bytes_held']:,} B; {s['puts']} spilled ({s['bytes_out']:,} B in {s['seconds_out'] * 1e3:.2f} ms), "
-                     f"{s['gets']} restored ({s['bytes_in']:,} B in {s['seconds_in'] * 1e3:.2f} ms)")
+                     f"{off['bytes_held']:,} B; {s['puts']} spilled ({s['bytes_out']:,} B in "
+                     f"{s['seconds_out'] * 1e3:.2f} ms), {s['gets']} restored ({s['bytes_in']:,} B in "
+                     f"{s['seconds_in'] * 1e3:.2f} ms)")
     lines.append(f"bookkeeping: {rep['manager_seconds'] * 1e3:.2f} ms in the block manager")
     legend = "  ".join(f"{CHARS[s]} {s}" for s in PAGED_STATES)
     lines += [f"block map now ({legend}):", text_block_map(rep["block_states"], width)]
@@ -87,9 +88,9 @@ def format_tier_report(rep: dict) -> str:
              f"zones for the last query (every layer): hot {z['hot']}, warm {z['warm']}, cold {z['cold']} "
              f"({z['cold_chunks']} chunks), dropped {z['dropped']}; offloaded (full precision only in the offload "
              f"tier) {z['offloaded']}",
-             f"bytes (at {by['element_bytes']} B per element): resident {by['resident']:,} vs full cache {by['full']:,} "
-             f"({red}; PCA basis {by['basis']:,}); fetched at the last step {by['fetched_last_step']:,.0f} B "
-             f"({by['fetched_tokens_last_step']:.0f} token-heads over all layers)"]
+             f"bytes (at {by['element_bytes']} B per element): resident {by['resident']:,} vs full cache "
+             f"{by['full']:,} ({red}; PCA basis {by['basis']:,}); fetched at the last step "
+             f"{by['fetched_last_step']:,.0f} B ({by['fetched_tokens_last_step']:.0f} token-heads over all layers)"]
     hdr = (f"{'layer':>5}{'hot':>6}{'warm':>6}{'cold':>6}{'dropped':>8}{'offloaded':>10}{'fetched/head':>13}"
            f"{'|k| hot':>14}{'|k| warm':>14}{'|k| cold':>14}{'warm err':>9}")
     lines += ["key norms: mean / max over tokens (cold: chunk means) and heads", hdr]

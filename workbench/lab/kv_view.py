@@ -179,7 +179,7 @@ class KVBlockMapView:
         self._ended: list[str] = []                           # requests ended since the last state recorded
 
     # ---- state --------------------------------------------------------------------------------
-    def attach(self, llm) -> "KVBlockMapView":
+    def attach(self, llm) -> KVBlockMapView:
         self.detach()
         self.llm = llm
         self._drawn_key = self._drawn = None
@@ -402,7 +402,7 @@ class KVBlockMapView:
         """Look now (not rate-limited); redraw if the picture changed."""
         return self._redraw() if self.fig is not None else False
 
-    def display(self) -> "KVBlockMapView":
+    def display(self) -> KVBlockMapView:
         """Show the live widget; :meth:`run` replaces it with a line when its run ends (the replay
         has the states: a saved notebook then holds no widget, see
         :class:`~workbench.lab.live_output.LiveOutput`)."""

@@ -46,7 +46,8 @@ def label_positions(points, labels, x_range, y_range, size=(640, 320), char_px: 
     sx, sy = W / (x_range[1] - x_range[0]), H / (y_range[1] - y_range[0])
     pix = [((x - x_range[0]) * sx, (y - y_range[0]) * sy) for x, y in points]
     markers = [(px - marker_px, py - marker_px, px + marker_px, py + marker_px) for px, py in pix]
-    lines = [((x - x_range[0]) * sx - 2, (y - y_range[0]) * sy - 2, (x - x_range[0]) * sx + 2, (y - y_range[0]) * sy + 2)
+    lines = [((x - x_range[0]) * sx - 2, (y - y_range[0]) * sy - 2,
+              (x - x_range[0]) * sx + 2, (y - y_range[0]) * sy + 2)
              for x, y in obstacles]
     widths = [char_px * len(str(label)) for label in labels]
     boxes = [{pos: label_box(px, py, pos, w, line_px, marker_px) for pos in _POSITIONS}

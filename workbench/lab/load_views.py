@@ -170,7 +170,8 @@ class LatencyDashboard:
         self.clock = clock                      # paces redraws (max_hz) and inline polls: the run's clock
         self.live, self.max_points, self.name = live, max_points, name
         self.fig = self.label = self.widget = None
-        if live is True:                        # "svg": HTML redrawn in place; False: no view, frames recorded all the same
+        # "svg": HTML redrawn in place; False: no view, frames recorded all the same
+        if live is True:
             import ipywidgets as widgets
 
             self.fig = go.FigureWidget(self._figure(go))
@@ -438,7 +439,8 @@ class LatencyDashboard:
         t = [v for v in self.data["t"] if v is not None]
         if t:
             fig.update_xaxes(range=[0, max(t) * 1.01 + 1e-3], autorange=False)
-        for row, keys in ((1, ("ttft_p50", "ttft_p95", "ttft_p99", "threshold")), (2, ("itl_p50", "itl_p95", "itl_p99")),
+        for row, keys in ((1, ("ttft_p50", "ttft_p95", "ttft_p99", "threshold")),
+                          (2, ("itl_p50", "itl_p95", "itl_p99")),
                           (3, ("in_flight", "queue_len", "running", "batch_size", "rejected"))):
             top = max((v for k in keys for v in self.data[k] if v is not None), default=0.0)
             if top > 0:                         # fixed ranges: the scale does not jump while it plays
@@ -631,7 +633,7 @@ def svg_dashboard_html(data: dict, window_s: float, title: str, status_lines: li
     svg = (f'<svg viewBox="0 0 {_SVG_W} {y0 + 4}" width="100%" style="max-width:{_SVG_W}px;font-family:sans-serif" '
            f'role="img">{"".join(parts)}</svg>')
     key = []
-    for k, label, _, st in TRACES:
+    for _, label, _, st in TRACES:
         if label.startswith("ITL"):
             continue                                 # one entry per percentile: the colour of both latency rows
         dash = f' stroke-dasharray="{_DASH[st["dash"]]}"' if st.get("dash") in _DASH else ""

@@ -244,8 +244,6 @@ class PrefetchTimelineView:
 
     def __init__(self, source, window_s: float = 0.25, refresh_hz: float = 10.0, title: str = "Prefetch (live)",
                  height: int = 300, clock: Callable[[], float] = time.monotonic, record: bool = True) -> None:
-        import ipywidgets as widgets
-        import plotly.graph_objects as go
 
         if not 0 < refresh_hz <= 20:
             raise ConfigError(f"PrefetchTimelineView: refresh_hz={refresh_hz!r} must be in (0, 20]")
@@ -387,7 +385,8 @@ class PrefetchTimelineView:
         if self.recorder is None or not self.record_events:
             return "nothing recorded"
         return (f"recorded {len(self.recorder.frames)} steps on {self.record_events} tokens in "
-                f"{self.record_seconds * 1e3:.2f} ms: {self.record_seconds / self.record_events * 1e6:,.1f} µs per token")
+                f"{self.record_seconds * 1e3:.2f} ms: {self.record_seconds / self.record_events * 1e6:,.1f} µs per "
+                "token")
 
     def replay(self, title: str | None = None):
         """The whole run's timeline, one frame per recorded step, panned as the live view scrolled

@@ -97,7 +97,7 @@ class Progress:
             self.closed = True
             self._show(force=True)
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         self._show(force=True)
         return self
 

@@ -51,7 +51,8 @@ def outlier_heatmap(labels, matrix, title: str, log: bool = True, top: int = 4, 
 
     m = _array(matrix)
     if m.ndim != 2 or m.shape[0] != len(labels):
-        raise ValueError(f"outlier_heatmap: matrix must be [len(labels), channels], got {m.shape} for {len(labels)} labels")
+        raise ValueError(f"outlier_heatmap: matrix must be [len(labels), channels], got {m.shape} "
+                         f"for {len(labels)} labels")
     labels = [str(lab) for lab in labels]
     med = np.median(m, axis=1, keepdims=True)
     ratio = np.divide(m, med, out=np.full_like(m, np.inf), where=med > 0)
@@ -114,10 +115,11 @@ def scheme_error_figure(rows, title: str = "Output error by quantization scheme:
 
 def perplexity_figure(rows, title: str = "Perplexity by quantization recipe (relative to the unquantized model)"):
     """Bars of the relative perplexity change (%) per recipe, in row order, with +-1 standard
-    error bars where given, coloured by :func:`ladder_verdict` (with the colour key above the plot).  Rows (dicts, dataclasses or a DataFrame): ``recipe`` (the label),
-    ``rel_ppl`` (``ppl / ppl_reference - 1``, a fraction), ``ppl`` (optional, shown in the
-    hover), ``rel_ppl_se`` (optional standard error of ``rel_ppl``, a fraction; a row without it,
-    or with None / NaN, gets no error bar).  Rows without ``rel_ppl`` are skipped."""
+    error bars where given, coloured by :func:`ladder_verdict` (with the colour key above the
+    plot).  Rows (dicts, dataclasses or a DataFrame): ``recipe`` (the label), ``rel_ppl``
+    (``ppl / ppl_reference - 1``, a fraction), ``ppl`` (optional, shown in the hover),
+    ``rel_ppl_se`` (optional standard error of ``rel_ppl``, a fraction; a row without it, or with
+    None / NaN, gets no error bar).  Rows without ``rel_ppl`` are skipped."""
     import plotly.graph_objects as go
 
     rows = [r for r in _records(rows) if r.get("rel_ppl") is not None]
@@ -170,7 +172,8 @@ def kernel_speed_figure(rows, title: str = "Quantized matmul: speedup over the d
     rows = [r for r in _records(rows) if r.get("m") and r.get("speedup") is not None]
     fig = go.Figure()
     fig.update_layout(title=title, height=400, margin=dict(l=60, r=20, t=50, b=50), yaxis_title="speedup (x)",
-                      hovermode="closest", legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0))
+                      hovermode="closest",
+                      legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0))
     if not rows:
         return _empty(fig, "no rows")
     kernels = list(dict.fromkeys(str(r.get("kernel", "")) for r in rows))
@@ -261,7 +264,8 @@ def calibration_pareto_figure(res: dict, title: str | None = None):
     fig.add_hline(y=scale * res["max_degradation"], line_dash="dash", line_color="#d62728",
                   annotation_text="limit", annotation_position="top left")
     ds = str(res["dataset"]).rsplit("/", 1)[-1]
-    fig.update_layout(title=title or f"{ds}: {metric} degradation vs {res['objective']} ({len(measured)} mixes measured)",
+    fig.update_layout(title=title or f"{ds}: {metric} degradation vs {res['objective']} "
+                                     f"({len(measured)} mixes measured)",
                       xaxis_title=x_title, yaxis_title=y_title, template="plotly_white", height=430,
                       legend=dict(orientation="h", y=-0.2))
     return fig
@@ -355,7 +359,8 @@ def pick_text(results: list[dict], picks: list[dict | None], bound: float, scale
         q = f"{scale * p['degradation']:+.2f}{unit} ± {scale * (p['degradation_se'] or 0):.2f}"
         extra = ""
         if res["objective"] == "memory":
-            lat = next((r for o in results if o["objective"] == "latency" for r in o["candidates"] if _same_mix(r, p)), None)
+            lat = next((r for o in results if o["objective"] == "latency" for r in o["candidates"]
+                        if _same_mix(r, p)), None)
             if lat is not None:
                 extra = f", its decode step {lat['cost']:.2f} ms"
         lines.append(f"{what}: <b>{html.escape(p['key'])}</b> ({html.escape(p['label'])}) · "

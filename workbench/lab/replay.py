@@ -82,8 +82,8 @@ class Recorder:
 
     def cost_text(self) -> str:
         """One line: frames kept, and what recording them cost."""
-        return (f"recorded {len(self.frames)} frames ({self.dropped} unchanged, not kept) in {self.seconds * 1e3:.2f} ms, "
-                f"{self.per_frame_us:.0f} µs a frame")
+        return (f"recorded {len(self.frames)} frames ({self.dropped} unchanged, not kept) "
+                f"in {self.seconds * 1e3:.2f} ms, {self.per_frame_us:.0f} µs a frame")
 
 
 def thin(frames: list[Frame], max_frames: int = MAX_FRAMES) -> list[Frame]:

@@ -225,9 +225,9 @@ def environment(parameters: dict | None = None) -> dict:
     """What a report states about the machine: date, python, torch, device."""
     import os
     import platform
-    from datetime import datetime, timezone
+    from datetime import UTC, datetime
 
-    env = {"date (UTC)": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+    env = {"date (UTC)": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"),
            "python": f"{platform.python_version()} ({sys.executable})", "platform": platform.platform(),
            "processor": platform.processor() or platform.machine(), "cpu cores": os.cpu_count()}
     try:
@@ -246,22 +246,28 @@ def environment(parameters: dict | None = None) -> dict:
 _CSS = """body{font-family:system-ui,sans-serif;margin:0 auto 4em;max-width:1100px;padding:0 1em;color:#222}
 table{border-collapse:collapse;margin:.5em 0 1em}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
 th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}.ok{color:#186a1e}.failed{color:#b00020}
-h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:2em;scroll-margin-top:3em}pre{white-space:pre-wrap;margin:0}
+h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:2em;scroll-margin-top:3em}
+pre{white-space:pre-wrap;margin:0}
 h3{margin:1.6em 0 .3em;scroll-margin-top:3em}h3 .key{font-weight:normal;font-size:70%;color:#777;margin-left:.6em}
-.neutral{color:#555}.no{color:#b00020}table.front td,table.front th,table.claims th{text-align:left}table.claims td{text-align:left;vertical-align:top}
+.neutral{color:#555}.no{color:#b00020}table.front td,table.front th,table.claims th{text-align:left}
+table.claims td{text-align:left;vertical-align:top}
 details{margin:.3em 0}figure{display:inline-block;margin:.5em;vertical-align:top}
 figure img{max-width:520px;border:1px solid #ccc}figcaption{font-size:90%;color:#555}.toc{color:#555}
-nav.bar{position:sticky;top:0;z-index:10;background:#fff;border-bottom:1px solid #ddd;padding:.4em 0;font-size:90%;line-height:1.7}
+nav.bar{position:sticky;top:0;z-index:10;background:#fff;border-bottom:1px solid #ddd;padding:.4em 0;font-size:90%;
+  line-height:1.7}
 nav.bar a{margin-right:.2em}nav.bar b{margin-right:.4em}
 .items{display:flex;flex-wrap:wrap;column-gap:2.5em;align-items:flex-start}.item{min-width:0;max-width:100%}
 .item.f{flex:1 1 100%}.item.t{flex:0 1 auto}.item h3{margin-top:1.2em}
-.scroll{max-height:24em;overflow:auto;margin:.4em 0 1em;display:inline-block;max-width:100%;border-bottom:1px solid #eee}
+.scroll{max-height:24em;overflow:auto;margin:.4em 0 1em;display:inline-block;max-width:100%;
+  border-bottom:1px solid #eee}
 .scroll table{margin:0}.scroll thead th{position:sticky;top:0;z-index:1}
-table.data td,table.data th{white-space:nowrap}table.data td.num{font-variant-numeric:tabular-nums;text-align:right}
+table.data td,table.data th{white-space:nowrap}
+table.data td.num{font-variant-numeric:tabular-nums;text-align:right}
 table.data td.txt,table.data th.txt{text-align:left}table.data td.long{white-space:normal;min-width:18em;max-width:36em}
 table.data thead th{white-space:normal;vertical-align:bottom;min-width:3em}table.data tbody th{background:#fafafa}
 table.data div.clip{max-height:7.5em;overflow:auto}
-.contents{background:#f7f7f9;border:1px solid #e3e3e8;padding:.5em 1em;margin:.6em 0 1em;columns:2;column-gap:2em;font-size:92%}
+.contents{background:#f7f7f9;border:1px solid #e3e3e8;padding:.5em 1em;margin:.6em 0 1em;columns:2;column-gap:2em;
+  font-size:92%}
 .contents p{margin:.1em 0;break-inside:avoid}.contents b{display:block;column-span:all;margin-bottom:.2em}
 p.meta{color:#555;margin:.2em 0}p.up{text-align:right;font-size:85%;margin:.2em 0 0}p.up a{color:#666}
 a.totop{position:fixed;right:1em;bottom:1em;background:#fff;border:1px solid #bbb;border-radius:4px;padding:.2em .6em;
@@ -403,11 +409,16 @@ def _deflate_b64(text: str) -> str:
 _INFLATE_JS = r"""function wbInflate(src) {
   var out = new Uint8Array(Math.max(1024, src.length * 4)), op = 0, pos = 0, bb = 0, bc = 0;
   function bits(n) {
-    while (bc < n) { if (pos >= src.length) throw new Error("inflate: input ends early"); bb |= src[pos++] << bc; bc += 8; }
+    while (bc < n) {
+      if (pos >= src.length) throw new Error("inflate: input ends early");
+      bb |= src[pos++] << bc; bc += 8;
+    }
     var v = bb & ((1 << n) - 1); bb >>>= n; bc -= n; return v;
   }
   function room(n) {
-    if (op + n > out.length) { var o = new Uint8Array(Math.max(out.length * 2, op + n)); o.set(out.subarray(0, op)); out = o; }
+    if (op + n > out.length) {
+      var o = new Uint8Array(Math.max(out.length * 2, op + n)); o.set(out.subarray(0, op)); out = o;
+    }
   }
   function table(lengths, n) {            /* canonical Huffman code: counts per length, symbols in code order */
     var count = new Uint16Array(16), offs = new Uint16Array(16), sym = new Uint16Array(n), i;
@@ -442,7 +453,8 @@ _INFLATE_JS = r"""function wbInflate(src) {
   }
   var LB = [3,4,5,6,7,8,9,10,11,13,15,17,19,23,27,31,35,43,51,59,67,83,99,115,131,163,195,227,258],
       LX = [0,0,0,0,0,0,0,0,1,1,1,1,2,2,2,2,3,3,3,3,4,4,4,4,5,5,5,5,0],
-      DB = [1,2,3,4,5,7,9,13,17,25,33,49,65,97,129,193,257,385,513,769,1025,1537,2049,3073,4097,6145,8193,12289,16385,24577],
+      DB = [1,2,3,4,5,7,9,13,17,25,33,49,65,97,129,193,257,385,513,769,1025,1537,2049,3073,4097,6145,8193,12289,
+            16385,24577],
       DX = [0,0,0,0,1,1,2,2,3,3,4,4,5,5,6,6,7,7,8,8,9,9,10,10,11,11,12,12,13,13],
       ORDER = [16,17,18,0,8,7,9,6,10,5,11,4,12,3,13,2,14,1,15], fixed = null, last, type, i;
   do {
@@ -457,7 +469,8 @@ _INFLATE_JS = r"""function wbInflate(src) {
     if (type === 1) {
       if (!fixed) {
         var l = new Uint8Array(288);
-        for (i = 0; i < 144; i++) l[i] = 8; for (; i < 256; i++) l[i] = 9; for (; i < 280; i++) l[i] = 7; for (; i < 288; i++) l[i] = 8;
+        for (i = 0; i < 144; i++) l[i] = 8; for (; i < 256; i++) l[i] = 9;
+        for (; i < 280; i++) l[i] = 7; for (; i < 288; i++) l[i] = 8;
         var d = new Uint8Array(30).fill(5);
         fixed = [table(l, 288), table(d, 30)];
       }
@@ -470,7 +483,10 @@ _INFLATE_JS = r"""function wbInflate(src) {
       while (n < nlen + ndist) {
         var s = decode(lencode), rep = 0, val = 0;
         if (s < 16) { lens[n++] = s; continue; }
-        if (s === 16) { if (!n) throw new Error("inflate: repeat with no length"); val = lens[n - 1]; rep = 3 + bits(2); }
+        if (s === 16) {
+          if (!n) throw new Error("inflate: repeat with no length");
+          val = lens[n - 1]; rep = 3 + bits(2);
+        }
         else if (s === 17) rep = 3 + bits(3); else rep = 11 + bits(7);
         while (rep--) lens[n++] = val;
       }
@@ -511,7 +527,9 @@ _LOADER_JS = _INFLATE_JS + "\n" + r"""(function () {
     if (!window.Plotly) why = "plotly.js did not load (blocked by the page's policy, or the page is damaged)";
   } catch (e) { why = "plotly.js could not be unpacked: " + e; }
   var doc = null;
-  if (!why) { try { doc = JSON.parse(raw("wb-figures")); } catch (e) { why = "the figures could not be unpacked: " + e; } }
+  if (!why) {
+    try { doc = JSON.parse(raw("wb-figures")); } catch (e) { why = "the figures could not be unpacked: " + e; }
+  }
   for (var i = 0; i < divs.length; i++) {
     var div = divs[i];
     if (why) { fail(div, why); continue; }
@@ -576,8 +594,10 @@ class _Figures:
         plotly_js = scripts.allow(get_plotlyjs())
         packed_js = _deflate_b64(plotly_js)
         packed_figs = _deflate_b64(_json_text({"templates": self.templates, "figures": self.figures}))
-        out = [scripts.add(packed_js).replace("<script>", "<script type='application/octet-stream' id='wb-plotly-js'>", 1),
-               scripts.add(packed_figs).replace("<script>", "<script type='application/octet-stream' id='wb-figures'>", 1),
+        out = [scripts.add(packed_js).replace("<script>",
+                                              "<script type='application/octet-stream' id='wb-plotly-js'>", 1),
+               scripts.add(packed_figs).replace("<script>",
+                                                "<script type='application/octet-stream' id='wb-figures'>", 1),
                scripts.add(_LOADER_JS)]
         return "\n".join(out)
 
@@ -646,7 +666,8 @@ def _report_nav(run_name: str, results: dict, nb_titles: dict, front_page: bool,
         nav.append("<a href='#sweep'>sweep</a>")
     if screenshots:
         nav.append("<a href='#browser'>browser</a>")
-    nav += [f"<a href='#{html_id('nb', name)}' title='{_esc(nb_titles[name])}'>{_esc(name.split('_')[0] if len(shown) > 4 else name)}</a>"
+    nav += [f"<a href='#{html_id('nb', name)}' title='{_esc(nb_titles[name])}'>"
+            f"{_esc(name.split('_')[0] if len(shown) > 4 else name)}</a>"
             for name in shown]
     nav.append("<a href='#metrics'>all metrics</a>")
     return nav

@@ -39,7 +39,7 @@ import os
 import shutil
 import socket
 import tempfile
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from workbench.errors import ConfigError
@@ -175,7 +175,7 @@ class RunFolder:
     def _doc(self, status: str, records, **extra) -> dict:
         done = [r for r in records if r is not None]
         doc = {"format": FORMAT, "status": status, **self.info,
-               "updated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+               "updated": datetime.now(UTC).isoformat(timespec="seconds"),
                "planned": len(self.plan), "finished": len(done),
                "ok": sum(r.get("status") == "ok" for r in done), **extra,
                "plan": self.plan, "notebooks": done}
@@ -190,7 +190,7 @@ class RunFolder:
         """Write the first summary (``"running"``, the plan, the kept records) after clearing what
         ``overwrite`` clears; returns the records ``resume`` keeps, by task name."""
         self.plan = plan
-        self.info = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        self.info = {"started": datetime.now(UTC).isoformat(timespec="seconds"),
                      "host": socket.gethostname(), "pid": os.getpid(), **info}
         kept: dict[str, dict] = {}
         stale: list[str] = []
@@ -221,7 +221,7 @@ class RunFolder:
     def finish(self, records, status: str, **extra) -> None:
         """The last write of a run: ``status`` "complete" or "interrupted"."""
         self.write_summary(status, records,
-                           finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), **extra)
+                           finished_at=datetime.now(UTC).isoformat(timespec="seconds"), **extra)
 
     def close(self) -> None:
         if self._lock_fd is not None:
@@ -348,7 +348,7 @@ def open_run_folder(out_dir=None, resume: bool = False, overwrite: bool = False,
 
 
 def _fresh(runs: Path) -> tuple[Path, object]:
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     for k in range(1, 1000):
         d = runs / (stamp if k == 1 else f"{stamp}-{k}")
         try:

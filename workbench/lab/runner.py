@@ -46,7 +46,7 @@ import shutil
 import signal
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from workbench.errors import ConfigError
@@ -196,9 +196,10 @@ def execute_one(nb: Path, output: Path, parameters: dict, timeout: int | None, k
     """Execute one notebook with papermill (working directory ``cwd``, default the notebook's
     folder); never raises for a notebook's own failure.  papermill writes the executed copy
     beside ``output`` (``.<name>.partial.ipynb``), which becomes ``output`` in one rename when
-    the notebook ends, failed or not: a notebook killed half-way leaves no half ``output``.  A notebook whose cell runs past
-    ``timeout`` is recorded with where its threads were then (``stacks``: the kernel's last
-    stack dump, next to the executed copy; the error names the innermost frames)."""
+    the notebook ends, failed or not: a notebook killed half-way leaves no half ``output``.  A
+    notebook whose cell runs past ``timeout`` is recorded with where its threads were then
+    (``stacks``: the kernel's last stack dump, next to the executed copy; the error names the
+    innermost frames)."""
     import papermill as pm
     from papermill.exceptions import PapermillExecutionError
 
@@ -371,7 +372,7 @@ def run_notebooks(notebooks=None, parameters: dict | None = None, out_dir=None, 
             if folder.created:
                 _remove_if_empty(folder.path)
         raise
-    started = datetime.now(timezone.utc)
+    started = datetime.now(UTC)
     return _run_tasks(folder, ex, tasks, progress=progress, parameters=parameters, sweep=sweep, kernel=kernel,
                       started=started)
 

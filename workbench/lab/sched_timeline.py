@@ -237,7 +237,8 @@ def step_label(row, cells, preempted_so_far: int) -> str:
     """What the replay's slider says at a step: the batch, the queue, preemptions so far."""
     p = sum(1 for _, _, pre in cells if pre)
     d = sum(1 for _, _, pre in cells if pre is False)
-    text = f"step {int(row['step'])}: {len(cells)} in the batch ({p} prefilling, {d} decoding), {int(row['waiting'])} waiting"
+    text = (f"step {int(row['step'])}: {len(cells)} in the batch ({p} prefilling, {d} decoding), "
+            f"{int(row['waiting'])} waiting")
     if preempted_so_far:
         text += f", {preempted_so_far} preempted so far"
     return text
@@ -305,9 +306,9 @@ def scheduler_replay(frame, title: str = "Scheduler replay", max_frames: int = R
     built = time.monotonic()
     rec = _replay_frames(f, cells, steps, cols, lines, keep, title)
     fig = replay_figure(fig, rec.frames, max_frames=max_frames, redraw=True, time_label="t",
-                        note=f"{n} steps, {sum(cols['prefill_tokens']):,} prefill + {sum(cols['decode_tokens']):,} decode "
-                             f"tokens{share}. The engine records every step anyway (StepRecord); these frames were built "
-                             f"from the records after the run, in {(time.monotonic() - built) * 1e3:.1f} ms")
+                        note=f"{n} steps, {sum(cols['prefill_tokens']):,} prefill + {sum(cols['decode_tokens']):,} "
+                             f"decode tokens{share}. The engine records every step anyway (StepRecord); these frames "
+                             f"were built from the records after the run, in {(time.monotonic() - built) * 1e3:.1f} ms")
     return tidy_replay(fig)
 
 
@@ -322,7 +323,7 @@ def _replay_animated_traces(fig, steps: list[int], cols: dict, lines: list[tuple
     # bars overlaid (the faint whole run sits under the played one): decode bars start on top of the prefill ones
     fig.add_trace(go.Bar(x=steps, y=[], base=cols["prefill_tokens"], name="decode tokens", marker_color=DECODE,
                          legend="legend", hovertemplate="step %{x}: %{y} decode tokens<extra></extra>"), row=1, col=1)
-    for key, name, color in lines:
+    for _, name, color in lines:
         fig.add_trace(go.Scatter(x=steps, y=[], name=name, mode="lines", line=dict(color=color, shape="hv"),
                                  legend="legend2", hovertemplate=f"step %{{x}}: %{{y}} {name}<extra></extra>"),
                       row=2, col=1)
@@ -350,10 +351,10 @@ def _replay_whole_run_traces(fig, steps: list[int], cols: dict, lines: list[tupl
                          hoverinfo="skip"), row=1, col=1)
     fig.add_trace(go.Bar(x=steps, y=cols["decode_tokens"], base=cols["prefill_tokens"], marker_color=DECODE,
                          opacity=FAINT, showlegend=False, hoverinfo="skip"), row=1, col=1)
-    for key, name, color in lines:
+    for key, _, color in lines:
         fig.add_trace(go.Scatter(x=steps, y=cols[key], mode="lines", line=dict(color=color, shape="hv"),
                                  opacity=FAINT, showlegend=False, hoverinfo="skip"), row=2, col=1)
-    for kind, color, want in (("prefilling", PREFILL, True), ("decoding", DECODE, False)):
+    for _, color, want in (("prefilling", PREFILL, True), ("decoding", DECODE, False)):
         xs, ys = [], []
         for s, batch in zip(steps, cells):
             for rid, _, pre in batch:

@@ -140,8 +140,6 @@ class LatencyStreamView:
 
     def __init__(self, max_hz: float = 15.0, title: str = "Per-token latency (live)", height: int = 320,
                  record: bool = True) -> None:
-        import ipywidgets as widgets
-        import plotly.graph_objects as go
 
         if not 0 < max_hz <= 60:
             raise ValueError(f"LatencyStreamView: max_hz must be in (0, 60], got {max_hz}")
@@ -194,7 +192,7 @@ class LatencyStreamView:
             self._build()
         return self.widget._repr_mimebundle_(**kwargs)
 
-    def display(self) -> "LatencyStreamView":
+    def display(self) -> LatencyStreamView:
         """Show the live widget; :meth:`run` replaces it when the stream ends (see
         :class:`~workbench.lab.live_output.LiveOutput`: a saved notebook then holds no widget)."""
         if self.live.shown or self.fig is None:     # shown already, or a run ended and closed it
@@ -325,7 +323,8 @@ class LatencyStreamView:
                                    hovertemplate="token %{x}: %{y:.2f} ms<br>%{text}<extra></extra>"))
         ttft = f"{self.ttft_ms:.1f}" if self.ttft_ms is not None else "-"
         span = (self.times[-1] - self.arrival) * 1e3 if self.times else 0.0
-        fig.update_layout(title=f"Per-token latency, replayed: {len(self.times)} tokens in {span:,.1f} ms (TTFT {ttft} ms)",
+        fig.update_layout(title=f"Per-token latency, replayed: {len(self.times)} tokens in {span:,.1f} ms "
+                                f"(TTFT {ttft} ms)",
                           xaxis={"title": "token index", "range": [0, max(len(itl), 1) + 1]},
                           yaxis={"title": "ms since previous token", "range": [0, top * 1.15]},
                           height=340, margin={"l": 60, "r": 30, "t": 50, "b": 40}, showlegend=False)
@@ -396,7 +395,7 @@ def latency_histogram(outputs, bins: int = 40):
         texts = [f"P{q} {v:.2f} ms" for q, _, v in qs]
         span = float(itl.max() - itl.min()) or 1.0
         levels = label_levels([v for _, _, v in qs], _label_gap(texts, span))
-        for (q, dash, v), text, level in zip(qs, texts, levels):
+        for (_, dash, v), text, level in zip(qs, texts, levels):
             fig.add_vline(x=v, line_dash=dash, line_color="#333", line_width=1.5, row=1, col=1)
             fig.add_annotation(x=v, xref="x", y=1, yref="y domain", yanchor="bottom", yshift=2 + 17 * level,
                                text=text, showarrow=False, font_size=12, bgcolor="rgba(255,255,255,0.85)")
@@ -409,12 +408,13 @@ def latency_histogram(outputs, bins: int = 40):
                              marker={"color": PALETTE[1], "size": 9}, line_color=PALETTE[1], fillcolor="rgba(0,0,0,0)",
                              showlegend=False, text=[f"request {i}" for i in range(len(ttft))],
                              hovertemplate="%{text}: TTFT %{x:.1f} ms<extra></extra>"), row=row, col=1)
-        fig.update_xaxes(title_text=f"time to first token (ms), one point per request (median {np.median(ttft):.1f} ms): "
-                                    "its own axis, not the one above", row=row, col=1)
+        fig.update_xaxes(title_text=f"time to first token (ms), one point per request (median {np.median(ttft):.1f} "
+                                    "ms): its own axis, not the one above", row=row, col=1)
         fig.update_yaxes(showticklabels=False, row=row, col=1)
     fig.update_layout(title=f"Latency distribution: {itl.size} inter-token gaps, {len(ttft)} requests",
                       bargap=0.05, height=300 + 150 * (len(panels) - 1) + 17 * top_rows,
-                      margin={"l": 60, "r": 50, "t": 70 + 17 * top_rows, "b": 50})   # r: half a label, for a P99 at the edge
+                      # r: half a label, for a P99 at the edge
+                      margin={"l": 60, "r": 50, "t": 70 + 17 * top_rows, "b": 50})
     return fig
 
 

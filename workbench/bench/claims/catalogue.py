@@ -85,19 +85,21 @@ SERVING = [
 ]
 
 MODEL = [
-    Claim("compute_share", "The model's forward is 36 % of a ~1K-token request's end-to-end time; the other 64 % is the "
-          "serving stack's overhead around the model (the article: on an A100, 'pure compute' is 36 %, 64 % goes to data "
-          "movement, copies and Python object management; checked here: the forward's share on this CPU)", "B §2.1",
-          "model", device="cpu", measure=measure_compute_share),
-    Claim("prefill_scaling", "From 512 to 2048 input tokens the old architecture's latency grows O(n^2), the fused one's "
-          "close to O(n) (checked here: the log-log slope of prefill time, eager SDPA vs flash, rounds separated by 1.5)",
+    Claim("compute_share", "The model's forward is 36 % of a ~1K-token request's end-to-end time; the other 64 % is "
+          "the serving stack's overhead around the model (the article: on an A100, 'pure compute' is 36 %, 64 % goes "
+          "to data movement, copies and Python object management; checked here: the forward's share on this CPU)",
+          "B §2.1", "model", device="cpu", measure=measure_compute_share),
+    Claim("prefill_scaling", "From 512 to 2048 input tokens the old architecture's latency grows O(n^2), the fused "
+          "one's close to O(n) (checked here: the log-log slope of prefill time, eager SDPA vs flash, rounds separated "
+          "by 1.5)",
           "B §2.1", "model", device="cpu", measure=measure_prefill_scaling),
-    Claim("kv_size_llama2_7b_32k", "Llama 2 7B at 32K tokens: K+V cache ~18 GB in FP16, so concurrency on an 80 GB A100 "
-          "is capped at 4", "B §2.2", "KV memory", device="cpu", measure=measure_kv_size),
+    Claim("kv_size_llama2_7b_32k", "Llama 2 7B at 32K tokens: K+V cache ~18 GB in FP16, so concurrency on an 80 GB "
+          "A100 is capped at 4", "B §2.2", "KV memory", device="cpu", measure=measure_kv_size),
     Claim("request_memory_release", "A 1K-token request adds 2.1 GB in the old architecture vs 0.8 GB in the new "
-          "(2.6x); its KV is released < 5 ms after the request ends vs 1.2 s delayed (checked here: the KV byte ratio of "
-          "a whole-context contiguous cache vs paged blocks, and the time until each is verified free; the nvidia-smi "
-          "part is the GPU allocator's)", "B §3.2", "KV memory", device="cpu", measure=measure_request_memory),
+          "(2.6x); its KV is released < 5 ms after the request ends vs 1.2 s delayed (checked here: the KV byte ratio "
+          "of a whole-context contiguous cache vs paged blocks, and the time until each is verified free; the "
+          "nvidia-smi part is the GPU allocator's)", "B §3.2", "KV memory", device="cpu",
+          measure=measure_request_memory),
     Claim("cold_zone_reuse", "When the cold-zone reuse rate is below 15 % the pruning is too aggressive (raise "
           "cold_zone_threshold); checked one way: reuse < 15 % => quality lost beyond noise", "B §6.2", "KV tiers",
           device="cpu", measure=measure_cold_zone_reuse),
@@ -112,7 +114,8 @@ GPU = [
           measure=measure_full_stack),
     Claim("fused_launches", "12 kernel launches fused into 1; one Transformer layer 18.7 -> 4.3 ms (-77 %)",
           "A §2 (layer 1)", "fused kernels", device="gpu", measure=measure_fused_launches),
-    Claim("prefetch_bandwidth", "Asynchronous prefetch raises effective bandwidth use from 61 % to 93 %, hit rate > 89 %",
+    Claim("prefetch_bandwidth",
+          "Asynchronous prefetch raises effective bandwidth use from 61 % to 93 %, hit rate > 89 %",
           "A §2 (layer 3)", "prefetch", device="gpu", measure=measure_prefetch_bandwidth),
     Claim("w4a16_speed", "W4A16 inference is 2.1x faster (C-Eval 62.3 -> 68.7 with per-channel scales; 1K tokens on an "
           "A100: FP16 320 ms -> 152 ms)", "B §2.3",

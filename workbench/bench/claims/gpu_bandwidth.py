@@ -31,8 +31,8 @@ from workbench.bench.claims.gpu_tables import (
 CLAIMED_HIT_RATE, CLAIMED_LINK_USE = 0.89, (0.61, 0.93)
 
 
-def prefetch_rule(hit: tuple[float, float, float], link_sync: float | None, link_best: tuple[float, float, float] | None,
-                  comparison: str | None) -> dict:
+def prefetch_rule(hit: tuple[float, float, float], link_sync: float | None,
+                  link_best: tuple[float, float, float] | None, comparison: str | None) -> dict:
     """``hit`` / ``link_best``: (median, min, max) of the best prefetch configuration; both must reach
     the claimed levels over their range, and the best configuration's link use must beat the
     synchronous one beyond noise (``comparison`` is compare's verdict, not "within noise")."""
@@ -101,9 +101,10 @@ def w4a16_rule(rows: list[dict]) -> dict:
     refuted = all(v["range"][1] < CLAIMED_W4A16_SPEEDUP for v in per_m.values())
     txt = "; ".join(f"m = {m:g}: {v['speedup']:.2f}x (range {v['range'][0]:.2f}..{v['range'][1]:.2f}x, {v['shapes']} "
                     f"shapes)" for m, v in per_m.items())
-    why = (f"W4A16 matmul vs dense bf16, geometric mean over the layer shapes: {txt}; an upper bound on the whole model's "
-           f"speed-up, " + (f"below {CLAIMED_W4A16_SPEEDUP}x at every m even at its high end, so the model's is too"
-                            if refuted else f"not below {CLAIMED_W4A16_SPEEDUP}x at every m, so it cannot decide"))
+    why = (f"W4A16 matmul vs dense bf16, geometric mean over the layer shapes: {txt}; an upper bound on the whole "
+           f"model's speed-up, "
+           + (f"below {CLAIMED_W4A16_SPEEDUP}x at every m even at its high end, so the model's is too"
+              if refuted else f"not below {CLAIMED_W4A16_SPEEDUP}x at every m, so it cannot decide"))
     first = per_m[min(per_m)]
     return {"verdict": FAILS if refuted else NOT_MEASURED, "per_m": per_m, "speedup": first["speedup"],
             "range": first["range"], "bound_refutes": refuted, "why": why}
@@ -115,7 +116,8 @@ def measure_w4a16_speed(ctx: ClaimContext) -> Finding:
                "320 ms FP16 -> 152 ms'); C-Eval is not available offline (calibrate.csv has the perplexity degradation "
                "of W4A16 mixes on the GPU's kernels)")
     if t is None:
-        return not_measured(["quant_bench"], "the W4A16 Triton matmul vs dense bf16 F.linear per layer shape and m", missing)
+        return not_measured(["quant_bench"], "the W4A16 Triton matmul vs dense bf16 F.linear per layer shape and m",
+                            missing)
     keys = ("dense_ms", "dense_ms_min", "dense_ms_max", "w4a16_ms", "w4a16_ms_min", "w4a16_ms_max")
     rows = []
     for r in t.frame.to_dict("records"):
@@ -172,12 +174,13 @@ def bandwidth_rule(rows: list[dict], copy_gbps: float | None, matmul_tflops: flo
     bound = ridge is not None and intensity is not None and intensity < ridge
     if intensity is None or ridge is None:
         int_txt = ("; intensity not checked (" + ("no batch / dtype in the table" if intensity is None else
-                                                 "no ceilings to place it") + "): the verdict rests on the bandwidth share")
+                                                 "no ceilings to place it")
+                   + "): the verdict rests on the bandwidth share")
     else:
         int_txt = (f"; intensity <= 2 x batch {batch} / {elem} B = {intensity:g} FLOP/B vs the ceilings' ridge point "
                    f"{ridge:.0f} FLOP/B: " + ("bandwidth-bound" if bound else "not shown to be below it"))
-    why = (f"fastest decode step ({best['provider']}) uses {f:.1%} of the measured copy bandwidth (range {lo:.1%}..{hi:.1%}), "
-           f"{_range_word(lo, hi, CLAIMED_BW_USE[1])} ({CLAIMED_BW_USE[1]:.0%})"
+    why = (f"fastest decode step ({best['provider']}) uses {f:.1%} of the measured copy bandwidth (range "
+           f"{lo:.1%}..{hi:.1%}), {_range_word(lo, hi, CLAIMED_BW_USE[1])} ({CLAIMED_BW_USE[1]:.0%})"
            + (f"; eager {eager['frac_of_ceiling']:.1%} (the article's 41 %: reported, not checked)" if eager is not None
               else "") + int_txt)
     bw_ok = at_least(lo, hi, CLAIMED_BW_USE[1]) == HOLDS

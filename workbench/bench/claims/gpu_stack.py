@@ -26,7 +26,8 @@ from workbench.bench.claims.gpu_tables import (
 
 CLAIMED_SPEEDUP = 4.0
 _NOT_SIDES = ("transformers.generate", "llama.cpp")
-_CLAIMED_TEXT = "claimed ~4x (A §1: TTFT 320 -> 75 ms, E2E 2.1 s -> < 500 ms; B §1: TTFT 820 -> 190 ms, E2E 4.7 -> 1.1 s)"
+_CLAIMED_TEXT = ("claimed ~4x (A §1: TTFT 320 -> 75 ms, E2E 2.1 s -> < 500 ms; "
+                 "B §1: TTFT 820 -> 190 ms, E2E 4.7 -> 1.1 s)")
 
 
 def ratio_range(old: dict, new: dict, key: str, higher_is_better: bool = False) -> tuple:
@@ -75,8 +76,8 @@ def full_stack_rule(sides: list[dict], target: float = CLAIMED_SPEEDUP) -> dict:
     t_med, t_lo, t_hi = ratio_range(ref, best, "ttft_ms_p50")
     v_d, w_d = _part("decode", d_med, d_lo, d_hi, target)
     v_t, w_t = _part("TTFT", t_med, t_lo, t_hi, target)
-    return {"verdict": _combine([v_d, v_t]), "best": best["side"], "decode_speedup": d_med, "decode_range": [d_lo, d_hi],
-            "ttft_ratio": t_med, "ttft_range": [t_lo, t_hi], "why": f"{w_d}; {w_t}"}
+    return {"verdict": _combine([v_d, v_t]), "best": best["side"], "decode_speedup": d_med,
+            "decode_range": [d_lo, d_hi], "ttft_ratio": t_med, "ttft_range": [t_lo, t_hi], "why": f"{w_d}; {w_t}"}
 
 
 def stack_rule(base: dict, stack: dict, target: float = CLAIMED_SPEEDUP) -> dict:
@@ -93,7 +94,8 @@ def stack_rule(base: dict, stack: dict, target: float = CLAIMED_SPEEDUP) -> dict
             verdicts.append(NOT_MEASURED)
             parts.append(f"{label} not in the table")
             continue
-        med, lo, hi = ratio_range({k: _float(v) for k, v in base.items()}, {k: _float(v) for k, v in stack.items()}, key)
+        med, lo, hi = ratio_range({k: _float(v) for k, v in base.items()}, {k: _float(v) for k, v in stack.items()},
+                                  key)
         v, w = _part(f"{label} ({key}) {_float(base[key]):.1f} -> {_float(stack[key]):.1f} ms:", med, lo, hi, target)
         cmp = str(stack.get(verdict_key) or "")
         if v == HOLDS and (not cmp or cmp.startswith("within noise")):
@@ -126,13 +128,14 @@ def measure_full_stack(ctx: ClaimContext) -> Finding:
         base, stack = pair
         rule = stack_rule(base, stack)
         fig = (f"stack ({stack.get('layers') or stack['config']}) vs baseline: "
-               + ", ".join(f"{k.split('_')[0].upper()} {rule[k]:.2f}x" for k in ("ttft_ratio", "e2e_ratio") if k in rule)
+               + ", ".join(f"{k.split('_')[0].upper()} {rule[k]:.2f}x"
+                           for k in ("ttft_ratio", "e2e_ratio") if k in rule)
                + f"; {_CLAIMED_TEXT}")
-        reason = (f"From {source(e2e)}: notebook 06's workload replayed on the baseline (continuous batching, contiguous "
-                  f"KV, eager, unquantized) and on the stack of every layer that combines, interleaved rounds; "
-                  f"{rule['why']}: {rule['verdict']}.  Which part is checked: the stack's TTFT and E2E against the "
-                  "eager baseline on this GPU, at the ablation's small size; a ratio counts from the low end of its "
-                  "range (the baseline's fastest run over the stack's slowest, columns <metric>_min / _max), not "
+        reason = (f"From {source(e2e)}: notebook 06's workload replayed on the baseline (continuous batching, "
+                  "contiguous KV, eager, unquantized) and on the stack of every layer that combines, interleaved "
+                  f"rounds; {rule['why']}: {rule['verdict']}.  Which part is checked: the stack's TTFT and E2E against "
+                  "the eager baseline on this GPU, at the ablation's small size; a ratio counts from the low end of "
+                  "its range (the baseline's fastest run over the stack's slowest, columns <metric>_min / _max), not "
                   "from its medians.")
         return Finding(rule["verdict"], fig, reason, values={k: v for k, v in rule.items() if k != "why"},
                        table=[{k: v for k, v in r.items() if _float(v) is not None or isinstance(v, str)}
@@ -163,9 +166,9 @@ def measure_full_stack(ctx: ClaimContext) -> Finding:
         return Finding(NOT_MEASURED, "-", f"{'; '.join(src)}: {rule['why']}")
     ref = next(s for s in sides if s["side"] == "reference")
     best = next(s for s in sides if s["side"] == rule["best"])
-    fig = (f"{rule['best']} vs reference: decode {rule['decode_speedup']:.2f}x ({ref['decode_tokens_per_s_p50']:.0f} -> "
-           f"{best['decode_tokens_per_s_p50']:.0f} tok/s), TTFT {ref['ttft_ms_p50']:.1f} -> {best['ttft_ms_p50']:.1f} ms "
-           f"({rule['ttft_ratio']:.2f}x); {_CLAIMED_TEXT}")
+    fig = (f"{rule['best']} vs reference: decode {rule['decode_speedup']:.2f}x ({ref['decode_tokens_per_s_p50']:.0f} "
+           f"-> {best['decode_tokens_per_s_p50']:.0f} tok/s), TTFT {ref['ttft_ms_p50']:.1f} -> "
+           f"{best['ttft_ms_p50']:.1f} ms ({rule['ttft_ratio']:.2f}x); {_CLAIMED_TEXT}")
     reason = (f"From {'; '.join(src)} (no e2e.csv yet): the fastest engine configuration measured by the device check "
               f"against the reference configuration (the eager engine) on the same model and prompts; {rule['why']}: "
               f"{rule['verdict']}.  Which part is checked: the speed-up of the package's fastest configuration on this "

@@ -25,11 +25,11 @@ def share_rule(shares: list[float], claimed: float, noise: float) -> tuple[str, 
     share), not the article's 'pure compute', which the forward only bounds from above."""
     lo, hi = min(shares), max(shares)
     if lo > claimed * (1 + noise):
-        return FAILS, (f"every request spent more than the claimed {_pct(claimed, 0)} of its E2E in the model's forward "
-                       f"(lowest {_pct(lo)}, above {_pct(claimed, 0)} x (1 + {noise:.0%} noise))")
+        return FAILS, (f"every request spent more than the claimed {_pct(claimed, 0)} of its E2E in the model's "
+                       f"forward (lowest {_pct(lo)}, above {_pct(claimed, 0)} x (1 + {noise:.0%} noise))")
     if hi < claimed / (1 + noise):
-        return FAILS, (f"every request spent less than the claimed {_pct(claimed, 0)} of its E2E in the model's forward "
-                       f"(highest {_pct(hi)}, below {_pct(claimed, 0)} / (1 + {noise:.0%} noise))")
+        return FAILS, (f"every request spent less than the claimed {_pct(claimed, 0)} of its E2E in the model's "
+                       f"forward (highest {_pct(hi)}, below {_pct(claimed, 0)} / (1 + {noise:.0%} noise))")
     return HOLDS, (f"the claimed {_pct(claimed, 0)} lies within the measured forward shares {_pct(lo)}..{_pct(hi)} "
                    f"widened by the {noise:.0%} noise floor")
 
@@ -87,14 +87,14 @@ def measure_compute_share(ctx: ClaimContext) -> Finding:
            + (f"; over HTTP {_pct(statistics.median(h_shares))} ({_pct(min(h_shares))}..{_pct(max(h_shares))}, "
               "reported)" if h_shares else "")
            + f"; claimed {_pct(CLAIMED_COMPUTE_SHARE, 0)} / {_pct(1 - CLAIMED_COMPUTE_SHARE, 0)}")
-    reason = (f"Checked here (the article: 'on an A100 80GB with 1K tokens of input, pure compute is only 36 % of the "
-              f"end-to-end time, the other 64 % goes to data movement, memory copies and Python object lifetimes'): the "
-              f"share of a ~1K-token request's end-to-end time spent in the model's forward calls for this engine on this "
-              f"CPU, against 36 %.  Primary setting, declared in advance and the only one the verdict rests on: "
-              f"{PRIMARY_SETTING} ({repeats} requests of {plen} prompt + {n_new} generated tokens, one at a time on the "
-              f"reference configuration -- contiguous KV, {llm.threads} thread(s); E2E median {e2e_ms:.0f} ms -- after a "
-              f"warm-up; hooks on the model time its {rows[0]['forward_calls']} forward calls per request).  Median "
-              f"shares of E2E: forward {_pct(med['forward_s'])}, sampling and the token's host read "
+    reason = ("Checked here (the article: 'on an A100 80GB with 1K tokens of input, pure compute is only 36 % of the "
+              "end-to-end time, the other 64 % goes to data movement, memory copies and Python object lifetimes'): the "
+              "share of a ~1K-token request's end-to-end time spent in the model's forward calls for this engine on "
+              "this CPU, against 36 %.  Primary setting, declared in advance and the only one the verdict rests on: "
+              f"{PRIMARY_SETTING} ({repeats} requests of {plen} prompt + {n_new} generated tokens, one at a time on "
+              f"the reference configuration -- contiguous KV, {llm.threads} thread(s); E2E median {e2e_ms:.0f} ms -- "
+              f"after a warm-up; hooks on the model time its {rows[0]['forward_calls']} forward calls per request).  "
+              f"Median shares of E2E: forward {_pct(med['forward_s'])}, sampling and the token's host read "
               f"{_pct(med['sampling_s'])}, scheduler {_pct(med['schedule_s'], 2)}, detokenize / stop checks "
               f"{_pct(med['post_s'], 2)}, outside the steps {_pct(med['outside_s'], 2)}"
               + (f"; over HTTP (a non-streaming /v1/completions with the same token ids, timed at an httpx client, the "
@@ -153,19 +153,20 @@ def measure_prefill_scaling(ctx: ClaimContext) -> Finding:
            f"(rounds {s['math']['min']:.2f}..{s['math']['max']:.2f}), fused {s['flash']['of_medians']:.2f} "
            f"(rounds {s['flash']['min']:.2f}..{s['flash']['max']:.2f}); attention {_pct(em['attention_share'], 0)} / "
            f"{_pct(fl['attention_share'], 0)} of prefill at {top} tokens")
-    reason = (f"Prefill of the bundled model (one call, fresh cache, {res['threads']} thread -- robust to a busy core --, "
-              f"{res['dtype']}) at {', '.join(map(str, res['lengths']))} tokens, 3 interleaved rounds; 'eager' = torch "
-              f"SDPA's math kernel (the [heads, n, n] score matrix materialised), 'fused' = its flash kernel (no score "
-              f"matrix), chosen with sdpa_kernel around the unchanged model call; the slope of log time on log length is "
-              f"fitted over {', '.join(map(str, fit))} (the article's range is 512..2048) per round; the verdict needs "
-              f"the rounds' ranges separated by {SLOPE_BOUNDARY} (the fits through each length's fastest and median "
-              f"round are reported).  {_cap(why)}: {verdict} here.  {cmp.describe()}.  "
-              f"The attention core alone (RoPE, KV write and SDPA, timed in place by hooks: each self_attn minus its "
-              f"projections) grows with slope {a['math']['of_medians']:.2f} eager and {a['flash']['of_medians']:.2f} fused: the flash kernel still does O(n^2) "
-              f"FLOPs and only avoids the score matrix's memory traffic; the fused prefill grows near-linearly because its "
-              f"attention is only {_pct(fl['attention_share'], 0)} of it at {top} tokens and the rest -- the linear layers "
-              f"of this small model -- grows as O(n) (eager: attention {_pct(em['attention_share'], 0)} of the prefill).  At longer contexts the fused "
-              f"attention share rises and its slope with it."
+    reason = (f"Prefill of the bundled model (one call, fresh cache, {res['threads']} thread -- robust to a busy core "
+              f"--, {res['dtype']}) at {', '.join(map(str, res['lengths']))} tokens, 3 interleaved rounds; 'eager' = "
+              "torch SDPA's math kernel (the [heads, n, n] score matrix materialised), 'fused' = its flash kernel (no "
+              "score matrix), chosen with sdpa_kernel around the unchanged model call; the slope of log time on log "
+              f"length is fitted over {', '.join(map(str, fit))} (the article's range is 512..2048) per round; the "
+              f"verdict needs the rounds' ranges separated by {SLOPE_BOUNDARY} (the fits through each length's fastest "
+              f"and median round are reported).  {_cap(why)}: {verdict} here.  {cmp.describe()}.  The attention core "
+              "alone (RoPE, KV write and SDPA, timed in place by hooks: each self_attn minus its projections) grows "
+              f"with slope {a['math']['of_medians']:.2f} eager and {a['flash']['of_medians']:.2f} fused: the flash "
+              "kernel still does O(n^2) FLOPs and only avoids the score matrix's memory traffic; the fused prefill "
+              f"grows near-linearly because its attention is only {_pct(fl['attention_share'], 0)} of it at {top} "
+              "tokens and the rest -- the linear layers of this small model -- grows as O(n) (eager: attention "
+              f"{_pct(em['attention_share'], 0)} of the prefill).  At longer contexts the fused attention share rises "
+              "and its slope with it."
               + (f"  Lengths {beyond} exceed the model's trained context ({res['max_position_embeddings']}); they are "
                  f"timed only (the cost of a step does not depend on the values)." if beyond else
                  f"  The model's trained context is {res['max_position_embeddings']} tokens."))

@@ -64,12 +64,14 @@ def measure_kv_size(ctx: ClaimContext) -> Finding:
     verdict = rule["verdict"] if consistent else FAILS
     a0 = res["allocations"][0]
     alloc_txt = "; ".join(f"{a['layers']} layer(s) x {a['tokens']:,} tokens: paged {a['paged_bytes'] / MiB:,.0f} MiB "
-                          f"(tensor {a['paged_tensor_shape']}), contiguous {a['contiguous_bytes'] / MiB:,.0f} MiB, resident "
-                          f"set +{(a['paged_rss_growth'] or 0) / MiB:,.0f} / +{(a['contiguous_rss_growth'] or 0) / MiB:,.0f} MiB"
+                          f"(tensor {a['paged_tensor_shape']}), contiguous {a['contiguous_bytes'] / MiB:,.0f} MiB, "
+                          f"resident set +{(a['paged_rss_growth'] or 0) / MiB:,.0f} / "
+                          f"+{(a['contiguous_rss_growth'] or 0) / MiB:,.0f} MiB"
                           for a in res["allocations"]) + " (a later allocation may reuse pages the allocator kept)"
     fig = (f"K+V of Llama-2-7B at 32K tokens, fp16: {exact / GB:.2f} GB = {exact / GiB:.2f} GiB (formula = layout = "
            f"allocation x {cfg.num_hidden_layers} layers); claimed ~18 GB ({rule['rel_gb']:+.1%}); fits beside "
-           f"{weights / GB:.2f} GB of weights: {rule['fits'][0]} (80 GiB) / {rule['fits'][1]} (80x10^9 B); claimed cap 4")
+           f"{weights / GB:.2f} GB of weights: {rule['fits'][0]} (80 GiB) / {rule['fits'][1]} (80x10^9 B); "
+           "claimed cap 4")
     reason = (f"Formula {cfg.num_hidden_layers} layers x 2 x {cfg.num_key_value_heads} KV heads x {cfg.head_dim} x "
               f"{tokens:,} tokens x 2 bytes = {exact:,} B; workbench.kv.layout gives {res['layout_bytes']:,} B "
               f"({res['layout_bytes_per_token']:,} B per token).  Real allocations of the preset's shape on this CPU "
@@ -80,12 +82,14 @@ def measure_kv_size(ctx: ClaimContext) -> Finding:
               + ("" if consistent else " (IT DOES NOT: the package's layout disagrees with the formula)")
               + f".  {_cap(rule['why'])}.  Weights: {cfg.num_parameters():,} parameters x 2 bytes (fp16); activations "
               f"and workspace are not counted, so the real room is smaller still.  Verdict {verdict}: the claim is "
-              "arithmetic on a published shape, so it is checked exactly, size and cap both: the cap holds when the most sequences that fit on either "
-              "reading of the A100's 80 GB (the 81,920 MiB nvidia-smi reports, 80x10^9 B) is exactly 4.")
+              "arithmetic on a published shape, so it is checked exactly, size and cap both: the cap holds when the "
+              "most sequences that fit on either reading of the A100's 80 GB (the 81,920 MiB nvidia-smi reports, "
+              "80x10^9 B) is exactly 4.")
     return Finding(verdict, fig, reason,
                    values={"exact_bytes": exact, "exact_gb": exact / GB, "exact_gib": exact / GiB,
                            "layout_bytes": res["layout_bytes"], "extrapolated_bytes": res["extrapolated_bytes"],
-                           "consistent": consistent, "weight_bytes": weights, **{k: v for k, v in rule.items() if k != "why"}},
+                           "consistent": consistent, "weight_bytes": weights,
+                           **{k: v for k, v in rule.items() if k != "why"}},
                    table=res["allocations"])
 
 
@@ -193,23 +197,23 @@ def measure_request_memory(ctx: ClaimContext) -> Finding:
            f"GB = {CLAIMED_BYTE_RATIO:.2f}x +-{BYTE_RATIO_TOLERANCE:.0%}); KV verified free "
            f"{_ms(statistics.median(rel['contiguous']))} / {_ms(statistics.median(rel['paged']))} after the client's "
            f"stop (claimed 1.2 s / < 5 ms)")
-    reason = (f"Checked here (the article: a 1K-token request adds 2.1 GB in the old architecture vs 0.8 GB in the new, "
-              f"and its memory is released 'instantly' (< 5 ms) vs 1.2 s later): the ratio of the KV bytes the two "
-              f"layouts hold for one request, and the time from the request's end until its KV is verified free.  The "
-              f"old architecture is taken to be a contiguous cache that reserves the whole context for every request "
-              f"(the article's 2.1 GB is what Llama-2-7B in fp16 reserves for its whole 4,096-token context, "
+    reason = ("Checked here (the article: a 1K-token request adds 2.1 GB in the old architecture vs 0.8 GB in the new, "
+              "and its memory is released 'instantly' (< 5 ms) vs 1.2 s later): the ratio of the KV bytes the two "
+              "layouts hold for one request, and the time from the request's end until its KV is verified free.  The "
+              "old architecture is taken to be a contiguous cache that reserves the whole context for every request "
+              "(the article's 2.1 GB is what Llama-2-7B in fp16 reserves for its whole 4,096-token context, "
               f"{gb_ctx:.2f} GB; a 1K-token request's own KV is {gb_own:.2f} GB, so the article's 0.8 GB is "
               f"{0.8 / gb_own:.1f}x that).  Scaled to this model, the request is a quarter of its {ctx_len}-token "
               f"context: {plen} prompt tokens, max_tokens = the rest of the context, stopped by the client after "
               f"{n_new} tokens (engine.abort); {repeats} requests per layout, interleaved, each alone on a "
-              f"reference-configuration engine over the shared model.  Bytes from the allocations (exact): the "
-              f"contiguous cache's tensor storages (prompt + max_tokens positions, reserved when the request is "
+              "reference-configuration engine over the shared model.  Bytes from the allocations (exact): the "
+              "contiguous cache's tensor storages (prompt + max_tokens positions, reserved when the request is "
               f"scheduled), the paged request's block table x {bpt:,} B per token (the pool, {pool_mib:.0f} MiB, is "
-              f"allocated once with the engine).  The ratio follows from the sizes (the whole context over the "
-              f"request's tokens rounded up to 16-token blocks); what is measured is that each layout allocates "
-              f"exactly that.  Release = from the client's stop (the abort call) to the first poll (every 0.2 ms) that "
-              f"finds the KV free: the paged blocks back on the pool's free list, the contiguous cache's finalizer run "
-              f"(its storages returned to torch's CPU allocator) -- an upper bound.  "
+              "allocated once with the engine).  The ratio follows from the sizes (the whole context over the "
+              "request's tokens rounded up to 16-token blocks); what is measured is that each layout allocates exactly "
+              "that.  Release = from the client's stop (the abort call) to the first poll (every 0.2 ms) that finds "
+              "the KV free: the paged blocks back on the pool's free list, the contiguous cache's finalizer run (its "
+              "storages returned to torch's CPU allocator) -- an upper bound.  "
               + _cap("; ".join(parts)) + f": {verdict} here.  Both layouts free a request's KV synchronously on the "
               f"engine's end event.  What the OS sees: {_rss_text(rss_c, rss_p)}.  Not visible here: the GPU "
               "allocator.  The 1.2 s the article read from nvidia-smi is the device memory PyTorch's CUDA caching "

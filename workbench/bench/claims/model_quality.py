@@ -32,8 +32,8 @@ def reuse_rule(rows: list[dict], threshold: float = REUSE_THRESHOLD) -> tuple[st
         return FAILS, f"no setting's reuse is below {threshold:.0%}: the marker is never triggered here{extra}", []
     wrong = [r for r in low if not r["loses_quality"]]
     if wrong:
-        return FAILS, (f"{len(wrong)} of the {len(low)} setting(s) below {threshold:.0%} reuse keep their quality within "
-                       f"2 standard errors ({', '.join(_loss_txt(r) for r in wrong)}){extra}"), wrong
+        return FAILS, (f"{len(wrong)} of the {len(low)} setting(s) below {threshold:.0%} reuse keep their quality "
+                       f"within 2 standard errors ({', '.join(_loss_txt(r) for r in wrong)}){extra}"), wrong
     return HOLDS, (f"all {len(low)} setting(s) below {threshold:.0%} reuse lose quality beyond 2 standard errors"
                    f"{extra}"), wrong
 
@@ -57,7 +57,8 @@ def measure_cold_zone_reuse(ctx: ClaimContext) -> Finding:
     context = min(ctx.size(512, 1024), model.config.max_position_embeddings)
     docs, scored = ctx.size(1, 2), ctx.size(128, 256)
     split = heldout_split(llm.tokenizer, context)
-    basis = fit_pca_from_model(model, split["calibration"][:2], key_space="pre_rope", source="heldout_split calibration")
+    basis = fit_pca_from_model(model, split["calibration"][:2], key_space="pre_rope",
+                               source="heldout_split calibration")
 
     def T(warm, budget):
         return TierConfig(window=32, rank=8, warm_tokens=warm, chunk=16, block=16, budget=budget, key_space="pre_rope")
@@ -67,22 +68,24 @@ def measure_cold_zone_reuse(ctx: ClaimContext) -> Finding:
         rows = reuse_sweep(model, basis, split["evaluation"][:docs], [T(w, b) for w, b in grid], eval_tokens=scored)
     verdict, why, wrong = reuse_rule(rows)
     lines = ", ".join(f"warm {r['warm_tokens']}/budget {r['budget']}: reuse {_pct(r['cold_reuse'], 0)}, ppl "
-                      f"{100 * r['rel_ppl']:+.1f}±{100 * r['rel_ppl_se']:.1f} %" + (" (loses)" if r["loses_quality"] else "")
+                      f"{100 * r['rel_ppl']:+.1f}±{100 * r['rel_ppl_se']:.1f} %"
+                      + (" (loses)" if r["loses_quality"] else "")
                       for r in rows)
     fig = f"{lines}; claimed: reuse < 15 % => quality lost"
     min_se = min(r["rel_ppl_se"] for r in rows)
-    reason = (f"The tiered cache (window 32, PCA rank 8 pre-RoPE, 16-token chunks and routing blocks) on {docs} held-out "
-              f"window(s) of {context} tokens, the last {scored} predictions scored against the full cache; the knob the "
-              "article calls cold_zone_threshold is warm_tokens (how long a token stays warm before it turns cold), next "
-              "to the routing budget (tokens fetched back exactly per step, layer and KV head).  Cold-zone reuse = the "
+    reason = (f"The tiered cache (window 32, PCA rank 8 pre-RoPE, 16-token chunks and routing blocks) on {docs} "
+              f"held-out window(s) of {context} tokens, the last {scored} predictions scored against the full cache; "
+              "the knob the article calls cold_zone_threshold is warm_tokens (how long a token stays warm before it "
+              "turns cold), next to the routing budget (tokens fetched back exactly per step, layer and KV head).  "
+              "Cold-zone reuse = the "
               "share of the cold tokens at a step that routing fetched back for it or one of the 2 steps before (the "
               "article's 'last 3 generations'), averaged over the scored steps, layers and KV heads "
               "(workbench.bench.tier_reuse).  A setting loses quality when its perplexity increase exceeds 2 paired "
               f"standard errors (the smallest se here: {100 * min_se:.1f} points, so smaller losses go unseen).  The "
               "claim is read one way -- reuse below 15 % means the pruning is too aggressive, i.e. the setting loses "
               "quality -- and the verdict is about the settings below 15 %: each must lose quality beyond 2 se (a "
-              f"'too aggressive' this run can see).  {_cap(why)}: {verdict} here.  Reuse follows the routing budget (a larger budget fetches more cold blocks "
-              "back) more than warm_tokens, and quality follows both.")
+              f"'too aggressive' this run can see).  {_cap(why)}: {verdict} here.  Reuse follows the routing budget "
+              "(a larger budget fetches more cold blocks back) more than warm_tokens, and quality follows both.")
     return Finding(verdict, fig, reason,
                    values={"threshold": REUSE_THRESHOLD, "misclassified": [r["name"] for r in wrong],
                            "context": context, "docs": docs, "scored_tokens": scored},
@@ -147,7 +150,7 @@ def measure_calibrator_domain(ctx: ClaimContext) -> Finding:
     cal = None
     with _one_thread():
         rows = uniform_on_texts(texts, list(DOMAIN_SCHEMES), model=ctx.model, device=ctx.device)
-        if not ctx.smoke:          # the calibrator itself on both sets, the claim's two schemes (notebook 05's smoke sizes)
+        if not ctx.smoke:  # the calibrator itself on both sets, the claim's two schemes (notebook 05's smoke sizes)
             from workbench.quant.calibrate import calibrate
 
             res = {n: calibrate(calibration_set(n), "ppl", "2%", ",".join(DOMAIN_SCHEMES), objective="memory",
@@ -159,18 +162,22 @@ def measure_calibrator_domain(ctx: ClaimContext) -> Finding:
     tokens = {n: deg[(n, DOMAIN_SCHEMES[0])]["tokens"] for n in DOMAINS}
     fig = "; ".join(f"{s}: ppl {100 * deg[(DOMAINS[0], s)]['degradation']:+.2f} % {DOMAINS[0]} vs "
                     f"{100 * deg[(DOMAINS[1], s)]['degradation']:+.2f} % {DOMAINS[1]} (gap "
-                    f"{100 * rule['gaps'][s]['gap']:+.2f} ± {100 * rule['gaps'][s]['se']:.2f} points)" for s in DOMAIN_SCHEMES)
+                    f"{100 * rule['gaps'][s]['gap']:+.2f} ± {100 * rule['gaps'][s]['se']:.2f} points)"
+                    for s in DOMAIN_SCHEMES)
     fig += ("; better: " + ", ".join(f"{t} {rule['preference'][t]['better']}" for t in DOMAINS)
             + "; claimed: " + ", ".join(f"{t} {EXPECTED_BEST[t]}" for t in DOMAINS))
-    pref_txt = "; ".join(f"on {t}, {p['better']} is better by {100 * abs(p['difference']):.2f} ± {100 * p['se']:.2f} points "
-                         + ("(beyond 2 se)" if p["beyond_2se"] else "(within 2 se)") for t, p in rule["preference"].items())
+    pref_txt = "; ".join(f"on {t}, {p['better']} is better by {100 * abs(p['difference']):.2f} "
+                         f"± {100 * p['se']:.2f} points "
+                         + ("(beyond 2 se)" if p["beyond_2se"] else "(within 2 se)")
+                         for t, p in rule["preference"].items())
     gap_txt = "; ".join(f"{s} {'moves' if g['beyond_2se'] else 'does not move'} beyond 2 se between the texts"
                         for s, g in rule["gaps"].items())
     cal_txt = ""
     if cal is not None:
-        cal_txt = (f"  Reported, not ruled on: the calibrator (memory objective, ppl within 2 %, W4A16 g128 or W4A8 per "
-                   f"layer) on each set recommends {cal['recommendations'][0]} ({DOMAINS[0]}) vs "
-                   f"{cal['recommendations'][1]} ({DOMAINS[1]}); " + " ".join(cal["explanation"][-1:]).rstrip(".") + ".")
+        cal_txt = (f"  Reported, not ruled on: the calibrator (memory objective, ppl within 2 %, W4A16 g128 or W4A8 "
+                   f"per layer) on each set recommends {cal['recommendations'][0]} ({DOMAINS[0]}) vs "
+                   f"{cal['recommendations'][1]} ({DOMAINS[1]}); "
+                   + " ".join(cal["explanation"][-1:]).rstrip(".") + ".")
     share = {n: _char_shares(calibration_set(n)) for n in DOMAINS}
     outcome = ("each text prefers the scheme the claim names, beyond noise" if rule["as_expected"] else
                "the domain flips the better scheme, but the wrong way round" if rule["wrong_way"] else
@@ -182,16 +189,14 @@ def measure_calibrator_domain(ctx: ClaimContext) -> Finding:
               f"{_pct(share[DOMAINS[0]]['digits'])} digits) stands for finance -> W4A8 expected best; {DOMAINS[1]} "
               f"({_pct(share[DOMAINS[1]]['markup'])} markup, {_pct(share[DOMAINS[1]]['digits'])} digits) for creative "
               f"writing -> W4A16 expected best.  No finance set is shipped, and the reference set is not the "
-              f"digit-heavier one, so 'W4A8 for digits' itself is not tested.  Each scheme everywhere (round-to-nearest) "
-              f"against the unquantized model on the evaluation rows, {context}-token windows, "
+              f"digit-heavier one, so 'W4A8 for digits' itself is not tested.  Each scheme everywhere "
+              f"(round-to-nearest) against the unquantized model on the evaluation rows, {context}-token windows, "
               f"{tokens[DOMAINS[0]]:,} / {tokens[DOMAINS[1]]:,} scored tokens "
               f"(workbench.quant.calibrate_report.uniform_on_texts).  {_cap(pref_txt)}; {gap_txt}.  Verdict "
               f"{rule['verdict']}: {outcome}.{cal_txt}")
     return Finding(rule["verdict"], fig, reason,
-                   values={k: v for k, v in rule.items() if k != "verdict"} | {"context": context, "tokens": tokens,
-                                                                               "expected_best": EXPECTED_BEST,
-                                                                               "char_shares": share,
-                                                                               "calibrator": cal and {
-                                                                                   "recommendations": cal["recommendations"],
-                                                                                   "explanation": cal["explanation"]}},
+                   values={k: v for k, v in rule.items() if k != "verdict"}
+                   | {"context": context, "tokens": tokens, "expected_best": EXPECTED_BEST, "char_shares": share,
+                      "calibrator": cal and {"recommendations": cal["recommendations"],
+                                             "explanation": cal["explanation"]}},
                    table=rows)

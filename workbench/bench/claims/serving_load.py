@@ -52,7 +52,8 @@ def measure_p95_vs_load(ctx: ClaimContext) -> Finding:
     comps = [None]
     for f in order[1:]:
         a, b = runs[low], runs[f]
-        comps.append(compare_quantile(a["e2e"], b["e2e"], q=0.95, names=(f"{a['rate']:.1f} QPS", f"{b['rate']:.1f} QPS"),
+        comps.append(compare_quantile(a["e2e"], b["e2e"], q=0.95,
+                                      names=(f"{a['rate']:.1f} QPS", f"{b['rate']:.1f} QPS"),
                                       noise=ctx.noise, metric="E2E P95", unit="ms")
                      if len(a["e2e"]) >= 5 and len(b["e2e"]) >= 5 else None)
     knee = load_knee(order, comps)
@@ -162,27 +163,29 @@ def measure_ewma_breaker(ctx: ClaimContext) -> Finding:
     p50_w, p50_e = _pct(warm_ttft, 50), _pct(end_ttft, 50)
     snap = guard.snapshot()
     if delay is not None:
-        caught = (f"opened {delay:.2f} s ({delay_req} request{'' if delay_req == 1 else 's'} sent) after requests began "
-                  "waiting for KV")
+        caught = (f"opened {delay:.2f} s ({delay_req} request{'' if delay_req == 1 else 's'} sent) after requests "
+                  "began waiting for KV")
     elif false_alarm:
         caught = "opened before the pool filled (a false alarm)"
     else:
         caught = "never opened"
-    figure = (f"TTFT p50 {p50_w:.0f} -> {p50_e:.0f} ms with {errors} errors in {len(recs)} requests: error-rate breaker "
-              f"{'opened' if breaker.open else 'never opened'}; EWMA SLO guard {caught}")
+    figure = (f"TTFT p50 {p50_w:.0f} -> {p50_e:.0f} ms with {errors} errors in {len(recs)} requests: error-rate "
+              f"breaker {'opened' if breaker.open else 'never opened'}; EWMA SLO guard {caught}")
     reason = (
         f"An engine whose KV pool holds {slots} requests ({blocks} blocks of 16; {prompt_len}-token prompts, "
         f"{max_tokens} tokens each) under Poisson load: {warm_s:.1f} s at {lo:.1f}/s, then a ramp to {hi:.1f}/s over "
-        f"{ramp_s:g} s (capacity {cap:.1f}/s, measured just before by a closed loop of {slots} users). In front of it the real SLO guard (workbench.serve.slo.GuardedTarget + SLOGuard: P95 TTFT over "
-        f"{cfg.window} requests vs {cfg.factor:g}x an EWMA baseline learned while healthy), in shadow (it opens but "
-        f"admits everyone, so the same run shows what happens without shedding). As the pool fills, requests wait for "
-        f"blocks and nothing fails: {errors} errors, so the error-rate breaker (> {breaker.threshold:.0%} of the last "
-        f"20) saw {breaker.seen} results and {'opened' if breaker.open else 'never opened'}. TTFT: "
+        f"{ramp_s:g} s (capacity {cap:.1f}/s, measured just before by a closed loop of {slots} users). In front of it "
+        f"the real SLO guard (workbench.serve.slo.GuardedTarget + SLOGuard: P95 TTFT over {cfg.window} requests vs "
+        f"{cfg.factor:g}x an EWMA baseline learned while healthy), in shadow (it opens but admits everyone, so the "
+        "same run shows what happens without shedding). As the pool fills, requests wait for blocks and nothing fails: "
+        f"{errors} errors, so the error-rate breaker (> {breaker.threshold:.0%} of the last 20) saw {breaker.seen} "
+        f"results and {'opened' if breaker.open else 'never opened'}. TTFT: "
         f"{rise.describe() if rise is not None else 'too few requests'}. The guard learned a baseline of "
         f"{(snap['baseline_s'] or 0) * 1e3:.1f} ms and {'opened: ' + trip_why if tripped else 'never opened'}; its "
-        f"detection delay is measured from the degradation's onset: the first engine step from which 3 in 4 steps "
-        f"left requests waiting for KV (the pool full). Checked: the mechanism on this engine (a slow degradation with 0 errors, caught by the latency "
-        f"breaker, missed by the error-rate one); the article's 75 -> 220 ms are its service's.")
+        "detection delay is measured from the degradation's onset: the first engine step from which 3 in 4 steps left "
+        "requests waiting for KV (the pool full). Checked: the mechanism on this engine (a slow degradation with 0 "
+        "errors, caught by the latency breaker, missed by the error-rate one); the article's 75 -> 220 ms are its "
+        "service's.")
     table = [{"phase": "warm", "requests_ok": len(warm_ttft), "ttft_p50_ms": p50_w, "ttft_p95_ms": _pct(warm_ttft, 95)},
              {"phase": "end of the ramp", "requests_ok": len(end_ttft), "ttft_p50_ms": p50_e,
               "ttft_p95_ms": _pct(end_ttft, 95)}]
@@ -209,7 +212,7 @@ def measure_priority_header(ctx: ClaimContext) -> Finding:
     marked = lambda i: i % every == 0
     order = ctx.size(("priority", "none"), ("priority", "none", "none", "priority"))
     runs: dict[str, list] = {"priority": [], "none": []}
-    for k, side in enumerate(order):
+    for side in order:
         prio = (lambda i: 1 if marked(i) else 0) if side == "priority" else 0
         res = _http_load(ctx, prompts=prompts, mode="poisson", rate=rate, max_requests=n, seed=90,
                          priority=prio)
@@ -231,17 +234,17 @@ def measure_priority_header(ctx: ClaimContext) -> Finding:
     cut_e2e = 1 - e2e.median(names[1]) / e2e.median(names[0])
     cut_ttft = 1 - ttft.median(names[1]) / ttft.median(names[0])
     not_ok = {s: sum(r.status != "ok" for res in runs[s] for r in res.records) for s in runs}
-    figure = (f"marked requests' P95 E2E {e2e.median(names[0]):.0f} -> {e2e.median(names[1]):.0f} ms ({-cut_e2e:+.0%}), "
-              f"TTFT {ttft.median(names[0]):.0f} -> {ttft.median(names[1]):.0f} ms ({-cut_ttft:+.0%}) at "
-              f"{rate / cap['qps']:.1f}x capacity (claimed -22 %)")
+    figure = (f"marked requests' P95 E2E {e2e.median(names[0]):.0f} -> {e2e.median(names[1]):.0f} ms "
+              f"({-cut_e2e:+.0%}), TTFT {ttft.median(names[0]):.0f} -> {ttft.median(names[1]):.0f} ms "
+              f"({-cut_ttft:+.0%}) at {rate / cap['qps']:.1f}x capacity (claimed -22 %)")
     reason = (
         f"Overload: Poisson at {rate:.1f} requests/s ({rate / cap['qps']:.1f}x the {cap['qps']:.1f}/s capacity) for "
         f"{n} requests over HTTP, every {every}th marked; the same seeded trace and prompts run with the marked "
         f"requests sending `x-priority: 1` and with no priority ({len(order)} runs, {'/'.join(order)}). This server "
         f"reads `x-priority` (an integer, higher first: admission order and preemption), not the article's "
         f"`X-Request-Priority: high`. {e2e.describe()}. {ttft.describe()}. The cost moves to the others: "
-        f"{others.describe()}. Requests not completed: {not_ok}. Checked: the direction under overload; the size depends on the "
-        f"load and on the share of marked requests (the article's -22 % is its service's).")
+        f"{others.describe()}. Requests not completed: {not_ok}. Checked: the direction under overload; the size "
+        "depends on the load and on the share of marked requests (the article's -22 % is its service's).")
     table = [{"requests": label, "side": nm, "p95_ttft_ms": c1.median(nm), "p95_e2e_ms": c2.median(nm)}
              for label, c1, c2 in (("marked", ttft, e2e),) for nm in names] + \
             [{"requests": "others", "side": nm, "p95_e2e_ms": others.median(nm)} for nm in names]
@@ -283,8 +286,8 @@ def measure_concurrency_sweet_spot(ctx: ClaimContext) -> Finding:
     if star is None:
         figure = f"no sweet spot measured ({spot['why']})"
     else:
-        figure = (f"{'sweet spot' if spot['found'] else 'no sweet spot below the largest level; best throughput / latency'}"
-                  f" at {star} users ({tp[star]:.1f} req/s, P95 {row[star]['e2e_p95_ms']:.0f} ms); at {top}: "
+        spot_txt = "sweet spot" if spot["found"] else "no sweet spot below the largest level; best throughput / latency"
+        figure = (f"{spot_txt} at {star} users ({tp[star]:.1f} req/s, P95 {row[star]['e2e_p95_ms']:.0f} ms); at {top}: "
                   f"{tp[top]:.1f} req/s ({tp[top] / tp[star] - 1:+.0%}), P95 {row[top]['e2e_p95_ms']:.0f} ms"
                   if top in tp else f"best throughput / latency at {star} users")
     if star is None or star == SERVER_SEQS:

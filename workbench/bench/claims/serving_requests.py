@@ -36,7 +36,8 @@ def measure_max_tokens_fast_path(ctx: ClaimContext) -> Finding:
                   max_num_batched_tokens=512)            # no prefix cache: every run computes its prompt
     ratios = (1.7, 1.9)
     names = tuple(f"max_tokens={int(r * n_in)} ({r}x)" for r in ratios)
-    params = {nm: SamplingParams(temperature=0, max_tokens=int(r * n_in), ignore_eos=True) for nm, r in zip(names, ratios)}
+    params = {nm: SamplingParams(temperature=0, max_tokens=int(r * n_in), ignore_eos=True)
+              for nm, r in zip(names, ratios)}
     _first_tokens(eng, prompt, params[names[0]], 2)                       # warm-up
     cmp_all = compare({nm: (lambda nm=nm: _first_tokens(eng, prompt, params[nm], k)) for nm in names},
                       repeats=repeats, key=lambda r: r["tpot_ms"], noise=ctx.noise, metric=f"TPOT (first {k} tokens)",
@@ -50,22 +51,23 @@ def measure_max_tokens_fast_path(ctx: ClaimContext) -> Finding:
     claimed = 0.63 / 0.47
     det_tpot, det_ttft = detectable_ratio(cmp_all, worse=names[0]), detectable_ratio(ttft, worse=names[0])
     figure = (f"input {n_in} tokens: TPOT {cmp_all.median(names[0]):.2f} vs {cmp_all.median(names[1]):.2f} ms, TTFT "
-              f"{ttft.median(names[0]):.1f} vs {ttft.median(names[1]):.1f} ms at max_tokens {ratios[0]}x vs {ratios[1]}x "
-              f"input ({cmp_all.verdict.split(' (')[0]}; TTFT {ttft.verdict.split(' (')[0]})")
+              f"{ttft.median(names[0]):.1f} vs {ttft.median(names[1]):.1f} ms at max_tokens {ratios[0]}x vs "
+              f"{ratios[1]}x input ({cmp_all.verdict.split(' (')[0]}; TTFT {ttft.verdict.split(' (')[0]})")
     reason = (
         f"One {n_in}-token prompt (the article's 500 does not fit 1.9x output in this model's 1024-token context), "
-        f"greedy, alone on the paged engine (no prefix cache), with max_tokens just below and just above 1.8x the input; {repeats} runs "
-        f"a side, interleaved; each measured over its first {k} tokens (a path chosen at admission would show from the "
-        f"first token on), then aborted. {cmp_all.describe()}. {ttft.describe()}. Tokens identical: {same}. "
-        f"The article's effect (0.63 s vs 0.47 s P95, mostly decode time at 500 -> 900 tokens) is {claimed:.2f}x; this "
-        f"run would have called a TPOT difference beyond {det_tpot:.2f}x and a TTFT difference beyond {det_ttft:.2f}x "
-        f"(the noise floor is {ctx.noise:.0%}). The engine uses max_tokens only as the stop length and in the check that prompt + "
-        f"max_tokens fits the KV pool: no path depends on the ratio.")
+        "greedy, alone on the paged engine (no prefix cache), with max_tokens just below and just above 1.8x the "
+        f"input; {repeats} runs a side, interleaved; each measured over its first {k} tokens (a path chosen at "
+        f"admission would show from the first token on), then aborted. {cmp_all.describe()}. {ttft.describe()}. Tokens "
+        f"identical: {same}. The article's effect (0.63 s vs 0.47 s P95, mostly decode time at 500 -> 900 tokens) is "
+        f"{claimed:.2f}x; this run would have called a TPOT difference beyond {det_tpot:.2f}x and a TTFT difference "
+        f"beyond {det_ttft:.2f}x (the noise floor is {ctx.noise:.0%}). The engine uses max_tokens only as the stop "
+        "length and in the check that prompt + max_tokens fits the KV pool: no path depends on the ratio.")
     table = [{"max_tokens": params[nm].max_tokens, "ratio": r, "tpot_ms_median": cmp_all.median(nm),
               "tpot_ms_range": list(cmp_all.spread(nm)), "ttft_ms_median": ttft.median(nm),
               "ttft_ms_range": list(ttft.spread(nm))} for nm, r in zip(names, ratios)]
     return Finding(verdict, figure, reason, values={
-        "input_tokens": n_in, "tokens_measured": k, "tpot_comparison": cmp_all.as_dict(), "ttft_comparison": ttft.as_dict(),
+        "input_tokens": n_in, "tokens_measured": k, "tpot_comparison": cmp_all.as_dict(),
+        "ttft_comparison": ttft.as_dict(),
         "identical_tokens": same, "claimed_ratio": claimed, "detectable_ratio": {"tpot": det_tpot, "ttft": det_ttft},
         "noise": ctx.noise}, table=table)
 
@@ -134,8 +136,8 @@ def measure_temperature_float(ctx: ClaimContext) -> Finding:
 
     f32_equal = torch.tensor(t_std, dtype=torch.float32).item() == torch.tensor(t_odd, dtype=torch.float32).item()
     figure = (f"{local.median(names[1]) / local.median(names[0]) - 1:+.1%} in-process, "
-              f"{remote.median(names[1]) / remote.median(names[0]) - 1:+.1%} over HTTP (claimed +18 %); same seeds gave "
-              f"identical tokens {same_local + same_http}/{2 * repeats}")
+              f"{remote.median(names[1]) / remote.median(names[0]) - 1:+.1%} over HTTP (claimed +18 %); same seeds "
+              f"gave identical tokens {same_local + same_http}/{2 * repeats}")
     reason = (
         f"{k}-token sampled completions of one prompt, temperature 0.3 vs 0.1 + 0.2 (sent as 0.30000000000000004: "
         f"json.dumps keeps every digit), each pair with the same seed, {repeats} runs a side interleaved, on the "
@@ -179,7 +181,8 @@ def measure_temperature_zero_top_p(ctx: ClaimContext) -> Finding:
     local: dict[float, list] = {p: [] for p in tops}
     for r in range(repeats):
         for p in (tops if r % 2 == 0 else tops[::-1]):
-            outs = eng.generate(prompts, SamplingParams(temperature=0, top_p=p, max_tokens=k, logprobs=1, ignore_eos=True))
+            outs = eng.generate(prompts, SamplingParams(temperature=0, top_p=p, max_tokens=k, logprobs=1,
+                                                        ignore_eos=True))
             local[p].append([(list(o.token_ids), [e["logprob"] for e in o.logprobs]) for o in outs])
     alone = [eng.generate([pr], SamplingParams(temperature=0, top_p=0.99, max_tokens=k, logprobs=1,
                                                ignore_eos=True))[0] for pr in prompts]
@@ -226,7 +229,8 @@ def measure_temperature_zero_top_p(ctx: ClaimContext) -> Finding:
               "max_abs_logprob_diff": across[0][2]},
              {"compared": "top_p 1.0 vs 0.99 (in-process)", "completions": across[1][0], "identical": across[1][1],
               "max_abs_logprob_diff": across[1][2]},
-             {"compared": "repeats (all)", "completions": n_rep, "identical": same_rep, "max_abs_logprob_diff": diff_rep},
+             {"compared": "repeats (all)", "completions": n_rep, "identical": same_rep,
+              "max_abs_logprob_diff": diff_rep},
              {"compared": "batched vs alone", "completions": batch_vs_alone[0], "identical": batch_vs_alone[1],
               "max_abs_logprob_diff": batch_vs_alone[2]}]
     return Finding(verdict, figure, reason, values={
@@ -282,7 +286,8 @@ def measure_first_sse_chunk_64b(ctx: ClaimContext) -> Finding:
         f"SSE event ends with a blank line and its JSON holds no raw newline, so readline() returns only whole lines; "
         f"reading fixed 64-byte pieces instead would split {n_cut} of {n_events} events. x-chunk-type header: "
         f"{reports[0]['x_chunk_type']!r}. Exact byte counts.")
-    table = [{"path": r["path"], "first_chunk_bytes": r["first_chunk_bytes"], "first_event_bytes": r["first_event_bytes"],
+    table = [{"path": r["path"], "first_chunk_bytes": r["first_chunk_bytes"],
+              "first_event_bytes": r["first_event_bytes"],
               "chunks": r["chunks"], "events": r["events"], "chunks_one_whole_event": r["chunks_one_whole_event"],
               "data_lines_parsed": f"{r['lines_parsed_whole']}/{r['data_lines']}",
               "events_cut_by_read64": r["events_cut_by_read64"],

@@ -145,7 +145,8 @@ def _exit_text(code: int | None) -> str:
 
 # A fork server imports these once; each point's process is a fork of it (cheap, and nothing of
 # the parent's threads or state).  Where there is none (Windows), spawn: a fresh interpreter each.
-_PRELOAD = ["workbench.lab.executors.local", "workbench.lab.runner", "papermill", "nbformat", "nbclient", "jupyter_client"]
+_PRELOAD = ["workbench.lab.executors.local", "workbench.lab.runner", "papermill", "nbformat", "nbclient",
+            "jupyter_client"]
 
 
 def _context(mp):
@@ -206,7 +207,8 @@ class LocalExecutor(Executor):
         recv = send = proc = None
         try:
             recv, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_child, args=(task, send, self.worker_env()), name=f"workbench-point-{task.index}")
+            proc = ctx.Process(target=_child, args=(task, send, self.worker_env()),
+                               name=f"workbench-point-{task.index}")
             proc.start()
             return recv, proc
         except Exception as e:  # noqa: BLE001 - no fork, no fork server, no pipes: this point fails
