@@ -6,12 +6,13 @@ model never saw in training: for perplexity, benchmark prompts and long-context 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from functools import lru_cache
 from pathlib import Path
 
-from workbench.errors import WorkbenchError
+from workbench.errors import ConfigError, DataError, WorkbenchError
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 HELDOUT = DATA_DIR / "corpus" / "heldout.jsonl"
@@ -97,8 +98,6 @@ def read_jsonl(path: str | Path, text_field: str = "text", max_row_bytes: int = 
     line: a missing file, an empty file, bytes that are not UTF-8, bad JSON, a line that is
     not an object, a missing / non-string / empty text field, a line longer than
     ``max_row_bytes`` or a file past ``max_bytes`` (read line by line: neither is read whole)."""
-    from workbench.errors import DataError
-
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{p}: {'not a file' if p.exists() else 'file not found'} (expected a JSONL file: "
@@ -126,8 +125,6 @@ def read_jsonl(path: str | Path, text_field: str = "text", max_row_bytes: int = 
 
 def _jsonl_row(p: Path, lineno: int, bline: bytes, text_field: str) -> dict | None:
     """One line of :func:`read_jsonl` as its row, None for a blank line, or a DataError."""
-    from workbench.errors import DataError
-
     try:
         line = bline.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -167,8 +164,6 @@ def encode_rows(rows: list, tokenizer, max_tokens: int = DATASET_TOKENS_LIMIT, p
     """Each row's token ids, row by row: a DataError at the row where the total passes
     ``max_tokens`` (naming ``path`` and the line), so a file far larger than a calibration uses is
     refused before the rest of it is tokenized (and before its ids and n-gram sets fill memory)."""
-    from workbench.errors import DataError
-
     out, total = [], 0
     for r in rows:
         ids = tokenizer.encode(r["text"])
@@ -188,8 +183,6 @@ def split_rows(rows: list, evaluation_fraction: float = 0.5, group_field: str | 
     halves see the whole file.  With ``group_field`` (e.g. ``"source"``: the document a row
     was cut from) the rule applies to the groups in order of first appearance and every row
     follows its group, so no document is in both parts.  No row is in both."""
-    from workbench.errors import ConfigError
-
     if not 0 < evaluation_fraction < 1:
         raise ConfigError(f"evaluation_fraction must be in (0, 1), got {evaluation_fraction!r}")
     is_ev = lambda i: int((i + 1) * evaluation_fraction) > int(i * evaluation_fraction)  # noqa: E731
@@ -210,8 +203,6 @@ def group_field_of(rows: list, group_field: str | None = "auto", path: str | Pat
     """``"auto"``: ``"source"`` when every row has one (the shipped sets do), else None (split by
     row); a named field must be in every row.  The field's values name groups: strings, numbers,
     true / false or null (a list or an object in it is a DataError naming ``path`` and the line)."""
-    from workbench.errors import DataError
-
     where = f"{path}, " if path is not None else ""
     if group_field == "auto":
         group_field = "source" if rows and all(isinstance(r, dict) and "source" in r for r in rows) else None
@@ -237,8 +228,6 @@ def dataset_split(rows: list, split: str, evaluation_fraction: float = 0.5, grou
     (:func:`split_rows` with ``evaluation_fraction``); ``search`` / ``confirmation``, the two
     halves of the evaluation rows (every other row, or group): a search chooses on the first and
     is confirmed on the second, text it never chose with."""
-    from workbench.errors import ConfigError
-
     if split not in SPLITS:
         raise ConfigError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     if split == "all":
@@ -279,8 +268,6 @@ def pack_windows(token_rows: list[list[int]], length: int, max_windows: int | No
 
 def file_sha256(path: str | Path) -> str:
     """SHA-256 of a file, read 1 MiB at a time (never whole)."""
-    import hashlib
-
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -298,8 +285,6 @@ def ngram_overlap(ids: list[list[int]], reference: list[list[int]], n: int = 8) 
 
 def calibration_set(name: str) -> Path:
     """The path of a shipped calibration set (``data/calibration/<name>.jsonl``)."""
-    from workbench.errors import DataError
-
     p = CALIBRATION_DIR / f"{name}.jsonl"
     if not p.is_file():
         have = sorted(q.stem for q in CALIBRATION_DIR.glob("*.jsonl")) if CALIBRATION_DIR.is_dir() else []
@@ -342,8 +327,6 @@ def check_spec(spec, where: str = "") -> None:
     """A DataError naming ``where`` (a file and its field) and the spec's field unless ``spec`` is
     what :func:`jsonl_windows` writes: the fields :data:`SPEC_KEYS`, each optional one of its type
     and range."""
-    from workbench.errors import DataError
-
     at = f"{where}: " if where else ""
     if not isinstance(spec, dict) or any(k not in spec for k in SPEC_KEYS):
         raise DataError(f"{at}a data spec needs the fields {', '.join(SPEC_KEYS)}; got "
@@ -381,8 +364,6 @@ def windows_from_spec(spec: dict, tokenizer) -> list[list[int]]:
     recorded path, or for a shipped set under this checkout's ``data/``): a
     :class:`~workbench.errors.DataError` when the file is gone or its bytes changed (its
     SHA-256 differs), so a recipe is never recalibrated on other text without saying so."""
-    from workbench.errors import DataError
-
     check_spec(spec)
     path = Path(spec["dataset"])
     if not path.is_file() and spec.get("data_relative"):

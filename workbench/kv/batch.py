@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from workbench.model.kv_cache import attention_ops, uses_kernel
 from workbench.kv.paged import PagedKVPool
+from workbench.model.decoder import reference_attention
 
 
 class PagedBatchCache:
@@ -194,8 +195,6 @@ class _Group:
         rounds to the same model-dtype values as the padded one (float64 reduction order changes
         only bits far below float32's), so a sequence's tokens still do not depend on what shares
         its step; only the time spent on padding goes."""
-        from workbench.model.decoder import reference_attention
-
         Bsz, nkv, hd = self.b.pool.block_size, kc.shape[2], kc.shape[3]
         window = self.b.window
         for i, (start, n) in enumerate(zip(self._starts_list, self.q_lens)):

@@ -39,7 +39,7 @@ import dataclasses
 import time
 from collections import deque
 
-from workbench.errors import WorkbenchError
+from workbench.errors import ConfigError, WorkbenchError
 from workbench.kv.tier_inspect import tier_frame, tier_report  # noqa: F401  (re-exported)
 
 PAGED_STATES = ("free", "owned", "shared", "cached")
@@ -208,8 +208,6 @@ KV_POOL_OBJECT = "workbench.kv_pool"     # the report's "object": how a client k
 def _server_base(url: str) -> str:
     """http://HOST:PORT from what a user may pass: with or without ``http://``, a trailing
     ``/``, the OpenAI base URL (``.../v1``) or the endpoint itself."""
-    from workbench.errors import ConfigError
-
     if not isinstance(url, str) or not url.strip():
         raise ConfigError(f"--url {url!r}: give the server's address, e.g. http://127.0.0.1:8000")
     base = url.strip()
@@ -236,7 +234,7 @@ def fetch_pool_report(url: str, timeout: float = 10.0, api_key: str | None = Non
     cannot be reached or does not answer within ``timeout`` seconds, answers an HTTP error, or
     is not a workbench server (anything but its report).
     """
-    import httpx
+    import httpx  # lazy: httpx (~0.4 s) only to read a live server's pool
 
     endpoint = _server_base(url) + KV_POOL_PATH
     where = f"--url {url}: GET {endpoint}"
@@ -327,7 +325,7 @@ class KVInspector:
 
     def frame(self):
         """Finished requests, one row each (block tables as lists)."""
-        import pandas as pd
+        import pandas as pd  # lazy: pandas (~1 s) only for this table
 
         cols = ["seq_id", "prompt_tokens", "cached_tokens", "reuse_ratio", "miss_reason", "tokens", "committed",
                 "num_blocks", "shared_blocks", "restored_blocks", "evictions", "steps", "seconds", "block_table"]

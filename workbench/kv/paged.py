@@ -34,6 +34,8 @@ from workbench.kv.interface import PrefixMatch
 from workbench.kv.layout import KVLayout
 from workbench.kv.kv_prefetch import KVPrefetch, make_tiers, offloaded_prefix
 from workbench.measure.timing import ElapsedTotal
+from workbench.measure.allocation import check_allocation, format_bytes
+from workbench.model.kv_cache import attend_sequences
 
 
 @dataclass
@@ -123,8 +125,6 @@ class PagedKVPool:
         self.layout = KVLayout.from_model_config(cfg, paged.block_size, dtype)
         num_blocks = pool_num_blocks(self.layout, paged, default_tokens, scratch_blocks if tensors else 0)
         if tensors:
-            from workbench.measure.allocation import check_allocation, format_bytes
-
             stored_blocks = num_blocks + scratch_blocks
             check_allocation("KV pool", stored_blocks * self.layout.bytes_per_block,
                              "PagedKVConfig.num_blocks / --num-blocks", memory_budget, device,
@@ -494,8 +494,6 @@ class PagedSequenceCache:
     def attend(self, attn, q, k, v, start: int, written: bool = False) -> torch.Tensor:
         """Write this step's k/v into the pool and attend over the sequence's blocks: in place
         with a decode kernel, else gathered to a contiguous context (the reference)."""
-        from workbench.model.kv_cache import attend_sequences
-
         layer, end = attn.layer_idx, start + q.shape[2]
         self._prepare(start, end)
         if not written:

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from workbench.model.config import ModelConfig
 from workbench.errors import ConfigError, WorkbenchError
@@ -135,7 +137,7 @@ class PCABasis:
 
     def explained_variance_table(self):
         """One row per (layer, kv_head, rank): explained fraction of variance (cumulative)."""
-        import pandas as pd
+        import pandas as pd  # lazy: pandas (~1 s) only for this table
 
         cum = self.variance.cumsum(-1) / self.total_variance.clamp_min(1e-30)[..., None]
         rows = [{"layer": layer, "kv_head": h, "rank": r + 1, "explained": float(cum[layer, h, r])}
@@ -151,8 +153,6 @@ class PCABasis:
                               f"model's {want}; fit the basis on this model with fit_pca_from_model(model, ...)")
 
     def save(self, path: str | Path) -> Path:
-        from safetensors.torch import save_file
-
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {"mean": self.mean, "components": self.components, "variance": self.variance,
@@ -164,8 +164,6 @@ class PCABasis:
 
     @classmethod
     def load(cls, path: str | Path) -> "PCABasis":
-        from safetensors import safe_open
-
         path = Path(path)
         if not path.is_file():
             raise WorkbenchError(f"{path}: PCA basis file not found (write one with PCABasis.save)")

@@ -139,7 +139,7 @@ def tier_report(cache, zone_map: bool = True) -> dict:
 
 def tier_frame(cache_or_report):
     """Per-layer table of a tier report: zone counts, fetched tokens, key norms per zone."""
-    import pandas as pd
+    import pandas as pd  # lazy: pandas (~1 s) only for this table
 
     rep = cache_or_report if isinstance(cache_or_report, dict) else tier_report(cache_or_report, zone_map=False)
     rows = []

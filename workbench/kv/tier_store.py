@@ -12,6 +12,7 @@ import torch
 
 from workbench.errors import ConfigError
 from workbench.prefetch.prefetcher import Prefetcher
+from workbench.prefetch.transports import make_transport
 
 PREDICTORS = ("none", "step", "layer", "both")
 OFFLOADS = ("host", "disk")
@@ -40,8 +41,6 @@ class TierStore:
         return f"store={self.offload} predict={self.predict}"
 
     def make_prefetcher(self, device=None) -> Prefetcher:
-        from workbench.prefetch.transports import make_transport
-
         dev = torch.device(device) if device is not None else torch.device("cpu")
         if dev.type == "cuda":
             if self.offload == "disk":

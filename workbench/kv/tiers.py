@@ -52,7 +52,7 @@ import torch
 
 from workbench.model.config import ModelConfig
 from workbench.errors import ConfigError
-from workbench.model.decoder import Attention, CausalLM, RotaryEmbedding
+from workbench.model.decoder import Attention, CausalLM, RotaryEmbedding, reference_attention
 from workbench.kv.pca import PCABasis
 from workbench.kv.tier_attention import (attend_zones, chunk_means, int8_values, key_coefficients,
                                          reconstruct_keys)
@@ -143,8 +143,6 @@ class TieredKVCache:
         K, V = self.update(attn.layer_idx, k, v, start)
         if getattr(attn, "_wb_tiered", False):
             return self.attend_tiered(attn.layer_idx, q, start)
-        from workbench.model.decoder import reference_attention
-
         return reference_attention(q, K, V, start, attn.window)
 
     # ---- tiered attention ---------------------------------------------------------------

@@ -118,7 +118,7 @@ def host_available() -> Available:
     where = "available on this host (MemAvailable)"
     if avail is None:
         try:
-            import psutil
+            import psutil  # lazy: psutil is optional (not a dependency)
 
             avail = int(psutil.virtual_memory().available)
             where = "available on this host (psutil)"
@@ -146,7 +146,7 @@ def available_memory(place="cpu") -> Available:
         except OSError:
             return Available(1 << 62, f"(free space of {folder} unknown: not checked)")
     if name.startswith("cuda"):
-        import torch
+        import torch  # lazy: torch (~3 s) only for a CUDA device; parse_bytes / format_bytes callers need none
 
         dev = torch.device(name)
         if dev.index is None:

@@ -32,6 +32,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from workbench.measure.probe import last_probe, noise_probe
+
 WITHIN_NOISE = "within noise"
 MIN_SEPARATED_SAMPLES = 3
 MIN_PAIRED_ROUNDS = 6
@@ -202,8 +204,6 @@ def _fmt(v: float) -> str:
 
 def _default_noise() -> float:
     """The last :func:`~workbench.measure.probe.noise_probe` of this process; a probe now if none ran."""
-    from workbench.measure.probe import last_probe, noise_probe
-
     probe = last_probe() or noise_probe()
     return probe.threshold
 
@@ -226,7 +226,7 @@ def compare_quantile(a: list[float], b: list[float], q: float = 0.95, names: tup
     ``confidence`` interval of each side's percentile; a verdict needs the two intervals apart
     and the ratio of the estimates above ``1 + noise``.  Needs at least 5 values a side.
     """
-    import numpy as np
+    import numpy as np  # lazy: this module imports no numpy / torch (torch-free callers: recommend, the CLI)
 
     if not 0 < q < 1:
         raise ValueError(f"compare_quantile: q must be in (0, 1), got {q}")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import time
 from pathlib import Path
 
 COMPILE_ENV = "WORKBENCH_COMPILE_LOG"      # where a step's process writes its JIT / compile seconds (JSON)
@@ -29,10 +31,8 @@ class CompileLog:
         self._depth = 0
 
     def install(self) -> "CompileLog":
-        import time
-
         try:
-            from triton.runtime.jit import JITFunction
+            from triton.runtime.jit import JITFunction  # lazy: triton is optional (and ~0.7 s)
         except Exception:  # noqa: BLE001 - no triton: inductor only
             return self
         log = self
@@ -79,8 +79,6 @@ class CompileLog:
 
     @staticmethod
     def inductor_seconds() -> float:
-        import sys
-
         utils = sys.modules.get("torch._dynamo.utils")
         metrics = getattr(utils, "compilation_time_metrics", None) or {}
         for key in ("_compile.compile_inner", "compile_inner"):

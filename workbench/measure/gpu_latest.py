@@ -35,7 +35,7 @@ class GpuTable:
     def frame(self):
         """The table as a pandas DataFrame (read once)."""
         if self._frame is None:
-            import pandas as pd
+            import pandas as pd  # lazy: pandas (~1 s); tests/measure/test_gpu_results.py keeps it out of the import
 
             self._frame = pd.read_csv(self.path)
         return self._frame

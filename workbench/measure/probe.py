@@ -96,7 +96,7 @@ def _calibrate(target_s: float) -> int:
 def _parallel_speedup(cores: int, rounds: int = 5) -> float | None:
     if cores < 2:
         return None
-    import torch
+    import torch  # lazy: torch (~3 s) only for this probe; lab and the sweep executors import this module
 
     before = torch.get_num_threads()
     a = torch.randn(384, 384)

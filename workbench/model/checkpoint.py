@@ -18,6 +18,7 @@ import struct
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from workbench.model.config import ModelConfig
 from workbench.errors import CheckpointError
@@ -376,8 +377,6 @@ def check_headers(cfg: ModelConfig, headers: dict[Path, dict[str, dict]], folder
 
 def read_tensors(plan: dict[str, Path]) -> dict[str, torch.Tensor]:
     """Read the planned tensors (``{name: file}``, from :func:`check_headers`), file by file."""
-    from safetensors import safe_open
-
     by_file: dict[Path, list[str]] = {}
     for name, path in plan.items():
         by_file.setdefault(path, []).append(name)

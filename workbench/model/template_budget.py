@@ -72,7 +72,7 @@ def _repr_len(s) -> int:
 
 
 def _namespace_attrs(x) -> dict | None:
-    from jinja2.utils import Namespace
+    from jinja2.utils import Namespace  # lazy: jinja2 (~75 ms, with markupsafe) only once a chat template is compiled
 
     if isinstance(x, Namespace):
         return object.__getattribute__(x, "_Namespace__attrs")

@@ -11,7 +11,9 @@ fails tests/fuzz/test_fuzz_chat_template.py until it is classified here.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
+import pprint
 
 from workbench.model.template_budget import (
     _ACTIVE,
@@ -111,6 +113,7 @@ _FILTER_BOUNDS = {"batch": _b_batch, "center": _b_center, "format": _b_format, "
 def _bounded_join(eval_ctx, value, d="", attribute=None):  # pass_eval_context, below
     """Jinja's ``join`` with the joined text's size bounded before it is built: each item's text and
     the separator once per item (an iterator is read once, into a list)."""
+    # lazy: jinja2 (~75 ms, with markupsafe) only once a chat template is compiled
     from jinja2.filters import make_attrgetter, sync_do_join
 
     items = list(value)
@@ -176,8 +179,6 @@ def _pprint(value):
     """Jinja's ``pprint`` (``pprint.pformat``) written to a stream that stops at the limit.  pformat
     indents nested values and prints each one again at every level it tries: a value is refused
     when its items times its depth pass the limit (the output's, and the work's, bound)."""
-    import pprint
-
     size = _meter().size(value, nested=True)
     deepest = _depth(value, MAX_OUTPUT_CHARS)
     _need(size * (deepest + 1), "filter 'pprint': a value of its size and depth printed")
@@ -189,8 +190,6 @@ def _pprint(value):
 def _sum(environment, iterable, attribute=None, start=0):
     """Jinja's ``sum``, in linear time: lists (or tuples) are chained, not added one by one (which
     copies the growing list once per item); the result's size is bounded before it is built."""
-    import itertools
-
     from jinja2.filters import make_attrgetter
 
     if attribute is not None:

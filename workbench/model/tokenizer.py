@@ -21,6 +21,8 @@ import json
 import math
 from pathlib import Path
 
+from tokenizers import Tokenizer as _HFTokenizer, pre_tokenizers
+
 from workbench.errors import ConfigError, TokenizerError
 
 # generation_config.json and config.json are a few kB; a larger one is refused unread.
@@ -63,8 +65,6 @@ def _eos_field(path: Path) -> int | list[int] | None:
 
 class Tokenizer:
     def __init__(self, path: str | Path) -> None:
-        from tokenizers import Tokenizer as _HFTokenizer
-
         folder = Path(path)
         file = folder / "tokenizer.json" if folder.is_dir() else folder
         if not file.is_file():
@@ -206,8 +206,6 @@ def _max_token_bytes(hf_tok) -> int | None:
     Anything else (a normalizer may shrink the text, WordPiece's [UNK] may cover a whole word,
     truncation caps the count) gives None: no early refusal, the exact count decides."""
     try:
-        from tokenizers import pre_tokenizers
-
         cfg = json.loads(hf_tok.to_str())
         if cfg.get("normalizer") is not None or cfg.get("truncation") is not None:
             return None

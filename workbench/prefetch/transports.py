@@ -410,6 +410,7 @@ def make_transport(kind: str = "auto", device=None, **kw) -> Transport:
     if kind == "host":
         return HostTransport()
     if kind == "cuda":
+        # lazy: cuda_transport imports this module (a cycle); tests swap cuda_transport.CudaTransport
         from workbench.prefetch.cuda_transport import CudaTransport
 
         kw.pop("path", None)        # a disk file means nothing for pinned host memory (WeightStreamConfig.path)

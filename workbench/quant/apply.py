@@ -25,8 +25,14 @@ from torch import nn
 
 from workbench.errors import ConfigError, WorkbenchError
 from workbench.measure.memory import storage_bytes
-from workbench.quant.recipe import QuantRecipe
-from workbench.quant.rtn import QuantizedWeight, quantize_weight
+from workbench.quant.recipe import QuantRecipe, name_matches
+from workbench.quant.rtn import QuantizedWeight, pack_int4, quantize_weight
+from workbench.quant import cpu_ops, kernel_ops
+from workbench.quant.awq import awq_search
+from workbench.quant.calib import collect_linear_inputs
+from workbench.quant.cpu_ops import int4pack_values
+from workbench.quant.hooks import check_settings
+from workbench.quant.smooth import smooth_model
 
 
 class QuantLinear(nn.Module):
@@ -51,8 +57,6 @@ class QuantLinear(nn.Module):
         holds it)."""
         qweight = self.qweight
         if self.qweight_layout != "rows":
-            from workbench.quant.cpu_ops import int4pack_values
-            from workbench.quant.rtn import pack_int4
             qweight = pack_int4(int4pack_values(qweight, self.out_features, self.in_features))
         return QuantizedWeight(qweight, self.scales, self.zeros, self.bits, self.group,
                                (self.out_features, self.in_features), self.weight_dtype)
@@ -135,8 +139,6 @@ def quantize_model(model: nn.Module, recipe: QuantRecipe | str, calibration=None
                           f"({', '.join(recipe.skip)})")
     hooks = {"group_scales": group_scales, "pack": pack}
     if group_scales is not None or pack is not None:
-        from workbench.quant.hooks import check_settings
-
         check_settings([(n, recipe.layer_settings(n, m.in_features)) for n, m in targets + heads], group_scales, pack)
     calib = _calibrate(model, recipe, calibration, [n for n, _ in targets])
     done, head_names = [], {n for n, _ in heads}
@@ -168,8 +170,6 @@ def _check_names(model: nn.Module, recipe: QuantRecipe) -> None:
     """Every ``skip`` entry beyond the defaults and every ``overrides`` entry must name a linear
     layer of ``model``: one that names none was made for another model (or is a typo), and
     ignoring it would quantize the layer it meant to protect."""
-    from workbench.quant.recipe import name_matches
-
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     default = QuantRecipe().skip
     unmatched = [("skip", e) for e in recipe.skip if e not in default and not any(name_matches(n, e) for n in linears)]
@@ -216,17 +216,12 @@ def _calibrate(model: nn.Module, recipe: QuantRecipe, calibration, names: list[s
                           "(e.g. heldout_split(tokenizer)['calibration'])")
     report = {"sequences": len(seqs), "tokens": sum(len(s) for s in seqs)}
     if recipe.smooth is not None:
-        from workbench.quant.calib import collect_linear_inputs
-        from workbench.quant.smooth import smooth_model
-
         report["smooth"] = smooth_model(model, collect_linear_inputs(model, seqs), recipe.smooth)   # every input, skipped layers' too
     if recipe.method == "awq":
-        from workbench.quant.awq import awq_search
-
         res = awq_search(model, recipe, seqs)
         out["clip"], report["awq"] = res.clip, res.report
     elif recipe.method == "gptq":
-        from workbench.quant.gptq import gptq_quantize
+        from workbench.quant.gptq import gptq_quantize  # lazy: gptq imports this module (a cycle)
 
         res = gptq_quantize(model, recipe, seqs)
         out["weights"], report["gptq"] = res.weights, res.report
@@ -253,7 +248,6 @@ def set_quant_backend(model: nn.Module, backend: str = "auto") -> dict:
     if getattr(model, "_wb_stream", None) is not None:     # its ops would repack whatever a buffer holds now
         raise ConfigError("set_quant_backend: this model streams its weights; choose the backend before "
                           "stream_weights (or remove() the streamer first)")
-    from workbench.quant import cpu_ops, kernel_ops
 
     layers: dict[str, int] = {}
     fallbacks: dict[str, int] = {}

@@ -50,14 +50,19 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from workbench.errors import ConfigError
+from workbench.errors import ConfigError, WorkbenchError
 from workbench.quant.calibrate_names import DEFAULT_SPACES, OBJECTIVES   # torch-free: the CLI's parser reads them
 from workbench.quant.calibrate_stages import (CalibrationData, CalibrationResult, CalibrationSettings, MixBuilder,
                                               References, Search, SearchResult, Setup, check_given_sensitivity,
                                               confirm, measure_sensitivity)
 from workbench.quant.quality import EvalSet, Reference, measure, parse_degradation
 from workbench.quant.search import search_space
-from workbench.quant.sensitivity import linear_targets
+from workbench.quant.sensitivity import layer_units, linear_targets
+from workbench.data import (DATASET_TOKENS_LIMIT, dataset_split, encode_rows, group_field_of, heldout_documents,
+                            heldout_split, jsonl_windows, ngram_overlap, read_jsonl)
+from workbench.measure.allocation import check_allocation, format_bytes, parse_bytes
+from workbench.model.tokenizer import Tokenizer
+from workbench.quant.compressed import is_compressed_checkpoint
 
 # Host bytes one dataset token takes while the calibrator holds it: its id in a Python list (an int
 # object and a pointer) in the diagnostics and the windows, and its 8-gram tuple in the overlap sets
@@ -81,8 +86,6 @@ def _quantiles(xs: list[int]) -> dict:
 def dataset_diagnostics(tokenizer, calib_rows, eval_rows, heldout_eval_ids, heldout_texts=()) -> dict:
     """Token counts, row-length spread and n-gram overlap of a split dataset (see step 1);
     ``heldout_*``: the bundled perplexity split's documents (token ids, texts)."""
-    from workbench.data import ngram_overlap
-
     cal_ids = [tokenizer.encode(r["text"]) for r in calib_rows]
     ev_ids = [tokenizer.encode(r["text"]) for r in eval_rows]
     lengths = [len(x) for x in cal_ids + ev_ids]
@@ -97,9 +100,6 @@ def dataset_diagnostics(tokenizer, calib_rows, eval_rows, heldout_eval_ids, held
 def _heldout_eval_ids(tokenizer) -> tuple[list[list[int]], list[str]]:
     """Token ids and texts of the bundled held-out corpus's evaluation documents (the
     perplexity split of :func:`workbench.data.heldout_split`); empty without the corpus."""
-    from workbench.data import heldout_documents, heldout_split
-    from workbench.errors import WorkbenchError
-
     try:
         paths = set(heldout_split(tokenizer, 1024)["evaluation_docs"])
         docs = [d for d in heldout_documents() if d["path"] in paths]
@@ -112,12 +112,9 @@ def load_setup(dataset, s: CalibrationSettings, sensitivity: list[dict] | None =
     """The settings checked, the dataset's rows read and tokenized within their limits (what they
     will hold checked against the host's memory), then the model loaded and its units formed;
     ``sensitivity`` rows given are checked to cover the search.  Bad input fails here, before any work."""
-    import workbench
-    from workbench.data import DATASET_TOKENS_LIMIT, encode_rows, group_field_of, read_jsonl
-    from workbench.measure.allocation import check_allocation, format_bytes, parse_bytes
+    # lazy: looked up per call (tests/quant/test_dataset_limits.py swaps loader.load_model to prove the data
+    # are checked before any model loads)
     from workbench.model.loader import BUNDLED_MODEL, load_model
-    from workbench.quant.compressed import is_compressed_checkpoint
-    from workbench.quant.sensitivity import layer_units
 
     if s.objective not in OBJECTIVES:
         raise ConfigError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {s.objective!r}")
@@ -141,7 +138,7 @@ def load_setup(dataset, s: CalibrationSettings, sensitivity: list[dict] | None =
                           "model it was made from")
     rows = read_jsonl(dataset, s.text_field)            # a bad file fails before any model loads
     group = group_field_of(rows, s.group_field, dataset)
-    tok = workbench.Tokenizer(folder)
+    tok = Tokenizer(folder)
     # every row is tokenized (diagnostics, windows): bounded first, row by row, then what it holds checked
     tokens = sum(map(len, encode_rows(rows, tok, max_tokens, dataset)))
     check_allocation("calibration data", tokens * HELD_BYTES_PER_TOKEN,
@@ -159,8 +156,6 @@ def load_setup(dataset, s: CalibrationSettings, sensitivity: list[dict] | None =
 def prepare_data(dataset, setup: Setup) -> CalibrationData:
     """Step 1: the rows split into calibration / search / confirmation parts (refused when a part
     is empty), their diagnostics, their windows, and warnings about what they cannot show."""
-    from workbench.data import dataset_split, jsonl_windows
-
     s, rows, group, tok = setup.settings, setup.rows, setup.group, setup.tokenizer
     parts = {k: dataset_split(rows, k, s.evaluation_fraction, group)
              for k in ("calibration", "evaluation", "search", "confirmation")}

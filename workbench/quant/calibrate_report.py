@@ -11,12 +11,19 @@ check that a recipe file's figure is reproduced.
 from __future__ import annotations
 
 import json
+import math
+from math import comb
 from pathlib import Path
 
 from workbench.errors import ConfigError
 from workbench.quant.quality import METRICS, EvalSet, Reference, describe_degradation, measure
 from workbench.quant.search import DENSE
 from workbench.quant.sensitivity import layer_kind
+from workbench.data import windows_from_spec
+from workbench.model.loader import load_model
+from workbench.quant.apply import quantize_model
+from workbench.quant.calibrate_stages import result_dict
+from workbench.quant.recipe import QuantRecipe, save_recipe
 
 
 def reasons(rec: dict, measured: dict, sens: list[dict], metric: str, objective: str, limit: float,
@@ -89,10 +96,7 @@ def write_outputs(res, out_dir) -> dict:
     ``sensitivity.csv``, ``layer_costs.csv``, ``report.json``, ``recommendation.txt`` of ``res``
     (a :class:`~workbench.quant.calibrate_stages.CalibrationResult`, or its JSON dict); returns
     their paths."""
-    import pandas as pd
-
-    from workbench.quant.calibrate_stages import result_dict
-    from workbench.quant.recipe import QuantRecipe, save_recipe
+    import pandas as pd  # lazy: pandas (~1 s) only to write the tables
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -144,8 +148,6 @@ def format_recommendation(res: dict) -> str:
 def evaluation_set(doc: dict, tokenizer) -> EvalSet:
     """The evaluation windows a recipe file's ``reported`` figure was measured on, rebuilt from
     the file they came from (checked by SHA-256: :func:`workbench.data.windows_from_spec`)."""
-    from workbench.data import windows_from_spec
-
     ev = (doc.get("reported") or {}).get("evaluation")
     if not ev:
         raise ConfigError("this recipe file has no 'reported.evaluation': it was not written by the calibrator")
@@ -182,8 +184,6 @@ P_BEYOND_2SE = 0.0455          # two-sided normal tail beyond 2 standard errors
 
 def binomial_tail(k: int, n: int, p: float) -> float:
     """P(X >= k) for X ~ Binomial(n, p)."""
-    from math import comb
-
     return float(sum(comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k, n + 1)))
 
 
@@ -221,8 +221,6 @@ def compare_domains(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> di
     * ``sensitivity``: per option, the rank correlation of the single-unit degradations and the
       units whose two deltas differ beyond 2 standard errors;
     * ``explanation``: sentences built from the above."""
-    import math
-
     if (a["target_metric"], a["objective"], a["search_space"]) != (b["target_metric"], b["objective"], b["search_space"]):
         raise ConfigError("compare_domains: the two results need the same target metric, objective and search space")
     metric = a["target_metric"]
@@ -298,9 +296,6 @@ def uniform_on_texts(texts: dict[str, list[list[int]]], schemes: list[str], mode
     unquantized model on the same windows: ``{"text", "scheme", "degradation", "se", "tokens"}``.
     With all of a set's evaluation text this has far more tokens than a calibrator run's search
     half, so it can tell whether two domains degrade differently beyond the noise."""
-    from workbench.model.loader import load_model
-    from workbench.quant.apply import quantize_model
-
     base = load_model(model, device=device, dtype=dtype).eval()
     rows = []
     for name, windows in texts.items():

@@ -29,6 +29,10 @@ from workbench.errors import ConfigError
 from workbench.quant.quality import UNITS, Reference
 from workbench.quant.search import DENSE, Mix, expand, lagrangian_front, mix_recipe, uniform_mix
 from workbench.quant.sensitivity import layer_sensitivity
+from workbench.measure.compare import compare_samples
+from workbench.quant.apply import quantize_model, set_quant_backend, weight_bytes
+from workbench.quant.costs import decode_step_ms, interleaved, layer_bytes, layer_latency
+from workbench.quant.recipe import QuantRecipe
 
 
 @dataclass(frozen=True)
@@ -159,8 +163,6 @@ def check_given_sensitivity(rows: list[dict], units: dict, options: dict, metric
 def measure_sensitivity(setup: Setup, reference: Reference, calibration, say=None) -> Sensitivity:
     """Steps 3 and 4: each unit alone under each option against ``reference`` (or the checked
     rows given), then each (layer, option)'s bytes or matrix-vector time, summed per unit."""
-    from workbench.quant.costs import layer_bytes, layer_latency
-
     s, say = setup.settings, say or (lambda msg: None)
     t0 = time.perf_counter()
     rows = setup.given_sensitivity
@@ -199,8 +201,6 @@ class MixBuilder:
     def __call__(self, row: dict) -> torch.nn.Module:
         if row["recipe_fields"] is None:
             return self.base
-        from workbench.quant.apply import quantize_model, set_quant_backend
-        from workbench.quant.recipe import QuantRecipe
 
         m = copy.deepcopy(self.base)
         quantize_model(m, QuantRecipe.from_dict(row["recipe_fields"]), calibration=self.calibration)
@@ -272,8 +272,6 @@ class Search:
         m = self.build(row)
         q = self.score(m, self.reference)
         if s.objective == "memory":
-            from workbench.quant.apply import weight_bytes
-
             stored = weight_bytes(m)["total"]
             op = (row.get("placement") or {}).get("extra_bytes", 0)
             row.update(stored_bytes=stored, op_copy_bytes=op, resident_bytes=stored + op,
@@ -315,8 +313,6 @@ class Search:
 def _decode_samples(models: dict, decode_steps: int, rounds: int) -> dict:
     """Each model's decode-step ms: one sample per interleaved round (the median of
     ``decode_steps`` steps), rounds alternating the order (:func:`~workbench.quant.costs.interleaved`)."""
-    from workbench.quant.costs import decode_step_ms, interleaved
-
     samples = interleaved({k: (lambda r, m=m: statistics.median(decode_step_ms(m, steps=decode_steps, seed=r)))
                            for k, m in models.items()}, rounds)
     return {k: {"ms": statistics.median(s), "ms_min": min(s), "ms_max": max(s), "samples": s}
@@ -381,8 +377,7 @@ def confirm(setup: Setup, sens: Sensitivity, search: SearchResult, reference: Re
             score: Callable) -> Recommendation:
     """Step 7: the pick of :func:`workbench.quant.recommend.recommend` (on the search text),
     measured on the confirmation text (``reference``) with its fallbacks, and the reasons for it."""
-    from workbench.quant.calibrate_report import reasons
-    from workbench.quant.recommend import recommend
+    from workbench.quant.calibrate_report import reasons  # lazy: calibrate_report imports this module (a cycle)
 
     s, limit, measured = setup.settings, setup.limit, search.measured
 
@@ -392,11 +387,12 @@ def confirm(setup: Setup, sens: Sensitivity, search: SearchResult, reference: Re
         row["confirmation_metrics"] = {k: v for k, v in q.items() if k != "degradation"}
         return tuple(q["degradation"][s.target_metric])
 
+    # looked up per call: tests stop a run inside it (tests/bench/test_partial_results.py patches the module)
+    from workbench.quant.recommend import recommend
+
     best, tries = recommend(list(measured.values()), look, limit, s.objective)
     verdict = None
     if s.objective == "latency" and best["key"] != "unquantized":
-        from workbench.measure.compare import compare_samples
-
         cmpn = compare_samples(best["samples"], measured["unquantized"]["samples"],
                                names=("recommended", "unquantized"))
         verdict = cmpn.as_dict()

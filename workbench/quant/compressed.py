@@ -32,10 +32,12 @@ every problem is a :class:`~workbench.errors.CheckpointError` naming the file, t
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from workbench.errors import CheckpointError, ConfigError, WorkbenchError
@@ -100,8 +102,6 @@ def save_compressed(model: CausalLM, folder: str | Path, tokenizer_folder: str |
     Returns what was written: ``{"folder", "groups": {name: {...settings, "layers": [names]}},
     "dense": [names], "dtype", "bytes": {"file", "quantized_linears", "linears_as_dense"},
     "notes": [settings vLLM will not take, see compressed_config.vllm_notes]}``."""
-    from safetensors.torch import save_file
-
     folder = Path(folder).expanduser()
     quant = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     if any(n.split(".")[-2:-1] == ["lm_head"] for n in quant):
@@ -220,8 +220,6 @@ def _layer_errors(doc: dict | None, side: Path) -> dict[str, float]:
     """``{layer: rel_error}`` from the recipe file's ``layers`` (what the writer measured; a layer
     without one has none).  A ``layers`` that is no object, or an error that is no number, is a
     CheckpointError naming the field: the file was not written by save_compressed."""
-    import math
-
     layers = (doc or {}).get("layers")
     if layers is None:
         return {}

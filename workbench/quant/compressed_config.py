@@ -239,7 +239,7 @@ class _Patterns:
         if not target.startswith("re:") or target in self.compiled:
             return
         try:
-            import regex as engine
+            import regex as engine  # lazy: optional (transformers brings it), else re
         except ImportError:          # pragma: no cover - transformers brings it
             engine = re
         try:

@@ -39,6 +39,8 @@ from torch import nn
 
 from workbench.measure import timing
 from workbench.measure.memory import storage_bytes
+from workbench.model.kv_cache import KVCache
+from workbench.quant.apply import quantize_linear, set_quant_backend
 
 
 def _own_tensors(mod: nn.Module) -> list[torch.Tensor]:
@@ -47,8 +49,6 @@ def _own_tensors(mod: nn.Module) -> list[torch.Tensor]:
 
 def build_option(lin: nn.Linear, name: str, recipe, backend: str = "auto") -> nn.Module:
     """The module ``lin`` becomes under ``recipe`` (None: ``lin`` itself), on ``backend``."""
-    from workbench.quant.apply import quantize_linear, set_quant_backend
-
     if recipe is None:
         return lin
     q = quantize_linear(lin, recipe.layer_settings(name, lin.in_features))
@@ -137,8 +137,6 @@ def layer_latency(model: nn.Module, targets: list[str], options: dict, rows: int
 def decode_step_ms(model: nn.Module, steps: int = 16, prompt_len: int = 16, seed: int = 0) -> list[float]:
     """Milliseconds of each of ``steps`` greedy single-sequence decode steps after a
     ``prompt_len``-token random prompt (contiguous KV cache), one warm-up step first."""
-    from workbench.model.kv_cache import KVCache
-
     cfg = model.config
     p = next(model.parameters())
     g = torch.Generator().manual_seed(seed)

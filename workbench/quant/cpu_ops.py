@@ -39,6 +39,8 @@ import time
 
 import torch
 
+from workbench.quant.rtn import quantize_weight
+
 INT4_GROUPS = (32, 64, 128, 256)
 # Rows above which the packed weight-only ops hand the call to the reference (dequantize, then
 # one matmul).  They are matrix-*vector* kernels: measured on the 2-core development VM
@@ -196,8 +198,7 @@ def cpu_op_timing(out: int = 8192, inp: int = 2048, m: int = 1, repeats: int = 2
     """Median ms per call of one ``[out, inp]`` layer at ``m`` rows: dense fp32 ``F.linear``, the
     reference (dequantize, then matmul), and the int8 / int4 packed ops; sides interleaved over
     ``rounds`` so drift hits all of them.  Random weights: latency only."""
-    from workbench.quant.apply import QuantLinear
-    from workbench.quant.rtn import quantize_weight
+    from workbench.quant.apply import QuantLinear  # lazy: apply imports this module (a cycle)
 
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(out, inp, generator=g) * 0.02

@@ -18,6 +18,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from workbench.errors import ConfigError
+from workbench.data import heldout_split, jsonl_windows, windows_from_spec
+from workbench.model.tokenizer import Tokenizer
+from workbench.quant.recipe import resolve_recipe
 
 
 def _calibration(recipe, doc: dict | None, tokenizer, context: int, dataset, text_field: str,
@@ -31,17 +34,12 @@ def _calibration(recipe, doc: dict | None, tokenizer, context: int, dataset, tex
     if tokenizer is None:
         raise ConfigError(f"{recipe.name} calibrates on text and this model has no tokenizer (a shape preset?)")
     if dataset is not None:
-        from workbench.data import jsonl_windows
-
         windows, spec = jsonl_windows(dataset, tokenizer, context, max_windows, split="all", text_field=text_field)
         if not windows:
             raise ConfigError(f"{dataset}: too little text for one calibration window of {context} tokens")
         return windows, spec
     if doc and doc.get("calibration"):
-        from workbench.data import windows_from_spec
-
         return windows_from_spec(doc["calibration"], tokenizer), doc["calibration"]
-    from workbench.data import heldout_split
 
     split = heldout_split(tokenizer, context)
     windows = split["calibration"][:8]
@@ -58,11 +56,11 @@ def quantize_checkpoint(model: str | Path | None, recipe, out: str | Path, datas
     :func:`~workbench.quant.compressed.save_compressed`.  ``dtype``: of the dense tensors
     written (default: the source checkpoint's).  Returns save_compressed's summary plus
     ``recipe`` (its name), ``calibration`` (the spec or None) and ``source``."""
+    # lazy: torch (~3 s) only once a model is quantized: `workbench quantize` imports this module first and
+    # answers a bad flag at once
     from workbench.model.loader import BUNDLED_MODEL, load_model, parse_dtype
-    from workbench.model.tokenizer import Tokenizer
     from workbench.quant.apply import quantize_model
     from workbench.quant.compressed import is_compressed_checkpoint, save_compressed
-    from workbench.quant.recipe import resolve_recipe
 
     recipe, doc = resolve_recipe(recipe)
     spec = "bundled" if model in (None, "bundled") else str(model)

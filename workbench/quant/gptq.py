@@ -99,6 +99,7 @@ from workbench.errors import ConfigError
 from workbench.quant.apply import target_names  # noqa: F401 - also this module's API (the layers GPTQ solves)
 from workbench.quant.recipe import QuantRecipe
 from workbench.quant.rtn import QuantizedWeight, compute_scales, encode_weight, qrange, quantize_weight
+from workbench.quant.calib import collect_linear_inputs
 
 _DAMP_RETRIES = 4
 
@@ -254,7 +255,6 @@ def gptq_quantize(model: nn.Module, recipe: QuantRecipe | str, sequences, damp: 
     the model with the earlier steps' dequantized weights written into it in place, and the
     float weights are put back at the end unless ``restore=False`` (see the module docstring)."""
     t_all = time.perf_counter()
-    from workbench.quant.calib import collect_linear_inputs
 
     recipe = QuantRecipe.parse(recipe) if isinstance(recipe, str) else recipe
     seqs = [list(s) for s in (sequences or [])]

@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from workbench.errors import ConfigError, WorkbenchError
+from workbench.quant.rtn import unpack_int4
 
 GroupScalesFn = Callable[[torch.Tensor, int], tuple]
 PackFn = Callable[[torch.Tensor], torch.Tensor]
@@ -115,8 +116,6 @@ def scales_from(fn: GroupScalesFn, w: torch.Tensor, group: int | None) -> tuple[
 def packer(fn: PackFn) -> PackFn:
     """``fn`` as :func:`~workbench.quant.rtn.encode_weight` calls a packer: the codes as uint8, the
     result checked by unpacking it."""
-    from workbench.quant.rtn import unpack_int4
-
     def pack(values: torch.Tensor) -> torch.Tensor:
         codes = values.to(torch.uint8)
         rows, n = codes.shape

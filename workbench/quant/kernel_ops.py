@@ -23,7 +23,7 @@ def kernel_op_reason(layer) -> str | None:
     if layer.qweight.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         return "Triton kernels need a GPU (or TRITON_INTERPRET=1 on a CPU)"
     try:
-        import workbench_kernels.quant_matmul  # noqa: F401
+        import workbench_kernels.quant_matmul  # noqa: F401  (lazy: Triton kernels, optional, ~0.7 s)
     except ImportError as e:                    # triton missing
         return f"Triton kernels unavailable: {e}"
     if layer.act_bits and layer.zeros is not None:

@@ -40,6 +40,7 @@ import torch
 
 from workbench.errors import ConfigError
 from workbench.quant.calibrate_names import METRICS   # torch-free: the CLI's parser reads it
+from workbench.model.kv_cache import KVCache
 
 UNITS = {"ppl": "relative increase (0.02 = +2 %)", "kl": "nats per token (absolute)",
          "top1": "percentage points lost", "exact_match": "percentage points lost"}
@@ -122,8 +123,6 @@ class EvalSet:
 @torch.no_grad()
 def greedy_continuations(model, prompts: list[list[int]], n: int) -> list[list[int]]:
     """``n`` greedy tokens after each prompt (all prompts the same length: one batch)."""
-    from workbench.model.kv_cache import KVCache
-
     if not prompts:
         return []
     if len({len(p) for p in prompts}) != 1:

@@ -57,7 +57,8 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workbench.errors import ConfigError
+from workbench.errors import ConfigError, DataError
+from workbench.data import check_spec
 
 SCHEMES = {"w8a16": (8, None), "w4a16": (4, None), "w4a8": (4, 8), "w8a8": (8, 8)}
 FALLBACKS = ("pow2", "per-channel")
@@ -308,8 +309,6 @@ def load_recipe(path: str | Path) -> tuple[QuantRecipe, dict]:
                               f"or null, got {type(cal).__name__} {cal!r:.80}")
         if "dataset" in cal or "source" not in cal:   # a data spec (jsonl_windows), not the held-out corpus's
             # record ({"source": "bundled held-out corpus ...", ...}): LLM(quant=...) rebuilds its windows
-            from workbench.data import check_spec
-            from workbench.errors import DataError
 
             try:
                 check_spec(cal, f"{path}: field 'calibration'")

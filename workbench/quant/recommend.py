@@ -31,13 +31,14 @@ from __future__ import annotations
 
 from typing import Callable
 
+from workbench.measure.compare import compare_samples
+
 UNQUANTIZED = "unquantized"
 
 
 def _pick(rows: list[dict], objective: str, noise: float | None = None) -> dict:
     if objective == "memory":
         return min(rows, key=lambda r: (r["cost"], r["degradation"]))
-    from workbench.measure.compare import compare_samples
 
     fastest = min(rows, key=lambda r: (r["cost"], r["degradation"]))
     # mixes the fastest does not beat beyond the noise, and whose quality beats the fastest's

@@ -162,7 +162,7 @@ def encode_weight(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | N
         if pack is None:
             stored = pack_int4(codes)
         else:                                    # a learner's packer, its bytes checked
-            from workbench.quant.hooks import packer
+            from workbench.quant.hooks import packer  # lazy: hooks imports this module (a cycle)
             stored = packer(pack)(codes)
     else:
         stored = (q if zeros is None else q - 128).to(torch.int8)

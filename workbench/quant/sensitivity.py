@@ -32,13 +32,13 @@ from torch import nn
 from workbench.errors import ConfigError
 from workbench.quant.quality import Reference, measure
 from workbench.quant.recipe import QuantRecipe
+from workbench.quant.apply import quantize_model, set_module, set_quant_backend, target_names
+from workbench.quant.costs import build_option
 
 
 def linear_targets(model: nn.Module, recipe: QuantRecipe | None = None) -> list[str]:
     """The ``nn.Linear`` layers a recipe quantizes (not in its ``skip``; default: all but the
     embedding and the LM head), in module order."""
-    from workbench.quant.apply import target_names
-
     return target_names(model, recipe or QuantRecipe())
 
 
@@ -84,9 +84,6 @@ def only_layers(recipe: QuantRecipe, layers: list[str], targets: list[str]) -> Q
 
 def _measure_unit(model: nn.Module, ref: Reference, layers: list[str], recipe: QuantRecipe, targets: list[str],
                   calibration, backend: str) -> dict:
-    from workbench.quant.apply import quantize_model, set_module, set_quant_backend
-    from workbench.quant.costs import build_option
-
     if recipe.needs_calibration:
         m = copy.deepcopy(model)
         quantize_model(m, only_layers(recipe, layers, targets), calibration=calibration)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -42,8 +43,6 @@ class SchedulerConfig:
 
 def _takes_rule_arguments(fn) -> bool:
     """Can ``fn`` be called as the scheduler calls an admission rule (by keyword)?"""
-    import inspect
-
     if not callable(fn):
         return False
     try:

@@ -64,6 +64,7 @@ from contextlib import contextmanager
 from typing import Callable
 
 import torch
+import workbench_kernels
 
 from workbench.errors import ConfigError, WorkbenchError
 from workbench.model.decoder import MLP, Attention, CausalLM, DecoderLayer, RMSNorm
@@ -131,8 +132,6 @@ def _load(op: str, backend: str, target: str | Callable, device: torch.device | 
     mod_name, fn_name = target.split(":")
     kfile = _kernel_file(target)
     if kfile is not None:
-        import workbench_kernels
-
         if not workbench_kernels.has_kernel_file(kfile):
             raise WorkbenchError(f"{op}={backend} needs workbench_kernels.{kfile} (kernels/{kfile}.py), which this "
                                  f"checkout does not have yet; choose one of: {', '.join(available_backends(op))}")
@@ -155,8 +154,6 @@ def _load(op: str, backend: str, target: str | Callable, device: torch.device | 
 def available_backends(op: str) -> list[str]:
     """Backends of ``op`` that can be chosen in this checkout (a kernel file that has not landed
     yet does not count)."""
-    import workbench_kernels
-
     out = []
     for b in BACKENDS:
         impl = _IMPLS.get((op, "eager" if b == "compile" else b))
@@ -187,8 +184,6 @@ def resolve_ops(backends: dict[str, str] | None = None, device: torch.device | s
     _check_names(chosen)
     device = torch.device(device) if device is not None else None
     if device is not None and device.type == "cpu" and "triton" in chosen.values():
-        import workbench_kernels
-
         if not workbench_kernels.interpreter_active():
             ops = ", ".join(f"{o}=triton" for o, b in chosen.items() if b == "triton")
             raise WorkbenchError(f"backend 'triton' on a CPU needs the Triton interpreter ({ops}): set "
@@ -270,8 +265,6 @@ def describe_backends(model: CausalLM) -> dict:
     ``{"backend": "triton" | "eager" | "compile" | "mixed", "backends": "rmsnorm=triton ...",
     "ops": {op: backend}, "triton_interpreter": bool}`` (the interpreter flag says a Triton
     timing is of the CPU interpreter, not of compiled kernels).  Plain values only (JSON-ready)."""
-    import workbench_kernels
-
     ops = current_backends(model)
     kinds = set(ops.values())
     return {"backend": kinds.pop() if len(kinds) == 1 else "mixed", "backends": format_backends(ops),

@@ -38,6 +38,9 @@ import sys
 from contextlib import contextmanager
 
 import torch
+import workbench_kernels
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from workbench.transforms.backends import apply_backends, current_backends, format_backends, remove_backends
 from workbench.errors import ConfigError, WorkbenchError
@@ -182,10 +185,6 @@ def count_launches(fn, *args, **kwargs) -> dict:
     kernel (metadata-only ops excluded), ``triton`` = launches through the workbench_kernels host
     wrappers, ``total``.  Device-independent (works on a CPU); on a GPU cross-check with
     :func:`count_cuda_kernels`.  ops inside a torch.compile'd region are invisible here."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    import workbench_kernels
-
     class _Count(TorchDispatchMode):
         n = 0
 
@@ -204,8 +203,6 @@ def count_launches(fn, *args, **kwargs) -> dict:
 def count_cuda_kernels(fn, steps: int = 3) -> dict:
     """CUDA only (untested here): per step, device kernels executed and host launch calls
     (``cudaLaunchKernel`` / ``cuLaunchKernel*`` / ``cudaGraphLaunch``), from torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
     fn()
     torch.cuda.synchronize()                                                         # CUDA only
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:  # CUDA only

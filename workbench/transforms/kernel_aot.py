@@ -68,9 +68,10 @@ import json
 import sys
 from typing import Callable
 
-from workbench.transforms.kernel_compile import compile_launch, ptxas_missing, toolchain
+from workbench.transforms.kernel_compile import _specialize, _triton_internals, compile_launch, ptxas_missing, toolchain
 from workbench.transforms.kernel_launches import (DTYPE_SHORT, KERNEL_FILES, TARGETS, Launch, _recording,
                                                   check_not_interpreted, record_launches, torch_dtype)
+from workbench.errors import WorkbenchError
 
 CONFIG_CHOICES = ("all", "first", "last", "ends")
 BENCH_DTYPES = ("bfloat16",)          # the dtype of every GPU benchmark: its launch configurations are added,
@@ -115,7 +116,7 @@ def record_case(case, device, dtype, sms: int | None = None) -> tuple[list[Launc
     """The launches one :class:`~workbench.bench.kernel_launch_cases.LaunchCase` makes on ``device``
     (meta: shapes only), with its file's kernels swapped for recorders (nothing runs); and the
     real kernel objects by name.  ``sms``: the SM count the wrappers see (a target's, for meta)."""
-    import torch
+    import torch  # lazy: torch (~3 s) only to record launches; the CLI's parser reads this module's constants
 
     importlib.import_module("workbench")
     module = importlib.import_module(f"workbench_kernels.{case.file}")
@@ -142,8 +143,6 @@ def _spec_key(ln: Launch, cfg, capability: int, backends: dict):
     ``cfg``'s meta-parameters) for the target; None when it cannot be derived (then the launch
     is compiled on its own and reports the error)."""
     try:
-        from workbench.transforms.kernel_compile import _specialize, _triton_internals
-
         _, GPUTarget, _, make_backend, _ = _triton_internals()
         if capability not in backends:
             backends[capability] = make_backend(GPUTarget("cuda", capability, 32))
@@ -298,8 +297,6 @@ def report_aot(targets=(90, 80), dtypes=("bfloat16",), configs: str = "all", ker
     (:func:`collect`, progress lines on stderr unless ``quiet`` or ``as_json``), then print
     ``{'rows': [...]}`` as JSON or the table (:func:`format_aot`).  Returns the rows.
     Raises WorkbenchError on bad options or a missing toolchain (ptxas)."""
-    from workbench.errors import WorkbenchError
-
     missing = ptxas_missing(targets)
     if missing:
         raise WorkbenchError(missing)

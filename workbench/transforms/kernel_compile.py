@@ -26,7 +26,7 @@ from workbench.transforms.kernel_launches import TARGETS, Launch
 def toolchain() -> dict[str, str | None]:
     """Paths of the ptxas binaries and cuobjdump bundled with Triton (None where missing)."""
     out: dict[str, str | None] = {}
-    from triton import knobs
+    from triton import knobs  # lazy: triton (~0.7 s; the CLI's parser imports this module via kernel_aot)
 
     for key in ("ptxas", "ptxas_blackwell", "cuobjdump"):
         try:

@@ -17,6 +17,10 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import workbench_kernels
+
+from workbench.errors import WorkbenchError
+
 # ---- targets and shapes ---------------------------------------------------------------------------
 
 # capability -> (name, SMs of a representative GPU, max shared memory per block in bytes
@@ -44,7 +48,7 @@ DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 def torch_dtype(name: str):
     """``"bfloat16"`` (or ``bf16``, ``fp16``, ``half``, ``fp32``, ``float``) -> the torch dtype."""
-    import torch
+    import torch  # lazy: torch (~3 s) and triton only once launches are recorded; the CLI's parser reads KERNEL_FILES
 
     aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
     name = aliases.get(name, name)
@@ -194,8 +198,6 @@ class _Recorder:
 
 @contextlib.contextmanager
 def _recording(module, launches: list, context: dict):
-    import workbench_kernels as pkg
-
     names = kernel_names(module)
     real = {n: getattr(module, n) for n in names}
     # a kernel file may re-export kernels its sibling modules define and launch (``quant_matmul``):
@@ -203,7 +205,7 @@ def _recording(module, launches: list, context: dict):
     homes = [mod for name, mod in list(sys.modules.items())
              if mod is module or (name.startswith("workbench_kernels.") and mod is not None)]
     bound = [(mod, n) for mod in homes for n in names if vars(mod).get(n) is real[n]]
-    counts = dict(pkg.LAUNCHES)
+    counts = dict(workbench_kernels.LAUNCHES)
     for mod, n in bound:
         setattr(mod, n, _Recorder(n, launches, context))
     try:
@@ -211,14 +213,12 @@ def _recording(module, launches: list, context: dict):
     finally:
         for mod, n in bound:
             setattr(mod, n, real[n])
-        pkg.LAUNCHES.clear()
-        pkg.LAUNCHES.update(counts)
+        workbench_kernels.LAUNCHES.clear()
+        workbench_kernels.LAUNCHES.update(counts)
 
 
 def check_not_interpreted() -> None:
     """Raise WorkbenchError when this process runs Triton kernels through the interpreter."""
-    from workbench.errors import WorkbenchError
-
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise WorkbenchError("ahead-of-time compilation needs a process without TRITON_INTERPRET=1 "
                              "(run `python -m workbench.cli kernels-aot`, which starts without it)")

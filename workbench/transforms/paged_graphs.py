@@ -148,7 +148,7 @@ class PagedDecoder(StaticStep):
             options.setdefault("dynamic", None)
             # the torch attention as two reductions inductor fuses with the block-table gather
             # (measured on 2 cores, bundled model's heads: 77 vs 115 us a layer at batch 8, 128 tokens)
-            from workbench_kernels.paged_decode import attention_decode_torch
+            from workbench_kernels.paged_decode import attention_decode_torch  # lazy: imports triton (~0.7 s)
 
             self._attend = attention_decode_torch
         super().compile(**options)
