@@ -48,7 +48,7 @@ from __future__ import annotations
 import heapq
 import numbers
 from collections import Counter, deque
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from workbench.errors import WorkbenchError
 from workbench.kv.blocks import AllocStatus, Allocation, Block, EvictionCandidate, KVStats, _as_token_ids, _Seq

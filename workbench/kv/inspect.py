@@ -90,7 +90,8 @@ def pool_report(pool, allocations: dict | None = None, finished=None) -> dict:
         "mode": "paged",
         "num_blocks": m.num_blocks, "block_size": m.block_size, "blocks": counts,
         "bytes": {"pool_tensors": pool.nbytes(), "per_block": lay.bytes_per_block,
-                  "per_token": lay.bytes_per_token, "in_use": (counts["owned"] + counts["shared"]) * lay.bytes_per_block,
+                  "per_token": lay.bytes_per_token,
+                  "in_use": (counts["owned"] + counts["shared"]) * lay.bytes_per_block,
                   "cached": counts["cached"] * lay.bytes_per_block, "dtype_bytes": lay.dtype_bytes},
         "layout": dataclasses.asdict(lay),
         "block_states": states,
@@ -297,7 +298,7 @@ class KVInspector:
         if self._on_event in self.pool.listeners:
             self.pool.listeners.remove(self._on_event)
 
-    def __enter__(self) -> "KVInspector":
+    def __enter__(self) -> KVInspector:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -90,11 +90,11 @@ def offloaded_prefix(pool, token_ids: list[int], hashes: list[int] | None = None
         if evictable and idle and store.holds(hashes[i], tokens):
             out.append((hashes[i], tokens))
         i += 1
-    for i in range(i, limit):
-        tokens = tuple(token_ids[i * B:(i + 1) * B])
-        if hashes[i] in pc.index or not store.holds(hashes[i], tokens):
+    for j in range(i, limit):
+        tokens = tuple(token_ids[j * B:(j + 1) * B])
+        if hashes[j] in pc.index or not store.holds(hashes[j], tokens):
             break
-        out.append((hashes[i], tokens))
+        out.append((hashes[j], tokens))
     return out, idle_hits
 
 

@@ -52,7 +52,7 @@ class KVLayout:
                 raise ConfigError(f"KVLayout.{name} must be a positive integer, got {v!r}")
 
     @classmethod
-    def from_model_config(cls, cfg, block_size: int, dtype="bfloat16") -> "KVLayout":
+    def from_model_config(cls, cfg, block_size: int, dtype="bfloat16") -> KVLayout:
         """From a :class:`workbench.model.config.ModelConfig`; ``dtype`` a torch dtype or its name."""
         return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, dtype_bytes(dtype))
 

@@ -277,7 +277,7 @@ class PagedKVPool:
             cache[dst] = cache[src]
 
     # ---- one sequence's life: allocate -> (append_slot, forward, commit)* -> free ------------
-    def begin(self, seq_id: str, token_ids: list[int]) -> tuple["PagedSequenceCache", object]:
+    def begin(self, seq_id: str, token_ids: list[int]) -> tuple[PagedSequenceCache, object]:
         """Allocate the prompt's blocks (reusing cached prefix blocks); returns the sequence's
         cache view, positioned after the reused tokens, and the block manager's allocation.
         With an offload tier, evicted prefix blocks it still holds are copied back first."""

@@ -163,7 +163,7 @@ class PCABasis:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "PCABasis":
+    def load(cls, path: str | Path) -> PCABasis:
         path = Path(path)
         if not path.is_file():
             raise WorkbenchError(f"{path}: PCA basis file not found (write one with PCABasis.save)")

@@ -50,7 +50,7 @@ import enum
 import hashlib
 import struct
 from collections import Counter, OrderedDict
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 
 class MissReason(str, enum.Enum):

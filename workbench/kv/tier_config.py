@@ -120,7 +120,7 @@ class TierConfig:
         return (f"w{self.window}-s{self.sink}-r{self.rank}-warm{warm}-c{self.chunk}-b{self.block}"
                 f"-bud{bud}-v{self.value_format}{pre}{drop}")
 
-    def replace(self, **changes) -> "TierConfig":
+    def replace(self, **changes) -> TierConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 

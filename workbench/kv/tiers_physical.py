@@ -261,8 +261,10 @@ class PhysicalTieredKVCache(OffloadedBlocks):
                     self.warm_v[layer] = V[:, :, w0n:h0n].clone()
                 else:
                     nq = views["new_q"]
-                    self.warm_vq[layer] = cat(self.warm_vq[layer] if old_n else None, nq[0] if nq else None)[:, :, keep].clone()
-                    self.warm_vs[layer] = cat(self.warm_vs[layer] if old_n else None, nq[1] if nq else None)[:, :, keep].clone()
+                    self.warm_vq[layer] = cat(self.warm_vq[layer] if old_n else None,
+                                              nq[0] if nq else None)[:, :, keep].clone()
+                    self.warm_vs[layer] = cat(self.warm_vs[layer] if old_n else None,
+                                              nq[1] if nq else None)[:, :, keep].clone()
         if "cold" in views:
             c0, c1 = views["cold"]
             if c1 > c0:

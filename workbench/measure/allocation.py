@@ -190,7 +190,7 @@ class MemoryPlan:
     def total(self) -> int:
         return sum(i.nbytes for i in self.items)
 
-    def check(self) -> "MemoryPlan":
+    def check(self) -> MemoryPlan:
         """Raise ConfigError at the first item that does not fit (the budget, then its place)."""
         look = self.available or available_memory
         have: dict[str, Available] = {}

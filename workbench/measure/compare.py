@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from workbench.measure.probe import last_probe, noise_probe
 

@@ -30,7 +30,7 @@ class CompileLog:
         self.autotunes = 0
         self._depth = 0
 
-    def install(self) -> "CompileLog":
+    def install(self) -> CompileLog:
         try:
             from triton.runtime.jit import JITFunction  # lazy: triton is optional (and ~0.7 s)
         except Exception:  # noqa: BLE001 - no triton: inductor only

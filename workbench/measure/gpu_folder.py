@@ -9,7 +9,7 @@ import os
 import platform
 import re
 import subprocess
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 
 from workbench.measure.gpu_latest import REPO, RESULTS_ROOT
@@ -56,7 +56,7 @@ def start(probe: dict, out: str | Path | None = None, root: str | Path | None = 
     """Choose and create the output folder, write its ``meta.json``; returns (cuda, folder).
     With CUDA: a new ``results/gpu/<device>-<date>`` (or ``out``); without: ``runs/device_check``
     (or ``out``), never ``results/gpu``."""
-    now = now or datetime.now(timezone.utc)
+    now = now or datetime.now(UTC)
     cuda = bool(probe.get("cuda_available"))
     name = probe.get("device_name") or ("unknown GPU" if cuda else "cpu")
     if out:

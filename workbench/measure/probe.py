@@ -30,7 +30,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
-_LAST: "NoiseProbe | None" = None
+_LAST: NoiseProbe | None = None
 MIN_THRESHOLD = 0.05
 MAX_THRESHOLD = 0.25
 

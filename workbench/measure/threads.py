@@ -15,10 +15,11 @@ asymmetric: an extra thread buys little on an idle machine and costs a lot on a 
 
 Overrides, strongest first: ``LLM(threads=N)`` / ``--threads N``; the environment variable
 ``WORKBENCH_THREADS`` (an integer, or ``auto``).  A count above the cores this process may use
-(``os.sched_getaffinity``) is refused in one line (:func:`usable_threads`), never handed to torch.  An engine built on a model another engine
-already chose for (``LLM(llm.model, kv=...)``) inherits that choice.  The measurement times the
-model as it is at load: per-op backends applied later (``--backend``) are not part of it.  On a
-GPU the host threads only launch work and are left as they are.
+(``os.sched_getaffinity``) is refused in one line (:func:`usable_threads`), never handed to torch.
+An engine built on a model another engine already chose for (``LLM(llm.model, kv=...)``)
+inherits that choice.  The measurement times the model as it is at load: per-op backends
+applied later (``--backend``) are not part of it.  On a GPU the host threads only launch work
+and are left as they are.
 
 The OpenMP *wait policy* (``OMP_WAIT_POLICY=PASSIVE``) also rescues 2 threads under load, but
 it is read once, when torch is imported, and it costs an idle machine: measured here, a 64-token
@@ -40,7 +41,7 @@ from workbench.errors import ConfigError
 from workbench.measure.probe import available_cores
 
 ENV = "WORKBENCH_THREADS"
-_CACHE: dict[tuple, "ThreadChoice"] = {}
+_CACHE: dict[tuple, ThreadChoice] = {}
 
 
 @dataclass
@@ -56,8 +57,10 @@ class ThreadChoice:
         if self.step_ms:
             steps = ", ".join(f"{t} thread{'s' if t > 1 else ''} {ms:.2f} ms" for t, ms in sorted(self.step_ms.items()))
             when = f"measured in {self.seconds:.2f} s" if self.policy == "measured" else self.note
-            return f"{self.threads} thread{'s' if self.threads > 1 else ''} ({self.policy}: decode step {steps}; {when})"
-        return f"{self.threads} thread{'s' if self.threads > 1 else ''} ({self.policy}{': ' + self.note if self.note else ''})"
+            return (f"{self.threads} thread{'s' if self.threads > 1 else ''} "
+                    f"({self.policy}: decode step {steps}; {when})")
+        return (f"{self.threads} thread{'s' if self.threads > 1 else ''} "
+                f"({self.policy}{': ' + self.note if self.note else ''})")
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -104,8 +107,8 @@ def usable_threads(value, where: str = "threads") -> int | None:
     n = parse_threads(value, where)
     cores = available_cores()
     if n is not None and n > cores:
-        raise ConfigError(f"{where}: {n:,} threads is more than the {cores} core{'s' if cores > 1 else ''} this process "
-                          f"may use (os.sched_getaffinity); give 1 to {cores}, or auto (measured)")
+        raise ConfigError(f"{where}: {n:,} threads is more than the {cores} core{'s' if cores > 1 else ''} "
+                          f"this process may use (os.sched_getaffinity); give 1 to {cores}, or auto (measured)")
     return n
 
 
@@ -235,5 +238,5 @@ def _resolve(model, threads, remeasure: bool) -> ThreadChoice:
     return choice
 
 
-__all__ = ["ThreadChoice", "apply_thread_policy", "choose_threads", "pick_threads", "candidate_threads", "parse_threads",
-           "usable_threads", "ENV"]
+__all__ = ["ThreadChoice", "apply_thread_policy", "choose_threads", "pick_threads", "candidate_threads",
+           "parse_threads", "usable_threads", "ENV"]

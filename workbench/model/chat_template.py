@@ -182,7 +182,7 @@ class ChatTemplate:
         self._code = {"<template>"}          # the file name Jinja compiles a template from a string under
 
     @classmethod
-    def from_folder(cls, folder: str | Path) -> "ChatTemplate | None":
+    def from_folder(cls, folder: str | Path) -> ChatTemplate | None:
         """The folder's template, or None when it has none."""
         folder = Path(folder)
         cfg_file = folder / "tokenizer_config.json"

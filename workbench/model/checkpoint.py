@@ -261,8 +261,9 @@ def check_quantization(cfg: ModelConfig, folder: Path) -> None:
     if q:
         method = q.get("quant_method", "?")
         if method == "compressed-tensors":
-            raise CheckpointError(f"{folder / 'config.json'}: field 'quantization_config' declares a compressed-tensors "
-                                  f"checkpoint (format {q.get('format', '?')!r}); {_COMPRESSED_HINT}")
+            raise CheckpointError(f"{folder / 'config.json'}: field 'quantization_config' declares a "
+                                  f"compressed-tensors checkpoint (format {q.get('format', '?')!r}); "
+                                  f"{_COMPRESSED_HINT}")
         raise CheckpointError(f"{folder / 'config.json'}: field 'quantization_config' (quant_method "
                               f"{method!r}) declares a quantized checkpoint; {_QUANTIZED_HINT}")
 

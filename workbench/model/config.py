@@ -161,7 +161,7 @@ class ModelConfig:
 
     # ---- Hugging Face config.json --------------------------------------------------------
     @classmethod
-    def from_hf(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+    def from_hf(cls, d: dict[str, Any], source: str = "config.json") -> ModelConfig:
         archs = d.get("architectures") or []
         if not archs:
             raise ConfigError(f"{source}: field 'architectures' is missing or empty; expected one of "

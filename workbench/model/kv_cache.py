@@ -124,7 +124,7 @@ class KVCache:
             self._slots_key = key
         return self._slots
 
-    def row(self, row: int) -> "KVCache":
+    def row(self, row: int) -> KVCache:
         """A cache over row ``row`` of this one, without allocating: its tensors are views, so
         writes land here (the CUDA-graph decoder prefills one sequence into its batch this way)."""
         view = KVCache.__new__(KVCache)

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from workbench.model.checkpoint import (_check_finite, _read_json, check_headers, check_quantization, check_size, checkpoint_files,
-                         read_tensors)
+from workbench.model.checkpoint import (_check_finite, _read_json, check_headers, check_quantization, check_size,
+                                        checkpoint_files, read_tensors)
 from workbench.model.checkpoint import expected_shapes, read_safetensors_header, regular_file  # noqa: F401 - also loader's API
 from workbench.model.config import ModelConfig
 from workbench.errors import CheckpointError, ConfigError

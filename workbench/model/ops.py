@@ -12,7 +12,7 @@ docstring of :mod:`workbench.transforms.backends`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -12,11 +12,12 @@ the offload, done once); ``start(key, dst)`` begins copying them back into ``dst
   The machine may be a VM whose host caches below the guest: the disk's speed can vary run to run.
 * :class:`HostTransport` - RAM -> RAM (``copy_`` on a worker thread): the memcpy link, a
   reference point, and what tests use.
-* :class:`~workbench.prefetch.cuda_transport.CudaTransport` - pinned host -> HBM on a side CUDA stream.  ``start`` orders the copy
-  after an optional event (the buffer's previous user is done) and records a ready event;
-  ``wait`` makes the compute stream wait on it - no host synchronisation, so the whole schedule
-  is stream operations, which a CUDA graph can capture (the copies become graph nodes).  Written
-  without a GPU; checked by ``scripts/device_check.sh``.
+* :class:`~workbench.prefetch.cuda_transport.CudaTransport` - pinned host -> HBM on a side CUDA
+  stream.  ``start`` orders the copy after an optional event (the buffer's previous user is
+  done) and records a ready event; ``wait`` makes the compute stream wait on it - no host
+  synchronisation, so the whole schedule is stream operations, which a CUDA graph can capture
+  (the copies become graph nodes).  Written without a GPU; checked by
+  ``scripts/device_check.sh``.
 
 A worker thread runs one job at a time in submission order (one copy lane per transport).
 Torch releases the GIL inside ``copy_`` and the ``preadv`` system call does too, so the copies

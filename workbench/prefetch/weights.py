@@ -83,7 +83,8 @@ class WeightStreamConfig:
         if (self.resident_layers is None) == (self.resident_bytes is None):
             raise ConfigError("WeightStreamConfig: give resident_layers or resident_bytes (exactly one)")
         if self.resident_layers is not None and (not isinstance(self.resident_layers, int) or self.resident_layers < 0):
-            raise ConfigError(f"WeightStreamConfig.resident_layers must be an integer >= 0, got {self.resident_layers!r}")
+            raise ConfigError("WeightStreamConfig.resident_layers must be an integer >= 0, "
+                              f"got {self.resident_layers!r}")
         if self.resident_bytes is not None and self.resident_bytes <= 0:
             raise ConfigError(f"WeightStreamConfig.resident_bytes must be > 0, got {self.resident_bytes!r}")
         if not isinstance(self.distance, int) or not 0 <= self.distance <= 16:

@@ -23,9 +23,10 @@ model, beside ``transforms``, below ``engine``.
   (:func:`cpu_op`) and their timing (:func:`cpu_op_timing`); ``kernel_ops`` - the Triton kernels
   of ``workbench_kernels.quant_matmul`` as a backend (:func:`kernel_op`);
 * ``compressed`` - quantized checkpoints in the compressed-tensors ``pack-quantized`` format that
-  vLLM and transformers load (transformers checked by the tests; vLLM not run here) (:func:`save_compressed`, :func:`load_compressed`,
-  :func:`is_compressed_checkpoint`), with ``compressed_config`` (the ``quantization_config``) and
-  ``compressed_layout`` (the packed tensors, bit for bit); ``export`` - quantize a model folder
+  vLLM and transformers load (transformers checked by the tests; vLLM not run here)
+  (:func:`save_compressed`, :func:`load_compressed`, :func:`is_compressed_checkpoint`), with
+  ``compressed_config`` (the ``quantization_config``) and ``compressed_layout`` (the packed
+  tensors, bit for bit); ``export`` - quantize a model folder
   and write such a checkpoint (:func:`quantize_checkpoint`, ``workbench quantize``);
 * the calibrator (``workbench calibrate-quant``): ``quality`` (ppl / KL / top-1 / exact match paired
   with the unquantized model), ``sensitivity`` (one unit quantized at a time), ``costs`` (measured
@@ -50,7 +51,8 @@ _EXPORTS = exports({
     "workbench.quant.smooth": "smooth_model",
     "workbench.quant.awq": "AWQResult awq_search",
     "workbench.quant.gptq": "GPTQResult gptq_quantize gptq_weight",
-    "workbench.quant.outliers": "activation_map compare_stats range_setters recurring_channels scheme_errors weight_map",
+    "workbench.quant.outliers": "activation_map compare_stats range_setters recurring_channels scheme_errors "
+                                "weight_map",
     "workbench.quant.cpu_ops": "cpu_op cpu_op_reason cpu_op_timing",
     "workbench.quant.kernel_ops": "kernel_op kernel_op_reason",
     "workbench.quant.compressed": "is_compressed_checkpoint load_compressed save_compressed",

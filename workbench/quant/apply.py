@@ -13,8 +13,9 @@ low-bit kernel backend is checked against.  With int8 activations (W4A8 / W8A8) 
 first rounded per token, ``x -> round(x / s_t) * s_t`` with ``s_t = max|x_t| / 127``: the same
 numbers an integer kernel multiplies, in floating point.  With bf16 / fp16 activations the
 dequantized weight is rounded to that dtype before the matmul (a kernel that keeps it in fp32
-registers differs from this reference by that rounding, ~0.5-1.5% relative on logits).  The model's ``recipe`` attribute names what was
-done (:class:`~workbench.quant.recipe.QuantRecipe`), so results always carry their settings.
+registers differs from this reference by that rounding, ~0.5-1.5% relative on logits).  The
+model's ``recipe`` attribute names what was done (:class:`~workbench.quant.recipe.QuantRecipe`),
+so results always carry their settings.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         g = f"g{self.group}" if self.group else "per-channel" if self.scales.shape[0] > 1 else "per-tensor"
-        return f"in={self.in_features}, out={self.out_features}, w{self.bits}a{self.act_bits or 16}, {g}, {self.backend}"
+        return (f"in={self.in_features}, out={self.out_features}, w{self.bits}a{self.act_bits or 16}, {g}, "
+                f"{self.backend}")
 
 
 class QuantHead(nn.Linear):
@@ -216,7 +218,8 @@ def _calibrate(model: nn.Module, recipe: QuantRecipe, calibration, names: list[s
                           "(e.g. heldout_split(tokenizer)['calibration'])")
     report = {"sequences": len(seqs), "tokens": sum(len(s) for s in seqs)}
     if recipe.smooth is not None:
-        report["smooth"] = smooth_model(model, collect_linear_inputs(model, seqs), recipe.smooth)   # every input, skipped layers' too
+        # every input, skipped layers' too
+        report["smooth"] = smooth_model(model, collect_linear_inputs(model, seqs), recipe.smooth)
     if recipe.method == "awq":
         res = awq_search(model, recipe, seqs)
         out["clip"], report["awq"] = res.clip, res.report

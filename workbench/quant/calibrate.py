@@ -90,7 +90,8 @@ def dataset_diagnostics(tokenizer, calib_rows, eval_rows, heldout_eval_ids, held
     ev_ids = [tokenizer.encode(r["text"]) for r in eval_rows]
     lengths = [len(x) for x in cal_ids + ev_ids]
     return {"rows": len(lengths), "calibration_rows": len(cal_ids), "evaluation_rows": len(ev_ids),
-            "tokens": sum(lengths), "calibration_tokens": sum(map(len, cal_ids)), "evaluation_tokens": sum(map(len, ev_ids)),
+            "tokens": sum(lengths), "calibration_tokens": sum(map(len, cal_ids)),
+            "evaluation_tokens": sum(map(len, ev_ids)),
             "row_tokens": _quantiles(lengths),
             "overlap_calibration_vs_evaluation_8gram": ngram_overlap(cal_ids, ev_ids, 8) if cal_ids and ev_ids else 0.0,
             "overlap_with_heldout_perplexity_split_8gram": ngram_overlap(cal_ids + ev_ids, heldout_eval_ids, 8),

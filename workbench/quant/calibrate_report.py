@@ -3,7 +3,8 @@ check that a recipe file's figure is reproduced.
 
 ::
 
-    write_outputs(res, "runs/calib")      # recipe.json, pareto.csv, sensitivity.csv, layer_costs.csv, report.json, recommendation.txt
+    # writes recipe.json, pareto.csv, sensitivity.csv, layer_costs.csv, report.json, recommendation.txt
+    write_outputs(res, "runs/calib")
     print(format_recommendation(res))
     check_reported(doc, LLM(quant="runs/calib/recipe.json").model, unquantized_model, tokenizer)
 """
@@ -123,7 +124,8 @@ def write_outputs(res, out_dir) -> dict:
                           **{f"{m}_se": r[m][1] for m in METRICS if m in r}} for r in res["sensitivity"]])
     sens.to_csv(out / "sensitivity.csv", index=False)
     paths["sensitivity"] = out / "sensitivity.csv"
-    pd.DataFrame(res["layer_costs"]).drop(columns=["samples"], errors="ignore").to_csv(out / "layer_costs.csv", index=False)
+    pd.DataFrame(res["layer_costs"]).drop(columns=["samples"], errors="ignore").to_csv(out / "layer_costs.csv",
+                                                                                       index=False)
     paths["layer_costs"] = out / "layer_costs.csv"
     (out / "report.json").write_text(json.dumps(result_dict(res), indent=2, default=_json_default) + "\n")
     paths["report"] = out / "report.json"
@@ -221,12 +223,14 @@ def compare_domains(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> di
     * ``sensitivity``: per option, the rank correlation of the single-unit degradations and the
       units whose two deltas differ beyond 2 standard errors;
     * ``explanation``: sentences built from the above."""
-    if (a["target_metric"], a["objective"], a["search_space"]) != (b["target_metric"], b["objective"], b["search_space"]):
+    if ((a["target_metric"], a["objective"], a["search_space"])
+            != (b["target_metric"], b["objective"], b["search_space"])):
         raise ConfigError("compare_domains: the two results need the same target metric, objective and search space")
     metric = a["target_metric"]
     ra, rb = a["recommendation"], b["recommendation"]
     aa, ab = ra.get("assignment") or {}, rb.get("assignment") or {}
-    diff = {l: (aa.get(l, DENSE), ab.get(l, DENSE)) for l in sorted(set(aa) | set(ab)) if aa.get(l, DENSE) != ab.get(l, DENSE)}
+    diff = {l: (aa.get(l, DENSE), ab.get(l, DENSE)) for l in sorted(set(aa) | set(ab))
+            if aa.get(l, DENSE) != ab.get(l, DENSE)}
     ua = {r["key"]: r for r in a["candidates"] if r["kind"] == "uniform"}
     ub = {r["key"]: r for r in b["candidates"] if r["kind"] == "uniform"}
     uniform = []
@@ -263,16 +267,19 @@ def compare_domains(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> di
             inside = names[0] if u[f"{names[0]}_within_limit"] else names[1]
             expl.append(f"{u['mix']} everywhere is within the limit on {inside} only: "
                         f"{describe_degradation(metric, u[names[0]], u[f'{names[0]}_se'])} on {names[0]} vs "
-                        f"{describe_degradation(metric, u[names[1]], u[f'{names[1]}_se'])} on {names[1]}; the difference "
+                        f"{describe_degradation(metric, u[names[1]], u[f'{names[1]}_se'])} on {names[1]}; "
+                        "the difference "
                         + ("is beyond 2 standard errors" if u["beyond_2se"] else
-                           "is within 2 standard errors: the limit falls between two figures the noise does not separate"))
+                           "is within 2 standard errors: the limit falls between two figures the noise does "
+                           "not separate"))
     for s in sens:
         k, n = len(s["layers_beyond_2se"]), s["layers"]
         s["chance_expected"], s["chance_p"] = n * P_BEYOND_2SE, binomial_tail(k, n, P_BEYOND_2SE)
-        expl.append(f"{s['option']} single-unit sensitivities: rank correlation {s['rank_correlation']:.2f} between the "
-                    f"texts; " + (f"{k} of {n} units differ beyond 2 standard errors, where chance alone gives "
-                                  f"{s['chance_expected']:.1f} on average (probability of {k} or more by chance: "
-                                  f"{s['chance_p']:.2f})" if k else f"none of {n} units differs beyond 2 standard errors"))
+        expl.append(f"{s['option']} single-unit sensitivities: rank correlation {s['rank_correlation']:.2f} "
+                    f"between the texts; "
+                    + (f"{k} of {n} units differ beyond 2 standard errors, where chance alone gives "
+                       f"{s['chance_expected']:.1f} on average (probability of {k} or more by chance: "
+                       f"{s['chance_p']:.2f})" if k else f"none of {n} units differs beyond 2 standard errors"))
     decisive = [u for u in uniform if u[f"{names[0]}_within_limit"] != u[f"{names[1]}_within_limit"]]
     layer_signal = any(s["chance_p"] < 0.05 / max(len(sens), 1) for s in sens)      # Bonferroni over the options
     if not same and not any(u["beyond_2se"] for u in decisive):

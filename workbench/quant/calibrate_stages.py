@@ -21,7 +21,7 @@ import statistics
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

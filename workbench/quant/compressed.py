@@ -207,10 +207,12 @@ def _check_layer_headers(folder: Path, name: str, s: LayerScheme, out: int, inp:
             raise CheckpointError(f"{path}: tensor '{full}' has shape {tuple(info['shape'])}, expected "
                                   f"{' or '.join(str(x) for x in shapes)} for '{name}' [{out}, {inp}] in {group}")
     for full, path in where.items():
-        if full.startswith(name + ".") and full[len(name) + 1:] not in exp and full[len(name) + 1:] not in ("bias", "weight"):
+        if (full.startswith(name + ".") and full[len(name) + 1:] not in exp
+                and full[len(name) + 1:] not in ("bias", "weight")):
             what = full[len(name) + 1:]
             why = ("activation reordering (actorder 'group', g_idx) is not run here" if what == "weight_g_idx" else
-                   "static activation scales are not run here (only dynamic int8 per token)" if what.startswith("input_")
+                   "static activation scales are not run here (only dynamic int8 per token)"
+                   if what.startswith("input_")
                    else f"'{what}' is not part of {_describe(s)} pack-quantized")
             raise CheckpointError(f"{path}: tensor '{full}': {why}")
     return tuple(f"{name}.{x}" for x in exp)
@@ -273,7 +275,8 @@ def load_compressed(folder: str | Path, device: str | torch.device | None = None
                 raise CheckpointError(f"{where[f'{name}.{suffix}']}: tensor '{name}.{suffix}' is stored, but "
                                       f"{config_path}'s quantization_config leaves '{name}' dense (in 'ignore' or "
                                       "matched by no target)")
-    replaced = {f"{n}.weight": _check_layer_headers(folder, n, s, *shapes[n], where, headers) for n, s in layers.items()}
+    replaced = {f"{n}.weight": _check_layer_headers(folder, n, s, *shapes[n], where, headers)
+                for n, s in layers.items()}
     plan = check_headers(cfg, headers, folder, replaced)       # the dense tensors: names, shapes, float dtypes
     side = folder / SIDE_FILE
     doc = None
@@ -318,7 +321,8 @@ def load_compressed(folder: str | Path, device: str | torch.device | None = None
                             q.bits, q.group, q.shape, dt)
         bias = state.get(f"{n}.bias")
         rel = errors.get(n)
-        set_module(model, n, QuantLinear(q, None if bias is None else bias.to(dev, dt), recipe.layer_settings(n, inp), rel))
+        set_module(model, n, QuantLinear(q, None if bias is None else bias.to(dev, dt),
+                                         recipe.layer_settings(n, inp), rel))
     left = [k for k, v in list(model.named_parameters()) + list(model.named_buffers()) if v.is_meta]
     if left:
         raise CheckpointError(f"{folder}: no values for {', '.join(left[:5])} after loading")

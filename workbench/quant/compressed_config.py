@@ -85,7 +85,7 @@ def build_config(layers: dict[str, LayerScheme], dense: list[str]) -> tuple[dict
     for name, s in layers.items():
         groups.setdefault((s.bits, s.strategy, s.group, s.symmetric, s.act_bits), []).append(name)
     config_groups, members = {}, {}
-    for i, (key, names) in enumerate(groups.items()):
+    for i, (_, names) in enumerate(groups.items()):
         s = layers[names[0]]
         config_groups[f"group_{i}"] = scheme_dict(s, ["Linear"] if len(groups) == 1 else names)
         members[f"group_{i}"] = names

@@ -16,10 +16,11 @@ the stored weight (torch's int4 CPU op holds a repacked copy) and runs the kerne
 
 **Bytes** are the storages of the module's tensors (integers, scales, zero points, bias: what
 the format stores, and what a GPU's kernels hold), and with ``op_copies`` also the backend's own
-copies (torch's int4 CPU op repacks every int4 weight into a second buffer): exact, no noise.  **Time** is one forward of ``rows`` input rows
-(1 = a decode step's matrix-vector product), median of ``repeats`` calls, the options of one
-layer shape interleaved over ``rounds`` (A B C, C B A, ...) so that drift hits all of them; layers
-of the same shape and settings share one measurement.  Layer times do not add up to a step's
+copies (torch's int4 CPU op repacks every int4 weight into a second buffer): exact, no noise.
+**Time** is one forward of ``rows`` input rows (1 = a decode step's matrix-vector product),
+median of ``repeats`` calls, the options of one layer shape interleaved over ``rounds``
+(A B C, C B A, ...) so that drift hits all of them; layers of the same shape and settings share
+one measurement.  Layer times do not add up to a step's
 time (norms, attention and launch overheads are outside them): the calibrator ranks mixes by
 the sum and then measures whole decode steps (:func:`decode_step_ms`).
 

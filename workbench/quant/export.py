@@ -81,7 +81,9 @@ def quantize_checkpoint(model: str | Path | None, recipe, out: str | Path, datas
     context = min(512, net.config.max_position_embeddings)
     windows, cal = _calibration(recipe, doc, tok, context, dataset, text_field, max_windows)
     quantize_model(net, recipe, calibration=windows)
-    has_tok = folder is not None and any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+    has_tok = folder is not None and any((folder / f).is_file()
+                                         for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
     info = save_compressed(net, out, tokenizer_folder=folder if has_tok else None, dtype=write_dtype,
-                           extra={"calibration": cal, "source": str(folder or spec), "written_by": "workbench quantize"})
+                           extra={"calibration": cal, "source": str(folder or spec),
+                                  "written_by": "workbench quantize"})
     return dict(info, recipe=recipe.name, calibration=cal, source=str(folder or spec))

@@ -79,7 +79,7 @@ def scale_groups(model: nn.Module) -> list[ScaleGroup]:
     out = []
     for i, layer in enumerate(_decoder_layers(model)):
         p = f"model.layers.{i}"
-        at, mlp = layer.self_attn, layer.mlp
+        at = layer.self_attn
         out.append(ScaleGroup(f"{p}.input_layernorm", (f"{p}.self_attn.q_proj", f"{p}.self_attn.k_proj",
                                                         f"{p}.self_attn.v_proj"), "attn_in", i))
         if at.o_proj.in_features == at.v_proj.out_features:

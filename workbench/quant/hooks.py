@@ -22,7 +22,7 @@ every one was quantized: a failure leaves the model as it was.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -98,7 +98,7 @@ class EvalSet:
     targets: list[list[int]] = field(default_factory=list)
 
     @classmethod
-    def build(cls, windows, em_prompt: int = 64, em_tokens: int = 4, em_prompts: int = 32) -> "EvalSet":
+    def build(cls, windows, em_prompt: int = 64, em_tokens: int = 4, em_prompts: int = 32) -> EvalSet:
         """Exact-match prompts: each window cut into back-to-back segments of
         ``em_prompt + em_tokens`` tokens (prompt, then the tokens to match), taken round-robin
         over the windows up to ``em_prompts``."""

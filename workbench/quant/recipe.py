@@ -40,8 +40,9 @@ layers (:func:`name_matches`): one component wherever it occurs (``"lm_head"``, 
 ``"mlp"``), or a dotted suffix of the module name up to the full name
 (``"model.layers.3.mlp.down_proj"``) - so a mix is a base recipe, the layers it leaves dense in
 ``skip``, and the layers with other settings in ``overrides``.  An entry that names no layer of
-the model is an error when the model is quantized (a recipe made for another model).  :meth:`QuantRecipe.to_dict` / :meth:`QuantRecipe.from_dict` round-trip a recipe
-through JSON; :func:`save_recipe` / :func:`load_recipe` write and read a *recipe file* (the recipe
+the model is an error when the model is quantized (a recipe made for another model).
+:meth:`QuantRecipe.to_dict` / :meth:`QuantRecipe.from_dict` round-trip a recipe through JSON;
+:func:`save_recipe` / :func:`load_recipe` write and read a *recipe file* (the recipe
 plus where its calibration text came from and what quality was measured with it), which
 ``LLM(quant="path/recipe.json")`` and ``--quant path/recipe.json`` accept.
 """
@@ -166,7 +167,7 @@ class QuantRecipe:
                 + ("-overrides" if self.overrides else ""))
 
     @classmethod
-    def parse(cls, spec: str) -> "QuantRecipe":
+    def parse(cls, spec: str) -> QuantRecipe:
         """``w8a16``, ``w4a16:g128``, ``w4a16:pc`` (per channel), ``w4a16:pt`` (per tensor),
         ``w4a8``, ``w8a8:smooth=0.5``; options joined by ``:`` - ``asym``, ``fallback=per-channel``,
         ``awq`` / ``gptq`` / ``rtn`` (or ``method=...``), ``smooth`` (alpha 0.5) / ``smooth=A``,
@@ -235,7 +236,7 @@ class QuantRecipe:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict, where: str = "recipe") -> "QuantRecipe":
+    def from_dict(cls, d: dict, where: str = "recipe") -> QuantRecipe:
         """A recipe from :meth:`to_dict`'s fields (or :meth:`as_dict`'s: its derived keys are
         ignored); an unknown field is a ConfigError naming it and ``where``."""
         if not isinstance(d, dict):

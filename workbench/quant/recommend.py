@@ -29,7 +29,7 @@ interleaved round); the unquantized model is one of them (``key == "unquantized"
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from workbench.measure.compare import compare_samples
 
@@ -43,8 +43,10 @@ def _pick(rows: list[dict], objective: str, noise: float | None = None) -> dict:
     fastest = min(rows, key=lambda r: (r["cost"], r["degradation"]))
     # mixes the fastest does not beat beyond the noise, and whose quality beats the fastest's
     # beyond 2 standard errors: a measured gain in quality for an unmeasurable loss in speed
-    better = [r for r in rows if r is not fastest and r["degradation"] + 2 * r["degradation_se"] < fastest["degradation"]
-              and compare_samples(fastest["samples"], r["samples"], names=("fastest", "other"), noise=noise).winner is None]
+    better = [r for r in rows
+              if r is not fastest and r["degradation"] + 2 * r["degradation_se"] < fastest["degradation"]
+              and compare_samples(fastest["samples"], r["samples"], names=("fastest", "other"),
+                                  noise=noise).winner is None]
     return min(better, key=lambda r: (r["cost"], r["degradation"])) if better else fastest
 
 

@@ -148,4 +148,5 @@ def mix_recipe(assignment: dict[str, str], options: dict, skip_default: tuple = 
         if changes:
             overrides.append((layer, changes))
     dense = tuple(l for l, o in assignment.items() if o == DENSE)
-    return dataclasses.replace(base, skip=tuple(skip_default) + dense, overrides=tuple(base.overrides) + tuple(overrides))
+    return dataclasses.replace(base, skip=tuple(skip_default) + dense,
+                               overrides=tuple(base.overrides) + tuple(overrides))

@@ -34,7 +34,8 @@ requests of strictly lower priority may be preempted to make room for it (module
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 #: the rule's signature: (waiting, budget, scheduled_tokens, free_seqs, free_blocks, chunked_prefill) -> admissions
 AdmissionRule = Callable[..., list]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from workbench.errors import ConfigError
 

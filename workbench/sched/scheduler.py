@@ -37,7 +37,7 @@ import heapq
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 from workbench.errors import WorkbenchError
 from workbench.kv.interface import AllocStatus, KVManager

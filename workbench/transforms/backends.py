@@ -61,7 +61,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from contextlib import contextmanager
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import workbench_kernels
@@ -109,7 +109,8 @@ register("attention_prefill", "eager", attention_prefill=_K + "flash_prefill:att
 register("attention_decode", "eager", attention_decode=_K + "paged_decode:attention_decode_ref")
 # Sampling is read by the engine (workbench.engine.step_sampling), not by a module: "eager" there is the
 # reference sampler of workbench.engine.sampling; these entry points serve the other backends.
-register("sampling", "eager", greedy_tokens=_K + "sampling:greedy_tokens_ref", sample_tokens=_K + "sampling:sample_tokens_ref")
+register("sampling", "eager", greedy_tokens=_K + "sampling:greedy_tokens_ref",
+         sample_tokens=_K + "sampling:sample_tokens_ref")
 register("sampling", "triton", greedy_tokens=_K + "sampling:greedy_tokens", sample_tokens=_K + "sampling:sample_tokens")
 # The attention kernels' model-shaped wrappers (packing to the varlen layout; no host sync in decode).
 register("attention_prefill", "triton", attention_prefill=_K + "flash_prefill:attention_prefill",
@@ -345,7 +346,8 @@ def _tensor_problem(what: str, t, like: torch.Tensor, shape: tuple, dtype: torch
     return None
 
 
-_PARAMS = {"rmsnorm": ("x", "weight", "eps"), "add_rmsnorm": ("x", "residual", "weight", "eps"), "swiglu": ("gate", "up")}
+_PARAMS = {"rmsnorm": ("x", "weight", "eps"), "add_rmsnorm": ("x", "residual", "weight", "eps"),
+           "swiglu": ("gate", "up")}
 
 
 def _result_problem(entry: str, args: tuple, kwargs: dict, out) -> str | None:

@@ -66,7 +66,7 @@ import contextlib
 import importlib
 import json
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from workbench.transforms.kernel_compile import _specialize, _triton_internals, compile_launch, ptxas_missing, toolchain
 from workbench.transforms.kernel_launches import (DTYPE_SHORT, KERNEL_FILES, TARGETS, Launch, _recording,

@@ -15,7 +15,8 @@ import importlib
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import workbench_kernels
 
