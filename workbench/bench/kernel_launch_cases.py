@@ -59,7 +59,7 @@ def _kmod(file: str):
 
 
 def _buckets(max_seqs: int) -> list[int]:
-    """The batch-size buckets of the engine's static runners (``workbench.engine.runners``)."""
+    """The batch-size buckets of the engine's static runners (as ``workbench.engine.sizing.static_buckets``)."""
     return sorted({min(1 << i, max_seqs) for i in range(max_seqs.bit_length() + 1)})
 
 

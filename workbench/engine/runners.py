@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workbench.engine.sizing import _buckets
+from workbench.engine.sizing import static_buckets
 from workbench.errors import ConfigError
 from workbench.kv.batch import PagedBatchCache, SequenceBatchCache
 from workbench.kv.paged import PagedKVPool, PagedSequenceCache
@@ -149,7 +149,7 @@ class StaticSteps:
     def _build_static(self, make_decoder, max_seqs: int, compile: bool, cuda_graphs: bool) -> None:
         """``make_decoder(buckets)`` -> the static decoder; compiled and captured here."""
         self.max_seqs = max_seqs
-        self.decoder = make_decoder(tuple(_buckets(max_seqs)))
+        self.decoder = make_decoder(tuple(static_buckets(max_seqs)))
         self.static_steps = self.eager_steps = 0       # how the steps ran (the engine's breakdown reads them)
         if compile:
             self.decoder.compile()

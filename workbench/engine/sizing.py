@@ -148,7 +148,7 @@ def engine_memory_plan(cfg, device, dtype, kv=None, scheduler=None, max_model_le
                      dev if dev.startswith("cuda") else host)
         if static_decode:
             width = -(-ctx // paged.block_size)
-            rows = sum(_buckets(seqs))
+            rows = sum(static_buckets(seqs))
             plan.add("static decode inputs", rows * (width * 4 + 40), MAX_NUM_SEQS,
                      f"block tables of {rows:,} rows (buckets up to max_num_seqs {seqs:,}) x {width:,} blocks", dev)
             plan.add("rotary tables", _rope_bytes(cfg, width * paged.block_size), MAX_MODEL_LEN,
@@ -161,7 +161,7 @@ def engine_memory_plan(cfg, device, dtype, kv=None, scheduler=None, max_model_le
         plan.add("static decode buffers", rows * ctx * per_token, per_seq_flag,
                  f"{rows:,} rows (max_num_seqs {seqs:,} + 1 scratch) x max_model_len {ctx:,} tokens x "
                  f"{format_bytes(per_token)} a token ({_token_text(cfg, e)})", dev)
-        plan.add("static decode masks", sum(_buckets(seqs)) * ctx + _rope_bytes(cfg, ctx), per_seq_flag,
+        plan.add("static decode masks", sum(static_buckets(seqs)) * ctx + _rope_bytes(cfg, ctx), per_seq_flag,
                  f"attention masks of every batch bucket up to {seqs:,} x {ctx:,} positions", dev)
         return plan
     if mode == "tiered" and tier_store is None:
@@ -176,7 +176,7 @@ def engine_memory_plan(cfg, device, dtype, kv=None, scheduler=None, max_model_le
     return plan
 
 
-def _buckets(max_seqs: int) -> list[int]:
+def static_buckets(max_seqs: int) -> list[int]:
     """The static runners' batch-size buckets: 1, 2, 4, ... up to ``max_seqs``."""
     return sorted({min(1 << i, max_seqs) for i in range(max_seqs.bit_length() + 1)})
 
