@@ -241,7 +241,7 @@ class EngineConfig:
                               "per sequence and is recomputed after preemption (use preemption_mode='recompute')")
         if runner is not None and mode != "paged":
             raise ConfigError(f"{who}: a custom runner needs the paged pool (kv=PagedKVConfig), not {mode} KV")
-        if model is not None and self.quant.recipe is not None and _is_compressed(model):
+        if model is not None and self.quant.recipe is not None and is_compressed(model):
             raise ConfigError(f"{who}: {model} is a quantized checkpoint (compressed-tensors) already; drop quant= "
                               "(its layers run as stored; quant_backend= chooses where they compute)")
         if quantized is False and self.quant.recipe is not None:
@@ -290,6 +290,3 @@ class EngineConfig:
             raise ConfigError(f"{who}: batch_invariant=True is a property of the eager packed path; static "
                               "decode steps attend over whole buffer rows (leave batch_invariant unset)")
 
-
-def _is_compressed(model) -> bool:
-    return bool(is_compressed(model))

@@ -18,7 +18,6 @@ ended on its token) - it reads nothing else of the engine.
 
 from __future__ import annotations
 
-import inspect
 import weakref
 from collections.abc import Callable
 
@@ -34,27 +33,26 @@ from workbench.sched.sequence import Sequence, SeqStatus
 class Forks:
     """The forks held for their parents' prompts (parent id -> its held forks, in arrival order).
 
-    ``sample(seqs, rows)``: a token per sequence and the errors of those whose sampling failed
-    (the engine's step sampling); ``end(seq, finish, error)``: end a request with a reason;
-    ``done(seq)``: a request ended on the token it just took (stop, length)."""
+    Three bound methods of the engine: ``sample(seqs, rows)``: a token per sequence and the errors
+    of those whose sampling failed (the engine's step sampling); ``end(seq, finish, error)``: end a
+    request with a reason; ``done(seq)``: a request ended on the token it just took (stop, length)."""
 
     def __init__(self, scheduler: Scheduler, sample: Callable, end: Callable, done: Callable) -> None:
         # the engine's bound methods, held weakly: the engine owns this object, and strong references back
         # would make a cycle that keeps the engine and its KV pool alive after it is dropped, until Python's
         # cyclic collector runs (on a GPU: the pool's memory held between engines)
         self.scheduler = scheduler
-        self._calls = tuple(weakref.WeakMethod(f) if inspect.ismethod(f) else (lambda f=f: f)
-                            for f in (sample, end, done))
+        self._sample_ref, self._end_ref, self._done_ref = map(weakref.WeakMethod, (sample, end, done))
         self.held: dict[str, list[Sequence]] = {}
 
     def _sample(self, seqs, rows):
-        return self._calls[0]()(seqs, rows)
+        return self._sample_ref()(seqs, rows)
 
     def _end(self, seq: Sequence, finish: str, error: str | None) -> None:
-        self._calls[1]()(seq, finish, error)
+        self._end_ref()(seq, finish, error)
 
     def _done(self, seq: Sequence) -> None:
-        self._calls[2]()(seq)
+        self._done_ref()(seq)
 
     def __contains__(self, parent_id: str) -> bool:
         """Are forks held for ``parent_id``?"""
